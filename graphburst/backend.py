@@ -1,0 +1,163 @@
+"""The two execution backends: ``cupy`` (CUDA kernels) and ``numpy`` (the reference).
+
+Orchestration code is written once against :class:`Backend`; only the array module,
+the kernel namespace (``ops``) and stream handling differ.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import numpy as np
+
+BACKEND_NAMES = ("auto", "cupy", "numpy")
+
+
+class HostStream:
+    """Stand-in for a CUDA stream on the numpy backend: work runs in program order."""
+
+    ptr = 0
+
+    def synchronize(self) -> None:
+        """Nothing to wait for: host kernels have already run."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
+@functools.cache
+def cuda_available() -> bool:
+    """True when cupy imports and sees at least one CUDA device."""
+    try:
+        import cupy
+    except ImportError:
+        return False
+    try:
+        return bool(cupy.cuda.is_available())
+    except Exception:  # noqa: BLE001 - any driver/runtime failure means "no usable GPU"
+        return False
+
+
+@functools.cache
+def _announce_numpy_fallback() -> None:
+    # functools.cache makes this fire once per process, which is the point.
+    warnings.warn(
+        "graphburst: no CUDA device found; using the numpy backend (CPU reference, not GPU timings)",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+class Backend:
+    """Array module, kernels and streams of one backend.
+
+    Parameters
+    ----------
+    name : {"cupy", "numpy"}
+    device_id : int, optional
+        CUDA device for the cupy backend (the current device when omitted).
+    """
+
+    def __init__(self, name: str, device_id: int | None = None):
+        if name == "cupy":
+            if not cuda_available():
+                raise ValueError("backend='cupy' needs cupy and a CUDA device; none was found")
+            import cupy
+
+            from . import cuda_ops
+
+            self.xp = cupy
+            self.ops = cuda_ops
+            self.device_id = cupy.cuda.Device().id if device_id is None else int(device_id)
+        elif name == "numpy":
+            from . import reference
+
+            self.xp = np
+            self.ops = reference
+            self.device_id = None
+        else:
+            raise ValueError(f"backend must be one of {BACKEND_NAMES}, got {name!r}")
+        self.name = name
+
+    @property
+    def is_gpu(self) -> bool:
+        return self.name == "cupy"
+
+    def __repr__(self) -> str:
+        dev = "" if self.device_id is None else f", device={self.device_id}"
+        return f"Backend({self.name!r}{dev})"
+
+    def device(self):
+        """Context manager that makes this backend's device current (no-op on numpy)."""
+        if self.is_gpu:
+            return self.xp.cuda.Device(self.device_id)
+        return HostStream()
+
+    def new_stream(self):
+        """A fresh non-blocking stream (capture never works on the legacy stream)."""
+        if self.is_gpu:
+            with self.device():
+                return self.xp.cuda.Stream(non_blocking=True)
+        return HostStream()
+
+    def zeros(self, shape, dtype):
+        with self.device():
+            return self.xp.zeros(shape, dtype=dtype)
+
+    def full(self, shape, value, dtype):
+        with self.device():
+            return self.xp.full(shape, value, dtype=dtype)
+
+    def asarray(self, host, dtype=None):
+        with self.device():
+            return self.xp.asarray(host, dtype=dtype)
+
+    def address(self, arr) -> int:
+        """Device (or host) address of an array's first element."""
+        return int(arr.data.ptr) if self.is_gpu else int(arr.ctypes.data)
+
+    def to_host(self, arr, stream) -> np.ndarray:
+        """Copy to a numpy array, waiting on ``stream`` only (a host sync on cupy)."""
+        if self.is_gpu:
+            return arr.get(stream=stream)
+        return np.array(arr, copy=True)
+
+    def upload(self, dst, host: np.ndarray, stream) -> None:
+        """Stream-ordered host-to-device copy into an existing array (no allocation)."""
+        host = np.ascontiguousarray(host, dtype=dst.dtype)
+        if self.is_gpu:
+            dst.set(host, stream=stream)
+        else:
+            np.copyto(dst, host.reshape(dst.shape))
+
+    def check_device(self, name: str, arr) -> None:
+        """Raise ValueError when a cupy array lives on another device than this backend."""
+        if self.is_gpu and arr.device.id != self.device_id:
+            raise ValueError(f"{name} is on CUDA device {arr.device.id}, but the backend uses device {self.device_id}")
+
+
+def get_backend(name: str | Backend = "auto") -> Backend:
+    """Resolve a backend name; ``"auto"`` picks cupy when a GPU is present.
+
+    With no CUDA device, ``"auto"`` falls back to numpy and says so once per process.
+
+    Parameters
+    ----------
+    name : {"auto", "cupy", "numpy"} or Backend
+
+    Returns
+    -------
+    Backend
+    """
+    if isinstance(name, Backend):
+        return name
+    if name == "auto":
+        if cuda_available():
+            return Backend("cupy")
+        _announce_numpy_fallback()
+        return Backend("numpy")
+    return Backend(name)

@@ -1,0 +1,270 @@
+"""Fixed-address burst buffers, KV caches and the device pointer tables over them.
+
+Everything here is allocated once; a captured burst graph bakes in these addresses, so
+nothing may be reallocated while a graph that uses it lives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from .backend import Backend, get_backend
+from .constants import ABSENT_LAYER, MAX_K, MAX_TABLE_ENTRIES, NO_EOS, RING_COUNT_SLOT, UNBOUNDED_BUDGET
+from .validate import check_array, check_int
+
+
+class StreamBufs:
+    """Per-burst buffers of a batch of B sequences, k drafts per round, M rounds a burst.
+
+    Parameters
+    ----------
+    batch, k, m_rounds : int
+        B >= 1, 1 <= k <= MAX_K, M >= 1.
+    backend : Backend or str
+        Where the buffers live.
+
+    Notes
+    -----
+    The ring holds at most ``M * (k + 1)`` tokens per sequence: every round commits
+    between 1 and k + 1. ``ring[b, 0]`` is the count, reset by a burst's first round.
+    """
+
+    #: buffer name -> (shape as a function of (B, k, M), dtype); the single source of
+    #: truth for allocation, the address guard and the byte count.
+    LAYOUT = {
+        "vtok": (lambda b, k, m: (b, k + 1), np.int32),  # assembled verify tokens
+        "brk": (lambda b, k, m: (b, 2), np.int32),  # p-min break: [n_valid drafts, broke]
+        "pend": (lambda b, k, m: (b,), np.int32),  # pending (bonus-fold) token
+        "last_pred": (lambda b, k, m: (b,), np.int32),  # bonus: target prediction after the accepted run
+        "pos_ctr": (lambda b, k, m: (b,), np.int32),  # device position counter (append base)
+        "pos_start": (lambda b, k, m: (b,), np.int32),  # round-start position (rollback anchor)
+        "ring": (lambda b, k, m: (b, m * (k + 1) + 1), np.int32),  # committed tokens, slot 0 = count
+        "acc": (lambda b, k, m: (b, 2), np.int32),  # [accepted drafts, rounds that committed]
+        "draft_tok": (lambda b, k, m: (b, k), np.int32),  # draft proposals
+        "draft_conf": (lambda b, k, m: (b, k), np.float32),  # draft confidences
+        "tgt_pred": (lambda b, k, m: (b, k + 1), np.int32),  # target greedy prediction per position
+        "n_acc": (lambda b, k, m: (b,), np.int32),  # accepted drafts this round
+        "n_commit": (lambda b, k, m: (b,), np.int32),  # tokens committed this round
+        "eos": (lambda b, k, m: (b,), np.int32),  # stop token, NO_EOS for none
+        "budget": (lambda b, k, m: (b,), np.int32),  # tokens still allowed, UNBOUNDED_BUDGET for none
+    }
+
+    def __init__(self, batch: int, k: int, m_rounds: int, backend: Backend | str = "auto"):
+        self.batch = check_int("batch", batch)
+        self.k = check_int("k", k, maximum=MAX_K)
+        self.m_rounds = check_int("m_rounds", m_rounds)
+        self.backend = get_backend(backend)
+        for name, (shape, dtype) in self.LAYOUT.items():
+            setattr(self, name, self.backend.zeros(shape(self.batch, self.k, self.m_rounds), dtype))
+        self.eos[...] = NO_EOS
+        self.budget[...] = UNBOUNDED_BUDGET
+
+    @property
+    def ring_capacity(self) -> int:
+        """Most tokens one burst can commit per sequence."""
+        return self.m_rounds * (self.k + 1)
+
+    def arrays(self) -> dict:
+        """Every buffer by name (the set a burst graph bakes in)."""
+        return {name: getattr(self, name) for name in self.LAYOUT}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(a.nbytes) for a in self.arrays().values())
+
+    def drain_ring(self, stream) -> list[np.ndarray]:
+        """Read each sequence's committed tokens of the last burst, in order.
+
+        This is the one host sync of a burst. The count is reset on the device by the
+        next burst's first round, so draining twice returns the same tokens.
+
+        Parameters
+        ----------
+        stream : stream the burst ran on
+
+        Returns
+        -------
+        list of [n_b] int32 numpy arrays, one per sequence
+        """
+        return split_ring(self.backend.to_host(self.ring, stream))
+
+
+def split_ring(ring_host: np.ndarray) -> list[np.ndarray]:
+    """Split a host copy of ``ring [B, R] int32`` into per-sequence token arrays."""
+    cap = ring_host.shape[1] - 1
+    counts = np.clip(ring_host[:, RING_COUNT_SLOT], 0, cap)
+    return [ring_host[b, 1 : 1 + counts[b]].copy() for b in range(ring_host.shape[0])]
+
+
+class KVLayer:
+    """One attention layer's KV: caller-owned storage plus its per-sequence length.
+
+    Parameters
+    ----------
+    storage : array
+        The layer's KV storage. The stub models use ``[B, capacity] int32``; a caller's
+        own model may use any layout (only its address enters the tables).
+    length : [B] int32 array
+        Valid entries per sequence; the rollback kernel writes it.
+    """
+
+    def __init__(self, storage, length):
+        self.storage = storage
+        self.length = length
+
+
+class KVCache:
+    """A model's KV cache: a list of layers, ``None`` for a layer without KV.
+
+    Parameters
+    ----------
+    layers : sequence of KVLayer or None
+    batch : int
+    capacity : int
+        Entries per sequence in every layer.
+    backend : Backend or str
+    """
+
+    def __init__(self, layers: Sequence[KVLayer | None], batch: int, capacity: int, backend: Backend | str = "auto"):
+        self.backend = get_backend(backend)
+        self.batch = check_int("batch", batch)
+        self.capacity = check_int("capacity", capacity, maximum=2**31 - 1)
+        self.layers = list(layers)
+        for i, layer in enumerate(self.layers):
+            if layer is None:
+                continue
+            if not isinstance(layer, KVLayer):
+                raise TypeError(f"layers[{i}] must be a KVLayer or None, got {type(layer).__name__}")
+            check_array(f"layers[{i}].length", layer.length, self.backend, (self.batch,), np.int32)
+            self.backend.check_device(f"layers[{i}].storage", layer.storage)
+
+    @classmethod
+    def for_stub(cls, layout: Sequence[bool], batch: int, capacity: int, backend: Backend | str = "auto") -> KVCache:
+        """Allocate a stub cache: ``[B, capacity] int32`` storage for each True in ``layout``."""
+        backend = get_backend(backend)
+        batch = check_int("batch", batch)
+        capacity = check_int("capacity", capacity)
+        layers = [
+            KVLayer(backend.zeros((batch, capacity), np.int32), backend.zeros((batch,), np.int32)) if has_kv else None
+            for has_kv in layout
+        ]
+        return cls(layers, batch, capacity, backend)
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def n_kv_layers(self) -> int:
+        return sum(layer is not None for layer in self.layers)
+
+    def lengths(self, stream) -> np.ndarray:
+        """``[n_layers, B]`` host copy of every length, -1 for absent layers (a host sync)."""
+        out = np.full((self.n_layers, self.batch), -1, np.int32)
+        for i, layer in enumerate(self.layers):
+            if layer is not None:
+                out[i] = self.backend.to_host(layer.length, stream)
+        return out
+
+
+class PtrTable:
+    """A device table of addresses; it holds every pointee so the pointers stay valid.
+
+    Attributes
+    ----------
+    ptrs : [n] uint64 array on the backend; ``ABSENT_LAYER`` (0) marks no pointee
+    targets : tuple of array or None, the pointees in table order
+    """
+
+    def __init__(self, targets: Sequence, backend: Backend):
+        if len(targets) > MAX_TABLE_ENTRIES:
+            raise ValueError(f"a pointer table holds at most {MAX_TABLE_ENTRIES} entries, got {len(targets)}")
+        self.backend = backend
+        self.targets = tuple(targets)
+        host = np.array(
+            [ABSENT_LAYER if t is None else backend.address(t) for t in self.targets], dtype=np.uint64
+        ).reshape(len(self.targets))
+        self.ptrs = backend.asarray(host, dtype=np.uint64)
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    def resolve(self) -> list:
+        """Follow each address back to its array, as a kernel dereferences it.
+
+        Raises ``KeyError`` for an address the table does not hold (a dangling entry).
+        """
+        by_addr = {self.backend.address(t): t for t in self.targets if t is not None}
+        host = self.backend.to_host(self.ptrs, None) if self.backend.is_gpu else self.ptrs
+        return [None if int(p) == ABSENT_LAYER else by_addr[int(p)] for p in host]
+
+
+def _as_caches(caches) -> list[KVCache]:
+    if isinstance(caches, KVCache):
+        return [caches]
+    caches = list(caches)
+    for i, c in enumerate(caches):
+        if not isinstance(c, KVCache):
+            raise TypeError(f"caches[{i}] must be a KVCache, got {type(c).__name__}")
+    if not caches:
+        raise ValueError("caches must name at least one KVCache")
+    return caches
+
+
+def kv_len_ptr_table_range(caches, layers: range, pos_ctr=None) -> PtrTable:
+    """Stage-local length-pointer table over a dense range of layers.
+
+    Only the layers in ``layers`` (indices into the concatenated layer lists of
+    ``caches``) enter the table, densely, so a pipeline stage never dereferences another
+    stage's lengths. The position counter is appended when given.
+
+    Parameters
+    ----------
+    caches : KVCache or sequence of KVCache
+    layers : range with step 1 inside ``[0, total layers]``
+    pos_ctr : [B] int32 array, optional
+
+    Returns
+    -------
+    PtrTable
+        ``[len(layers) (+1)] uint64``; 0 for a layer without KV.
+    """
+    caches = _as_caches(caches)
+    backend = caches[0].backend
+    all_layers = [layer for c in caches for layer in c.layers]
+    if not isinstance(layers, range) or layers.step != 1:
+        raise TypeError(f"layers must be a range with step 1, got {layers!r}")
+    if not 0 <= layers.start <= layers.stop <= len(all_layers):
+        raise ValueError(f"layer range {layers!r} is outside the caches' {len(all_layers)} layers")
+    for i, c in enumerate(caches):
+        if c.backend.name != backend.name or c.batch != caches[0].batch:
+            raise ValueError(f"caches[{i}] differs from caches[0] in backend or batch")
+    targets = [None if layer is None else layer.length for layer in all_layers[layers.start : layers.stop]]
+    if pos_ctr is not None:
+        check_array("pos_ctr", pos_ctr, backend, (caches[0].batch,), np.int32)
+        targets.append(pos_ctr)
+    return PtrTable(targets, backend)
+
+
+def kv_len_ptr_table(caches, pos_ctr=None) -> PtrTable:
+    """Length-pointer table over every layer of ``caches``, then ``pos_ctr`` if given.
+
+    Parameters
+    ----------
+    caches : KVCache or sequence of KVCache
+    pos_ctr : [B] int32 array, optional
+
+    Returns
+    -------
+    PtrTable
+    """
+    caches = _as_caches(caches)
+    total = sum(c.n_layers for c in caches)
+    return kv_len_ptr_table_range(caches, range(total), pos_ctr)
+
+
+def storage_ptr_table(cache: KVCache) -> PtrTable:
+    """Storage-pointer table of a stub cache (what the stub kernels walk)."""
+    return PtrTable([None if layer is None else layer.storage for layer in cache.layers], cache.backend)

@@ -1,0 +1,250 @@
+"""Eager M-round speculative bursts over fixed buffers, on either backend.
+
+A :class:`SpecDecoder` owns the burst buffers and the rollback pointer table of one
+(target, draft) pair. It builds each round as a list of bound kernel calls once; the
+eager modes run that list, and :mod:`graphburst.capture` captures the same list.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from .buffers import StreamBufs, kv_len_ptr_table
+from .constants import NO_EOS, NO_PREFILL, UNBOUNDED_BUDGET
+from .models import DraftModel, TargetModel, check_pair
+from .validate import check_int
+
+MODES = ("per_round_sync", "pre_issued")
+
+
+class CapacityError(ValueError):
+    """A request or burst would write past a KV cache's capacity."""
+
+
+@dataclass(frozen=True)
+class Call:
+    """One bound kernel call of a round: ``fn(stream=...)`` enqueues it."""
+
+    name: str
+    fn: functools.partial
+
+    def __call__(self, stream) -> None:
+        self.fn(stream=stream)
+
+
+class SpecDecoder:
+    """Speculative-decoding bursts of a target/draft pair over fixed-address buffers.
+
+    Parameters
+    ----------
+    target : TargetModel
+    draft : DraftModel
+    k : int
+        Drafts per round, 1..MAX_K.
+    m_rounds : int
+        Rounds per burst, >= 1.
+    stream : optional
+        Stream to run on; a new non-blocking stream by default.
+    """
+
+    def __init__(self, target: TargetModel, draft: DraftModel, *, k: int, m_rounds: int, stream=None):
+        check_pair(target, draft)
+        self.target, self.draft = target, draft
+        self.backend = target.cache.backend
+        self.batch = target.cache.batch
+        self.bufs = StreamBufs(self.batch, k, m_rounds, self.backend)
+        self.k, self.m_rounds = self.bufs.k, self.bufs.m_rounds
+        self.table = kv_len_ptr_table([target.cache, draft.cache], pos_ctr=self.bufs.pos_ctr)
+        self.capacity = min(target.cache.capacity, draft.cache.capacity)
+        self.stream = self.backend.new_stream() if stream is None else stream
+        # Prefill staging, allocated once so admitting a request never allocates.
+        self._prompt_flat = self.backend.zeros((self.batch * self.capacity,), np.int32)  # [B * capacity] int32
+        self._prompt_len = self.backend.zeros((self.batch,), np.int32)  # [B] int32
+        # Host mirror of what has been drained: positions and token budgets per slot.
+        self.host_pos = np.zeros(self.batch, np.int64)
+        self.host_left = np.zeros(self.batch, np.int64)  # tokens still allowed; 0 = idle or finished
+        self.host_eos = np.full(self.batch, NO_EOS, np.int64)
+        self.host_syncs = 0
+        self.bursts = 0
+        self.undrained = False
+
+    # ------------------------------------------------------------------ admission
+
+    def prefill(self, prompts: Sequence[Sequence[int] | None], *, max_new_tokens=None, eos=None) -> None:
+        """Write prompts into the caches and reset those slots' bookkeeping.
+
+        Parameters
+        ----------
+        prompts : sequence of length B
+            Token list per slot, or None to leave a slot untouched.
+        max_new_tokens : int or sequence, optional
+            Per-slot token limit (unbounded by default).
+        eos : int or sequence, optional
+            Per-slot stop token (none by default).
+
+        Raises
+        ------
+        ValueError, TypeError
+            Before anything is written, for a bad prompt, limit or stop token.
+        CapacityError
+            When a request cannot fit in the KV cache.
+        """
+        if self.undrained:
+            raise RuntimeError("drain the previous burst before prefilling: its tokens would be lost")
+        if len(prompts) != self.batch:
+            raise ValueError(f"prompts must have one entry per slot ({self.batch}), got {len(prompts)}")
+        slots = [b for b, p in enumerate(prompts) if p is not None]
+        vocab = self.target.vocab
+        limits = _per_slot("max_new_tokens", max_new_tokens, self.batch)
+        stops = _per_slot("eos", eos, self.batch)
+        rows = {}
+        for b in slots:
+            rows[b] = _check_prompt(f"prompts[{b}]", prompts[b], vocab)
+            limit = UNBOUNDED_BUDGET if limits[b] is None else check_int(f"max_new_tokens[{b}]", limits[b],
+                                                                           maximum=UNBOUNDED_BUDGET - 1)
+            if stops[b] is not None:
+                check_int(f"eos[{b}]", stops[b], minimum=0, maximum=vocab - 1)
+            need = len(rows[b]) + min(limit, self.bufs.ring_capacity)
+            if need > self.capacity:
+                raise CapacityError(
+                    f"prompts[{b}] of length {len(rows[b])} plus {min(limit, self.bufs.ring_capacity)} new tokens "
+                    f"needs {need} KV entries, but the cache holds {self.capacity}")
+        if not slots:
+            return
+        p_max = max(len(r) for r in rows.values())
+        host = np.zeros((self.batch, p_max), np.int32)
+        lens = np.full(self.batch, NO_PREFILL, np.int32)
+        for b, row in rows.items():
+            host[b, : len(row)] = row
+            lens[b] = len(row)
+        stage = self._prompt_flat[: self.batch * p_max].reshape(self.batch, p_max)
+        s = self.stream
+        self.backend.upload(stage, host, s)
+        self.backend.upload(self._prompt_len, lens, s)
+        bufs = self.bufs
+        self.target.prefill(stage, self._prompt_len, bufs.pos_ctr, bufs.pend, s)
+        self.draft.prefill(stage, self._prompt_len, None, None, s)
+        budget, stop, acc = (self.backend.to_host(a, s) for a in (bufs.budget, bufs.eos, bufs.acc))
+        for b in slots:
+            budget[b] = UNBOUNDED_BUDGET if limits[b] is None else limits[b]
+            stop[b] = NO_EOS if stops[b] is None else stops[b]
+            acc[b] = 0
+            self.host_pos[b] = len(rows[b])
+            self.host_left[b] = budget[b]
+            self.host_eos[b] = stop[b]
+        for dst, src in ((bufs.budget, budget), (bufs.eos, stop), (bufs.acc, acc)):
+            self.backend.upload(dst, src, s)
+        s.synchronize()
+
+    # ------------------------------------------------------------------ the round program
+
+    def round_calls(self, first_round: bool) -> list[Call]:
+        """The bound kernel calls of one round, in stream order."""
+        b, ops = self.bufs, self.backend.ops
+        calls = [Call("seed_gather", functools.partial(ops.seed_gather, b.pend, b.pos_ctr, b.vtok, b.pos_start, b.brk,
+                                                       b.ring, reset_ring=first_round))]
+        calls += [Call(f"draft_step[{j}]", functools.partial(self.draft.draft_step, b, j)) for j in range(self.k)]
+        calls += [
+            Call("assemble_verify", functools.partial(ops.assemble_verify, b.pend, b.draft_tok, b.brk, b.vtok)),
+            Call("verify", functools.partial(self.target.verify, b)),
+            Call("accept_greedy", functools.partial(ops.accept_greedy, b.vtok, b.tgt_pred, b.brk, b.n_acc,
+                                                    b.last_pred)),
+            Call("ring_commit", functools.partial(ops.ring_commit, b.vtok, b.n_acc, b.last_pred, b.eos, b.budget,
+                                                  b.ring, b.pend, b.acc, b.n_commit)),
+            Call("rollback_stream", functools.partial(ops.rollback_stream, self.table, b.pos_start, b.n_commit)),
+        ]
+        return calls
+
+    def burst_calls(self) -> list[Call]:
+        """The bound calls of a whole M-round burst."""
+        return [c for r in range(self.m_rounds) for c in self.round_calls(first_round=r == 0)]
+
+    # ------------------------------------------------------------------ running
+
+    def check_fits(self) -> None:
+        """Raise CapacityError unless one more burst fits every live slot's cache rows."""
+        growth = np.minimum(self.host_left, self.bufs.ring_capacity)
+        end = np.where(self.host_left > 0, self.host_pos + growth, 0)
+        if end.max(initial=0) > self.capacity:
+            b = int(np.argmax(end))
+            raise CapacityError(
+                f"slot {b} is at position {int(self.host_pos[b])}; a burst of up to {int(growth[b])} tokens would "
+                f"pass the KV capacity {self.capacity}")
+
+    def begin_burst(self) -> None:
+        """Host-side checks before enqueueing a burst (no device work, no sync)."""
+        if self.undrained:
+            raise RuntimeError("the previous burst was not drained; its tokens would be overwritten")
+        self.check_fits()
+        self.undrained = True
+
+    def enqueue_burst(self, *, mode: str = "pre_issued") -> None:
+        """Enqueue one eager burst; ``per_round_sync`` reads ``n_commit`` after every round."""
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        self.begin_burst()
+        for r in range(self.m_rounds):
+            for call in self.round_calls(first_round=r == 0):
+                call(self.stream)
+            if mode == "per_round_sync":
+                self.backend.to_host(self.bufs.n_commit, self.stream)
+                self.host_syncs += 1
+
+    def drain(self) -> list[np.ndarray]:
+        """Read the last burst's committed tokens per slot: the burst's one host sync."""
+        tokens = self.bufs.drain_ring(self.stream)
+        self.finish_burst(tokens)
+        return tokens
+
+    def finish_burst(self, tokens: list[np.ndarray]) -> None:
+        """Advance the host mirror by a drained burst's tokens."""
+        self.host_syncs += 1
+        self.bursts += 1
+        self.undrained = False
+        for b, t in enumerate(tokens):
+            self.host_pos[b] += len(t)
+            if self.host_left[b] != UNBOUNDED_BUDGET:
+                self.host_left[b] -= len(t)
+            if len(t) and self.host_eos[b] != NO_EOS and int(t[-1]) == self.host_eos[b]:
+                self.host_left[b] = 0
+
+    def run_burst(self, *, mode: str = "pre_issued") -> list[np.ndarray]:
+        """Enqueue one eager burst and drain it."""
+        self.enqueue_burst(mode=mode)
+        return self.drain()
+
+    # ------------------------------------------------------------------ inspection
+
+    def accept_counters(self) -> np.ndarray:
+        """``[B, 2]`` host copy of ``[accepted drafts, rounds]`` (a host sync)."""
+        return self.backend.to_host(self.bufs.acc, self.stream)
+
+    def positions(self) -> np.ndarray:
+        """``[B]`` host copy of the device position counter (a host sync)."""
+        return self.backend.to_host(self.bufs.pos_ctr, self.stream)
+
+
+def _per_slot(name: str, value, batch: int) -> list:
+    if value is None or isinstance(value, (int, np.integer)):
+        return [value] * batch
+    value = list(value)
+    if len(value) != batch:
+        raise ValueError(f"{name} must be a scalar or have one entry per slot ({batch}), got {len(value)}")
+    return value
+
+
+def _check_prompt(name: str, prompt, vocab: int) -> np.ndarray:
+    arr = np.asarray(prompt)
+    if arr.ndim != 1 or arr.size == 0:
+        raise ValueError(f"{name} must be a non-empty 1-D token sequence, got shape {arr.shape}")
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise TypeError(f"{name} must hold integer tokens, got dtype {arr.dtype}")
+    bad = (arr < 0) | (arr >= vocab)
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise ValueError(f"{name}[{i}] = {int(arr[i])} is outside the vocabulary [0, {vocab})")
+    return arr.astype(np.int32)

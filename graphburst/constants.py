@@ -1,0 +1,17 @@
+"""Named sentinels and limits shared by the kernels, the reference and the host code.
+
+The CUDA source defines the same values as ``GB_*`` macros; ``tests/test_reference.py``
+checks that the two stay in step.
+"""
+
+PLACEHOLDER_TOKEN = -1  # verify slots past the p-min break; poison in tests
+NO_EOS = -1  # eos[b] for a sequence that never stops on a token
+UNBOUNDED_BUDGET = 2**31 - 1  # budget[b] for a sequence with no token limit
+NO_PREFILL = -1  # prompt_len[b] for a slot a prefill call leaves untouched
+ABSENT_LAYER = 0  # pointer-table entry of a layer without KV (linear attention, KV-shared)
+RING_COUNT_SLOT = 0  # ring[b, 0] holds the number of tokens committed this burst
+
+MAX_K = 64  # drafts per round; bounds the verify kernel's shared memory
+MAX_TABLE_ENTRIES = 65535  # rollback walks the table on gridDim.y
+THREADS_PER_BLOCK = 128  # one-thread-per-sequence kernels
+MAX_LAYER_THREADS = 256  # stub models: threads per block striding over layers

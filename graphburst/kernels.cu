@@ -1,0 +1,359 @@
+// graphburst device kernels.
+//
+// Conventions (the numpy twin in reference.py is the executable specification):
+//   * Tokens, positions, lengths and counters are int32. Tokens are int32 rather than
+//     uint32 so that PLACEHOLDER_TOKEN = -1 can poison unused slots, and so that every
+//     buffer interoperates with torch/numpy int32 without casts.
+//   * B = batch, K1 = k + 1 verify slots per sequence, R = ring stride = M*(k+1) + 1.
+//   * Pointer tables are uint64 arrays of device addresses; 0 marks an absent layer.
+//   * Every kernel is stream-ordered and allocation-free, so it is safe inside a graph.
+//
+// Compiled by NVRTC through cupy.RawModule at run time and by nvcc in CI (-Werror).
+
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+#define GB_PLACEHOLDER_TOKEN (-1)
+#define GB_UNBOUNDED_BUDGET 0x7fffffff
+#define GB_NO_PREFILL (-1)
+#define GB_DIGEST_INIT 0x2545f491u
+#define GB_DIGEST_CORRUPT 0xdeadbeefu
+#define GB_ALL_ONES 0xffffffffu
+
+// =====================================================================================
+// Shared device helpers
+// =====================================================================================
+
+// lowbias32 finaliser: a cheap bijective mixer; the reference reproduces it in uint32.
+__device__ __forceinline__ u32 gb_mix32(u32 x) {
+    x ^= x >> 16;
+    x *= 0x7feb352du;
+    x ^= x >> 15;
+    x *= 0x846ca68bu;
+    x ^= x >> 16;
+    return x;
+}
+
+// One step of the stub models' rolling prefix digest: c[p] = f(c[p-1], token[p], p).
+__device__ __forceinline__ u32 gb_digest_step(u32 prev, int tok, int pos) {
+    u32 t = (u32)tok * 0x9e3779b1u + (u32)pos * 0x85ebca77u + 0x165667b1u;
+    return gb_mix32(prev ^ gb_mix32(t));
+}
+
+// Layers that agree give the digest itself; any disagreement (a stale or missing
+// rollback of one layer) garbles it, so the predicted token changes.
+__device__ __forceinline__ u32 gb_combine(u32 mn, u32 mx) {
+    return mn == mx ? mn : gb_mix32(mn ^ (mx * 0x27d4eb2fu) ^ 0x94d049bbu);
+}
+
+__device__ __forceinline__ int gb_target_token(u32 digest, int vocab) {
+    return (int)(gb_mix32(digest ^ 0x68e31da4u) % (u32)vocab);
+}
+
+// Agreement hash of the draft stub, keyed by (seed, position of the predicted token).
+__device__ __forceinline__ u32 gb_agree_hash(u32 seed, int pos) {
+    return gb_mix32(seed ^ gb_mix32((u32)pos * 0x27d4eb2du + 0x1b873593u));
+}
+
+__device__ __forceinline__ u64 gb_globaltimer() {
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+// Emulated model time: one thread per block spins on the device clock.
+__device__ __forceinline__ void gb_spin_ns(long long ns) {
+    if (ns <= 0) return;
+    u64 t0 = gb_globaltimer();
+    while ((long long)(gb_globaltimer() - t0) < ns) {
+    }
+}
+
+// Last entry of a stub KV row, or a corrupt marker when the length is out of range
+// (a poisoned length must never turn into an out-of-bounds read).
+__device__ __forceinline__ u32 gb_prev_entry(const int* row, int n, int capacity) {
+    if (n < 0 || n > capacity) return GB_DIGEST_CORRUPT;
+    return n > 0 ? (u32)row[n - 1] : GB_DIGEST_INIT;
+}
+
+// =====================================================================================
+// Generic kernels (model-agnostic burst bookkeeping)
+// =====================================================================================
+
+// Threads: one per sequence.
+// Starts a round: verify slot 0 <- pending token, rollback anchor <- position counter,
+// break marker <- "no break" ([k, 0]); the first round of a burst also empties the ring.
+extern "C" __global__ void spec_seed_gather(int batch, int k, int reset_ring,
+                                            const int* __restrict__ pend,     // [B]
+                                            const int* __restrict__ pos_ctr,  // [B]
+                                            int* __restrict__ vtok,           // [B, K1]
+                                            int* __restrict__ pos_start,      // [B]
+                                            int* __restrict__ brk,            // [B, 2]
+                                            int* __restrict__ ring,           // [B, R]
+                                            int ring_stride) {
+    int b = blockIdx.x * blockDim.x + threadIdx.x;
+    if (b >= batch) return;
+    vtok[(long long)b * (k + 1)] = pend[b];
+    pos_start[b] = pos_ctr[b];
+    brk[2 * b] = k;
+    brk[2 * b + 1] = 0;
+    if (reset_ring) ring[(long long)b * ring_stride] = 0;
+}
+
+// Threads: one per verify slot (b, j), j in [0, k].
+// vtok[b, 0] = pend[b]; vtok[b, 1 + i] = draft_tok[b, i] for i < n_valid, else PLACEHOLDER,
+// with n_valid = clamp(brk[b, 0], 0, k).
+extern "C" __global__ void spec_assemble_verify(int batch, int k,
+                                                const int* __restrict__ pend,       // [B]
+                                                const int* __restrict__ draft_tok,  // [B, k]
+                                                const int* __restrict__ brk,        // [B, 2]
+                                                int* __restrict__ vtok) {           // [B, K1]
+    long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (long long)batch * (k + 1)) return;
+    int b = (int)(idx / (k + 1));
+    int j = (int)(idx % (k + 1));
+    if (j == 0) {
+        vtok[idx] = pend[b];
+        return;
+    }
+    int n_valid = min(max(brk[2 * b], 0), k);
+    vtok[idx] = (j - 1 < n_valid) ? draft_tok[(long long)b * k + j - 1] : GB_PLACEHOLDER_TOKEN;
+}
+
+// Threads: one per sequence, each walking at most k drafts.
+// n = longest prefix with vtok[b, 1 + i] == tgt_pred[b, i], i < clamp(brk[b, 0], 0, k);
+// bonus = tgt_pred[b, n].
+extern "C" __global__ void spec_accept_greedy_dc(int batch, int k,
+                                                 const int* __restrict__ vtok,      // [B, K1]
+                                                 const int* __restrict__ tgt_pred,  // [B, K1]
+                                                 const int* __restrict__ brk,       // [B, 2]
+                                                 int* __restrict__ n_acc,           // [B]
+                                                 int* __restrict__ last_pred) {     // [B]
+    int b = blockIdx.x * blockDim.x + threadIdx.x;
+    if (b >= batch) return;
+    const int* v = vtok + (long long)b * (k + 1);
+    const int* t = tgt_pred + (long long)b * (k + 1);
+    int n_valid = min(max(brk[2 * b], 0), k);
+    int n = 0;
+    while (n < n_valid && v[n + 1] == t[n]) ++n;
+    n_acc[b] = n;
+    last_pred[b] = t[n];
+}
+
+// Threads: one per sequence, each appending at most k + 1 tokens.
+// Appends vtok[b, 0..n] to the ring, stopping after an EOS token or when the budget runs
+// out; folds the bonus into pend only when the whole run was committed.
+extern "C" __global__ void spec_ring_commit(int batch, int k, int ring_cap,
+                                            const int* __restrict__ vtok,       // [B, K1]
+                                            const int* __restrict__ n_acc,      // [B]
+                                            const int* __restrict__ last_pred,  // [B]
+                                            const int* __restrict__ eos,        // [B]
+                                            int* __restrict__ budget,           // [B]
+                                            int* __restrict__ ring,             // [B, R]
+                                            int ring_stride,
+                                            int* __restrict__ pend,             // [B]
+                                            int* __restrict__ acc,              // [B, 2]
+                                            int* __restrict__ n_commit) {       // [B]
+    int b = blockIdx.x * blockDim.x + threadIdx.x;
+    if (b >= batch) return;
+    const int* v = vtok + (long long)b * (k + 1);
+    int* r = ring + (long long)b * ring_stride;
+    int n = min(max(n_acc[b], 0), k);
+    int cnt = min(max(r[0], 0), ring_cap);
+    int left = budget[b];
+    int stop_tok = eos[b];
+    int c = 0;
+    for (int i = 0; i <= n; ++i) {
+        if (left <= 0 || cnt + c >= ring_cap) break;
+        int tok = v[i];
+        r[1 + cnt + c] = tok;
+        ++c;
+        if (left != GB_UNBOUNDED_BUDGET) --left;
+        if (tok == stop_tok) left = 0;
+    }
+    r[0] = cnt + c;
+    budget[b] = left;
+    n_commit[b] = c;
+    if (c > 0) {
+        acc[2 * b] += c - 1;
+        acc[2 * b + 1] += 1;
+    }
+    if (c == n + 1) pend[b] = last_pred[b];
+}
+
+// Threads: one per (table entry, sequence); blockIdx.y walks the pointer table.
+// Every non-null entry's length[b] <- pos_start[b] + n_commit[b].
+extern "C" __global__ void spec_rollback_stream(int batch, int n_entries,
+                                                const u64* __restrict__ len_tbl,    // [E]
+                                                const int* __restrict__ pos_start,  // [B]
+                                                const int* __restrict__ n_commit) { // [B]
+    int b = blockIdx.x * blockDim.x + threadIdx.x;
+    int e = blockIdx.y;
+    if (b >= batch || e >= n_entries) return;
+    u64 p = len_tbl[e];
+    if (p == 0) return;
+    reinterpret_cast<int*>(p)[b] = pos_start[b] + n_commit[b];
+}
+
+// =====================================================================================
+// Stub models (deterministic, digest-carrying KV caches; see reference.py)
+// =====================================================================================
+
+// Threads: one block per sequence; threads stride over the cache's layers, each walking
+// the prompt. Writes entries [0, P), sets every length to P; optionally sets the
+// position counter and seeds the pending token with the target's greedy prediction.
+extern "C" __global__ void stub_prefill(const int* __restrict__ prompt,      // [B, P_max]
+                                        const int* __restrict__ prompt_len,  // [B]
+                                        int p_max,
+                                        const u64* __restrict__ kv_tbl,      // [L]
+                                        const u64* __restrict__ len_tbl,     // [L]
+                                        int n_layers, int capacity, int vocab,
+                                        int* __restrict__ pos_ctr,           // [B] or null
+                                        int* __restrict__ pend) {            // [B] or null
+    __shared__ u32 s_min, s_max;
+    int b = blockIdx.x;
+    int plen = prompt_len[b];
+    if (plen == GB_NO_PREFILL) return;
+    plen = min(max(plen, 0), min(p_max, capacity));
+    if (threadIdx.x == 0) {
+        s_min = GB_ALL_ONES;
+        s_max = 0u;
+    }
+    __syncthreads();
+    const int* row = prompt + (long long)b * p_max;
+    for (int l = threadIdx.x; l < n_layers; l += blockDim.x) {
+        if (kv_tbl[l] == 0) continue;
+        int* kv = reinterpret_cast<int*>(kv_tbl[l]) + (long long)b * capacity;
+        u32 c = GB_DIGEST_INIT;
+        for (int i = 0; i < plen; ++i) {
+            c = gb_digest_step(c, row[i], i);
+            kv[i] = (int)c;
+        }
+        reinterpret_cast<int*>(len_tbl[l])[b] = plen;
+        atomicMin(&s_min, c);
+        atomicMax(&s_max, c);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        if (pos_ctr) pos_ctr[b] = plen;
+        if (pend) pend[b] = gb_target_token(gb_combine(s_min, s_max), vocab);
+    }
+}
+
+// Threads: one block per sequence; threads stride over the draft's layers, each appending
+// one entry (two on the last unbroken step, so the draft KV covers every draft).
+// Step j reads x_j (vtok[b,0] for j = 0, else draft_tok[b, j-1]) at position pos_ctr+j
+// and proposes draft_tok[b, j] with its confidence; a confidence below p_min breaks the
+// chain (brk[b] = [j, 1]) and later steps of the round return at once.
+extern "C" __global__ void stub_draft_step(int step, int k,
+                                           const int* __restrict__ vtok,     // [B, K1]
+                                           const int* __restrict__ pos_ctr,  // [B]
+                                           const u64* __restrict__ kv_tbl,   // [L]
+                                           const u64* __restrict__ len_tbl,  // [L]
+                                           int n_layers, int capacity, int vocab,
+                                           const u32* __restrict__ seed,     // [B]
+                                           const int* __restrict__ agree24,  // [B]
+                                           int pmin24, long long cost_ns,
+                                           int* __restrict__ draft_tok,      // [B, k]
+                                           float* __restrict__ draft_conf,   // [B, k]
+                                           int* __restrict__ brk) {          // [B, 2]
+    __shared__ u32 s_min, s_max;
+    __shared__ int s_tok, s_extend;
+    int b = blockIdx.x;
+    // Every thread reads the marker before thread 0 may rewrite it (after a barrier).
+    int broken = brk[2 * b + 1];
+    if (broken != 0) return;
+    if (threadIdx.x == 0) {
+        gb_spin_ns(cost_ns);
+        s_min = GB_ALL_ONES;
+        s_max = 0u;
+    }
+    __syncthreads();
+    int x = step == 0 ? vtok[(long long)b * (k + 1)] : draft_tok[(long long)b * k + step - 1];
+    int pos = pos_ctr[b] + step;
+    for (int l = threadIdx.x; l < n_layers; l += blockDim.x) {
+        if (kv_tbl[l] == 0) continue;
+        int* kv = reinterpret_cast<int*>(kv_tbl[l]) + (long long)b * capacity;
+        int* len = reinterpret_cast<int*>(len_tbl[l]);
+        int n = len[b];
+        u32 c = gb_digest_step(gb_prev_entry(kv, n, capacity), x, pos);
+        if (n >= 0 && n < capacity) kv[n] = (int)c;
+        len[b] = n + 1;
+        atomicMin(&s_min, c);
+        atomicMax(&s_max, c);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int truth = gb_target_token(gb_combine(s_min, s_max), vocab);
+        u32 h = gb_agree_hash(seed[b], pos + 1);
+        u32 h2 = gb_mix32(h ^ 0x5bd1e995u);
+        int tok = truth;
+        if ((int)(h >> 8) >= agree24[b]) {
+            u32 shift = 1u + gb_mix32(h2 ^ 0xcc9e2d51u) % (u32)(vocab - 1);
+            tok = (int)(((u32)truth + shift) % (u32)vocab);
+        }
+        int conf24 = (int)(h2 >> 8);
+        draft_tok[(long long)b * k + step] = tok;
+        draft_conf[(long long)b * k + step] = (float)conf24 * (1.0f / 16777216.0f);
+        int breaks = conf24 < pmin24;
+        if (breaks) {
+            brk[2 * b] = step;
+            brk[2 * b + 1] = 1;
+        }
+        s_tok = tok;
+        s_extend = !breaks && step == k - 1;
+    }
+    __syncthreads();
+    if (!s_extend) return;
+    for (int l = threadIdx.x; l < n_layers; l += blockDim.x) {
+        if (kv_tbl[l] == 0) continue;
+        int* kv = reinterpret_cast<int*>(kv_tbl[l]) + (long long)b * capacity;
+        int* len = reinterpret_cast<int*>(len_tbl[l]);
+        int n = len[b];
+        u32 c = gb_digest_step(gb_prev_entry(kv, n, capacity), s_tok, pos + 1);
+        if (n >= 0 && n < capacity) kv[n] = (int)c;
+        len[b] = n + 1;
+    }
+}
+
+// Threads: one block per sequence; threads stride over the target's layers, each walking
+// the k + 1 verify positions. Appends every entry at the layer's own length (reading only
+// below it), grows the length by k + 1, and writes the greedy prediction per position.
+extern "C" __global__ void stub_verify(int k,
+                                       const int* __restrict__ vtok,     // [B, K1]
+                                       const int* __restrict__ pos_ctr,  // [B]
+                                       const u64* __restrict__ kv_tbl,   // [L]
+                                       const u64* __restrict__ len_tbl,  // [L]
+                                       int n_layers, int capacity, int vocab,
+                                       long long cost_ns,
+                                       int* __restrict__ tgt_pred) {     // [B, K1]
+    extern __shared__ u32 s_minmax[];  // [2, K1]
+    int b = blockIdx.x;
+    int k1 = k + 1;
+    if (threadIdx.x == 0) gb_spin_ns(cost_ns);
+    for (int j = threadIdx.x; j < k1; j += blockDim.x) {
+        s_minmax[j] = GB_ALL_ONES;
+        s_minmax[k1 + j] = 0u;
+    }
+    __syncthreads();
+    const int* v = vtok + (long long)b * k1;
+    int pos = pos_ctr[b];
+    for (int l = threadIdx.x; l < n_layers; l += blockDim.x) {
+        if (kv_tbl[l] == 0) continue;
+        int* kv = reinterpret_cast<int*>(kv_tbl[l]) + (long long)b * capacity;
+        int* len = reinterpret_cast<int*>(len_tbl[l]);
+        int n = len[b];
+        u32 c = gb_prev_entry(kv, n, capacity);
+        for (int j = 0; j < k1; ++j) {
+            c = gb_digest_step(c, v[j], pos + j);
+            if (n >= 0 && n + j < capacity) kv[n + j] = (int)c;
+            atomicMin(&s_minmax[j], c);
+            atomicMax(&s_minmax[k1 + j], c);
+        }
+        len[b] = n + k1;
+    }
+    __syncthreads();
+    for (int j = threadIdx.x; j < k1; j += blockDim.x)
+        tgt_pred[(long long)b * k1 + j] =
+            gb_target_token(gb_combine(s_minmax[j], s_minmax[k1 + j]), vocab);
+}

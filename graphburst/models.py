@@ -1,0 +1,186 @@
+"""The model protocol a caller implements, and the built-in stub draft and target.
+
+Protocol
+--------
+A burst calls the models through two methods that only *enqueue* work on the stream
+they are given, over the documented :class:`~graphburst.buffers.StreamBufs` fields:
+
+* ``draft.draft_step(bufs, step, stream)`` for ``step`` in ``[0, k)``. Step j reads its
+  input token (``vtok[:, 0]`` for j = 0, else ``draft_tok[:, j-1]``) at position
+  ``pos_ctr + j`` and writes ``draft_tok[:, j]``. A chain that stops early sets
+  ``brk[b] = [n_valid, 1]`` (the round starts with ``[k, 0]``). After the chain, each
+  draft KV layer must hold valid entries at positions ``[anchor, anchor + n_valid]``,
+  so that rollback to any accepted length leaves only real entries.
+* ``target.verify(bufs, stream)`` reads ``vtok [B, k+1]`` at positions
+  ``pos_ctr + [0, k]`` (slots past the break hold ``PLACEHOLDER_TOKEN``: clamp before
+  an embedding lookup), appends KV entries and writes the greedy prediction after each
+  position into ``tgt_pred [B, k+1]``.
+
+Both must be capturable: no allocation, no host sync, fixed addresses. Each exposes a
+``cache`` (:class:`~graphburst.buffers.KVCache`) whose lengths the burst rolls back.
+
+The stubs
+---------
+The target's greedy token is a pure function of the whole prefix (a rolling digest,
+:func:`graphburst.digest.greedy_reference`), computed through its KV cache: every layer
+carries the digest, appends at its own length and reads only below it, and layers that
+disagree garble the prediction. So a missing, partial or wrong rollback of any layer, or
+of the position counter, changes the output. The draft computes the same digest
+through its own layers and proposes the target's token with probability
+``accept_prob``, keyed by (seed, position).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+from .backend import Backend, get_backend
+from .buffers import KVCache, StreamBufs, kv_len_ptr_table_range, storage_ptr_table
+from .digest import fixed24
+from .validate import check_int, check_prob
+
+
+@runtime_checkable
+class DraftModel(Protocol):
+    cache: KVCache
+
+    def draft_step(self, bufs: StreamBufs, step: int, stream) -> None: ...
+
+
+@runtime_checkable
+class TargetModel(Protocol):
+    cache: KVCache
+
+    def verify(self, bufs: StreamBufs, stream) -> None: ...
+
+
+def normalize_layout(layers, name: str) -> list[bool]:
+    """``layers`` as a KV/absent list: an int n means n KV layers, else a bool sequence."""
+    if isinstance(layers, (int, np.integer)) and not isinstance(layers, bool):
+        return [True] * check_int(name, layers)
+    layout = [bool(x) for x in layers]
+    if not any(layout):
+        raise ValueError(f"{name} needs at least one KV layer to carry the stub digest, got {list(layers)!r}")
+    return layout
+
+
+class _StubModel:
+    """Shared set-up of both stubs: a stub KV cache and its two pointer tables."""
+
+    def __init__(self, batch, vocab, layers, capacity, cost_ns, backend, role):
+        self.backend = get_backend(backend)
+        self.vocab = check_int("vocab", vocab, minimum=2, maximum=2**31 - 1)
+        self.cost_ns = check_int("cost_ns", cost_ns, minimum=0)
+        self.layout = normalize_layout(layers, f"{role} layers")
+        self.cache = KVCache.for_stub(self.layout, batch, capacity, self.backend)
+        self.kv_table = storage_ptr_table(self.cache)
+        self.len_table = kv_len_ptr_table_range(self.cache, range(self.cache.n_layers))
+
+    @property
+    def batch(self) -> int:
+        return self.cache.batch
+
+    @property
+    def capacity(self) -> int:
+        return self.cache.capacity
+
+    def prefill(self, prompt, prompt_len, pos_ctr, pend, stream) -> None:
+        """Enqueue the stub prefill of this model's cache (see ``stub_prefill``)."""
+        self.backend.ops.stub_prefill(prompt, prompt_len, self.kv_table, self.len_table, self.capacity, self.vocab,
+                                      pos_ctr, pend, stream=stream)
+
+
+class StubTarget(_StubModel):
+    """Deterministic target model with a digest-carrying KV cache.
+
+    Parameters
+    ----------
+    batch : int
+    vocab : int
+        >= 2.
+    layers : int or sequence of bool
+        Number of KV layers, or a layout where False marks a layer without KV.
+    capacity : int
+        KV entries per sequence.
+    cost_ns : int
+        Emulated device time per verify call.
+    backend : Backend or str
+    """
+
+    def __init__(self, batch: int, vocab: int, layers, capacity: int, *, cost_ns: int = 0,
+                 backend: Backend | str = "auto"):
+        super().__init__(batch, vocab, layers, capacity, cost_ns, backend, "target")
+
+    def verify(self, bufs: StreamBufs, stream) -> None:
+        self.backend.ops.stub_verify(bufs.vtok, bufs.pos_ctr, self.kv_table, self.len_table, self.capacity,
+                                     self.vocab, self.cost_ns, bufs.tgt_pred, stream=stream)
+
+
+class StubDraft(_StubModel):
+    """Draft model that agrees with :class:`StubTarget` with a tunable probability.
+
+    Parameters
+    ----------
+    batch, vocab, layers, capacity, cost_ns, backend
+        As for :class:`StubTarget`; ``vocab`` must match the target's.
+    accept_prob : float
+        Probability in [0, 1] that a draft equals the target's greedy token,
+        deterministic per (seed, position).
+    p_min : float
+        The chain breaks at the first draft whose confidence is below this.
+    seed : int
+        Agreement seed, per sequence via :meth:`set_slot`.
+    """
+
+    def __init__(self, batch: int, vocab: int, layers, capacity: int, *, accept_prob: float = 0.7,
+                 p_min: float = 0.0, seed: int = 0, cost_ns: int = 0, backend: Backend | str = "auto"):
+        super().__init__(batch, vocab, layers, capacity, cost_ns, backend, "draft")
+        self.p_min = check_prob("p_min", p_min)
+        self.seed = self.backend.zeros((self.batch,), np.uint32)  # [B] uint32
+        self.agree24 = self.backend.zeros((self.batch,), np.int32)  # [B] int32, 24-bit fixed point
+        host_seed = np.full(self.batch, check_int("seed", seed, minimum=0, maximum=2**32 - 1), np.uint32)
+        host_agree = np.full(self.batch, fixed24(check_prob("accept_prob", accept_prob)), np.int32)
+        self.backend.upload(self.seed, host_seed, None)
+        self.backend.upload(self.agree24, host_agree, None)
+
+    def set_slot(self, slot: int, *, accept_prob: float | None = None, seed: int | None = None, stream=None) -> None:
+        """Change one sequence's agreement probability or seed between bursts (a plain write)."""
+        slot = check_int("slot", slot, minimum=0, maximum=self.batch - 1)
+        if accept_prob is not None:
+            self.agree24[slot : slot + 1] = fixed24(check_prob("accept_prob", accept_prob))
+        if seed is not None:
+            self.seed[slot : slot + 1] = check_int("seed", seed, minimum=0, maximum=2**32 - 1)
+
+    def draft_step(self, bufs: StreamBufs, step: int, stream) -> None:
+        self.backend.ops.stub_draft_step(step, bufs.vtok, bufs.pos_ctr, self.kv_table, self.len_table, self.capacity,
+                                         self.vocab, self.seed, self.agree24, fixed24(self.p_min), self.cost_ns,
+                                         bufs.draft_tok, bufs.draft_conf, bufs.brk, stream=stream)
+
+
+def check_pair(target: TargetModel, draft: DraftModel) -> None:
+    """Raise when a target/draft pair cannot share one burst."""
+    if not isinstance(target, TargetModel):
+        raise TypeError(f"target must implement verify(bufs, stream) and .cache, got {type(target).__name__}")
+    if not isinstance(draft, DraftModel):
+        raise TypeError(f"draft must implement draft_step(bufs, step, stream) and .cache, got {type(draft).__name__}")
+    if target.cache.batch != draft.cache.batch:
+        raise ValueError(f"target batch {target.cache.batch} != draft batch {draft.cache.batch}")
+    if target.cache.backend.name != draft.cache.backend.name:
+        raise ValueError(f"target backend {target.cache.backend.name} != draft backend {draft.cache.backend.name}")
+    tv, dv = getattr(target, "vocab", None), getattr(draft, "vocab", None)
+    if tv is not None and dv is not None and tv != dv:
+        raise ValueError(f"target vocab {tv} != draft vocab {dv}")
+
+
+def stub_pair(batch: int, vocab: int, target_layers: Sequence[bool] | int, draft_layers: Sequence[bool] | int,
+              capacity: int, *, accept_prob: float = 0.7, p_min: float = 0.0, seed: int = 0, cost_ns: int = 0,
+              backend: Backend | str = "auto") -> tuple[StubTarget, StubDraft]:
+    """Build a matching stub target and draft on one backend."""
+    backend = get_backend(backend)
+    target = StubTarget(batch, vocab, target_layers, capacity, cost_ns=cost_ns, backend=backend)
+    draft = StubDraft(batch, vocab, draft_layers, capacity, accept_prob=accept_prob, p_min=p_min, seed=seed,
+                      cost_ns=cost_ns, backend=backend)
+    return target, draft
