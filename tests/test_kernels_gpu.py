@@ -1,0 +1,267 @@
+"""Every CUDA kernel against its numpy reference, bit-exactly, on fresh random inputs.
+
+Inputs use awkward batch sizes, everything past a valid length is poisoned with
+PLACEHOLDER_TOKEN (-1), and lengths/markers include out-of-range values so the clamps
+are exercised too.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import gpu
+from graphburst import reference
+from graphburst.backend import Backend
+from graphburst.buffers import KVCache, KVLayer, kv_len_ptr_table_range, storage_ptr_table
+from graphburst.constants import NO_EOS, NO_PREFILL, PLACEHOLDER_TOKEN, UNBOUNDED_BUDGET
+from graphburst.digest import fixed24
+
+pytestmark = gpu
+cp = pytest.importorskip("cupy")
+
+SIZES = [1, 7, 19, 257]
+KS = [1, 4, 7]
+P = PLACEHOLDER_TOKEN
+
+
+@pytest.fixture(scope="module")
+def gpu_backend():
+    return Backend("cupy")
+
+
+@pytest.fixture(scope="module")
+def ops(gpu_backend):
+    return gpu_backend.ops
+
+
+def run_pair(name, host: dict, scalars: dict, ops):
+    """Run reference and CUDA kernel ``name`` on copies of ``host``; assert equal outputs."""
+    dev = {n: cp.asarray(a) for n, a in host.items()}
+    want = {n: a.copy() for n, a in host.items()}
+    getattr(reference, name)(**want, **scalars)
+    stream = cp.cuda.Stream(non_blocking=True)
+    getattr(ops, name)(**dev, **scalars, stream=stream)
+    stream.synchronize()
+    for n in host:
+        got = cp.asnumpy(dev[n])
+        if got.dtype == np.float32:
+            got, exp = got.view(np.int32), want[n].view(np.int32)
+        else:
+            exp = want[n]
+        np.testing.assert_array_equal(got, exp, err_msg=f"{name}: {n}")
+    return want
+
+
+def poison_past(arr, valid):
+    """Set ``arr[b, valid[b]:]`` to PLACEHOLDER_TOKEN."""
+    cols = np.arange(arr.shape[1])[None, :]
+    arr[cols >= np.asarray(valid)[:, None]] = P
+    return arr
+
+
+@pytest.mark.parametrize("batch", SIZES)
+@pytest.mark.parametrize("k", KS)
+@pytest.mark.parametrize("reset", [False, True])
+def test_seed_gather(rng, ops, batch, k, reset):
+    m = 3
+    host = dict(
+        pend=rng.integers(0, 1000, batch, dtype=np.int32),
+        pos_ctr=rng.integers(0, 5000, batch, dtype=np.int32),
+        vtok=np.full((batch, k + 1), P, np.int32),
+        pos_start=np.full(batch, P, np.int32),
+        brk=rng.integers(-3, 9, (batch, 2), dtype=np.int32),
+        ring=rng.integers(-1, 50, (batch, m * (k + 1) + 1), dtype=np.int32),
+    )
+    run_pair("seed_gather", host, dict(reset_ring=reset), ops)
+
+
+@pytest.mark.parametrize("batch", SIZES)
+@pytest.mark.parametrize("k", KS)
+def test_assemble_verify(rng, ops, batch, k):
+    host = dict(
+        pend=rng.integers(0, 1000, batch, dtype=np.int32),
+        draft_tok=rng.integers(0, 1000, (batch, k), dtype=np.int32),
+        brk=rng.integers(-2, k + 3, (batch, 2), dtype=np.int32),
+        vtok=np.full((batch, k + 1), 77, np.int32),
+    )
+    out = run_pair("assemble_verify", host, {}, ops)
+    n_valid = np.clip(host["brk"][:, 0], 0, k)
+    assert (out["vtok"][np.arange(k + 1)[None, :] > n_valid[:, None]] == P).all()
+
+
+@pytest.mark.parametrize("batch", SIZES)
+@pytest.mark.parametrize("k", KS)
+def test_accept_greedy(rng, ops, batch, k):
+    tgt = rng.integers(0, 3, (batch, k + 1), dtype=np.int32)
+    vtok = np.concatenate([rng.integers(0, 3, (batch, 1)), tgt[:, :k]], axis=1).astype(np.int32)
+    flip = rng.random((batch, k)) < 0.25
+    vtok[:, 1:][flip] = (vtok[:, 1:][flip] + 1) % 3
+    brk = np.stack([rng.integers(-1, k + 2, batch), rng.integers(0, 2, batch)], axis=1).astype(np.int32)
+    poison_past(vtok[:, 1:], np.clip(brk[:, 0], 0, k))
+    host = dict(vtok=vtok, tgt_pred=tgt, brk=brk, n_acc=np.full(batch, P, np.int32),
+                last_pred=np.full(batch, P - 1, np.int32))
+    run_pair("accept_greedy", host, {}, ops)
+
+
+@pytest.mark.parametrize(
+    "drafts, preds, n_valid, expect",
+    [
+        ([5, 6, 7], [5, 2, 7, 8], 3, (1, 2)),  # early mismatch
+        ([5, 6, 7], [5, 6, 7, 8], 3, (3, 8)),  # all accepted
+        ([5, 6, 7], [1, 6, 7, 8], 3, (0, 1)),  # nothing accepted
+        ([5, 6, 7], [5, 6, 7, 8], 0, (0, 5)),  # break at position 0
+    ],
+)
+def test_accept_hand_cases_gpu(ops, drafts, preds, n_valid, expect):
+    host = dict(vtok=np.array([[9] + drafts], np.int32), tgt_pred=np.array([preds], np.int32),
+                brk=np.array([[n_valid, int(n_valid < 3)]], np.int32), n_acc=np.full(1, P, np.int32),
+                last_pred=np.full(1, P, np.int32))
+    out = run_pair("accept_greedy", host, {}, ops)
+    assert (int(out["n_acc"][0]), int(out["last_pred"][0])) == expect
+
+
+@pytest.mark.parametrize("batch", SIZES)
+@pytest.mark.parametrize("k", KS)
+def test_ring_commit(rng, ops, batch, k):
+    m = 2
+    cap = m * (k + 1)
+    vtok = rng.integers(0, 6, (batch, k + 1), dtype=np.int32)
+    n_acc = rng.integers(-1, k + 2, batch, dtype=np.int32)
+    eos = np.where(rng.random(batch) < 0.5, NO_EOS, rng.integers(0, 6, batch)).astype(np.int32)
+    budget = np.where(rng.random(batch) < 0.4, UNBOUNDED_BUDGET, rng.integers(-1, k + 3, batch)).astype(np.int32)
+    count = rng.integers(-1, cap + 2, batch)
+    ring = poison_past(rng.integers(0, 6, (batch, cap + 1)).astype(np.int32), np.clip(count, 0, cap) + 1)
+    ring[:, 0] = count
+    host = dict(vtok=vtok, n_acc=n_acc, last_pred=rng.integers(0, 6, batch, dtype=np.int32), eos=eos, budget=budget,
+                ring=ring, pend=rng.integers(0, 6, batch, dtype=np.int32),
+                acc=rng.integers(0, 100, (batch, 2), dtype=np.int32), n_commit=np.full(batch, P, np.int32))
+    run_pair("ring_commit", host, {}, ops)
+
+
+class _Tables:
+    """A stub cache's layer arrays on one backend, with its two pointer tables."""
+
+    def __init__(self, backend, layout, storage, lengths, capacity):
+        xp = backend.xp
+        layers = [KVLayer(xp.asarray(storage[i]), xp.asarray(lengths[i])) if has else None
+                  for i, has in enumerate(layout)]
+        self.cache = KVCache(layers, storage[0].shape[0], capacity, backend)
+        self.kv = storage_ptr_table(self.cache)
+        self.len = kv_len_ptr_table_range(self.cache, range(len(layout)))
+
+    def dump(self):
+        out = []
+        for layer in self.cache.layers:
+            if layer is not None:
+                out += [np.asarray(layer.storage.get() if hasattr(layer.storage, "get") else layer.storage),
+                        np.asarray(layer.length.get() if hasattr(layer.length, "get") else layer.length)]
+        return out
+
+
+def stub_state(rng, batch, layout, capacity, poison_lengths=False):
+    """Random consistent-ish stub KV contents: rows past each length poisoned."""
+    storage, lengths = [], []
+    for _ in layout:
+        ln = rng.integers(0, capacity // 2, batch).astype(np.int32)
+        if poison_lengths:
+            bad = rng.random(batch) < 0.2
+            ln[bad] = rng.choice([-1, capacity + 3], bad.sum())
+        st = rng.integers(-(2**31), 2**31 - 1, (batch, capacity), dtype=np.int64).astype(np.int32)
+        storage.append(poison_past(st, np.clip(ln, 0, capacity)))
+        lengths.append(ln)
+    return storage, lengths
+
+
+def run_stub_pair(name, rng, layout, storage, lengths, capacity, host, scalars, gpu_backend):
+    np_be = Backend("numpy")
+    t_np = _Tables(np_be, layout, [s.copy() for s in storage], [x.copy() for x in lengths], capacity)
+    t_cp = _Tables(gpu_backend, layout, storage, lengths, capacity)
+    want = {n: a.copy() for n, a in host.items()}
+    dev = {n: cp.asarray(a) for n, a in host.items()}
+    getattr(reference, name)(**want, kv_table=t_np.kv, len_table=t_np.len, **scalars)
+    stream = cp.cuda.Stream(non_blocking=True)
+    getattr(gpu_backend.ops, name)(**dev, kv_table=t_cp.kv, len_table=t_cp.len, **scalars, stream=stream)
+    stream.synchronize()
+    for n in host:
+        got, exp = cp.asnumpy(dev[n]), want[n]
+        if got.dtype == np.float32:
+            got, exp = got.view(np.int32), exp.view(np.int32)
+        np.testing.assert_array_equal(got, exp, err_msg=f"{name}: {n}")
+    for i, (g, e) in enumerate(zip(t_cp.dump(), t_np.dump())):
+        np.testing.assert_array_equal(g, e, err_msg=f"{name}: layer array {i}")
+    return want
+
+
+LAYOUTS = [[True], [False, True, True, False, True], [True] * 3 + [False] + [True] * 40]
+
+
+@pytest.mark.parametrize("batch", SIZES)
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: f"L{len(x)}")
+def test_stub_prefill(rng, gpu_backend, batch, layout):
+    capacity, p_max, vocab = 64, 23, 1009
+    plen = rng.integers(1, p_max + 1, batch).astype(np.int32)
+    plen[rng.random(batch) < 0.2] = NO_PREFILL
+    prompt = poison_past(rng.integers(0, vocab, (batch, p_max)).astype(np.int32), np.maximum(plen, 0))
+    storage, lengths = stub_state(rng, batch, layout, capacity)
+    host = dict(prompt=prompt, prompt_len=plen, pos_ctr=np.full(batch, P, np.int32),
+                pend=np.full(batch, P, np.int32))
+    run_stub_pair("stub_prefill", rng, layout, storage, lengths, capacity, host,
+                  dict(capacity=capacity, vocab=vocab), gpu_backend)
+
+
+@pytest.mark.parametrize("batch", SIZES)
+@pytest.mark.parametrize("k", KS)
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: f"L{len(x)}")
+def test_stub_draft_step(rng, gpu_backend, batch, k, layout):
+    capacity, vocab = 48, int(rng.choice([2, 7, 50000]))
+    step = int(rng.integers(0, k))
+    storage, lengths = stub_state(rng, batch, layout, capacity, poison_lengths=True)
+    brk = np.stack([rng.integers(0, k + 1, batch), (rng.random(batch) < 0.3)], axis=1).astype(np.int32)
+    host = dict(vtok=rng.integers(0, vocab, (batch, k + 1)).astype(np.int32),
+                pos_ctr=rng.integers(0, 30, batch).astype(np.int32),
+                seed=rng.integers(0, 2**32, batch, dtype=np.uint64).astype(np.uint32),
+                agree24=rng.choice([0, fixed24(0.5), fixed24(1.0)], batch).astype(np.int32),
+                draft_tok=poison_past(rng.integers(0, vocab, (batch, k)).astype(np.int32), np.full(batch, step)),
+                draft_conf=np.full((batch, k), -1.0, np.float32), brk=brk)
+    scalars = dict(step=step, capacity=capacity, vocab=vocab, pmin24=fixed24(float(rng.random()) * 0.3), cost_ns=0)
+    run_stub_pair("stub_draft_step", rng, layout, storage, lengths, capacity, host, scalars, gpu_backend)
+
+
+@pytest.mark.parametrize("batch", SIZES)
+@pytest.mark.parametrize("k", KS)
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: f"L{len(x)}")
+def test_stub_verify(rng, gpu_backend, batch, k, layout):
+    capacity, vocab = 40, int(rng.choice([2, 7, 50000]))
+    storage, lengths = stub_state(rng, batch, layout, capacity, poison_lengths=True)
+    vtok = rng.integers(0, vocab, (batch, k + 1)).astype(np.int32)
+    poison_past(vtok, rng.integers(1, k + 2, batch))
+    host = dict(vtok=vtok, pos_ctr=rng.integers(0, 30, batch).astype(np.int32),
+                tgt_pred=np.full((batch, k + 1), P, np.int32))
+    run_stub_pair("stub_verify", rng, layout, storage, lengths, capacity, host,
+                  dict(capacity=capacity, vocab=vocab, cost_ns=0), gpu_backend)
+
+
+@pytest.mark.parametrize("batch", SIZES)
+@pytest.mark.parametrize("n_layers", [1, 19, 300])
+def test_rollback_stream(rng, gpu_backend, batch, n_layers):
+    layout = [bool(x) for x in rng.random(n_layers) < 0.7]
+    layout[0] = True
+    storage, lengths = stub_state(rng, batch, layout, 8)
+    np_be = Backend("numpy")
+    pos_np = rng.integers(0, 100, batch).astype(np.int32)
+    pos_cp = cp.asarray(pos_np)
+    t_np = _Tables(np_be, layout, storage, [x.copy() for x in lengths], 8)
+    t_cp = _Tables(gpu_backend, layout, storage, lengths, 8)
+    tab_np = kv_len_ptr_table_range(t_np.cache, range(n_layers), pos_ctr=pos_np)
+    tab_cp = kv_len_ptr_table_range(t_cp.cache, range(n_layers), pos_ctr=pos_cp)
+    pos_start = rng.integers(0, 1000, batch).astype(np.int32)
+    n_commit = rng.integers(0, 9, batch).astype(np.int32)
+    reference.rollback_stream(tab_np, pos_start, n_commit)
+    stream = cp.cuda.Stream(non_blocking=True)
+    gpu_backend.ops.rollback_stream(tab_cp, cp.asarray(pos_start), cp.asarray(n_commit), stream=stream)
+    stream.synchronize()
+    for g, e in zip(t_cp.dump(), t_np.dump()):
+        np.testing.assert_array_equal(g, e)
+    np.testing.assert_array_equal(pos_cp.get(), pos_np)
+    np.testing.assert_array_equal(pos_np, pos_start + n_commit)
