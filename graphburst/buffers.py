@@ -11,11 +11,12 @@ from collections.abc import Sequence
 import numpy as np
 
 from .backend import Backend, get_backend
+from .guard import Watched
 from .constants import ABSENT_LAYER, MAX_K, MAX_TABLE_ENTRIES, NO_EOS, RING_COUNT_SLOT, UNBOUNDED_BUDGET
 from .validate import check_array, check_int
 
 
-class StreamBufs:
+class StreamBufs(Watched):
     """Per-burst buffers of a batch of B sequences, k drafts per round, M rounds a burst.
 
     Parameters
@@ -50,6 +51,8 @@ class StreamBufs:
         "eos": (lambda b, k, m: (b,), np.int32),  # stop token, NO_EOS for none
         "budget": (lambda b, k, m: (b,), np.int32),  # tokens still allowed, UNBOUNDED_BUDGET for none
     }
+
+    _watched = frozenset(LAYOUT)
 
     def __init__(self, batch: int, k: int, m_rounds: int, backend: Backend | str = "auto"):
         self.batch = check_int("batch", batch)
@@ -98,7 +101,7 @@ def split_ring(ring_host: np.ndarray) -> list[np.ndarray]:
     return [ring_host[b, 1 : 1 + counts[b]].copy() for b in range(ring_host.shape[0])]
 
 
-class KVLayer:
+class KVLayer(Watched):
     """One attention layer's KV: caller-owned storage plus its per-sequence length.
 
     Parameters
@@ -110,12 +113,14 @@ class KVLayer:
         Valid entries per sequence; the rollback kernel writes it.
     """
 
+    _watched = frozenset({"storage", "length"})
+
     def __init__(self, storage, length):
         self.storage = storage
         self.length = length
 
 
-class KVCache:
+class KVCache(Watched):
     """A model's KV cache: a list of layers, ``None`` for a layer without KV.
 
     Parameters
@@ -127,11 +132,13 @@ class KVCache:
     backend : Backend or str
     """
 
+    _watched = frozenset({"layers"})
+
     def __init__(self, layers: Sequence[KVLayer | None], batch: int, capacity: int, backend: Backend | str = "auto"):
         self.backend = get_backend(backend)
         self.batch = check_int("batch", batch)
         self.capacity = check_int("capacity", capacity, maximum=2**31 - 1)
-        self.layers = list(layers)
+        self.layers = tuple(layers)  # a tuple: swapping a layer means rebinding, which guards see
         for i, layer in enumerate(self.layers):
             if layer is None:
                 continue
@@ -169,7 +176,7 @@ class KVCache:
         return out
 
 
-class PtrTable:
+class PtrTable(Watched):
     """A device table of addresses; it holds every pointee so the pointers stay valid.
 
     Attributes
@@ -177,6 +184,8 @@ class PtrTable:
     ptrs : [n] uint64 array on the backend; ``ABSENT_LAYER`` (0) marks no pointee
     targets : tuple of array or None, the pointees in table order
     """
+
+    _watched = frozenset({"ptrs", "targets"})
 
     def __init__(self, targets: Sequence, backend: Backend):
         if len(targets) > MAX_TABLE_ENTRIES:

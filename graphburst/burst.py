@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .buffers import StreamBufs, kv_len_ptr_table
+from .guard import Watched
 from .constants import NO_EOS, NO_PREFILL, UNBOUNDED_BUDGET
 from .models import DraftModel, TargetModel, check_pair
 from .validate import check_int
@@ -36,7 +37,7 @@ class Call:
         self.fn(stream=stream)
 
 
-class SpecDecoder:
+class SpecDecoder(Watched):
     """Speculative-decoding bursts of a target/draft pair over fixed-address buffers.
 
     Parameters
@@ -50,6 +51,8 @@ class SpecDecoder:
     stream : optional
         Stream to run on; a new non-blocking stream by default.
     """
+
+    _watched = frozenset({"bufs", "table", "target", "draft", "stream"})
 
     def __init__(self, target: TargetModel, draft: DraftModel, *, k: int, m_rounds: int, stream=None):
         check_pair(target, draft)
@@ -70,7 +73,7 @@ class SpecDecoder:
         self.host_eos = np.full(self.batch, NO_EOS, np.int64)
         self.host_syncs = 0
         self.bursts = 0
-        self.undrained = False
+        self.outstanding = 0  # bursts enqueued but not yet drained
 
     # ------------------------------------------------------------------ admission
 
@@ -93,8 +96,8 @@ class SpecDecoder:
         CapacityError
             When a request cannot fit in the KV cache.
         """
-        if self.undrained:
-            raise RuntimeError("drain the previous burst before prefilling: its tokens would be lost")
+        if self.outstanding:
+            raise RuntimeError("drain every enqueued burst before prefilling: its tokens would be lost")
         if len(prompts) != self.batch:
             raise ValueError(f"prompts must have one entry per slot ({self.batch}), got {len(prompts)}")
         slots = [b for b, p in enumerate(prompts) if p is not None]
@@ -165,9 +168,17 @@ class SpecDecoder:
 
     # ------------------------------------------------------------------ running
 
+    def refresh_tables(self) -> None:
+        """Rebuild every pointer table from the caches' current layers (before a recapture)."""
+        for model in (self.target, self.draft):
+            refresh = getattr(model, "refresh_tables", None)
+            if refresh is not None:
+                refresh()
+        self.table = kv_len_ptr_table([self.target.cache, self.draft.cache], pos_ctr=self.bufs.pos_ctr)
+
     def check_fits(self) -> None:
-        """Raise CapacityError unless one more burst fits every live slot's cache rows."""
-        growth = np.minimum(self.host_left, self.bufs.ring_capacity)
+        """Raise CapacityError unless one more burst, after those outstanding, fits every live slot."""
+        growth = np.minimum(self.host_left, self.bufs.ring_capacity) * (self.outstanding + 1)
         end = np.where(self.host_left > 0, self.host_pos + growth, 0)
         if end.max(initial=0) > self.capacity:
             b = int(np.argmax(end))
@@ -175,12 +186,12 @@ class SpecDecoder:
                 f"slot {b} is at position {int(self.host_pos[b])}; a burst of up to {int(growth[b])} tokens would "
                 f"pass the KV capacity {self.capacity}")
 
-    def begin_burst(self) -> None:
+    def begin_burst(self, max_outstanding: int = 1) -> None:
         """Host-side checks before enqueueing a burst (no device work, no sync)."""
-        if self.undrained:
-            raise RuntimeError("the previous burst was not drained; its tokens would be overwritten")
+        if self.outstanding >= max_outstanding:
+            raise RuntimeError(f"{self.outstanding} burst(s) not drained; another would overwrite their tokens")
         self.check_fits()
-        self.undrained = True
+        self.outstanding += 1
 
     def enqueue_burst(self, *, mode: str = "pre_issued") -> None:
         """Enqueue one eager burst; ``per_round_sync`` reads ``n_commit`` after every round."""
@@ -196,6 +207,8 @@ class SpecDecoder:
 
     def drain(self) -> list[np.ndarray]:
         """Read the last burst's committed tokens per slot: the burst's one host sync."""
+        if self.outstanding == 0:
+            raise RuntimeError("no burst to drain: enqueue_burst() first")
         tokens = self.bufs.drain_ring(self.stream)
         self.finish_burst(tokens)
         return tokens
@@ -204,7 +217,7 @@ class SpecDecoder:
         """Advance the host mirror by a drained burst's tokens."""
         self.host_syncs += 1
         self.bursts += 1
-        self.undrained = False
+        self.outstanding -= 1
         for b, t in enumerate(tokens):
             self.host_pos[b] += len(t)
             if self.host_left[b] != UNBOUNDED_BUDGET:

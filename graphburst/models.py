@@ -40,6 +40,7 @@ import numpy as np
 from .backend import Backend, get_backend
 from .buffers import KVCache, StreamBufs, kv_len_ptr_table_range, storage_ptr_table
 from .digest import fixed24
+from .guard import Watched
 from .validate import check_int, check_prob
 
 
@@ -67,8 +68,10 @@ def normalize_layout(layers, name: str) -> list[bool]:
     return layout
 
 
-class _StubModel:
+class _StubModel(Watched):
     """Shared set-up of both stubs: a stub KV cache and its two pointer tables."""
+
+    _watched = frozenset({"cache", "kv_table", "len_table", "seed", "agree24"})
 
     def __init__(self, batch, vocab, layers, capacity, cost_ns, backend, role):
         self.backend = get_backend(backend)
@@ -76,8 +79,18 @@ class _StubModel:
         self.cost_ns = check_int("cost_ns", cost_ns, minimum=0)
         self.layout = normalize_layout(layers, f"{role} layers")
         self.cache = KVCache.for_stub(self.layout, batch, capacity, self.backend)
+        self.refresh_tables()
+
+    def refresh_tables(self) -> None:
+        """Rebuild the pointer tables from the cache's current layers (before a recapture)."""
         self.kv_table = storage_ptr_table(self.cache)
         self.len_table = kv_len_ptr_table_range(self.cache, range(self.cache.n_layers))
+
+    def graph_buffers(self) -> dict:
+        """Buffers this model's kernels read or write, besides its cache and the StreamBufs."""
+        out = {"kv_table": self.kv_table.ptrs, "len_table": self.len_table.ptrs}
+        out.update({name: getattr(self, name) for name in ("seed", "agree24") if hasattr(self, name)})
+        return out
 
     @property
     def batch(self) -> int:

@@ -1,0 +1,288 @@
+"""Capture a whole M-round burst into one CUDA graph; replay it once per burst.
+
+Lifecycle (docs/capture.md has the diagram): warm every kernel up, capture the
+decoder's burst program on its stream in a strict mode (an allocation or host sync in
+the region fails the capture), upload, then ``replay()`` = one graph launch and
+``drain()`` = the one host sync. With ``gapless=True`` two graphs differ only in the
+pinned host buffer their final device-to-host node fills, so burst n+1 can be enqueued
+before burst n is read. On the numpy backend "capture" records the same bound calls
+and replay re-runs the record, so CI exercises the same ordering and baking logic.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import deque
+
+import numpy as np
+
+from .buffers import split_ring
+from .burst import Call, SpecDecoder
+from .guard import AddressGuard, StaleGraphError
+
+CAPTURE_MODES = ("global", "thread_local")
+__all__ = ["BurstGraph", "CaptureError", "StaleGraphError", "CAPTURE_MODES"]
+
+
+class CaptureError(RuntimeError):
+    """Capture failed; the stream was taken out of capture and stays usable."""
+
+
+@functools.cache
+def _warm_up(device_id: int) -> None:
+    """Compile, load and launch every kernel once on scratch buffers, outside any capture."""
+    from .backend import Backend
+    from .models import stub_pair
+
+    backend = Backend("cupy", device_id)
+    target, draft = stub_pair(1, 2, 1, 1, 8, backend=backend)
+    scratch = SpecDecoder(target, draft, k=1, m_rounds=1)
+    scratch.prefill([[0]])
+    scratch.run_burst()
+
+
+def _copy_ring_to_host(backend, host_dst: np.ndarray, ring, *, stream) -> None:
+    """Stream-ordered copy of the device ring into a (pinned) host buffer."""
+    if backend.is_gpu:
+        rt = backend.xp.cuda.runtime
+        rt.memcpyAsync(host_dst.ctypes.data, ring.data.ptr, ring.nbytes, rt.memcpyDeviceToHost, stream.ptr)
+    else:
+        np.copyto(host_dst, ring)
+
+
+def _host_ring(backend, shape) -> np.ndarray:
+    """A host buffer for the ring: pinned on cupy, so the copy node is truly asynchronous."""
+    if not backend.is_gpu:
+        return np.zeros(shape, np.int32)
+    n = int(np.prod(shape))
+    mem = backend.xp.cuda.alloc_pinned_memory(n * 4)
+    arr = np.frombuffer(mem, np.int32, n).reshape(shape)
+    arr[...] = 0
+    return arr  # the array keeps ``mem`` alive through its base
+
+
+def _abort_capture(stream) -> None:
+    # Ending the capture is what returns the stream to normal use; the half-built graph
+    # (or the error saying it was invalidated) is discarded.
+    try:
+        stream.end_capture()
+    except Exception:  # noqa: BLE001 - the original capture error is the one to report
+        pass
+
+
+class BurstGraph:
+    """One captured M-round burst of a :class:`SpecDecoder`, replayed per burst.
+
+    Parameters
+    ----------
+    decoder : SpecDecoder
+        Its buffers, tables and models are baked in; they must not be reallocated
+        while this graph lives (the address guard raises if they are).
+    gapless : bool
+        Copy the ring to pinned host memory inside the graph, alternating two buffers,
+        so the host may enqueue the next burst before reading this one.
+    capture_mode : {"global", "thread_local"}
+        Strict capture modes: an allocation or host sync in the region fails capture.
+    """
+
+    def __init__(self, decoder: SpecDecoder, *, gapless: bool = False, capture_mode: str = "global"):
+        if not isinstance(decoder, SpecDecoder):
+            raise TypeError(f"decoder must be a SpecDecoder, got {type(decoder).__name__}")
+        if capture_mode not in CAPTURE_MODES:
+            raise ValueError(f"capture_mode must be one of {CAPTURE_MODES}, got {capture_mode!r}")
+        self.dec = decoder
+        self.backend = decoder.backend
+        self.gapless = bool(gapless)
+        self.capture_mode = capture_mode
+        self.n_slots = 2 if self.gapless else 1
+        shape = tuple(decoder.bufs.ring.shape)
+        self._host_rings = [_host_ring(self.backend, shape) for _ in range(self.n_slots)] if self.gapless else []
+        self._events = [self._new_event() for _ in range(self.n_slots)] if self.gapless else []
+        self._pending: deque[int] = deque()
+        self._next_slot = 0
+        self.captures = 0
+        self.capture()
+
+    # ------------------------------------------------------------------ capture
+
+    def _new_event(self):
+        if self.backend.is_gpu:
+            with self.backend.device():
+                return self.backend.xp.cuda.Event(disable_timing=True)
+        return None
+
+    def _program(self, slot: int) -> list[Call]:
+        calls = self.dec.burst_calls()
+        if self.gapless:
+            copy = functools.partial(_copy_ring_to_host, self.backend, self._host_rings[slot], self.dec.bufs.ring)
+            calls.append(Call("ring_to_host", copy))
+        return calls
+
+    def _capture_one(self, slot: int):
+        program = self._program(slot)
+        if not self.backend.is_gpu:
+            return program
+        rt = self.backend.xp.cuda.runtime
+        mode = rt.streamCaptureModeGlobal if self.capture_mode == "global" else rt.streamCaptureModeThreadLocal
+        stream = self.dec.stream
+        with self.backend.device():
+            stream.begin_capture(mode=mode)
+            call = None
+            try:
+                for call in program:
+                    call(stream)
+            except Exception as exc:
+                _abort_capture(stream)
+                where = call.name if call is not None else "start"
+                raise CaptureError(f"capture failed in {where}: {type(exc).__name__}: {exc}") from exc
+            graph = stream.end_capture()
+            graph.upload(stream)
+        return graph
+
+    def _baked_buffers(self) -> tuple[dict, list]:
+        """Getters for every buffer the program bakes in, and the objects that hold them."""
+        dec = self.dec
+        getters = {f"bufs.{name}": (lambda n=name: getattr(dec.bufs, n)) for name in dec.bufs.LAYOUT}
+        getters["rollback table"] = lambda: dec.table.ptrs
+        holders = [dec, dec.bufs, dec.table]
+        for role in ("target", "draft"):
+            model = getattr(dec, role)
+            holders.append(model)
+            cache = model.cache
+            holders.append(cache)
+            for i, layer in enumerate(cache.layers):
+                if layer is None:
+                    continue
+                holders.append(layer)
+                getters[f"{role}.cache.layers[{i}].length"] = lambda c=cache, i=i: c.layers[i].length
+                getters[f"{role}.cache.layers[{i}].storage"] = lambda c=cache, i=i: c.layers[i].storage
+            extra = getattr(model, "graph_buffers", None)
+            for name in (extra() if extra else {}):
+                getters[f"{role}.{name}"] = lambda m=model, n=name: m.graph_buffers()[n]
+        holders += [getattr(dec.target, "kv_table", None), getattr(dec.target, "len_table", None),
+                    getattr(dec.draft, "kv_table", None), getattr(dec.draft, "len_table", None)]
+        return getters, [h for h in holders if hasattr(h, "watch")]
+
+    def capture(self) -> None:
+        """Warm up, then capture (or, on numpy, record) the burst program once per slot."""
+        if self._pending or self.dec.outstanding:
+            raise RuntimeError("drain every enqueued burst before capturing")
+        if self.backend.is_gpu:
+            _warm_up(self.backend.device_id)
+        getters, holders = self._baked_buffers()
+        self.guard = AddressGuard(getters, holders, self.backend.address)
+        self._graphs = [self._capture_one(slot) for slot in range(self.n_slots)]
+        self.captures += 1
+
+    def recapture(self) -> None:
+        """Rebuild the pointer tables from the current caches and capture again."""
+        self.dec.refresh_tables()
+        self.capture()
+
+    # ------------------------------------------------------------------ replay
+
+    def replay(self, *, timing_events=None) -> None:
+        """Launch one burst: a single graph launch, no host sync.
+
+        Parameters
+        ----------
+        timing_events : (Event, Event), optional
+            Recorded on the stream just before and after the launch (cupy only), for
+            measuring replay time and the GPU's idle gap between bursts.
+
+        Raises
+        ------
+        StaleGraphError
+            A baked buffer was reallocated or released since capture.
+        CapacityError
+            The burst could write past a KV cache's capacity.
+        """
+        self.guard.check()
+        self.dec.begin_burst(max_outstanding=self.n_slots)
+        slot = self._next_slot
+        graph = self._graphs[slot]
+        if self.backend.is_gpu:
+            if timing_events is not None:
+                timing_events[0].record(self.dec.stream)
+            graph.launch(self.dec.stream)
+            if timing_events is not None:
+                timing_events[1].record(self.dec.stream)
+            if self.gapless:
+                self._events[slot].record(self.dec.stream)
+        else:
+            for call in graph:
+                call(self.dec.stream)
+        self._pending.append(slot)
+        self._next_slot = (slot + 1) % self.n_slots
+
+    def drain(self) -> list[np.ndarray]:
+        """Committed tokens of the oldest undrained burst, per sequence (the one host sync).
+
+        With ``gapless`` this waits on that burst's event only, so a burst enqueued
+        after it keeps the GPU busy meanwhile.
+        """
+        if not self._pending:
+            raise RuntimeError("no burst to drain: replay() first")
+        slot = self._pending.popleft()
+        if self.gapless:
+            if self.backend.is_gpu:
+                self._events[slot].synchronize()
+            tokens = split_ring(self._host_rings[slot])
+        else:
+            tokens = self.dec.bufs.drain_ring(self.dec.stream)
+        self.dec.finish_burst(tokens)
+        return tokens
+
+    def run(self) -> list[np.ndarray]:
+        """Replay one burst and drain it."""
+        self.replay()
+        return self.drain()
+
+    # ------------------------------------------------------------------ introspection
+
+    @property
+    def nodes_per_round(self) -> int:
+        """Kernel launches one round enqueues (one graph node each)."""
+        return len(self.dec.round_calls(first_round=False))
+
+    @property
+    def nodes_total(self) -> int:
+        """Nodes of one burst graph, counted from what the program launches."""
+        return len(self._program(0))
+
+    host_syncs_per_burst = 1
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the device buffers baked into the graph, plus the pinned rings."""
+        return self.guard.nbytes + sum(int(h.nbytes) for h in self._host_rings)
+
+    def graph_node_count(self) -> int | None:
+        """Node count read back from the CUDA graph (None without cuda.bindings or on numpy)."""
+        if not self.backend.is_gpu:
+            return None
+        try:
+            from cuda.bindings import runtime as cudart
+        except ImportError:
+            return None
+        handle = cudart.cudaGraph_t(init_value=int(self._graphs[0].graph))
+        err, _, count = cudart.cudaGraphGetNodes(handle, 0)
+        if err != cudart.cudaError_t.cudaSuccess:
+            raise RuntimeError(f"cudaGraphGetNodes failed: {err}")
+        return int(count)
+
+    def info(self) -> dict:
+        """Counts a user checks before adopting the graph."""
+        return {
+            "backend": self.backend.name,
+            "m_rounds": self.dec.m_rounds,
+            "k": self.dec.k,
+            "batch": self.dec.batch,
+            "nodes_per_round": self.nodes_per_round,
+            "nodes_total": self.nodes_total,
+            "graph_nodes_confirmed": self.graph_node_count(),
+            "host_syncs_per_burst": self.host_syncs_per_burst,
+            "buffer_bytes": self.nbytes,
+            "gapless": self.gapless,
+            "captures": self.captures,
+        }
