@@ -50,12 +50,18 @@ class SpecDecoder(Watched):
         Rounds per burst, >= 1.
     stream : optional
         Stream to run on; a new non-blocking stream by default.
+    fused : bool
+        Run accept, commit, rollback and the next round's seed as one epilogue kernel
+        (2 bookkeeping launches per round plus 1 per burst) instead of the separate
+        kernels (5 per round). Both produce identical state.
     """
 
     _watched = frozenset({"bufs", "table", "target", "draft", "stream"})
 
-    def __init__(self, target: TargetModel, draft: DraftModel, *, k: int, m_rounds: int, stream=None):
+    def __init__(self, target: TargetModel, draft: DraftModel, *, k: int, m_rounds: int, stream=None,
+                 fused: bool = True):
         check_pair(target, draft)
+        self.fused = bool(fused)
         self.target, self.draft = target, draft
         self.backend = target.cache.backend
         self.batch = target.cache.batch
@@ -145,26 +151,40 @@ class SpecDecoder(Watched):
 
     # ------------------------------------------------------------------ the round program
 
+    def _seed_call(self, reset_ring: bool) -> Call:
+        b = self.bufs
+        return Call("seed_gather", functools.partial(self.backend.ops.seed_gather, b.pend, b.pos_ctr, b.vtok,
+                                                     b.pos_start, b.brk, b.ring, reset_ring=reset_ring))
+
     def round_calls(self, first_round: bool) -> list[Call]:
-        """The bound kernel calls of one round, in stream order."""
+        """The bound kernel calls of one round, in stream order.
+
+        Fused rounds are seeded by the previous round's epilogue (or the burst's head
+        seed), so they start at the draft chain.
+        """
         b, ops = self.bufs, self.backend.ops
-        calls = [Call("seed_gather", functools.partial(ops.seed_gather, b.pend, b.pos_ctr, b.vtok, b.pos_start, b.brk,
-                                                       b.ring, reset_ring=first_round))]
+        calls = [] if self.fused else [self._seed_call(reset_ring=first_round)]
         calls += [Call(f"draft_step[{j}]", functools.partial(self.draft.draft_step, b, j)) for j in range(self.k)]
         calls += [
             Call("assemble_verify", functools.partial(ops.assemble_verify, b.pend, b.draft_tok, b.brk, b.vtok)),
             Call("verify", functools.partial(self.target.verify, b)),
+        ]
+        if self.fused:
+            return calls + [Call("epilogue", functools.partial(
+                ops.epilogue, b.tgt_pred, b.eos, b.vtok, b.brk, b.n_acc, b.last_pred, b.budget, b.ring, b.pend,
+                b.acc, b.n_commit, b.pos_start, b.pos_ctr, self.table))]
+        return calls + [
             Call("accept_greedy", functools.partial(ops.accept_greedy, b.vtok, b.tgt_pred, b.brk, b.n_acc,
                                                     b.last_pred)),
             Call("ring_commit", functools.partial(ops.ring_commit, b.vtok, b.n_acc, b.last_pred, b.eos, b.budget,
                                                   b.ring, b.pend, b.acc, b.n_commit)),
             Call("rollback_stream", functools.partial(ops.rollback_stream, self.table, b.pos_start, b.n_commit)),
         ]
-        return calls
 
     def burst_calls(self) -> list[Call]:
-        """The bound calls of a whole M-round burst."""
-        return [c for r in range(self.m_rounds) for c in self.round_calls(first_round=r == 0)]
+        """The bound calls of a whole M-round burst (fused bursts start with a head seed)."""
+        head = [self._seed_call(reset_ring=True)] if self.fused else []
+        return head + [c for r in range(self.m_rounds) for c in self.round_calls(first_round=r == 0)]
 
     # ------------------------------------------------------------------ running
 
@@ -198,6 +218,8 @@ class SpecDecoder(Watched):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.begin_burst()
+        if self.fused:
+            self._seed_call(reset_ring=True)(self.stream)
         for r in range(self.m_rounds):
             for call in self.round_calls(first_round=r == 0):
                 call(self.stream)

@@ -23,6 +23,8 @@ KERNEL_NAMES = (
     "spec_accept_greedy_dc",
     "spec_ring_commit",
     "spec_rollback_stream",
+    "spec_epilogue",
+    "gb_empty_node",
     "stub_prefill",
     "stub_draft_step",
     "stub_verify",
@@ -115,6 +117,23 @@ def rollback_stream(table, pos_start, n_commit, *, stream):
     block = (THREADS_PER_BLOCK,)
     args = (_i32(batch), _i32(len(table)), table.ptrs, pos_start, n_commit)
     _launch("spec_rollback_stream", grid, block, args, stream)
+
+
+def epilogue(tgt_pred, eos, vtok, brk, n_acc, last_pred, budget, ring, pend, acc, n_commit, pos_start, pos_ctr,
+             table, *, stream):
+    batch, k1 = vtok.shape
+    grid = (batch,)
+    block = (_layer_threads(len(table)),)
+    args = (_i32(k1 - 1), _i32(ring.shape[1] - 1), tgt_pred, eos, vtok, brk, n_acc, last_pred, budget, ring,
+            _i32(ring.shape[1]), pend, acc, n_commit, pos_start, pos_ctr, table.ptrs, _i32(len(table)))
+    _launch("spec_epilogue", grid, block, args, stream)
+
+
+def empty_node(*, stream):
+    """One launch of an empty kernel: the unit of the benchmark floor."""
+    grid = (1,)
+    block = (1,)
+    _launch("gb_empty_node", grid, block, (), stream)
 
 
 # ----------------------------------------------------------------------------- stubs

@@ -80,6 +80,59 @@ __device__ __forceinline__ u32 gb_prev_entry(const int* row, int n, int capacity
 // Generic kernels (model-agnostic burst bookkeeping)
 // =====================================================================================
 
+// Per-sequence bodies, shared by the separate kernels and the fused epilogue so the two
+// cannot drift apart.
+
+__device__ __forceinline__ void gb_seed_one(int b, int k, int reset_ring, const int* pend, const int* pos_ctr,
+                                            int* vtok, int* pos_start, int* brk, int* ring, int ring_stride) {
+    vtok[(long long)b * (k + 1)] = pend[b];
+    pos_start[b] = pos_ctr[b];
+    brk[2 * b] = k;
+    brk[2 * b + 1] = 0;
+    if (reset_ring) ring[(long long)b * ring_stride] = 0;
+}
+
+__device__ __forceinline__ void gb_accept_one(int b, int k, const int* vtok, const int* tgt_pred, const int* brk,
+                                              int* n_acc, int* last_pred) {
+    const int* v = vtok + (long long)b * (k + 1);
+    const int* t = tgt_pred + (long long)b * (k + 1);
+    int n_valid = min(max(brk[2 * b], 0), k);
+    int n = 0;
+    while (n < n_valid && v[n + 1] == t[n]) ++n;
+    n_acc[b] = n;
+    last_pred[b] = t[n];
+}
+
+// Returns the number of tokens committed.
+__device__ __forceinline__ int gb_commit_one(int b, int k, int ring_cap, const int* vtok, const int* n_acc,
+                                             const int* last_pred, const int* eos, int* budget, int* ring,
+                                             int ring_stride, int* pend, int* acc, int* n_commit) {
+    const int* v = vtok + (long long)b * (k + 1);
+    int* r = ring + (long long)b * ring_stride;
+    int n = min(max(n_acc[b], 0), k);
+    int cnt = min(max(r[0], 0), ring_cap);
+    int left = budget[b];
+    int stop_tok = eos[b];
+    int c = 0;
+    for (int i = 0; i <= n; ++i) {
+        if (left <= 0 || cnt + c >= ring_cap) break;
+        int tok = v[i];
+        r[1 + cnt + c] = tok;
+        ++c;
+        if (left != GB_UNBOUNDED_BUDGET) --left;
+        if (tok == stop_tok) left = 0;
+    }
+    r[0] = cnt + c;
+    budget[b] = left;
+    n_commit[b] = c;
+    if (c > 0) {
+        acc[2 * b] += c - 1;
+        acc[2 * b + 1] += 1;
+    }
+    if (c == n + 1) pend[b] = last_pred[b];
+    return c;
+}
+
 // Threads: one per sequence.
 // Starts a round: verify slot 0 <- pending token, rollback anchor <- position counter,
 // break marker <- "no break" ([k, 0]); the first round of a burst also empties the ring.
@@ -93,11 +146,7 @@ extern "C" __global__ void spec_seed_gather(int batch, int k, int reset_ring,
                                             int ring_stride) {
     int b = blockIdx.x * blockDim.x + threadIdx.x;
     if (b >= batch) return;
-    vtok[(long long)b * (k + 1)] = pend[b];
-    pos_start[b] = pos_ctr[b];
-    brk[2 * b] = k;
-    brk[2 * b + 1] = 0;
-    if (reset_ring) ring[(long long)b * ring_stride] = 0;
+    gb_seed_one(b, k, reset_ring, pend, pos_ctr, vtok, pos_start, brk, ring, ring_stride);
 }
 
 // Threads: one per verify slot (b, j), j in [0, k].
@@ -131,13 +180,7 @@ extern "C" __global__ void spec_accept_greedy_dc(int batch, int k,
                                                  int* __restrict__ last_pred) {     // [B]
     int b = blockIdx.x * blockDim.x + threadIdx.x;
     if (b >= batch) return;
-    const int* v = vtok + (long long)b * (k + 1);
-    const int* t = tgt_pred + (long long)b * (k + 1);
-    int n_valid = min(max(brk[2 * b], 0), k);
-    int n = 0;
-    while (n < n_valid && v[n + 1] == t[n]) ++n;
-    n_acc[b] = n;
-    last_pred[b] = t[n];
+    gb_accept_one(b, k, vtok, tgt_pred, brk, n_acc, last_pred);
 }
 
 // Threads: one per sequence, each appending at most k + 1 tokens.
@@ -156,29 +199,7 @@ extern "C" __global__ void spec_ring_commit(int batch, int k, int ring_cap,
                                             int* __restrict__ n_commit) {       // [B]
     int b = blockIdx.x * blockDim.x + threadIdx.x;
     if (b >= batch) return;
-    const int* v = vtok + (long long)b * (k + 1);
-    int* r = ring + (long long)b * ring_stride;
-    int n = min(max(n_acc[b], 0), k);
-    int cnt = min(max(r[0], 0), ring_cap);
-    int left = budget[b];
-    int stop_tok = eos[b];
-    int c = 0;
-    for (int i = 0; i <= n; ++i) {
-        if (left <= 0 || cnt + c >= ring_cap) break;
-        int tok = v[i];
-        r[1 + cnt + c] = tok;
-        ++c;
-        if (left != GB_UNBOUNDED_BUDGET) --left;
-        if (tok == stop_tok) left = 0;
-    }
-    r[0] = cnt + c;
-    budget[b] = left;
-    n_commit[b] = c;
-    if (c > 0) {
-        acc[2 * b] += c - 1;
-        acc[2 * b + 1] += 1;
-    }
-    if (c == n + 1) pend[b] = last_pred[b];
+    gb_commit_one(b, k, ring_cap, vtok, n_acc, last_pred, eos, budget, ring, ring_stride, pend, acc, n_commit);
 }
 
 // Threads: one per (table entry, sequence); blockIdx.y walks the pointer table.
@@ -194,6 +215,47 @@ extern "C" __global__ void spec_rollback_stream(int batch, int n_entries,
     if (p == 0) return;
     reinterpret_cast<int*>(p)[b] = pos_start[b] + n_commit[b];
 }
+
+// Threads: one block per sequence; thread 0 accepts and commits, every thread then walks
+// a stride of the pointer table for the rollback, and thread 0 seeds the next round.
+// Exactly accept -> commit -> rollback -> seed(reset_ring = 0), in one graph node.
+extern "C" __global__ void spec_epilogue(int k, int ring_cap,
+                                         const int* __restrict__ tgt_pred,  // [B, K1]
+                                         const int* __restrict__ eos,       // [B]
+                                         int* __restrict__ vtok,            // [B, K1]
+                                         int* __restrict__ brk,             // [B, 2]
+                                         int* __restrict__ n_acc,           // [B]
+                                         int* __restrict__ last_pred,       // [B]
+                                         int* __restrict__ budget,          // [B]
+                                         int* __restrict__ ring,            // [B, R]
+                                         int ring_stride,
+                                         int* __restrict__ pend,            // [B]
+                                         int* __restrict__ acc,             // [B, 2]
+                                         int* __restrict__ n_commit,        // [B]
+                                         int* __restrict__ pos_start,       // [B]
+                                         int* pos_ctr,                      // [B], may be in the table
+                                         const u64* __restrict__ len_tbl,   // [E]
+                                         int n_entries) {
+    __shared__ int s_commit;
+    int b = blockIdx.x;
+    if (threadIdx.x == 0) {
+        gb_accept_one(b, k, vtok, tgt_pred, brk, n_acc, last_pred);
+        s_commit = gb_commit_one(b, k, ring_cap, vtok, n_acc, last_pred, eos, budget, ring, ring_stride, pend,
+                                 acc, n_commit);
+    }
+    __syncthreads();
+    int target = pos_start[b] + s_commit;
+    for (int e = threadIdx.x; e < n_entries; e += blockDim.x) {
+        u64 p = len_tbl[e];
+        if (p != 0) reinterpret_cast<int*>(p)[b] = target;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) gb_seed_one(b, k, 0, pend, pos_ctr, vtok, pos_start, brk, ring, ring_stride);
+}
+
+// Benchmark support: the floor graph is a chain of these.
+// Threads: one block of one thread that does nothing.
+extern "C" __global__ void gb_empty_node() {}
 
 // =====================================================================================
 // Stub models (deterministic, digest-carrying KV caches; see reference.py)

@@ -160,6 +160,23 @@ def rollback_stream(table, pos_start, n_commit, *, stream=None):
             arr[:] = target
 
 
+def epilogue(tgt_pred, eos, vtok, brk, n_acc, last_pred, budget, ring, pend, acc, n_commit, pos_start, pos_ctr,
+             table, *, stream=None):
+    """Fused round epilogue: exactly accept, commit, rollback, then seed the next round.
+
+    The next round's seed never resets the ring (a burst's head seed does that).
+
+    Parameters
+    ----------
+    As for :func:`accept_greedy`, :func:`ring_commit`, :func:`rollback_stream` and
+    :func:`seed_gather`; ``pos_ctr`` may itself be an entry of ``table``.
+    """
+    accept_greedy(vtok, tgt_pred, brk, n_acc, last_pred)
+    ring_commit(vtok, n_acc, last_pred, eos, budget, ring, pend, acc, n_commit)
+    rollback_stream(table, pos_start, n_commit)
+    seed_gather(pend, pos_ctr, vtok, pos_start, brk, ring, reset_ring=False)
+
+
 # --------------------------------------------------------------------------------------
 # Stub models
 # --------------------------------------------------------------------------------------

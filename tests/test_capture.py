@@ -52,15 +52,19 @@ def test_replay_equals_eager_and_reference(backend, batch, k, m, n_layers, accep
         "graph": make(backend, batch, k, m, lay, (True, False), accept, bursts=bursts),
         "pre_issued": make(backend, batch, k, m, lay, (True, False), accept, bursts=bursts),
         "per_round_sync": make(backend, batch, k, m, lay, (True, False), accept, bursts=bursts),
+        "graph_separate": make(backend, batch, k, m, lay, (True, False), accept, bursts=bursts),
         "numpy_graph": make(Backend("numpy"), batch, k, m, lay, (True, False), accept, bursts=bursts),
     }
+    decs["graph_separate"].fused = False
+    decs["per_round_sync"].fused = False
     for d in decs.values():
         d.prefill(prompts)
-    graphs = {name: BurstGraph(decs[name]) for name in ("graph", "numpy_graph")}
+    graphs = {name: BurstGraph(decs[name]) for name in ("graph", "graph_separate", "numpy_graph")}
     out = {name: [[] for _ in range(batch)] for name in decs}
     for _ in range(bursts):
         runs = {
             "graph": graphs["graph"].run(),
+            "graph_separate": graphs["graph_separate"].run(),
             "numpy_graph": graphs["numpy_graph"].run(),
             "pre_issued": decs["pre_issued"].run_burst(mode="pre_issued"),
             "per_round_sync": decs["per_round_sync"].run_burst(mode="per_round_sync"),
@@ -168,13 +172,19 @@ def test_capacity_is_checked_before_replay(backend):
     assert int(dec.positions()[0]) == dec.host_pos[0]
 
 
-def test_introspection_counts(backend):
+@pytest.mark.parametrize("fused", [True, False])
+def test_introspection_counts(backend, fused):
     dec = make(backend, 2, 4, 3)
+    dec.fused = fused
     dec.prefill(prompts_for(2))
     g = BurstGraph(dec, gapless=True)
     info = g.info()
-    assert info["nodes_per_round"] == 1 + 4 + 5  # seed, k drafts, assemble/verify/accept/commit/rollback
-    assert info["nodes_total"] == 3 * info["nodes_per_round"] + 1
+    if fused:  # k drafts, assemble, verify, epilogue; plus one head seed per burst
+        assert info["nodes_per_round"] == 4 + 3
+        assert info["nodes_total"] == 1 + 3 * info["nodes_per_round"] + 1
+    else:  # seed, k drafts, assemble, verify, accept, commit, rollback
+        assert info["nodes_per_round"] == 1 + 4 + 5
+        assert info["nodes_total"] == 3 * info["nodes_per_round"] + 1
     assert info["host_syncs_per_burst"] == 1
     assert info["buffer_bytes"] >= dec.bufs.nbytes
     if backend.is_gpu:

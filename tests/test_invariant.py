@@ -44,12 +44,12 @@ def check_state(dec: SpecDecoder, emitted):
     np.testing.assert_array_equal(acc[:, 0] + acc[:, 1], [len(e) for e in emitted], err_msg="accept counters")
 
 
-def run_and_check(backend, batch, k, m, accept_prob, p_min, layouts, rng, bursts=3):
+def run_and_check(backend, batch, k, m, accept_prob, p_min, layouts, rng, bursts=3, fused=True):
     t_layout, d_layout = layouts
     capacity = 9 + bursts * m * (k + 1)
     target, draft = stub_pair(batch, VOCAB, t_layout, d_layout, capacity, accept_prob=accept_prob, p_min=p_min,
                               seed=int(rng.integers(0, 2**31)), backend=backend)
-    dec = SpecDecoder(target, draft, k=k, m_rounds=m)
+    dec = SpecDecoder(target, draft, k=k, m_rounds=m, fused=fused)
     prompts = make_prompts(rng, batch)
     dec.prefill(prompts)
     emitted = [[] for _ in range(batch)]
@@ -64,9 +64,10 @@ def run_and_check(backend, batch, k, m, accept_prob, p_min, layouts, rng, bursts
     return dec, emitted
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "separate"])
 @pytest.mark.parametrize("batch, k, m, accept_prob, p_min, layouts", CONFIGS)
-def test_bursts_equal_greedy_reference(backend, rng, batch, k, m, accept_prob, p_min, layouts):
-    dec, emitted = run_and_check(backend, batch, k, m, accept_prob, p_min, layouts, rng)
+def test_bursts_equal_greedy_reference(backend, rng, batch, k, m, accept_prob, p_min, layouts, fused):
+    dec, emitted = run_and_check(backend, batch, k, m, accept_prob, p_min, layouts, rng, fused=fused)
     acc = dec.accept_counters()
     if accept_prob == 1.0 and p_min == 0.0:
         assert (acc[:, 0] == k * acc[:, 1]).all()  # every draft accepted
@@ -80,10 +81,11 @@ def test_pmin_one_breaks_every_chain(backend, rng):
     assert all(len(e) == 3 * 3 for e in emitted)  # one token per round
 
 
-def test_broken_rollback_is_detected(backend, rng):
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "separate"])
+def test_broken_rollback_is_detected(backend, rng, fused):
     """The stubs are strong: leaving one target layer out of the rollback changes tokens."""
     target, draft = stub_pair(2, VOCAB, [True, True, True], [True], 64, accept_prob=0.5, backend=backend)
-    dec = SpecDecoder(target, draft, k=4, m_rounds=3)
+    dec = SpecDecoder(target, draft, k=4, m_rounds=3, fused=fused)
     # Drop target layer 1 from the rollback table: its length keeps growing by k + 1.
     layers = [target.cache.layers[0].length, None, target.cache.layers[2].length, draft.cache.layers[0].length,
               dec.bufs.pos_ctr]

@@ -265,3 +265,44 @@ def test_rollback_stream(rng, gpu_backend, batch, n_layers):
         np.testing.assert_array_equal(g, e)
     np.testing.assert_array_equal(pos_cp.get(), pos_np)
     np.testing.assert_array_equal(pos_np, pos_start + n_commit)
+
+
+@pytest.mark.parametrize("batch", SIZES)
+@pytest.mark.parametrize("k", KS)
+@pytest.mark.parametrize("n_layers", [1, 19, 300])
+def test_epilogue_equals_accept_commit_rollback_seed(rng, gpu_backend, batch, k, n_layers):
+    """The fused epilogue against the composition of the separate references."""
+    m = 2
+    cap = m * (k + 1)
+    layout = [bool(x) for x in rng.random(n_layers) < 0.7]
+    layout[0] = True
+    storage, lengths = stub_state(rng, batch, layout, 8)
+    tgt = rng.integers(0, 3, (batch, k + 1), dtype=np.int32)
+    vtok = np.concatenate([rng.integers(0, 3, (batch, 1)), tgt[:, :k]], axis=1).astype(np.int32)
+    flip = rng.random((batch, k)) < 0.25
+    vtok[:, 1:][flip] = (vtok[:, 1:][flip] + 1) % 3
+    brk = np.stack([rng.integers(-1, k + 2, batch), rng.integers(0, 2, batch)], axis=1).astype(np.int32)
+    count = rng.integers(0, cap + 1, batch)
+    ring = poison_past(rng.integers(0, 3, (batch, cap + 1)).astype(np.int32), count + 1)
+    ring[:, 0] = count
+    host = dict(
+        tgt_pred=tgt, eos=np.where(rng.random(batch) < 0.5, NO_EOS, rng.integers(0, 3, batch)).astype(np.int32),
+        vtok=vtok, brk=brk, n_acc=np.full(batch, P, np.int32), last_pred=np.full(batch, P, np.int32),
+        budget=np.where(rng.random(batch) < 0.5, UNBOUNDED_BUDGET, rng.integers(0, k + 3, batch)).astype(np.int32),
+        ring=ring, pend=rng.integers(0, 3, batch, dtype=np.int32), acc=rng.integers(0, 50, (batch, 2), dtype=np.int32),
+        n_commit=np.full(batch, P, np.int32), pos_start=rng.integers(0, 500, batch).astype(np.int32),
+        pos_ctr=rng.integers(0, 500, batch).astype(np.int32))
+    np_be = Backend("numpy")
+    want = {n: a.copy() for n, a in host.items()}
+    dev = {n: cp.asarray(a) for n, a in host.items()}
+    t_np = _Tables(np_be, layout, storage, [x.copy() for x in lengths], 8)
+    t_cp = _Tables(gpu_backend, layout, storage, lengths, 8)
+    reference.epilogue(**want, table=kv_len_ptr_table_range(t_np.cache, range(n_layers), pos_ctr=want["pos_ctr"]))
+    stream = cp.cuda.Stream(non_blocking=True)
+    gpu_backend.ops.epilogue(**dev, table=kv_len_ptr_table_range(t_cp.cache, range(n_layers), pos_ctr=dev["pos_ctr"]),
+                             stream=stream)
+    stream.synchronize()
+    for n in host:
+        np.testing.assert_array_equal(cp.asnumpy(dev[n]), want[n], err_msg=f"epilogue: {n}")
+    for g, e in zip(t_cp.dump(), t_np.dump()):
+        np.testing.assert_array_equal(g, e)
