@@ -80,6 +80,7 @@ class SpecDecoder(Watched):
         self.host_syncs = 0
         self.bursts = 0
         self.outstanding = 0  # bursts enqueued but not yet drained
+        self._fits = 0  # further bursts that fit every live slot; nothing is live before prefill
 
     # ------------------------------------------------------------------ admission
 
@@ -148,6 +149,7 @@ class SpecDecoder(Watched):
         for dst, src in ((bufs.budget, budget), (bufs.eos, stop), (bufs.acc, acc)):
             self.backend.upload(dst, src, s)
         s.synchronize()
+        self._update_fits()
 
     # ------------------------------------------------------------------ the round program
 
@@ -196,15 +198,27 @@ class SpecDecoder(Watched):
                 refresh()
         self.table = kv_len_ptr_table([self.target.cache, self.draft.cache], pos_ctr=self.bufs.pos_ctr)
 
+    def _update_fits(self) -> None:
+        """Recompute how many more bursts fit every live slot (after each drain or prefill).
+
+        Doing this once per drain keeps the per-replay capacity check O(1).
+        """
+        live = self.host_left > 0
+        growth = np.minimum(self.host_left, self.bufs.ring_capacity)
+        room = np.where(live, self.capacity - self.host_pos, np.iinfo(np.int64).max)
+        fits = np.where(live, room // np.maximum(growth, 1), np.iinfo(np.int64).max)
+        self._fits = int(fits.min(initial=np.iinfo(np.int64).max))
+
     def check_fits(self) -> None:
         """Raise CapacityError unless one more burst, after those outstanding, fits every live slot."""
+        if self.outstanding + 1 <= self._fits:
+            return
         growth = np.minimum(self.host_left, self.bufs.ring_capacity) * (self.outstanding + 1)
         end = np.where(self.host_left > 0, self.host_pos + growth, 0)
-        if end.max(initial=0) > self.capacity:
-            b = int(np.argmax(end))
-            raise CapacityError(
-                f"slot {b} is at position {int(self.host_pos[b])}; a burst of up to {int(growth[b])} tokens would "
-                f"pass the KV capacity {self.capacity}")
+        b = int(np.argmax(end))
+        raise CapacityError(
+            f"slot {b} is at position {int(self.host_pos[b])}; {self.outstanding + 1} more burst(s) of up to "
+            f"{int(growth[b]) // (self.outstanding + 1)} tokens would pass the KV capacity {self.capacity}")
 
     def begin_burst(self, max_outstanding: int = 1) -> None:
         """Host-side checks before enqueueing a burst (no device work, no sync)."""
@@ -240,12 +254,13 @@ class SpecDecoder(Watched):
         self.host_syncs += 1
         self.bursts += 1
         self.outstanding -= 1
-        for b, t in enumerate(tokens):
-            self.host_pos[b] += len(t)
-            if self.host_left[b] != UNBOUNDED_BUDGET:
-                self.host_left[b] -= len(t)
-            if len(t) and self.host_eos[b] != NO_EOS and int(t[-1]) == self.host_eos[b]:
+        n = np.fromiter(map(len, tokens), np.int64, len(tokens))
+        self.host_pos += n
+        self.host_left -= np.where(self.host_left != UNBOUNDED_BUDGET, n, 0)
+        for b in np.nonzero((n > 0) & (self.host_eos != NO_EOS))[0]:
+            if int(tokens[b][-1]) == self.host_eos[b]:
                 self.host_left[b] = 0
+        self._update_fits()
 
     def run_burst(self, *, mode: str = "pre_issued") -> list[np.ndarray]:
         """Enqueue one eager burst and drain it."""

@@ -9,6 +9,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from . import bench
 from .backend import BACKEND_NAMES, get_backend
 from .burst import MODES, SpecDecoder
 from .digest import greedy_reference
@@ -78,10 +79,14 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="graphburst", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _demo_parser(sub)
+    bench.add_parser(sub)
     args = parser.parse_args(argv)
-    console = Console()
+    # Wide tables stay readable when the output is a log file rather than a terminal.
+    console = Console() if sys.stdout.isatty() else Console(width=220)
     if args.command == "demo":
         return run_demo(args, console)
+    if args.command == "bench":
+        return bench.run(args, console)
     parser.error(f"unknown command {args.command}")
     return 2
 
