@@ -3,9 +3,10 @@
 Lifecycle (docs/capture.md has the diagram): warm every kernel up, capture the
 decoder's burst program on its stream in a strict mode (an allocation or host sync in
 the region fails the capture), upload, then ``replay()`` = one graph launch and
-``drain()`` = the one host sync. With ``gapless=True`` two graphs differ only in the
-pinned host buffer their final device-to-host node fills, so burst n+1 can be enqueued
-before burst n is read. On the numpy backend "capture" records the same bound calls
+``drain()`` = the one host sync. Every graph ends with a device-to-host copy of the
+ring into pinned memory, so draining is an event wait plus host work. With
+``gapless=True`` two graphs differ only in the pinned buffer that copy fills, so burst
+n+1 can be enqueued before burst n is read. On the numpy backend "capture" records the same bound calls
 and replay re-runs the record, so CI exercises the same ordering and baking logic.
 """
 
@@ -96,8 +97,8 @@ class BurstGraph:
         self.capture_mode = capture_mode
         self.n_slots = 2 if self.gapless else 1
         shape = tuple(decoder.bufs.ring.shape)
-        self._host_rings = [_host_ring(self.backend, shape) for _ in range(self.n_slots)] if self.gapless else []
-        self._events = [self._new_event() for _ in range(self.n_slots)] if self.gapless else []
+        self._host_rings = [_host_ring(self.backend, shape) for _ in range(self.n_slots)]
+        self._events = [self._new_event() for _ in range(self.n_slots)]
         self._pending: deque[int] = deque()
         self._next_slot = 0
         self.captures = 0
@@ -112,11 +113,8 @@ class BurstGraph:
         return None
 
     def _program(self, slot: int) -> list[Call]:
-        calls = self.dec.burst_calls()
-        if self.gapless:
-            copy = functools.partial(_copy_ring_to_host, self.backend, self._host_rings[slot], self.dec.bufs.ring)
-            calls.append(Call("ring_to_host", copy))
-        return calls
+        copy = functools.partial(_copy_ring_to_host, self.backend, self._host_rings[slot], self.dec.bufs.ring)
+        return self.dec.burst_calls() + [Call("ring_to_host", copy)]
 
     def _capture_one(self, slot: int):
         program = self._program(slot)
@@ -207,8 +205,7 @@ class BurstGraph:
             graph.launch(self.dec.stream)
             if timing_events is not None:
                 timing_events[1].record(self.dec.stream)
-            if self.gapless:
-                self._events[slot].record(self.dec.stream)
+            self._events[slot].record(self.dec.stream)
         else:
             for call in graph:
                 call(self.dec.stream)
@@ -224,12 +221,9 @@ class BurstGraph:
         if not self._pending:
             raise RuntimeError("no burst to drain: replay() first")
         slot = self._pending.popleft()
-        if self.gapless:
-            if self.backend.is_gpu:
-                self._events[slot].synchronize()
-            tokens = split_ring(self._host_rings[slot])
-        else:
-            tokens = self.dec.bufs.drain_ring(self.dec.stream)
+        if self.backend.is_gpu:
+            self._events[slot].synchronize()
+        tokens = split_ring(self._host_rings[slot])
         self.dec.finish_burst(tokens)
         return tokens
 
@@ -254,7 +248,7 @@ class BurstGraph:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the device buffers baked into the graph, plus the pinned rings."""
+        """Bytes of the device buffers baked into the graph, plus the pinned host rings."""
         return self.guard.nbytes + sum(int(h.nbytes) for h in self._host_rings)
 
     def graph_node_count(self) -> int | None:

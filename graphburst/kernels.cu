@@ -216,8 +216,53 @@ extern "C" __global__ void spec_rollback_stream(int batch, int n_entries,
     reinterpret_cast<int*>(p)[b] = pos_start[b] + n_commit[b];
 }
 
-// Threads: one block per sequence; thread 0 accepts and commits, every thread then walks
-// a stride of the pointer table for the rollback, and thread 0 seeds the next round.
+// Warp-parallel accept + commit of one sequence (k + 1 <= 32): lane j holds verify slot j,
+// so the whole round costs one level of loads instead of a serial walk. Must equal
+// gb_accept_one followed by gb_commit_one exactly; returns the tokens committed.
+__device__ __forceinline__ int gb_accept_commit_warp(int b, int k, int ring_cap, const int* vtok,
+                                                     const int* tgt_pred, const int* brk, const int* eos,
+                                                     int* budget, int* ring, int ring_stride, int* pend, int* acc,
+                                                     int* n_acc, int* last_pred, int* n_commit) {
+    const unsigned full = 0xffffffffu;
+    int j = threadIdx.x;  // lane: called by warp 0 only
+    const int* v = vtok + (long long)b * (k + 1);
+    const int* t = tgt_pred + (long long)b * (k + 1);
+    int* r = ring + (long long)b * ring_stride;
+    int n_valid = min(max(brk[2 * b], 0), k);
+    int v_j = j <= k ? v[j] : 0;
+    int t_j = j <= k ? t[j] : 0;
+    int v_next = j < k ? v[j + 1] : 0;
+    int cnt = min(max(r[0], 0), ring_cap);
+    int left = budget[b];
+    int stop_tok = eos[b];
+    // n = first j that is past the break or disagrees; n_valid <= k < 32 guarantees a bit.
+    int n = __ffs(__ballot_sync(full, j >= n_valid || v_next != t_j)) - 1;
+    int bonus = __shfl_sync(full, t_j, n);
+    int lim = n + 1;
+    if (left <= 0) lim = 0;
+    else if (left != GB_UNBOUNDED_BUDGET) lim = min(lim, left);
+    lim = min(lim, ring_cap - cnt);
+    unsigned stops = __ballot_sync(full, j < lim && v_j == stop_tok);
+    int c = stops ? __ffs(stops) : lim;
+    if (j < c) r[1 + cnt + j] = v_j;
+    if (j == 0) {
+        n_acc[b] = n;
+        last_pred[b] = bonus;
+        r[0] = cnt + c;
+        budget[b] = stops ? 0 : (left != GB_UNBOUNDED_BUDGET ? left - c : left);
+        n_commit[b] = c;
+        if (c > 0) {
+            acc[2 * b] += c - 1;
+            acc[2 * b + 1] += 1;
+        }
+        if (c == n + 1) pend[b] = bonus;
+    }
+    return c;
+}
+
+// Threads: one block per sequence; warp 0 accepts and commits (lane per verify slot, or
+// thread 0 serially when k + 1 > 32), every thread then walks a stride of the pointer
+// table for the rollback, and thread 0 seeds the next round.
 // Exactly accept -> commit -> rollback -> seed(reset_ring = 0), in one graph node.
 extern "C" __global__ void spec_epilogue(int k, int ring_cap,
                                          const int* __restrict__ tgt_pred,  // [B, K1]
@@ -238,13 +283,20 @@ extern "C" __global__ void spec_epilogue(int k, int ring_cap,
                                          int n_entries) {
     __shared__ int s_commit;
     int b = blockIdx.x;
-    if (threadIdx.x == 0) {
+    int anchor = pos_start[b];  // loaded early: independent of the accept
+    if (k + 1 <= 32) {
+        if (threadIdx.x < 32) {
+            int c = gb_accept_commit_warp(b, k, ring_cap, vtok, tgt_pred, brk, eos, budget, ring, ring_stride,
+                                          pend, acc, n_acc, last_pred, n_commit);
+            if (threadIdx.x == 0) s_commit = c;
+        }
+    } else if (threadIdx.x == 0) {
         gb_accept_one(b, k, vtok, tgt_pred, brk, n_acc, last_pred);
         s_commit = gb_commit_one(b, k, ring_cap, vtok, n_acc, last_pred, eos, budget, ring, ring_stride, pend,
                                  acc, n_commit);
     }
     __syncthreads();
-    int target = pos_start[b] + s_commit;
+    int target = anchor + s_commit;
     for (int e = threadIdx.x; e < n_entries; e += blockDim.x) {
         u64 p = len_tbl[e];
         if (p != 0) reinterpret_cast<int*>(p)[b] = target;
@@ -322,8 +374,14 @@ extern "C" __global__ void stub_draft_step(int step, int k,
     __shared__ u32 s_min, s_max;
     __shared__ int s_tok, s_extend;
     int b = blockIdx.x;
-    // Every thread reads the marker before thread 0 may rewrite it (after a barrier).
+    // Independent loads are issued together so their latencies overlap. Every thread
+    // reads the break marker before thread 0 may rewrite it (after a barrier).
     int broken = brk[2 * b + 1];
+    int x = step == 0 ? vtok[(long long)b * (k + 1)] : draft_tok[(long long)b * k + step - 1];
+    int pos = pos_ctr[b] + step;
+    int l0 = threadIdx.x;
+    u64 kv0 = l0 < n_layers ? kv_tbl[l0] : 0;
+    u64 len0 = l0 < n_layers ? len_tbl[l0] : 0;
     if (broken != 0) return;
     if (threadIdx.x == 0) {
         gb_spin_ns(cost_ns);
@@ -331,12 +389,11 @@ extern "C" __global__ void stub_draft_step(int step, int k,
         s_max = 0u;
     }
     __syncthreads();
-    int x = step == 0 ? vtok[(long long)b * (k + 1)] : draft_tok[(long long)b * k + step - 1];
-    int pos = pos_ctr[b] + step;
     for (int l = threadIdx.x; l < n_layers; l += blockDim.x) {
-        if (kv_tbl[l] == 0) continue;
-        int* kv = reinterpret_cast<int*>(kv_tbl[l]) + (long long)b * capacity;
-        int* len = reinterpret_cast<int*>(len_tbl[l]);
+        u64 kv_p = l == l0 ? kv0 : kv_tbl[l];
+        if (kv_p == 0) continue;
+        int* kv = reinterpret_cast<int*>(kv_p) + (long long)b * capacity;
+        int* len = reinterpret_cast<int*>(l == l0 ? len0 : len_tbl[l]);
         int n = len[b];
         u32 c = gb_digest_step(gb_prev_entry(kv, n, capacity), x, pos);
         if (n >= 0 && n < capacity) kv[n] = (int)c;
@@ -392,6 +449,9 @@ extern "C" __global__ void stub_verify(int k,
     extern __shared__ u32 s_minmax[];  // [2, K1]
     int b = blockIdx.x;
     int k1 = k + 1;
+    int l0 = threadIdx.x;
+    u64 kv0 = l0 < n_layers ? kv_tbl[l0] : 0;  // issued before the barrier to overlap latency
+    u64 len0 = l0 < n_layers ? len_tbl[l0] : 0;
     if (threadIdx.x == 0) gb_spin_ns(cost_ns);
     for (int j = threadIdx.x; j < k1; j += blockDim.x) {
         s_minmax[j] = GB_ALL_ONES;
@@ -401,9 +461,10 @@ extern "C" __global__ void stub_verify(int k,
     const int* v = vtok + (long long)b * k1;
     int pos = pos_ctr[b];
     for (int l = threadIdx.x; l < n_layers; l += blockDim.x) {
-        if (kv_tbl[l] == 0) continue;
-        int* kv = reinterpret_cast<int*>(kv_tbl[l]) + (long long)b * capacity;
-        int* len = reinterpret_cast<int*>(len_tbl[l]);
+        u64 kv_p = l == l0 ? kv0 : kv_tbl[l];
+        if (kv_p == 0) continue;
+        int* kv = reinterpret_cast<int*>(kv_p) + (long long)b * capacity;
+        int* len = reinterpret_cast<int*>(l == l0 ? len0 : len_tbl[l]);
         int n = len[b];
         u32 c = gb_prev_entry(kv, n, capacity);
         for (int j = 0; j < k1; ++j) {

@@ -184,7 +184,7 @@ def test_introspection_counts(backend, fused):
         assert info["nodes_total"] == 1 + 3 * info["nodes_per_round"] + 1
     else:  # seed, k drafts, assemble, verify, accept, commit, rollback
         assert info["nodes_per_round"] == 1 + 4 + 5
-        assert info["nodes_total"] == 3 * info["nodes_per_round"] + 1
+        assert info["nodes_total"] == 3 * info["nodes_per_round"] + 1  # + the ring's copy to the host
     assert info["host_syncs_per_burst"] == 1
     assert info["buffer_bytes"] >= dec.bufs.nbytes
     if backend.is_gpu:

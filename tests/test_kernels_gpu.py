@@ -268,7 +268,7 @@ def test_rollback_stream(rng, gpu_backend, batch, n_layers):
 
 
 @pytest.mark.parametrize("batch", SIZES)
-@pytest.mark.parametrize("k", KS)
+@pytest.mark.parametrize("k", KS + [31, 40])  # 31: the widest warp-parallel case; 40: the serial fallback
 @pytest.mark.parametrize("n_layers", [1, 19, 300])
 def test_epilogue_equals_accept_commit_rollback_seed(rng, gpu_backend, batch, k, n_layers):
     """The fused epilogue against the composition of the separate references."""
