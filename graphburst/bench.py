@@ -225,10 +225,10 @@ def time_chunk(mode, n, sample: Sample) -> None:
             continue
         toks = mode.finish()
         if toks is not None:
-            sample.tokens.append(sum(len(t) for t in toks))
+            sample.tokens.append(toks.total)
     if pipelined:
         toks = mode.finish()
-        sample.tokens.append(sum(len(t) for t in toks))
+        sample.tokens.append(toks.total)
     if gpu:
         starts[n].record(mode.stream)
         starts[n].synchronize()

@@ -12,7 +12,7 @@ import numpy as np
 
 from .backend import Backend, get_backend
 from .guard import Watched
-from .constants import ABSENT_LAYER, MAX_K, MAX_TABLE_ENTRIES, NO_EOS, RING_COUNT_SLOT, UNBOUNDED_BUDGET
+from .constants import ABSENT_LAYER, PLACEHOLDER_TOKEN, MAX_K, MAX_TABLE_ENTRIES, NO_EOS, RING_COUNT_SLOT, UNBOUNDED_BUDGET
 from .validate import check_array, check_int
 
 
@@ -77,7 +77,7 @@ class StreamBufs(Watched):
     def nbytes(self) -> int:
         return sum(int(a.nbytes) for a in self.arrays().values())
 
-    def drain_ring(self, stream) -> list[np.ndarray]:
+    def drain_ring(self, stream) -> BurstTokens:
         """Read each sequence's committed tokens of the last burst, in order.
 
         This is the one host sync of a burst. The count is reset on the device by the
@@ -89,16 +89,50 @@ class StreamBufs(Watched):
 
         Returns
         -------
-        list of [n_b] int32 numpy arrays, one per sequence
+        BurstTokens
+            Sequence b's tokens are ``tokens[b]``, a ``[n_b] int32`` array.
         """
-        return split_ring(self.backend.to_host(self.ring, stream))
+        return BurstTokens(self.backend.to_host(self.ring, stream))
 
 
-def split_ring(ring_host: np.ndarray) -> list[np.ndarray]:
-    """Split a host copy of ``ring [B, R] int32`` into per-sequence token arrays."""
-    cap = ring_host.shape[1] - 1
-    counts = np.clip(ring_host[:, RING_COUNT_SLOT], 0, cap)
-    return [ring_host[b, 1 : 1 + counts[b]].copy() for b in range(ring_host.shape[0])]
+class BurstTokens(Sequence):
+    """The committed tokens of one burst, per sequence, over one host copy of the ring.
+
+    Indexing gives sequence b's tokens as a ``[n_b] int32`` view; ``counts`` has every
+    ``n_b`` at once, so the host never loops over sequences unless the caller does.
+
+    Parameters
+    ----------
+    ring_host : [B, R] int32 numpy array
+        A host copy of the ring (slot 0 = count); it is owned by this object.
+    """
+
+    def __init__(self, ring_host: np.ndarray):
+        self.data = ring_host
+        self.counts = np.clip(ring_host[:, RING_COUNT_SLOT], 0, ring_host.shape[1] - 1)  # [B]
+
+    def __len__(self) -> int:
+        return self.data.shape[0]
+
+    def __getitem__(self, b):
+        if isinstance(b, slice):
+            return [self[i] for i in range(*b.indices(len(self)))]
+        return self.data[b, 1 : 1 + self.counts[b]]
+
+    @property
+    def total(self) -> int:
+        """Tokens committed over the whole batch."""
+        return int(self.counts.sum())
+
+    def last(self) -> np.ndarray:
+        """``[B]`` last committed token per sequence, PLACEHOLDER_TOKEN where none."""
+        out = self.data[np.arange(len(self)), self.counts]
+        return np.where(self.counts > 0, out, PLACEHOLDER_TOKEN)
+
+
+def split_ring(ring_host: np.ndarray) -> BurstTokens:
+    """Per-sequence tokens of a host copy of ``ring [B, R] int32`` (copied, so the source may be reused)."""
+    return BurstTokens(ring_host.copy())
 
 
 class KVLayer(Watched):

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .buffers import StreamBufs, kv_len_ptr_table
+from .buffers import BurstTokens, StreamBufs, kv_len_ptr_table
 from .guard import Watched
 from .constants import NO_EOS, NO_PREFILL, UNBOUNDED_BUDGET
 from .models import DraftModel, TargetModel, check_pair
@@ -77,6 +77,7 @@ class SpecDecoder(Watched):
         self.host_pos = np.zeros(self.batch, np.int64)
         self.host_left = np.zeros(self.batch, np.int64)  # tokens still allowed; 0 = idle or finished
         self.host_eos = np.full(self.batch, NO_EOS, np.int64)
+        self._any_limit = False  # any slot with a token budget or an EOS: finish_burst must track it
         self.host_syncs = 0
         self.bursts = 0
         self.outstanding = 0  # bursts enqueued but not yet drained
@@ -146,6 +147,8 @@ class SpecDecoder(Watched):
             self.host_pos[b] = len(rows[b])
             self.host_left[b] = budget[b]
             self.host_eos[b] = stop[b]
+        self._any_limit = bool(((self.host_left > 0) & (self.host_left != UNBOUNDED_BUDGET)).any()
+                               or (self.host_eos != NO_EOS).any())
         for dst, src in ((bufs.budget, budget), (bufs.eos, stop), (bufs.acc, acc)):
             self.backend.upload(dst, src, s)
         s.synchronize()
@@ -199,18 +202,22 @@ class SpecDecoder(Watched):
         self.table = kv_len_ptr_table([self.target.cache, self.draft.cache], pos_ctr=self.bufs.pos_ctr)
 
     def _update_fits(self) -> None:
-        """Recompute how many more bursts fit every live slot (after each drain or prefill).
-
-        Doing this once per drain keeps the per-replay capacity check O(1).
-        """
+        """Recompute exactly how many more bursts fit every live slot."""
         live = self.host_left > 0
         growth = np.minimum(self.host_left, self.bufs.ring_capacity)
-        room = np.where(live, self.capacity - self.host_pos, np.iinfo(np.int64).max)
-        fits = np.where(live, room // np.maximum(growth, 1), np.iinfo(np.int64).max)
-        self._fits = int(fits.min(initial=np.iinfo(np.int64).max))
+        big = np.iinfo(np.int64).max
+        fits = np.where(live, (self.capacity - self.host_pos) // np.maximum(growth, 1), big)
+        self._fits = int(fits.min(initial=big))
 
     def check_fits(self) -> None:
-        """Raise CapacityError unless one more burst, after those outstanding, fits every live slot."""
+        """Raise CapacityError unless one more burst, after those outstanding, fits every live slot.
+
+        ``_fits`` is a lower bound kept in O(1) per burst (a burst moves a slot by at
+        most one ring's worth); the exact recount runs only when the bound is reached.
+        """
+        if self.outstanding + 1 <= self._fits:
+            return
+        self._update_fits()
         if self.outstanding + 1 <= self._fits:
             return
         growth = np.minimum(self.host_left, self.bufs.ring_capacity) * (self.outstanding + 1)
@@ -241,7 +248,7 @@ class SpecDecoder(Watched):
                 self.backend.to_host(self.bufs.n_commit, self.stream)
                 self.host_syncs += 1
 
-    def drain(self) -> list[np.ndarray]:
+    def drain(self) -> BurstTokens:
         """Read the last burst's committed tokens per slot: the burst's one host sync."""
         if self.outstanding == 0:
             raise RuntimeError("no burst to drain: enqueue_burst() first")
@@ -249,20 +256,20 @@ class SpecDecoder(Watched):
         self.finish_burst(tokens)
         return tokens
 
-    def finish_burst(self, tokens: list[np.ndarray]) -> None:
-        """Advance the host mirror by a drained burst's tokens."""
+    def finish_burst(self, tokens: BurstTokens) -> None:
+        """Advance the host mirror by a drained burst's tokens (vectorised over the batch)."""
         self.host_syncs += 1
         self.bursts += 1
         self.outstanding -= 1
-        n = np.fromiter(map(len, tokens), np.int64, len(tokens))
-        self.host_pos += n
-        self.host_left -= np.where(self.host_left != UNBOUNDED_BUDGET, n, 0)
-        for b in np.nonzero((n > 0) & (self.host_eos != NO_EOS))[0]:
-            if int(tokens[b][-1]) == self.host_eos[b]:
-                self.host_left[b] = 0
-        self._update_fits()
+        self._fits -= 1
+        self.host_pos += tokens.counts
+        if self._any_limit:
+            bounded = self.host_left != UNBOUNDED_BUDGET
+            self.host_left[bounded] -= tokens.counts[bounded]
+            stopped = (self.host_eos != NO_EOS) & (tokens.counts > 0) & (tokens.last() == self.host_eos)
+            self.host_left[stopped] = 0
 
-    def run_burst(self, *, mode: str = "pre_issued") -> list[np.ndarray]:
+    def run_burst(self, *, mode: str = "pre_issued") -> BurstTokens:
         """Enqueue one eager burst and drain it."""
         self.enqueue_burst(mode=mode)
         return self.drain()

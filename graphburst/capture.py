@@ -17,7 +17,7 @@ from collections import deque
 
 import numpy as np
 
-from .buffers import split_ring
+from .buffers import BurstTokens, split_ring
 from .burst import Call, SpecDecoder
 from .guard import AddressGuard, StaleGraphError
 
@@ -212,7 +212,7 @@ class BurstGraph:
         self._pending.append(slot)
         self._next_slot = (slot + 1) % self.n_slots
 
-    def drain(self) -> list[np.ndarray]:
+    def drain(self) -> BurstTokens:
         """Committed tokens of the oldest undrained burst, per sequence (the one host sync).
 
         With ``gapless`` this waits on that burst's event only, so a burst enqueued
@@ -227,7 +227,7 @@ class BurstGraph:
         self.dec.finish_burst(tokens)
         return tokens
 
-    def run(self) -> list[np.ndarray]:
+    def run(self) -> BurstTokens:
         """Replay one burst and drain it."""
         self.replay()
         return self.drain()

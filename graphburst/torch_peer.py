@@ -101,10 +101,10 @@ class TorchPeer:
             else:
                 self.graph.replay()
 
-    def drain(self) -> list[np.ndarray]:
+    def drain(self):
         """Read the burst's committed tokens (one host sync)."""
         with self.torch.cuda.stream(self.stream):
             host = self.ring[:, : self.ring_cols].cpu().numpy()
         tokens = split_ring(host)
-        self.dec.host_pos += [len(x) for x in tokens]
+        self.dec.host_pos += tokens.counts
         return tokens
