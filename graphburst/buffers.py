@@ -12,7 +12,7 @@ import numpy as np
 
 from .backend import Backend, get_backend
 from .guard import Watched
-from .constants import ABSENT_LAYER, PLACEHOLDER_TOKEN, MAX_K, MAX_TABLE_ENTRIES, NO_EOS, RING_COUNT_SLOT, UNBOUNDED_BUDGET
+from .constants import ABSENT_LAYER, MAX_K, MAX_TABLE_ENTRIES, NO_EOS, PLACEHOLDER_TOKEN, RING_COUNT_SLOT
 from .validate import check_array, check_int
 
 
@@ -49,7 +49,7 @@ class StreamBufs(Watched):
         "n_acc": (lambda b, k, m: (b,), np.int32),  # accepted drafts this round
         "n_commit": (lambda b, k, m: (b,), np.int32),  # tokens committed this round
         "eos": (lambda b, k, m: (b,), np.int32),  # stop token, NO_EOS for none
-        "budget": (lambda b, k, m: (b,), np.int32),  # tokens still allowed, UNBOUNDED_BUDGET for none
+        "budget": (lambda b, k, m: (b,), np.int32),  # tokens still allowed (0: idle), UNBOUNDED_BUDGET for none
     }
 
     _watched = frozenset(LAYOUT)
@@ -61,8 +61,7 @@ class StreamBufs(Watched):
         self.backend = get_backend(backend)
         for name, (shape, dtype) in self.LAYOUT.items():
             setattr(self, name, self.backend.zeros(shape(self.batch, self.k, self.m_rounds), dtype))
-        self.eos[...] = NO_EOS
-        self.budget[...] = UNBOUNDED_BUDGET
+        self.eos[...] = NO_EOS  # budget stays 0: a slot is idle, and emits nothing, until a prefill
 
     @property
     def ring_capacity(self) -> int:

@@ -154,6 +154,18 @@ class SpecDecoder(Watched):
         s.synchronize()
         self._update_fits()
 
+    def release(self, slots) -> None:
+        """Make slots idle (budget 0) between bursts: they emit nothing until the next prefill."""
+        if self.outstanding:
+            raise RuntimeError("drain every enqueued burst before releasing slots")
+        slots = [check_int("slot", b, minimum=0, maximum=self.batch - 1) for b in slots]
+        if not slots:
+            return
+        budget = self.backend.to_host(self.bufs.budget, self.stream)
+        budget[slots] = 0
+        self.backend.upload(self.bufs.budget, budget, self.stream)
+        self.host_left[slots] = 0
+
     # ------------------------------------------------------------------ the round program
 
     def _seed_call(self, reset_ring: bool) -> Call:

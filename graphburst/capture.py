@@ -42,17 +42,17 @@ def _warm_up(device_id: int) -> None:
     scratch.run_burst()
 
 
-def _copy_ring_to_host(backend, host_dst: np.ndarray, ring, *, stream) -> None:
-    """Stream-ordered copy of the device ring into a (pinned) host buffer."""
+def _copy_to_host(backend, host_dst: np.ndarray, src, *, stream) -> None:
+    """Stream-ordered copy of a device buffer into a (pinned) host buffer."""
     if backend.is_gpu:
         rt = backend.xp.cuda.runtime
-        rt.memcpyAsync(host_dst.ctypes.data, ring.data.ptr, ring.nbytes, rt.memcpyDeviceToHost, stream.ptr)
+        rt.memcpyAsync(host_dst.ctypes.data, src.data.ptr, src.nbytes, rt.memcpyDeviceToHost, stream.ptr)
     else:
-        np.copyto(host_dst, ring)
+        np.copyto(host_dst, src)
 
 
-def _host_ring(backend, shape) -> np.ndarray:
-    """A host buffer for the ring: pinned on cupy, so the copy node is truly asynchronous."""
+def _host_buffer(backend, shape) -> np.ndarray:
+    """A host int32 buffer: pinned on cupy, so the copy node is truly asynchronous."""
     if not backend.is_gpu:
         return np.zeros(shape, np.int32)
     n = int(np.prod(shape))
@@ -97,7 +97,9 @@ class BurstGraph:
         self.capture_mode = capture_mode
         self.n_slots = 2 if self.gapless else 1
         shape = tuple(decoder.bufs.ring.shape)
-        self._host_rings = [_host_ring(self.backend, shape) for _ in range(self.n_slots)]
+        self._host_rings = [_host_buffer(self.backend, shape) for _ in range(self.n_slots)]  # [B, R] int32
+        self._host_acc = [_host_buffer(self.backend, (decoder.batch, 2)) for _ in range(self.n_slots)]  # [B, 2]
+        self.last_acc = np.zeros((decoder.batch, 2), np.int32)  # accept counters as of the last drained burst
         self._events = [self._new_event() for _ in range(self.n_slots)]
         self._pending: deque[int] = deque()
         self._next_slot = 0
@@ -113,8 +115,11 @@ class BurstGraph:
         return None
 
     def _program(self, slot: int) -> list[Call]:
-        copy = functools.partial(_copy_ring_to_host, self.backend, self._host_rings[slot], self.dec.bufs.ring)
-        return self.dec.burst_calls() + [Call("ring_to_host", copy)]
+        bufs, be = self.dec.bufs, self.backend
+        return self.dec.burst_calls() + [
+            Call("ring_to_host", functools.partial(_copy_to_host, be, self._host_rings[slot], bufs.ring)),
+            Call("acc_to_host", functools.partial(_copy_to_host, be, self._host_acc[slot], bufs.acc)),
+        ]
 
     def _capture_one(self, slot: int):
         program = self._program(slot)
@@ -224,6 +229,7 @@ class BurstGraph:
         if self.backend.is_gpu:
             self._events[slot].synchronize()
         tokens = split_ring(self._host_rings[slot])
+        self.last_acc = self._host_acc[slot].copy()
         self.dec.finish_burst(tokens)
         return tokens
 
@@ -249,7 +255,7 @@ class BurstGraph:
     @property
     def nbytes(self) -> int:
         """Bytes of the device buffers baked into the graph, plus the pinned host rings."""
-        return self.guard.nbytes + sum(int(h.nbytes) for h in self._host_rings)
+        return self.guard.nbytes + sum(int(h.nbytes) for h in self._host_rings + self._host_acc)
 
     def graph_node_count(self) -> int | None:
         """Node count read back from the CUDA graph (None without cuda.bindings or on numpy)."""

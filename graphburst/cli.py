@@ -1,4 +1,4 @@
-"""The ``graphburst`` command line: ``demo`` (and, as they land, ``bench`` and ``serve``)."""
+"""The ``graphburst`` command line: ``demo``, ``bench`` and ``serve``."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from . import bench
+from . import bench, serve_cli
 from .backend import BACKEND_NAMES, get_backend
 from .burst import MODES, SpecDecoder
 from .digest import greedy_reference
@@ -80,6 +80,7 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _demo_parser(sub)
     bench.add_parser(sub)
+    serve_cli.add_parser(sub)
     args = parser.parse_args(argv)
     # Wide tables stay readable when the output is a log file rather than a terminal.
     console = Console() if sys.stdout.isatty() else Console(width=220)
@@ -87,6 +88,8 @@ def main(argv=None) -> int:
         return run_demo(args, console)
     if args.command == "bench":
         return bench.run(args, console)
+    if args.command == "serve":
+        return serve_cli.run(args, console)
     parser.error(f"unknown command {args.command}")
     return 2
 

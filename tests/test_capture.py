@@ -77,6 +77,7 @@ def test_replay_equals_eager_and_reference(backend, batch, k, m, n_layers, accep
         for name in decs:
             assert out[name][b] == ref, f"{name} sequence {b}"
     acc = {name: d.accept_counters() for name, d in decs.items()}
+    np.testing.assert_array_equal(graphs["graph"].last_acc, acc["graph"])
     for name in decs:
         np.testing.assert_array_equal(acc[name], acc["graph"], err_msg=name)
     assert decs["graph"].host_syncs == bursts  # exactly one per burst
@@ -181,10 +182,10 @@ def test_introspection_counts(backend, fused):
     info = g.info()
     if fused:  # k drafts, assemble, verify, epilogue; plus one head seed per burst
         assert info["nodes_per_round"] == 4 + 3
-        assert info["nodes_total"] == 1 + 3 * info["nodes_per_round"] + 1
+        assert info["nodes_total"] == 1 + 3 * info["nodes_per_round"] + 2
     else:  # seed, k drafts, assemble, verify, accept, commit, rollback
         assert info["nodes_per_round"] == 1 + 4 + 5
-        assert info["nodes_total"] == 3 * info["nodes_per_round"] + 1  # + the ring's copy to the host
+        assert info["nodes_total"] == 3 * info["nodes_per_round"] + 2  # + ring and counters copied to the host
     assert info["host_syncs_per_burst"] == 1
     assert info["buffer_bytes"] >= dec.bufs.nbytes
     if backend.is_gpu:

@@ -1,0 +1,169 @@
+"""The serving loop: mixed requests, device-side stops, cancellation, bad input, streaming."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import numpy as np
+import pytest
+
+from conftest import requires_gpu
+from graphburst import greedy_reference, stub_pair
+from graphburst.serve import Request, ServeLoop
+from graphburst.serve_cli import parse_line
+from graphburst.cli import main
+
+VOCAB = 5003
+
+
+def make_loop(backend, batch=4, k=4, m=3, accept=0.7, capacity=256, engine="graph"):
+    target, draft = stub_pair(batch, VOCAB, [True, False, True], [True], capacity, accept_prob=accept,
+                              backend=backend)
+    return ServeLoop(target, draft, k=k, m_rounds=m, engine=engine)
+
+
+def expected(req: Request) -> list:
+    ref = greedy_reference(req.prompt, req.max_new_tokens, VOCAB)
+    if req.eos is not None and req.eos in ref:
+        ref = ref[: ref.index(req.eos) + 1]
+    return ref
+
+
+def random_requests(rng, n, eos_rate=0.4):
+    reqs = []
+    for _ in range(n):
+        prompt = rng.integers(0, VOCAB, int(rng.integers(1, 12))).tolist()
+        limit = int(rng.integers(1, 40))
+        eos = None
+        if rng.random() < eos_rate:  # a stop token that really occurs, often mid-run
+            eos = greedy_reference(prompt, limit, VOCAB)[int(rng.integers(0, limit))]
+        reqs.append(Request(prompt, limit, eos=eos, accept_prob=float(rng.choice([0.3, 0.9, 1.0])),
+                            seed=int(rng.integers(0, 1000))))
+    return reqs
+
+
+@pytest.mark.parametrize("engine", ["graph", "eager_sync"])
+def test_mixed_requests_arriving_while_others_run(backend, rng, engine):
+    loop = make_loop(backend, engine=engine)
+    reqs = random_requests(rng, 23)
+    states = [loop.submit(r) for r in reqs[:6]]
+    loop.step()
+    loop.step()
+    states += [loop.submit(r) for r in reqs[6:]]  # arrive while the first ones run
+    loop.run_until_idle()
+    for s in states:
+        assert s.tokens == expected(s.request), s.request
+        assert s.done and s.stats()["ttft_ms"] is not None
+    assert loop.stats()["captures"] == (1 if engine == "graph" else 0)
+
+
+def test_eos_in_the_middle_of_an_accepted_run_leaks_nothing(backend):
+    loop = make_loop(backend, accept=1.0, k=7, m=2)
+    prompt = [11, 22, 33]
+    ref = greedy_reference(prompt, 40, VOCAB)
+    eos = ref[3]  # every draft is accepted, so the stop falls inside a run of k + 1
+    s = loop.submit(Request(prompt, 40, eos=eos))
+    loop.run_until_idle()
+    assert s.tokens == ref[: ref.index(eos) + 1]
+    assert s.accepted <= len(s.tokens) - s.rounds  # counters stop at the stop
+
+
+def test_idle_slots_emit_nothing(backend):
+    loop = make_loop(backend, batch=5)
+    s = loop.submit(Request([1, 2], 12))
+    loop.run_until_idle()
+    assert s.tokens == greedy_reference([1, 2], 12, VOCAB)
+    acc = loop.dec.accept_counters()
+    assert (acc[1:] == 0).all()
+    assert (loop.dec.positions()[1:] == 0).all()
+
+
+def test_cancellation_frees_the_slot(backend):
+    loop = make_loop(backend, batch=1, m=1)
+    a = loop.submit(Request([4], 200))
+    b = loop.submit(Request([5], 10))
+    loop.step()
+    loop.cancel(a)
+    loop.run_until_idle()
+    assert a.done and a.tokens == greedy_reference([4], len(a.tokens), VOCAB) and len(a.tokens) < 200
+    assert b.tokens == greedy_reference([5], 10, VOCAB)
+
+
+@pytest.mark.parametrize("req, match", [
+    (Request([], 4), "non-empty"),
+    (Request([VOCAB], 4), "outside the vocabulary"),
+    (Request([1], 0), "max_new_tokens must be >= 1"),
+    (Request([1] * 200, 100), "needs 300 KV entries"),
+    (Request([1], 3, eos=VOCAB), "eos must be <="),
+    (Request([1.5], 3), "prompt.0. must be an int"),
+])
+def test_bad_requests_are_rejected_and_the_loop_keeps_serving(backend, req, match):
+    loop = make_loop(backend)
+    good = loop.submit(Request([9], 5))
+    with pytest.raises((ValueError, TypeError), match=match):
+        loop.submit(req)
+    loop.run_until_idle()
+    assert good.tokens == greedy_reference([9], 5, VOCAB)
+
+
+def test_generator_and_asyncio_streaming(backend):
+    loop = make_loop(backend)
+    s1 = loop.submit(Request([7, 8], 17))
+    s2 = loop.submit(Request([9], 9))
+    assert list(loop.stream(s1)) == greedy_reference([7, 8], 17, VOCAB)
+
+    async def consume():
+        return [t async for t in loop.astream(s2)]
+
+    assert asyncio.run(consume()) == greedy_reference([9], 9, VOCAB)
+
+
+def test_parse_line_errors():
+    with pytest.raises(ValueError, match="bad JSON"):
+        parse_line("{nope")
+    with pytest.raises(ValueError, match="missing field"):
+        parse_line('{"prompt": [1]}')
+    with pytest.raises(TypeError, match="JSON object"):
+        parse_line("[1, 2]")
+    assert parse_line('{"id": 3, "prompt": [1], "max_new_tokens": 2}').id == "3"
+
+
+def test_cli_serve_writes_records_and_errors(tmp_path, capsys):
+    lines = ['{"id": "r1", "prompt": [12, 7, 99], "max_new_tokens": 16, "eos": 2}', "not json",
+             '{"prompt": [3], "max_new_tokens": 5}', '{"prompt": [1], "max_new_tokens": 0}']
+    src = tmp_path / "req.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out.jsonl"
+    assert main(["serve", "--requests", str(src), "--output", str(out), "--backend", "numpy", "--batch", "2",
+                 "--vocab", str(VOCAB), "--capacity", "128"]) == 0
+    recs = [json.loads(x) for x in out.read_text().splitlines()]
+    errors = {r["line"]: r["error"] for r in recs if "error" in r}
+    assert set(errors) == {2, 4}
+    done = {r["id"]: r for r in recs if "tokens" in r}
+    assert done["r1"]["tokens"] == expected(Request([12, 7, 99], 16, eos=2))
+    assert [r for r in done.values() if r["id"] != "r1"][0]["tokens"] == greedy_reference([3], 5, VOCAB)
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_soak_10000_requests_one_graph():
+    import cupy
+
+    from graphburst.backend import Backend
+
+    loop = make_loop(Backend("cupy"), batch=64, k=4, m=4, capacity=64)
+    rng = np.random.default_rng(123)
+    reqs = random_requests(rng, 10_000, eos_rate=0.3)
+    for r in reqs:
+        r.max_new_tokens = min(r.max_new_tokens, 20)
+    first = [loop.submit(r) for r in reqs[:200]]
+    loop.run_until_idle()  # settle the pool before measuring
+    pool = cupy.get_default_memory_pool()
+    used0 = pool.used_bytes()
+    states = first + [loop.submit(r) for r in reqs[200:]]
+    loop.run_until_idle()
+    assert pool.used_bytes() <= used0
+    assert loop.graph.captures == 1
+    bad = [s.request.id for s in states if s.tokens != expected(s.request)]
+    assert not bad, bad[:5]
