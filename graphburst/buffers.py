@@ -52,15 +52,41 @@ class StreamBufs(Watched):
         "budget": (lambda b, k, m: (b,), np.int32),  # tokens still allowed (0: idle), UNBOUNDED_BUDGET for none
     }
 
-    _watched = frozenset(LAYOUT)
+    _watched = frozenset(LAYOUT) | {"out_block"}
+    #: buffers the host reads back after every burst; they share one allocation
+    #: (``out_block``) so a graph copies them to the host in a single node.
+    OUTPUTS = ("ring", "acc")
 
     def __init__(self, batch: int, k: int, m_rounds: int, backend: Backend | str = "auto"):
         self.batch = check_int("batch", batch)
         self.k = check_int("k", k, maximum=MAX_K)
         self.m_rounds = check_int("m_rounds", m_rounds)
         self.backend = get_backend(backend)
-        for name, (shape, dtype) in self.LAYOUT.items():
-            setattr(self, name, self.backend.zeros(shape(self.batch, self.k, self.m_rounds), dtype))
+        shapes = {name: shape(self.batch, self.k, self.m_rounds) for name, (shape, _) in self.LAYOUT.items()}
+        for name, (_, dtype) in self.LAYOUT.items():
+            if name not in self.OUTPUTS:
+                setattr(self, name, self.backend.zeros(shapes[name], dtype))
+        self._out_shapes = [shapes[n] for n in self.OUTPUTS]
+        size = sum(int(np.prod(shape)) for shape in self._out_shapes)
+        self.out_block = self.backend.zeros((size,), np.int32)  # [B*R + B*2] int32: ring, then acc
+
+    def _outputs(self) -> list:
+        # Views are cached per block, so rebinding out_block moves ring and acc with it.
+        cached = self.__dict__.get("_out_cache")
+        if cached is None or cached[0] is not self.out_block:
+            cached = (self.out_block, split_out_block(self.out_block, self._out_shapes))
+            object.__setattr__(self, "_out_cache", cached)
+        return cached[1]
+
+    @property
+    def ring(self):
+        """``[B, M*(k+1) + 1] int32`` committed tokens, slot 0 = count (a view of out_block)."""
+        return self._outputs()[0]
+
+    @property
+    def acc(self):
+        """``[B, 2] int32`` accept counters ``[accepted drafts, rounds]`` (a view of out_block)."""
+        return self._outputs()[1]
         self.eos[...] = NO_EOS  # budget stays 0: a slot is idle, and emits nothing, until a prefill
 
     @property
@@ -92,6 +118,16 @@ class StreamBufs(Watched):
             Sequence b's tokens are ``tokens[b]``, a ``[n_b] int32`` array.
         """
         return BurstTokens(self.backend.to_host(self.ring, stream))
+
+
+def split_out_block(block, shapes) -> list:
+    """Views of a flat ``out_block`` (device or host copy) as the output buffers, in order."""
+    views, at = [], 0
+    for shape in shapes:
+        n = int(np.prod(shape))
+        views.append(block[at : at + n].reshape(shape))
+        at += n
+    return views
 
 
 class BurstTokens(Sequence):

@@ -17,7 +17,7 @@ from collections import deque
 
 import numpy as np
 
-from .buffers import BurstTokens, split_ring
+from .buffers import BurstTokens, split_out_block, split_ring
 from .burst import Call, SpecDecoder
 from .guard import AddressGuard, StaleGraphError
 
@@ -96,9 +96,10 @@ class BurstGraph:
         self.gapless = bool(gapless)
         self.capture_mode = capture_mode
         self.n_slots = 2 if self.gapless else 1
-        shape = tuple(decoder.bufs.ring.shape)
-        self._host_rings = [_host_buffer(self.backend, shape) for _ in range(self.n_slots)]  # [B, R] int32
-        self._host_acc = [_host_buffer(self.backend, (decoder.batch, 2)) for _ in range(self.n_slots)]  # [B, 2]
+        bufs = decoder.bufs
+        # Pinned copies of bufs.out_block ([B*R + B*2] int32), one per slot, viewed as (ring, acc).
+        self._host_blocks = [_host_buffer(self.backend, bufs.out_block.shape) for _ in range(self.n_slots)]
+        self._host_views = [split_out_block(h, [bufs.ring.shape, bufs.acc.shape]) for h in self._host_blocks]
         self.last_acc = np.zeros((decoder.batch, 2), np.int32)  # accept counters as of the last drained burst
         self._events = [self._new_event() for _ in range(self.n_slots)]
         self._pending: deque[int] = deque()
@@ -115,11 +116,8 @@ class BurstGraph:
         return None
 
     def _program(self, slot: int) -> list[Call]:
-        bufs, be = self.dec.bufs, self.backend
-        return self.dec.burst_calls() + [
-            Call("ring_to_host", functools.partial(_copy_to_host, be, self._host_rings[slot], bufs.ring)),
-            Call("acc_to_host", functools.partial(_copy_to_host, be, self._host_acc[slot], bufs.acc)),
-        ]
+        copy = functools.partial(_copy_to_host, self.backend, self._host_blocks[slot], self.dec.bufs.out_block)
+        return self.dec.burst_calls() + [Call("outputs_to_host", copy)]
 
     def _capture_one(self, slot: int):
         program = self._program(slot)
@@ -145,7 +143,7 @@ class BurstGraph:
     def _baked_buffers(self) -> tuple[dict, list]:
         """Getters for every buffer the program bakes in, and the objects that hold them."""
         dec = self.dec
-        getters = {f"bufs.{name}": (lambda n=name: getattr(dec.bufs, n)) for name in dec.bufs.LAYOUT}
+        getters = {f"bufs.{name}": (lambda n=name: getattr(dec.bufs, n)) for name in (*dec.bufs.LAYOUT, "out_block")}
         getters["rollback table"] = lambda: dec.table.ptrs
         holders = [dec, dec.bufs, dec.table]
         for role in ("target", "draft"):
@@ -228,8 +226,9 @@ class BurstGraph:
         slot = self._pending.popleft()
         if self.backend.is_gpu:
             self._events[slot].synchronize()
-        tokens = split_ring(self._host_rings[slot])
-        self.last_acc = self._host_acc[slot].copy()
+        ring, acc = self._host_views[slot]
+        tokens = split_ring(ring)
+        self.last_acc = acc.copy()
         self.dec.finish_burst(tokens)
         return tokens
 
@@ -255,7 +254,7 @@ class BurstGraph:
     @property
     def nbytes(self) -> int:
         """Bytes of the device buffers baked into the graph, plus the pinned host rings."""
-        return self.guard.nbytes + sum(int(h.nbytes) for h in self._host_rings + self._host_acc)
+        return self.guard.nbytes + sum(int(h.nbytes) for h in self._host_blocks)
 
     def graph_node_count(self) -> int | None:
         """Node count read back from the CUDA graph (None without cuda.bindings or on numpy)."""

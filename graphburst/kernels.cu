@@ -379,6 +379,8 @@ extern "C" __global__ void stub_draft_step(int step, int k,
     int broken = brk[2 * b + 1];
     int x = step == 0 ? vtok[(long long)b * (k + 1)] : draft_tok[(long long)b * k + step - 1];
     int pos = pos_ctr[b] + step;
+    u32 my_seed = seed[b];
+    int my_agree = agree24[b];
     int l0 = threadIdx.x;
     u64 kv0 = l0 < n_layers ? kv_tbl[l0] : 0;
     u64 len0 = l0 < n_layers ? len_tbl[l0] : 0;
@@ -404,10 +406,10 @@ extern "C" __global__ void stub_draft_step(int step, int k,
     __syncthreads();
     if (threadIdx.x == 0) {
         int truth = gb_target_token(gb_combine(s_min, s_max), vocab);
-        u32 h = gb_agree_hash(seed[b], pos + 1);
+        u32 h = gb_agree_hash(my_seed, pos + 1);
         u32 h2 = gb_mix32(h ^ 0x5bd1e995u);
         int tok = truth;
-        if ((int)(h >> 8) >= agree24[b]) {
+        if ((int)(h >> 8) >= my_agree) {
             u32 shift = 1u + gb_mix32(h2 ^ 0xcc9e2d51u) % (u32)(vocab - 1);
             tok = (int)(((u32)truth + shift) % (u32)vocab);
         }
