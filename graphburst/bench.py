@@ -139,6 +139,7 @@ class _EmptyModel:
 
     def __init__(self, inner):
         self.inner, self.cache, self.vocab, self.backend = inner, inner.cache, inner.vocab, inner.backend
+        self.writes_verify_tokens = getattr(inner, "writes_verify_tokens", False)  # same node count as (c)
 
     def prefill(self, *args) -> None:
         self.inner.prefill(*args)

@@ -52,16 +52,21 @@ class SpecDecoder(Watched):
         Stream to run on; a new non-blocking stream by default.
     fused : bool
         Run accept, commit, rollback and the next round's seed as one epilogue kernel
-        (2 bookkeeping launches per round plus 1 per burst) instead of the separate
-        kernels (5 per round). Both produce identical state.
+        (plus one head seed per burst) instead of the separate kernels. Both produce
+        identical state.
+    assemble : bool, optional
+        Launch ``assemble_verify`` each round. By default only when the draft does not
+        declare ``writes_verify_tokens``. Bookkeeping per round is then 1 launch (fused,
+        no assemble) to 5 (separate, with assemble).
     """
 
     _watched = frozenset({"bufs", "table", "target", "draft", "stream"})
 
     def __init__(self, target: TargetModel, draft: DraftModel, *, k: int, m_rounds: int, stream=None,
-                 fused: bool = True):
+                 fused: bool = True, assemble: bool | None = None):
         check_pair(target, draft)
         self.fused = bool(fused)
+        self.assemble = not getattr(draft, "writes_verify_tokens", False) if assemble is None else bool(assemble)
         self.target, self.draft = target, draft
         self.backend = target.cache.backend
         self.batch = target.cache.batch
@@ -182,10 +187,10 @@ class SpecDecoder(Watched):
         b, ops = self.bufs, self.backend.ops
         calls = [] if self.fused else [self._seed_call(reset_ring=first_round)]
         calls += [Call(f"draft_step[{j}]", functools.partial(self.draft.draft_step, b, j)) for j in range(self.k)]
-        calls += [
-            Call("assemble_verify", functools.partial(ops.assemble_verify, b.pend, b.draft_tok, b.brk, b.vtok)),
-            Call("verify", functools.partial(self.target.verify, b)),
-        ]
+        if self.assemble:
+            calls.append(Call("assemble_verify", functools.partial(ops.assemble_verify, b.pend, b.draft_tok, b.brk,
+                                                                   b.vtok)))
+        calls.append(Call("verify", functools.partial(self.target.verify, b)))
         if self.fused:
             return calls + [Call("epilogue", functools.partial(
                 ops.epilogue, b.tgt_pred, b.eos, b.vtok, b.brk, b.n_acc, b.last_pred, b.budget, b.ring, b.pend,

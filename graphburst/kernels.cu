@@ -76,6 +76,18 @@ __device__ __forceinline__ u32 gb_prev_entry(const int* row, int n, int capacity
     return n > 0 ? (u32)row[n - 1] : GB_DIGEST_INIT;
 }
 
+// gb_prev_entry(row, *len, capacity), with the entry loaded speculatively at the length
+// the caller expects, so the length and the entry arrive in one round trip to L2. A
+// length that differs takes the slow path; the result is the same either way.
+__device__ __forceinline__ u32 gb_prev_entry_expect(const int* row, const int* len, int expect, int capacity,
+                                                    int* n_out) {
+    int spec = (expect > 0 && expect <= capacity) ? row[expect - 1] : 0;
+    int n = *len;
+    *n_out = n;
+    if (n == expect && n > 0 && n <= capacity) return (u32)spec;
+    return gb_prev_entry(row, n, capacity);
+}
+
 // =====================================================================================
 // Generic kernels (model-agnostic burst bookkeeping)
 // =====================================================================================
@@ -83,13 +95,22 @@ __device__ __forceinline__ u32 gb_prev_entry(const int* row, int n, int capacity
 // Per-sequence bodies, shared by the separate kernels and the fused epilogue so the two
 // cannot drift apart.
 
-__device__ __forceinline__ void gb_seed_one(int b, int k, int reset_ring, const int* pend, const int* pos_ctr,
-                                            int* vtok, int* pos_start, int* brk, int* ring, int ring_stride) {
-    vtok[(long long)b * (k + 1)] = pend[b];
-    pos_start[b] = pos_ctr[b];
+// Verify slots 1..k start as placeholders so a draft that writes its proposals straight
+// into vtok leaves exactly the slots past its break poisoned.
+__device__ __forceinline__ void gb_seed_values(int b, int k, int reset_ring, int pend_val, int pos_val, int* vtok,
+                                               int* pos_start, int* brk, int* ring, int ring_stride) {
+    int* v = vtok + (long long)b * (k + 1);
+    v[0] = pend_val;
+    for (int i = 1; i <= k; ++i) v[i] = GB_PLACEHOLDER_TOKEN;
+    pos_start[b] = pos_val;
     brk[2 * b] = k;
     brk[2 * b + 1] = 0;
     if (reset_ring) ring[(long long)b * ring_stride] = 0;
+}
+
+__device__ __forceinline__ void gb_seed_one(int b, int k, int reset_ring, const int* pend, const int* pos_ctr,
+                                            int* vtok, int* pos_start, int* brk, int* ring, int ring_stride) {
+    gb_seed_values(b, k, reset_ring, pend[b], pos_ctr[b], vtok, pos_start, brk, ring, ring_stride);
 }
 
 __device__ __forceinline__ void gb_accept_one(int b, int k, const int* vtok, const int* tgt_pred, const int* brk,
@@ -134,8 +155,9 @@ __device__ __forceinline__ int gb_commit_one(int b, int k, int ring_cap, const i
 }
 
 // Threads: one per sequence.
-// Starts a round: verify slot 0 <- pending token, rollback anchor <- position counter,
-// break marker <- "no break" ([k, 0]); the first round of a burst also empties the ring.
+// Starts a round: verify slot 0 <- pending token, slots 1..k <- PLACEHOLDER, rollback
+// anchor <- position counter, break marker <- "no break" ([k, 0]); the first round of a
+// burst also empties the ring.
 extern "C" __global__ void spec_seed_gather(int batch, int k, int reset_ring,
                                             const int* __restrict__ pend,     // [B]
                                             const int* __restrict__ pos_ctr,  // [B]
@@ -222,7 +244,7 @@ extern "C" __global__ void spec_rollback_stream(int batch, int n_entries,
 __device__ __forceinline__ int gb_accept_commit_warp(int b, int k, int ring_cap, const int* vtok,
                                                      const int* tgt_pred, const int* brk, const int* eos,
                                                      int* budget, int* ring, int ring_stride, int* pend, int* acc,
-                                                     int* n_acc, int* last_pred, int* n_commit) {
+                                                     int* n_acc, int* last_pred, int* n_commit, int* new_pend) {
     const unsigned full = 0xffffffffu;
     int j = threadIdx.x;  // lane: called by warp 0 only
     const int* v = vtok + (long long)b * (k + 1);
@@ -235,6 +257,7 @@ __device__ __forceinline__ int gb_accept_commit_warp(int b, int k, int ring_cap,
     int cnt = min(max(r[0], 0), ring_cap);
     int left = budget[b];
     int stop_tok = eos[b];
+    int old_pend = pend[b];
     // n = first j that is past the break or disagrees; n_valid <= k < 32 guarantees a bit.
     int n = __ffs(__ballot_sync(full, j >= n_valid || v_next != t_j)) - 1;
     int bonus = __shfl_sync(full, t_j, n);
@@ -257,6 +280,7 @@ __device__ __forceinline__ int gb_accept_commit_warp(int b, int k, int ring_cap,
         }
         if (c == n + 1) pend[b] = bonus;
     }
+    *new_pend = c == n + 1 ? bonus : old_pend;
     return c;
 }
 
@@ -281,28 +305,44 @@ extern "C" __global__ void spec_epilogue(int k, int ring_cap,
                                          int* pos_ctr,                      // [B], may be in the table
                                          const u64* __restrict__ len_tbl,   // [E]
                                          int n_entries) {
-    __shared__ int s_commit;
+    __shared__ int s_commit, s_pend, s_pos_in_table;
     int b = blockIdx.x;
-    int anchor = pos_start[b];  // loaded early: independent of the accept
+    // Everything that does not depend on the accept is loaded up front, so the whole
+    // epilogue costs about one round trip to L2.
+    int anchor = pos_start[b];
+    int old_pos = pos_ctr[b];
+    int e0 = threadIdx.x;
+    u64 p0 = e0 < n_entries ? len_tbl[e0] : 0;
+    if (threadIdx.x == 0) s_pos_in_table = 0;
     if (k + 1 <= 32) {
         if (threadIdx.x < 32) {
+            int new_pend;
             int c = gb_accept_commit_warp(b, k, ring_cap, vtok, tgt_pred, brk, eos, budget, ring, ring_stride,
-                                          pend, acc, n_acc, last_pred, n_commit);
-            if (threadIdx.x == 0) s_commit = c;
+                                          pend, acc, n_acc, last_pred, n_commit, &new_pend);
+            if (threadIdx.x == 0) {
+                s_commit = c;
+                s_pend = new_pend;
+            }
         }
     } else if (threadIdx.x == 0) {
         gb_accept_one(b, k, vtok, tgt_pred, brk, n_acc, last_pred);
         s_commit = gb_commit_one(b, k, ring_cap, vtok, n_acc, last_pred, eos, budget, ring, ring_stride, pend,
                                  acc, n_commit);
+        s_pend = pend[b];
     }
     __syncthreads();
     int target = anchor + s_commit;
     for (int e = threadIdx.x; e < n_entries; e += blockDim.x) {
-        u64 p = len_tbl[e];
-        if (p != 0) reinterpret_cast<int*>(p)[b] = target;
+        u64 p = e == e0 ? p0 : len_tbl[e];
+        if (p == 0) continue;
+        reinterpret_cast<int*>(p)[b] = target;
+        if (p == reinterpret_cast<u64>(pos_ctr)) atomicOr(&s_pos_in_table, 1);
     }
     __syncthreads();
-    if (threadIdx.x == 0) gb_seed_one(b, k, 0, pend, pos_ctr, vtok, pos_start, brk, ring, ring_stride);
+    // The next round's anchor is the position counter after the rollback: the rollback
+    // target when the table holds the counter, else its unchanged value.
+    if (threadIdx.x == 0)
+        gb_seed_values(b, k, 0, s_pend, s_pos_in_table ? target : old_pos, vtok, pos_start, brk, ring, ring_stride);
 }
 
 // Benchmark support: the floor graph is a chain of these.
@@ -357,10 +397,11 @@ extern "C" __global__ void stub_prefill(const int* __restrict__ prompt,      // 
 // Threads: one block per sequence; threads stride over the draft's layers, each appending
 // one entry (two on the last unbroken step, so the draft KV covers every draft).
 // Step j reads x_j (vtok[b,0] for j = 0, else draft_tok[b, j-1]) at position pos_ctr+j
-// and proposes draft_tok[b, j] with its confidence; a confidence below p_min breaks the
-// chain (brk[b] = [j, 1]) and later steps of the round return at once.
+// and proposes draft_tok[b, j] with its confidence, also writing it to vtok[b, 1+j]; a
+// confidence below p_min breaks the chain (brk[b] = [j, 1], vtok[b, 1+j] untouched) and
+// later steps of the round return at once.
 extern "C" __global__ void stub_draft_step(int step, int k,
-                                           const int* __restrict__ vtok,     // [B, K1]
+                                           int* __restrict__ vtok,           // [B, K1]
                                            const int* __restrict__ pos_ctr,  // [B]
                                            const u64* __restrict__ kv_tbl,   // [L]
                                            const u64* __restrict__ len_tbl,  // [L]
@@ -391,17 +432,23 @@ extern "C" __global__ void stub_draft_step(int step, int k,
         s_max = 0u;
     }
     __syncthreads();
+    int my_n = 0;  // this thread's first layer, kept for the last step's second append
+    u32 my_c = 0u;
     for (int l = threadIdx.x; l < n_layers; l += blockDim.x) {
         u64 kv_p = l == l0 ? kv0 : kv_tbl[l];
         if (kv_p == 0) continue;
         int* kv = reinterpret_cast<int*>(kv_p) + (long long)b * capacity;
         int* len = reinterpret_cast<int*>(l == l0 ? len0 : len_tbl[l]);
-        int n = len[b];
-        u32 c = gb_digest_step(gb_prev_entry(kv, n, capacity), x, pos);
+        int n;
+        u32 c = gb_digest_step(gb_prev_entry_expect(kv, len + b, pos, capacity, &n), x, pos);
         if (n >= 0 && n < capacity) kv[n] = (int)c;
         len[b] = n + 1;
         atomicMin(&s_min, c);
         atomicMax(&s_max, c);
+        if (l == l0) {
+            my_n = n;
+            my_c = c;
+        }
     }
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -420,6 +467,8 @@ extern "C" __global__ void stub_draft_step(int step, int k,
         if (breaks) {
             brk[2 * b] = step;
             brk[2 * b + 1] = 1;
+        } else {
+            vtok[(long long)b * (k + 1) + 1 + step] = tok;
         }
         s_tok = tok;
         s_extend = !breaks && step == k - 1;
@@ -427,11 +476,14 @@ extern "C" __global__ void stub_draft_step(int step, int k,
     __syncthreads();
     if (!s_extend) return;
     for (int l = threadIdx.x; l < n_layers; l += blockDim.x) {
-        if (kv_tbl[l] == 0) continue;
-        int* kv = reinterpret_cast<int*>(kv_tbl[l]) + (long long)b * capacity;
-        int* len = reinterpret_cast<int*>(len_tbl[l]);
-        int n = len[b];
-        u32 c = gb_digest_step(gb_prev_entry(kv, n, capacity), s_tok, pos + 1);
+        u64 kv_p = l == l0 ? kv0 : kv_tbl[l];
+        if (kv_p == 0) continue;
+        int* kv = reinterpret_cast<int*>(kv_p) + (long long)b * capacity;
+        int* len = reinterpret_cast<int*>(l == l0 ? len0 : len_tbl[l]);
+        // The first layer's length and last entry are this thread's own writes: reuse them.
+        int n = l == l0 ? my_n + 1 : len[b];
+        u32 prev = (l == l0 && my_n >= 0 && my_n < capacity) ? my_c : gb_prev_entry(kv, n, capacity);
+        u32 c = gb_digest_step(prev, s_tok, pos + 1);
         if (n >= 0 && n < capacity) kv[n] = (int)c;
         len[b] = n + 1;
     }
@@ -467,8 +519,8 @@ extern "C" __global__ void stub_verify(int k,
         if (kv_p == 0) continue;
         int* kv = reinterpret_cast<int*>(kv_p) + (long long)b * capacity;
         int* len = reinterpret_cast<int*>(l == l0 ? len0 : len_tbl[l]);
-        int n = len[b];
-        u32 c = gb_prev_entry(kv, n, capacity);
+        int n;
+        u32 c = gb_prev_entry_expect(kv, len + b, pos, capacity, &n);
         for (int j = 0; j < k1; ++j) {
             c = gb_digest_step(c, v[j], pos + j);
             if (n >= 0 && n + j < capacity) kv[n + j] = (int)c;

@@ -10,7 +10,10 @@ they are given, over the documented :class:`~graphburst.buffers.StreamBufs` fiel
   ``pos_ctr + j`` and writes ``draft_tok[:, j]``. A chain that stops early sets
   ``brk[b] = [n_valid, 1]`` (the round starts with ``[k, 0]``). After the chain, each
   draft KV layer must hold valid entries at positions ``[anchor, anchor + n_valid]``,
-  so that rollback to any accepted length leaves only real entries.
+  so that rollback to any accepted length leaves only real entries. A draft that also
+  writes each usable proposal to ``vtok[:, 1 + j]`` (the round starts with slots 1..k
+  set to ``PLACEHOLDER_TOKEN``) sets ``writes_verify_tokens = True``, and the burst then
+  skips the ``assemble_verify`` launch.
 * ``target.verify(bufs, stream)`` reads ``vtok [B, k+1]`` at positions
   ``pos_ctr + [0, k]`` (slots past the break hold ``PLACEHOLDER_TOKEN``: clamp before
   an embedding lookup), appends KV entries and writes the greedy prediction after each
@@ -147,6 +150,8 @@ class StubDraft(_StubModel):
     seed : int
         Agreement seed, per sequence via :meth:`set_slot`.
     """
+
+    writes_verify_tokens = True  # each step also fills vtok[:, 1 + step]: no assemble launch
 
     def __init__(self, batch: int, vocab: int, layers, capacity: int, *, accept_prob: float = 0.7,
                  p_min: float = 0.0, seed: int = 0, cost_ns: int = 0, backend: Backend | str = "auto"):

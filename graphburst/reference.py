@@ -35,7 +35,8 @@ _U32_ALL_ONES = np.uint64(0xFFFFFFFF)
 
 
 def seed_gather(pend, pos_ctr, vtok, pos_start, brk, ring, *, reset_ring, stream=None):
-    """Start a round: ``vtok[:, 0] = pend``, anchor = position, break marker = ``[k, 0]``.
+    """Start a round: ``vtok[:, 0] = pend``, ``vtok[:, 1:] = PLACEHOLDER_TOKEN``, anchor =
+    position, break marker = ``[k, 0]``.
 
     Parameters
     ----------
@@ -50,6 +51,7 @@ def seed_gather(pend, pos_ctr, vtok, pos_start, brk, ring, *, reset_ring, stream
     """
     k = vtok.shape[1] - 1
     vtok[:, 0] = pend
+    vtok[:, 1:] = PLACEHOLDER_TOKEN
     pos_start[:] = pos_ctr
     brk[:, 0] = k
     brk[:, 1] = 0
@@ -233,11 +235,14 @@ def stub_draft_step(step, vtok, pos_ctr, kv_table, len_table, capacity, vocab, s
                     cost_ns, draft_tok, draft_conf, brk, *, stream=None):
     """One draft step of the stub draft (see ``stub_draft_step`` in kernels.cu).
 
+    The proposal also goes to ``vtok[:, 1 + step]`` unless this step breaks the chain,
+    so the stub needs no assemble step.
+
     Parameters
     ----------
     step : int
         Draft step j in ``[0, k)``.
-    vtok : [B, K1] int32
+    vtok : [B, K1] int32, column ``1 + step`` written
     pos_ctr : [B] int32
     kv_table, len_table : PtrTable over the draft's layers
     seed : [B] uint32
@@ -276,6 +281,7 @@ def stub_draft_step(step, vtok, pos_ctr, kv_table, len_table, capacity, vocab, s
     breaks = conf24 < pmin24
     brk[active[breaks], 0] = step
     brk[active[breaks], 1] = 1
+    vtok[active[~breaks], 1 + step] = tok[~breaks]
     if step != k - 1:
         return
     ext = active[~breaks]

@@ -56,6 +56,7 @@ def test_replay_equals_eager_and_reference(backend, batch, k, m, n_layers, accep
         "numpy_graph": make(Backend("numpy"), batch, k, m, lay, (True, False), accept, bursts=bursts),
     }
     decs["graph_separate"].fused = False
+    decs["graph_separate"].assemble = True  # the draft's own vtok writes and assemble_verify must agree
     decs["per_round_sync"].fused = False
     for d in decs.values():
         d.prefill(prompts)
@@ -176,17 +177,18 @@ def test_capacity_is_checked_before_replay(backend):
 
 
 @pytest.mark.parametrize("fused", [True, False])
-def test_introspection_counts(backend, fused):
+@pytest.mark.parametrize("assemble", [True, False])
+def test_introspection_counts(backend, fused, assemble):
     dec = make(backend, 2, 4, 3)
-    dec.fused = fused
+    dec.fused, dec.assemble = fused, assemble
     dec.prefill(prompts_for(2))
     g = BurstGraph(dec, gapless=True)
     info = g.info()
-    if fused:  # k drafts, assemble, verify, epilogue; plus one head seed per burst
-        assert info["nodes_per_round"] == 4 + 3
+    if fused:  # k drafts, [assemble], verify, epilogue; plus one head seed per burst
+        assert info["nodes_per_round"] == 4 + assemble + 2
         assert info["nodes_total"] == 1 + 3 * info["nodes_per_round"] + 1  # + one copy of ring and counters
-    else:  # seed, k drafts, assemble, verify, accept, commit, rollback
-        assert info["nodes_per_round"] == 1 + 4 + 5
+    else:  # seed, k drafts, [assemble], verify, accept, commit, rollback
+        assert info["nodes_per_round"] == 1 + 4 + assemble + 4
         assert info["nodes_total"] == 3 * info["nodes_per_round"] + 1
     assert info["host_syncs_per_burst"] == 1
     assert info["buffer_bytes"] >= dec.bufs.nbytes

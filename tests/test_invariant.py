@@ -49,7 +49,8 @@ def run_and_check(backend, batch, k, m, accept_prob, p_min, layouts, rng, bursts
     capacity = 9 + bursts * m * (k + 1)
     target, draft = stub_pair(batch, VOCAB, t_layout, d_layout, capacity, accept_prob=accept_prob, p_min=p_min,
                               seed=int(rng.integers(0, 2**31)), backend=backend)
-    dec = SpecDecoder(target, draft, k=k, m_rounds=m, fused=fused)
+    # The separate path also launches assemble_verify over the draft's own vtok writes.
+    dec = SpecDecoder(target, draft, k=k, m_rounds=m, fused=fused, assemble=not fused)
     prompts = make_prompts(rng, batch)
     dec.prefill(prompts)
     emitted = [[] for _ in range(batch)]
