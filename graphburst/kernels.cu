@@ -353,6 +353,17 @@ extern "C" __global__ void gb_empty_node() {}
 // Stub models (deterministic, digest-carrying KV caches; see reference.py)
 // =====================================================================================
 
+// Sequence b's KV row and the layer's length array for table entry l; false for a layer
+// without KV. A thread's first layer (l0) comes from table entries it loaded up front.
+__device__ __forceinline__ bool gb_stub_layer(int l, int l0, u64 kv0, u64 len0, const u64* kv_tbl,
+                                              const u64* len_tbl, int b, int capacity, int** kv, int** len) {
+    u64 kv_p = l == l0 ? kv0 : kv_tbl[l];
+    if (kv_p == 0) return false;
+    *kv = reinterpret_cast<int*>(kv_p) + (long long)b * capacity;
+    *len = reinterpret_cast<int*>(l == l0 ? len0 : len_tbl[l]);
+    return true;
+}
+
 // Threads: one block per sequence; threads stride over the cache's layers, each walking
 // the prompt. Writes entries [0, P), sets every length to P; optionally sets the
 // position counter and seeds the pending token with the target's greedy prediction.
@@ -435,10 +446,8 @@ extern "C" __global__ void stub_draft_step(int step, int k,
     int my_n = 0;  // this thread's first layer, kept for the last step's second append
     u32 my_c = 0u;
     for (int l = threadIdx.x; l < n_layers; l += blockDim.x) {
-        u64 kv_p = l == l0 ? kv0 : kv_tbl[l];
-        if (kv_p == 0) continue;
-        int* kv = reinterpret_cast<int*>(kv_p) + (long long)b * capacity;
-        int* len = reinterpret_cast<int*>(l == l0 ? len0 : len_tbl[l]);
+        int *kv, *len;
+        if (!gb_stub_layer(l, l0, kv0, len0, kv_tbl, len_tbl, b, capacity, &kv, &len)) continue;
         int n;
         u32 c = gb_digest_step(gb_prev_entry_expect(kv, len + b, pos, capacity, &n), x, pos);
         if (n >= 0 && n < capacity) kv[n] = (int)c;
@@ -476,10 +485,8 @@ extern "C" __global__ void stub_draft_step(int step, int k,
     __syncthreads();
     if (!s_extend) return;
     for (int l = threadIdx.x; l < n_layers; l += blockDim.x) {
-        u64 kv_p = l == l0 ? kv0 : kv_tbl[l];
-        if (kv_p == 0) continue;
-        int* kv = reinterpret_cast<int*>(kv_p) + (long long)b * capacity;
-        int* len = reinterpret_cast<int*>(l == l0 ? len0 : len_tbl[l]);
+        int *kv, *len;
+        if (!gb_stub_layer(l, l0, kv0, len0, kv_tbl, len_tbl, b, capacity, &kv, &len)) continue;
         // The first layer's length and last entry are this thread's own writes: reuse them.
         int n = l == l0 ? my_n + 1 : len[b];
         u32 prev = (l == l0 && my_n >= 0 && my_n < capacity) ? my_c : gb_prev_entry(kv, n, capacity);
@@ -515,10 +522,8 @@ extern "C" __global__ void stub_verify(int k,
     const int* v = vtok + (long long)b * k1;
     int pos = pos_ctr[b];
     for (int l = threadIdx.x; l < n_layers; l += blockDim.x) {
-        u64 kv_p = l == l0 ? kv0 : kv_tbl[l];
-        if (kv_p == 0) continue;
-        int* kv = reinterpret_cast<int*>(kv_p) + (long long)b * capacity;
-        int* len = reinterpret_cast<int*>(l == l0 ? len0 : len_tbl[l]);
+        int *kv, *len;
+        if (!gb_stub_layer(l, l0, kv0, len0, kv_tbl, len_tbl, b, capacity, &kv, &len)) continue;
         int n;
         u32 c = gb_prev_entry_expect(kv, len + b, pos, capacity, &n);
         for (int j = 0; j < k1; ++j) {

@@ -157,20 +157,39 @@ class StubDraft(_StubModel):
                  p_min: float = 0.0, seed: int = 0, cost_ns: int = 0, backend: Backend | str = "auto"):
         super().__init__(batch, vocab, layers, capacity, cost_ns, backend, "draft")
         self.p_min = check_prob("p_min", p_min)
+        self.default_accept_prob = check_prob("accept_prob", accept_prob)
+        self.default_seed = check_int("seed", seed, minimum=0, maximum=2**32 - 1)
+        # Host mirrors of the per-sequence settings: changing slots is one upload of each.
+        self._host_seed = np.full(self.batch, self.default_seed, np.uint32)
+        self._host_agree = np.full(self.batch, fixed24(self.default_accept_prob), np.int32)
         self.seed = self.backend.zeros((self.batch,), np.uint32)  # [B] uint32
         self.agree24 = self.backend.zeros((self.batch,), np.int32)  # [B] int32, 24-bit fixed point
-        host_seed = np.full(self.batch, check_int("seed", seed, minimum=0, maximum=2**32 - 1), np.uint32)
-        host_agree = np.full(self.batch, fixed24(check_prob("accept_prob", accept_prob)), np.int32)
-        self.backend.upload(self.seed, host_seed, None)
-        self.backend.upload(self.agree24, host_agree, None)
+        self._upload_slots(None)
+
+    def _upload_slots(self, stream) -> None:
+        self.backend.upload(self.seed, self._host_seed, stream)
+        self.backend.upload(self.agree24, self._host_agree, stream)
+
+    def set_slots(self, settings: dict, stream=None) -> None:
+        """Set sequences' agreement probability and seed between bursts (plain writes).
+
+        Parameters
+        ----------
+        settings : dict
+            ``slot -> (accept_prob or None, seed or None)``; None restores the default.
+        """
+        for slot, (accept_prob, seed) in settings.items():
+            slot = check_int("slot", slot, minimum=0, maximum=self.batch - 1)
+            prob = self.default_accept_prob if accept_prob is None else check_prob("accept_prob", accept_prob)
+            self._host_agree[slot] = fixed24(prob)
+            self._host_seed[slot] = self.default_seed if seed is None else check_int("seed", seed, minimum=0,
+                                                                                     maximum=2**32 - 1)
+        if settings:
+            self._upload_slots(stream)
 
     def set_slot(self, slot: int, *, accept_prob: float | None = None, seed: int | None = None, stream=None) -> None:
-        """Change one sequence's agreement probability or seed between bursts (a plain write)."""
-        slot = check_int("slot", slot, minimum=0, maximum=self.batch - 1)
-        if accept_prob is not None:
-            self.agree24[slot : slot + 1] = fixed24(check_prob("accept_prob", accept_prob))
-        if seed is not None:
-            self.seed[slot : slot + 1] = check_int("seed", seed, minimum=0, maximum=2**32 - 1)
+        """Set one sequence's agreement probability or seed (None: the default)."""
+        self.set_slots({slot: (accept_prob, seed)}, stream)
 
     def draft_step(self, bufs: StreamBufs, step: int, stream) -> None:
         self.backend.ops.stub_draft_step(step, bufs.vtok, bufs.pos_ctr, self.kv_table, self.len_table, self.capacity,

@@ -176,6 +176,7 @@ class ServeLoop:
         if not free or not self.queue:
             return
         prompts, limits, stops = [None] * self.dec.batch, [None] * self.dec.batch, [None] * self.dec.batch
+        draft_settings = {}
         for b in free:
             if not self.queue:
                 break
@@ -184,8 +185,9 @@ class ServeLoop:
             state.slot = b
             self.slots[b] = state
             prompts[b], limits[b], stops[b] = req.prompt, req.max_new_tokens, req.eos
-            if isinstance(self.dec.draft, StubDraft) and (req.accept_prob is not None or req.seed is not None):
-                self.dec.draft.set_slot(b, accept_prob=req.accept_prob, seed=req.seed)
+            draft_settings[b] = (req.accept_prob, req.seed)  # None restores the default for a reused slot
+        if isinstance(self.dec.draft, StubDraft):
+            self.dec.draft.set_slots(draft_settings, self.dec.stream)
         self.dec.prefill(prompts, max_new_tokens=limits, eos=stops)
 
     def _run_burst(self):

@@ -112,3 +112,25 @@ def test_cli_demo_runs_on_numpy(capsys, mode):
     assert main(["demo", "--backend", "numpy", "--bursts", "2", "--mode", mode]) == 0
     out = capsys.readouterr().out
     assert "CPU numpy reference backend" in out and "yes" in out and "NO" not in out
+
+
+@pytest.mark.gpu
+def test_cupy_array_from_another_device_is_rejected():
+    pytest.importorskip("cupy")
+    from graphburst.backend import cuda_available
+
+    if not cuda_available():
+        pytest.skip("needs cupy and a CUDA device")
+    import cupy
+
+    other = Backend("cupy", device_id=cupy.cuda.Device().id + 1)  # a device the array is not on
+    with pytest.raises(ValueError, match=r"layers\[0\].length is on CUDA device \d+, but the backend uses device"):
+        KVCache([KVLayer(cupy.zeros((2, 8), np.int32), cupy.zeros(2, np.int32))], 2, 8, other)
+
+
+def test_reused_slot_gets_default_draft_settings():
+    t, d = stub_pair(2, 50, 1, 1, 16, accept_prob=0.25, seed=9, backend="numpy")
+    d.set_slot(1, accept_prob=1.0, seed=3)
+    assert d.agree24.tolist() == [1 << 22, 1 << 24] and d.seed.tolist() == [9, 3]
+    d.set_slots({1: (None, None)})
+    assert d.agree24.tolist() == [1 << 22, 1 << 22] and d.seed.tolist() == [9, 9]
