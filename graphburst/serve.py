@@ -97,14 +97,20 @@ class ServeLoop:
     engine : {"graph", "eager_sync"}
         ``eager_sync`` runs the same loop through eager bursts that sync every round,
         for comparison.
+    pipelined : bool
+        Graph engine only: keep a second burst in flight (gapless drain) while the host
+        hands out the previous burst's tokens.
     """
 
-    def __init__(self, target, draft, *, k: int, m_rounds: int, engine: str = "graph"):
+    def __init__(self, target, draft, *, k: int, m_rounds: int, engine: str = "graph", pipelined: bool = True):
         if engine not in ENGINE_MODES:
             raise ValueError(f"engine must be one of {ENGINE_MODES}, got {engine!r}")
         self.dec = SpecDecoder(target, draft, k=k, m_rounds=m_rounds)
         self.engine = engine
-        self.graph = BurstGraph(self.dec) if engine == "graph" else None
+        self.pipelined = bool(pipelined) and engine == "graph"
+        self.graph = BurstGraph(self.dec, gapless=self.pipelined) if engine == "graph" else None
+        self._in_flight: collections.deque = collections.deque()  # timing events per burst in flight
+        self._launched = 0
         self.vocab = target.vocab
         self.slots: list[RequestState | None] = [None] * self.dec.batch
         self.queue: collections.deque[RequestState] = collections.deque()
@@ -190,43 +196,77 @@ class ServeLoop:
             self.dec.draft.set_slots(draft_settings, self.dec.stream)
         self.dec.prefill(prompts, max_new_tokens=limits, eos=stops)
 
-    def _run_burst(self):
+    # Timing: every burst gets a (start, end) event pair; three pairs in rotation cover
+    # two bursts in flight plus the last drained burst's end, used for the idle gap.
+
+    def _timing_events(self):
         be = self.dec.backend
-        events = None
-        if be.is_gpu:
-            # Two pairs, alternating: the previous burst's end event stays valid for the gap.
-            if self._event_pairs is None:
-                self._event_pairs = [(be.xp.cuda.Event(), be.xp.cuda.Event()) for _ in range(2)]
-            events = self._event_pairs[self.bursts % 2]
-        if self.graph is not None:
-            self.graph.replay(timing_events=events)
-            tokens = self.graph.drain()
-            acc = self.graph.last_acc
-        else:
-            if events:
-                events[0].record(self.dec.stream)
-            tokens = self.dec.run_burst(mode="per_round_sync")
-            if events:
-                events[1].record(self.dec.stream)
-            acc = self.dec.accept_counters()
+        if not be.is_gpu:
+            return None
+        if self._event_pairs is None:
+            self._event_pairs = [(be.xp.cuda.Event(), be.xp.cuda.Event()) for _ in range(3)]
+        self._launched += 1
+        return self._event_pairs[self._launched % 3]
+
+    def _account(self, events) -> None:
+        if events is None:
+            return
+        elapsed = self.dec.backend.xp.cuda.get_elapsed_time
+        events[1].synchronize()
+        self.gpu_busy_ms += elapsed(*events)
+        if self._last_end is not None:
+            self.gpu_idle_ms += elapsed(self._last_end, events[0])
+        self._last_end = events[1]
+
+    def _launch(self) -> None:
+        """Enqueue one burst (graph engine)."""
+        events = self._timing_events()
+        self.graph.replay(timing_events=events)
+        self._in_flight.append(events)
+
+    def _drain_one(self) -> int:
+        """Drain the oldest burst in flight and hand its tokens to their requests."""
+        tokens = self.graph.drain()
+        self._account(self._in_flight.popleft())
+        return self._deliver(tokens, self.graph.last_acc)
+
+    def _run_eager(self) -> int:
+        events = self._timing_events()
         if events:
-            events[1].synchronize()
-            elapsed = be.xp.cuda.get_elapsed_time
-            self.gpu_busy_ms += elapsed(*events)
-            if self._last_end is not None:
-                self.gpu_idle_ms += elapsed(self._last_end, events[0])
-            self._last_end = events[1]
-        return tokens, acc
+            events[0].record(self.dec.stream)
+        tokens = self.dec.run_burst(mode="per_round_sync")
+        if events:
+            events[1].record(self.dec.stream)
+        self._account(events)
+        return self._deliver(tokens, self.dec.accept_counters())
+
+    def _needs_boundary(self) -> bool:
+        has_free = any(s is None for s in self.slots)
+        return bool(self.queue and has_free) or any(s is not None and s.cancelled for s in self.slots)
 
     def step(self) -> int:
-        """One iteration: admit, replay one burst, drain, stream tokens, free finished slots.
+        """One iteration: admit, run a burst, drain, stream tokens, free finished slots.
 
-        Returns the number of tokens delivered.
+        With the pipelined graph engine the next burst is enqueued before the last one's
+        tokens are handed out, so the GPU keeps working while the host does; slots are
+        only changed with nothing in flight. Returns the number of tokens delivered.
         """
-        self._boundary()
+        if self.graph is None:
+            self._boundary()
+            return self._run_eager() if self.active else 0
+        delivered = 0
+        if self._needs_boundary() or not self.pipelined or self.active == 0:
+            while self._in_flight:
+                delivered += self._drain_one()
+            self._boundary()
         if self.active == 0:
-            return 0
-        tokens, acc = self._run_burst()
+            return delivered
+        depth = self.graph.n_slots if self.pipelined else 1
+        while len(self._in_flight) < depth:
+            self._launch()
+        return delivered + self._drain_one()
+
+    def _deliver(self, tokens, acc) -> int:
         now = time.perf_counter()
         self.bursts += 1
         # One conversion per burst, then plain list slicing: per-slot numpy calls would
@@ -257,8 +297,8 @@ class ServeLoop:
         self.slots[b] = None
 
     def run_until_idle(self) -> None:
-        """Serve until every submitted request has finished."""
-        while not self.idle:
+        """Serve until every submitted request has finished and nothing is in flight."""
+        while not self.idle or self._in_flight:
             self.step()
 
     # ------------------------------------------------------------------ streaming

@@ -100,3 +100,64 @@ def test_rollback_follows_pointers_and_skips_absent():
     assert cache.layers[0].length.tolist() == [5, 2, 4]
     assert cache.layers[2].length.tolist() == [5, 2, 4]
     assert pos.tolist() == [5, 2, 4]
+
+
+# Property tests: the vectorised reference against a plain scalar statement of the rule.
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@st.composite
+def accept_inputs(draw):
+    k = draw(st.integers(1, 9))
+    batch = draw(st.integers(1, 6))
+    tok = st.integers(-1, 3)
+    vtok = np.array(draw(st.lists(st.lists(tok, min_size=k + 1, max_size=k + 1), min_size=batch, max_size=batch)),
+                    np.int32)
+    tgt = np.array(draw(st.lists(st.lists(tok, min_size=k + 1, max_size=k + 1), min_size=batch, max_size=batch)),
+                   np.int32)
+    brk = np.array([[draw(st.integers(-2, k + 2)), draw(st.integers(0, 1))] for _ in range(batch)], np.int32)
+    return vtok, tgt, brk
+
+
+@settings(max_examples=200, deadline=None)
+@given(accept_inputs())
+def test_accept_reference_matches_scalar_rule(inputs):
+    vtok, tgt, brk = inputs
+    k = vtok.shape[1] - 1
+    n_acc = np.full(len(vtok), -9, np.int32)
+    last = np.full(len(vtok), -9, np.int32)
+    reference.accept_greedy(vtok, tgt, brk, n_acc, last)
+    for b in range(len(vtok)):
+        n_valid = min(max(int(brk[b, 0]), 0), k)
+        n = 0
+        while n < n_valid and vtok[b, n + 1] == tgt[b, n]:
+            n += 1
+        assert (n_acc[b], last[b]) == (n, tgt[b, n])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 6), st.lists(st.integers(0, 4), min_size=7, max_size=7), st.integers(-1, 4),
+       st.sampled_from([constants.UNBOUNDED_BUDGET, -1, 0, 1, 2, 5]), st.integers(0, 8))
+def test_ring_commit_reference_matches_token_by_token_rule(n_acc, toks, eos, budget, count):
+    k = 6
+    vtok = np.array([toks], np.int32)
+    ring = np.full((1, 2 * (k + 1) + 1), constants.PLACEHOLDER_TOKEN, np.int32)
+    ring[0, 0] = count
+    out = dict(budget=np.array([budget], np.int32), pend=np.array([9], np.int32), acc=np.zeros((1, 2), np.int32),
+               n_commit=np.full(1, -9, np.int32))
+    reference.ring_commit(vtok, np.array([n_acc], np.int32), np.array([7], np.int32), np.array([eos], np.int32),
+                          out["budget"], ring, out["pend"], out["acc"], out["n_commit"])
+    # The rule, one token at a time: stop when the budget is spent, after EOS, or when full.
+    left, got = budget, []
+    for t in toks[: n_acc + 1]:
+        if left <= 0 or count + len(got) >= ring.shape[1] - 1:
+            break
+        got.append(t)
+        left = left if left == constants.UNBOUNDED_BUDGET else left - 1
+        if t == eos:
+            left = 0
+    assert ring[0, 1 + count : 1 + count + len(got)].tolist() == got
+    assert int(ring[0, 0]) == count + len(got) and int(out["n_commit"][0]) == len(got)
+    assert int(out["budget"][0]) == left
+    assert int(out["pend"][0]) == (7 if len(got) == n_acc + 1 else 9)

@@ -17,10 +17,10 @@ from graphburst.cli import main
 VOCAB = 5003
 
 
-def make_loop(backend, batch=4, k=4, m=3, accept=0.7, capacity=256, engine="graph"):
+def make_loop(backend, batch=4, k=4, m=3, accept=0.7, capacity=256, engine="graph", pipelined=True):
     target, draft = stub_pair(batch, VOCAB, [True, False, True], [True], capacity, accept_prob=accept,
                               backend=backend)
-    return ServeLoop(target, draft, k=k, m_rounds=m, engine=engine)
+    return ServeLoop(target, draft, k=k, m_rounds=m, engine=engine, pipelined=pipelined)
 
 
 def expected(req: Request) -> list:
@@ -43,9 +43,9 @@ def random_requests(rng, n, eos_rate=0.4):
     return reqs
 
 
-@pytest.mark.parametrize("engine", ["graph", "eager_sync"])
-def test_mixed_requests_arriving_while_others_run(backend, rng, engine):
-    loop = make_loop(backend, engine=engine)
+@pytest.mark.parametrize("engine, pipelined", [("graph", True), ("graph", False), ("eager_sync", False)])
+def test_mixed_requests_arriving_while_others_run(backend, rng, engine, pipelined):
+    loop = make_loop(backend, engine=engine, pipelined=pipelined)
     reqs = random_requests(rng, 23)
     states = [loop.submit(r) for r in reqs[:6]]
     loop.step()
