@@ -36,6 +36,8 @@ def add_parser(sub) -> None:
     p.add_argument("--capacity", type=int, default=4096, help="KV entries per slot")
     p.add_argument("--accept", type=float, default=0.7, help="default draft agreement probability")
     p.add_argument("--cost-us", type=float, default=0.0, help="emulated model time per call")
+    p.add_argument("--no-pipeline", action="store_true",
+                   help="graph engine: drain each burst before enqueueing the next")
     p.add_argument("--live", action="store_true", help="show the live view even when stderr is not a terminal")
 
 
@@ -82,7 +84,8 @@ def run(args, console: Console) -> int:
     backend = get_backend(args.backend)
     target, draft = stub_pair(args.batch, args.vocab, args.layers, 1, args.capacity, accept_prob=args.accept,
                               cost_ns=int(args.cost_us * 1000), backend=backend)
-    loop = ServeLoop(target, draft, k=args.k, m_rounds=args.rounds, engine=args.engine)
+    loop = ServeLoop(target, draft, k=args.k, m_rounds=args.rounds, engine=args.engine,
+                     pipelined=not args.no_pipeline)
     err = Console(stderr=True)
     if not backend.is_gpu:
         err.print("graphburst serve: no GPU in use; running the numpy reference backend")

@@ -1,5 +1,6 @@
 """Serving benchmark: 64 concurrent requests at B=64, k=4, M=8, stub cost 0 and 100 µs,
-through the captured graph and through eager bursts that sync every round.
+through the captured graph (pipelined and not) and through eager bursts that sync
+every round.
 
 Usage: PYTHONPATH=. python3 scripts/serve_bench.py [--json FILE] [--new-tokens N]
 Every request's tokens are checked against the greedy reference before figures count.
@@ -23,10 +24,11 @@ from graphburst.serve import Request, ServeLoop, inter_token_latencies_us, perce
 VOCAB = 32000
 
 
-def run_one(backend, engine, cost_us, n_req, new_tokens, batch=64, k=4, m=8):
+def run_one(backend, engine, pipelined, cost_us, n_req, new_tokens, batch=64, k=4, m=8):
     target, draft = stub_pair(batch, VOCAB, 4, 1, 64 + new_tokens + m * (k + 1), accept_prob=0.7,
                               cost_ns=int(cost_us * 1000), backend=backend)
-    loop = ServeLoop(target, draft, k=k, m_rounds=m, engine=engine)
+    loop = ServeLoop(target, draft, k=k, m_rounds=m, engine=engine, pipelined=pipelined)
+    engine = engine + (" pipelined" if loop.pipelined else "")
     rng = np.random.default_rng(0)
     reqs = [Request(rng.integers(0, VOCAB, 16).tolist(), new_tokens, seed=i) for i in range(n_req)]
     warm = loop.submit(Request([1, 2, 3], m * (k + 1)))  # one warm-up request through the same loop
@@ -54,8 +56,9 @@ def main() -> None:
     args = ap.parse_args()
     backend = get_backend("auto")
     label = "GPU" if backend.is_gpu else "CPU REFERENCE (numpy backend, not a GPU timing)"
-    rows = [run_one(backend, engine, cost, args.requests, args.new_tokens)
-            for cost in (0, 100) for engine in ("graph", "eager_sync")]
+    engines = (("graph", True), ("graph", False), ("eager_sync", False))
+    rows = [run_one(backend, engine, pipelined, cost, args.requests, args.new_tokens)
+            for cost in (0, 100) for engine, pipelined in engines]
     table = Table(title=f"serve: {args.requests} requests x {args.new_tokens} tokens, B=64, k=4, M=8; {label}")
     for col in ("engine", "stub µs/call", "tokens/s", "ITL p50 µs", "ITL p99 µs", "delivery gap p50 µs",
                 "delivery gap p99 µs", "TTFT p50 ms", "GPU idle", "bursts"):
