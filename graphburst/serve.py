@@ -262,9 +262,15 @@ class ServeLoop:
         if self.active == 0:
             return delivered
         depth = self.graph.n_slots if self.pipelined else 1
-        while len(self._in_flight) < depth:
+        while len(self._in_flight) < depth and self._worth_launching():
             self._launch()
-        return delivered + self._drain_one()
+        return delivered + (self._drain_one() if self._in_flight else 0)
+
+    def _worth_launching(self) -> bool:
+        # A burst commits at least one token per round for every live slot, so once the
+        # bursts in flight are bound to use up every remaining budget, another is waste.
+        left = self.dec.host_left - self.dec.m_rounds * len(self._in_flight)
+        return bool((left > 0).any())
 
     def _deliver(self, tokens, acc) -> int:
         now = time.perf_counter()
