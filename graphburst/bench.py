@@ -48,7 +48,7 @@ class Sample:
 
 
 class _Mode:
-    """One way of running bursts. ``step()`` enqueues a burst and returns its tokens (or None)."""
+    """One way of running bursts: ``enqueue()`` starts one, ``finish()`` returns its tokens (or None)."""
 
     launches = 1
     syncs = 1

@@ -3,11 +3,12 @@
 Lifecycle (docs/capture.md has the diagram): warm every kernel up, capture the
 decoder's burst program on its stream in a strict mode (an allocation or host sync in
 the region fails the capture), upload, then ``replay()`` = one graph launch and
-``drain()`` = the one host sync. Every graph ends with a device-to-host copy of the
-ring into pinned memory, so draining is an event wait plus host work. With
-``gapless=True`` two graphs differ only in the pinned buffer that copy fills, so burst
-n+1 can be enqueued before burst n is read. On the numpy backend "capture" records the same bound calls
-and replay re-runs the record, so CI exercises the same ordering and baking logic.
+``drain()`` = the one host sync. Every graph ends with one device-to-host copy of the
+ring and accept counters into pinned memory, so draining is an event wait plus host
+work. With ``gapless=True`` two graphs differ only in the pinned buffer that copy
+fills, so burst n+1 can be enqueued before burst n is read. On the numpy backend
+"capture" records the same bound calls and replay re-runs the record, so CI exercises
+the same ordering and baking logic.
 """
 
 from __future__ import annotations
@@ -32,14 +33,17 @@ class CaptureError(RuntimeError):
 @functools.cache
 def _warm_up(device_id: int) -> None:
     """Compile, load and launch every kernel once on scratch buffers, outside any capture."""
+    from . import cuda_ops
     from .backend import Backend
     from .models import stub_pair
 
+    cuda_ops.warm_up(device_id)
     backend = Backend("cupy", device_id)
-    target, draft = stub_pair(1, 2, 1, 1, 8, backend=backend)
-    scratch = SpecDecoder(target, draft, k=1, m_rounds=1)
-    scratch.prefill([[0]])
-    scratch.run_burst()
+    for fused in (True, False):  # between them, every bookkeeping kernel runs once
+        target, draft = stub_pair(1, 2, 1, 1, 8, backend=backend)
+        scratch = SpecDecoder(target, draft, k=1, m_rounds=1, fused=fused, assemble=not fused)
+        scratch.prefill([[0]])
+        scratch.run_burst()
 
 
 def _copy_to_host(backend, host_dst: np.ndarray, src, *, stream) -> None:
@@ -80,8 +84,8 @@ class BurstGraph:
         Its buffers, tables and models are baked in; they must not be reallocated
         while this graph lives (the address guard raises if they are).
     gapless : bool
-        Copy the ring to pinned host memory inside the graph, alternating two buffers,
-        so the host may enqueue the next burst before reading this one.
+        Capture two graphs whose final copy fills alternating pinned buffers, so the
+        host may enqueue the next burst before reading this one.
     capture_mode : {"global", "thread_local"}
         Strict capture modes: an allocation or host sync in the region fails capture.
     """
@@ -253,7 +257,7 @@ class BurstGraph:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the device buffers baked into the graph, plus the pinned host rings."""
+        """Bytes of the device buffers baked into the graph, plus the pinned host copies."""
         return self.guard.nbytes + sum(int(h.nbytes) for h in self._host_blocks)
 
     def graph_node_count(self) -> int | None:

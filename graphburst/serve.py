@@ -2,9 +2,9 @@
 
 One :class:`BurstGraph` is captured at start-up per (batch slots, k, M) and replayed for
 the life of the process. Between bursts the loop admits waiting requests into free
-slots (prefill and slot reset are plain host-to-device writes into the fixed buffers:
-no recapture, no allocation), then replays, drains and streams each request's new
-tokens. Stops (EOS, max_new_tokens) happen on the device, mid-round if need be, so no
+slots (prefill and slot reset are host-to-device writes into the fixed buffers plus the
+model's prefill kernels: no recapture, no allocation), then replays, drains and streams
+each request's new tokens. Stops (EOS, max_new_tokens) happen on the device, mid-round if need be, so no
 token past a stop ever reaches the ring; a finished or idle slot has budget 0 and emits
 nothing.
 """
@@ -176,14 +176,14 @@ class ServeLoop:
         for b in freed:
             self._finish(b)
         self.dec.release(freed)
-        while self.queue and self.queue[0].cancelled:
-            self.queue.popleft().finished = time.perf_counter()
         free = [b for b, s in enumerate(self.slots) if s is None]
         if not free or not self.queue:
             return
         prompts, limits, stops = [None] * self.dec.batch, [None] * self.dec.batch, [None] * self.dec.batch
         draft_settings = {}
         for b in free:
+            while self.queue and self.queue[0].cancelled:  # cancelled while waiting: never admitted
+                self.queue.popleft().finished = time.perf_counter()
             if not self.queue:
                 break
             state = self.queue.popleft()

@@ -82,11 +82,14 @@ def test_idle_slots_emit_nothing(backend):
 def test_cancellation_frees_the_slot(backend):
     loop = make_loop(backend, batch=1, m=1)
     a = loop.submit(Request([4], 200))
+    waiting = loop.submit(Request([6], 10))
     b = loop.submit(Request([5], 10))
     loop.step()
     loop.cancel(a)
+    loop.cancel(waiting)  # cancelled in the queue, behind a running request: never admitted
     loop.run_until_idle()
     assert a.done and a.tokens == greedy_reference([4], len(a.tokens), VOCAB) and len(a.tokens) < 200
+    assert waiting.done and waiting.tokens == [] and waiting.slot is None
     assert b.tokens == greedy_reference([5], 10, VOCAB)
 
 
