@@ -69,6 +69,7 @@ class StreamBufs(Watched):
         self._out_shapes = [shapes[n] for n in self.OUTPUTS]
         size = sum(int(np.prod(shape)) for shape in self._out_shapes)
         self.out_block = self.backend.zeros((size,), np.int32)  # [B*R + B*2] int32: ring, then acc
+        self.eos[...] = NO_EOS  # budget stays 0: a slot is idle, and emits nothing, until a prefill
 
     def _outputs(self) -> list:
         # Views are cached per block, so rebinding out_block moves ring and acc with it.
@@ -87,7 +88,6 @@ class StreamBufs(Watched):
     def acc(self):
         """``[B, 2] int32`` accept counters ``[accepted drafts, rounds]`` (a view of out_block)."""
         return self._outputs()[1]
-        self.eos[...] = NO_EOS  # budget stays 0: a slot is idle, and emits nothing, until a prefill
 
     @property
     def ring_capacity(self) -> int:

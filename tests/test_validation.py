@@ -21,6 +21,11 @@ def test_sizes_below_one(kw, match):
         StreamBufs(backend="numpy", **kw)
 
 
+def test_fresh_buffers_are_idle_with_no_stop_token():
+    bufs = StreamBufs(3, 2, 2, backend="numpy")
+    assert bufs.budget.tolist() == [0, 0, 0] and bufs.eos.tolist() == [-1, -1, -1]
+
+
 def test_non_int_size_is_type_error():
     with pytest.raises(TypeError, match="k must be an int, got float 2.0"):
         StreamBufs(1, 2.0, 1, backend="numpy")
