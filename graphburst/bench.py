@@ -11,7 +11,6 @@ labelled as a CPU reference.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime
 import json

@@ -9,8 +9,6 @@ the same buffers (zero-copy DLPack views), and the whole burst is captured with
 
 from __future__ import annotations
 
-import numpy as np
-
 from .buffers import split_ring
 from .burst import SpecDecoder
 from .constants import PLACEHOLDER_TOKEN

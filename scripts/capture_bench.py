@@ -11,7 +11,6 @@ import json
 import statistics
 import time
 
-import numpy as np
 from rich.console import Console
 from rich.table import Table
 
