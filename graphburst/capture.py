@@ -168,7 +168,8 @@ class BurstGraph:
         """One slot's program as a graph (cupy) or a recorded program (numpy), uploaded."""
         program = self._program(slot)
         graph = self._stream_capture(program) if self.backend.is_gpu else RecordedProgram(program)
-        graph.upload(self.dec.stream)
+        with self.backend.device():
+            graph.upload(self.dec.stream)
         return graph
 
     def _stream_capture(self, program: list[Call]):
