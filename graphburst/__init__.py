@@ -9,7 +9,8 @@ from .buffers import KVCache, KVLayer, PtrTable, StreamBufs, kv_len_ptr_table, k
 from .burst import CapacityError, SpecDecoder
 from .constants import NO_EOS, PLACEHOLDER_TOKEN, UNBOUNDED_BUDGET
 from .digest import greedy_reference
-from .models import DraftModel, StubDraft, StubTarget, TargetModel, stub_pair
+from .protocol import DraftModel, TargetModel
+from .stubs import StubDraft, StubTarget, stub_pair
 
 __version__ = "0.1.0"
 

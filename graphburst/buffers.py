@@ -176,8 +176,8 @@ class KVLayer(Watched):
     Parameters
     ----------
     storage : array
-        The layer's KV storage. The stub models use ``[B, capacity] int32``; a caller's
-        own model may use any layout (only its address enters the tables).
+        The layer's KV storage, in any layout the model likes (the burst never reads
+        it; only its address enters the address guard).
     length : [B] int32 array
         Valid entries per sequence; the rollback kernel writes it.
     """
@@ -215,18 +215,6 @@ class KVCache(Watched):
                 raise TypeError(f"layers[{i}] must be a KVLayer or None, got {type(layer).__name__}")
             check_array(f"layers[{i}].length", layer.length, self.backend, (self.batch,), np.int32)
             self.backend.check_device(f"layers[{i}].storage", layer.storage)
-
-    @classmethod
-    def for_stub(cls, layout: Sequence[bool], batch: int, capacity: int, backend: Backend | str = "auto") -> KVCache:
-        """Allocate a stub cache: ``[B, capacity] int32`` storage for each True in ``layout``."""
-        backend = get_backend(backend)
-        batch = check_int("batch", batch)
-        capacity = check_int("capacity", capacity)
-        layers = [
-            KVLayer(backend.zeros((batch, capacity), np.int32), backend.zeros((batch,), np.int32)) if has_kv else None
-            for has_kv in layout
-        ]
-        return cls(layers, batch, capacity, backend)
 
     @property
     def n_layers(self) -> int:
@@ -342,7 +330,3 @@ def kv_len_ptr_table(caches, pos_ctr=None) -> PtrTable:
     total = sum(c.n_layers for c in caches)
     return kv_len_ptr_table_range(caches, range(total), pos_ctr)
 
-
-def storage_ptr_table(cache: KVCache) -> PtrTable:
-    """Storage-pointer table of a stub cache (what the stub kernels walk)."""
-    return PtrTable([None if layer is None else layer.storage for layer in cache.layers], cache.backend)

@@ -16,7 +16,7 @@ import numpy as np
 from .buffers import BurstTokens, StreamBufs, kv_len_ptr_table
 from .guard import Watched
 from .constants import NO_EOS, NO_PREFILL, UNBOUNDED_BUDGET
-from .models import DraftModel, TargetModel, check_pair
+from .protocol import DraftModel, TargetModel, check_pair, hook, split_options
 from .validate import check_int
 
 MODES = ("per_round_sync", "pre_issued")
@@ -66,11 +66,13 @@ class SpecDecoder(Watched):
                  fused: bool = True, assemble: bool | None = None):
         check_pair(target, draft)
         self.fused = bool(fused)
-        self.assemble = not getattr(draft, "writes_verify_tokens", False) if assemble is None else bool(assemble)
+        self.assemble = not hook(draft, "writes_verify_tokens") if assemble is None else bool(assemble)
         self.target, self.draft = target, draft
         self.backend = target.cache.backend
         self.batch = target.cache.batch
         self.bufs = StreamBufs(self.batch, k, m_rounds, self.backend)
+        for model in (target, draft):  # the buffers never move from here on: models may view them
+            hook(model, "bind")(self.bufs)
         self.k, self.m_rounds = self.bufs.k, self.bufs.m_rounds
         self.table = kv_len_ptr_table([target.cache, draft.cache], pos_ctr=self.bufs.pos_ctr)
         self.capacity = min(target.cache.capacity, draft.cache.capacity)
@@ -171,12 +173,36 @@ class SpecDecoder(Watched):
         self.backend.upload(self.bufs.budget, budget, self.stream)
         self.host_left[slots] = 0
 
+    def slot_options(self, options: dict | None) -> dict:
+        """Validate one request's model options (at submission); see :func:`protocol.split_options`.
+
+        Returns an opaque value for :meth:`set_slot_options`; raises ValueError/TypeError
+        naming a key no model accepts or a model's own complaint.
+        """
+        return split_options({"target": self.target, "draft": self.draft}, options)
+
+    def set_slot_options(self, settings: dict) -> None:
+        """Apply validated options between bursts (at admission, before :meth:`prefill`).
+
+        Parameters
+        ----------
+        settings : dict
+            ``slot -> slot_options(...) result``, or None to restore the models' defaults
+            (give every admitted slot an entry, so a reused slot forgets its last request).
+        """
+        if self.outstanding:
+            raise RuntimeError("drain every enqueued burst before changing slot options")
+        for slot in settings:
+            check_int("slot", slot, minimum=0, maximum=self.batch - 1)
+        for role in ("target", "draft"):
+            per_slot = {b: None if v is None else v[role] for b, v in settings.items()}
+            if per_slot:
+                hook(getattr(self, role), "set_slot_options")(per_slot, self.stream)
+
     # ------------------------------------------------------------------ the round program
 
     def _seed_call(self, reset_ring: bool) -> Call:
-        b = self.bufs
-        return Call("seed_gather", functools.partial(self.backend.ops.seed_gather, b.pend, b.pos_ctr, b.vtok,
-                                                     b.pos_start, b.brk, b.ring, reset_ring=reset_ring))
+        return seed_call(self.backend.ops, self.bufs, reset_ring)
 
     def round_calls(self, first_round: bool) -> list[Call]:
         """The bound kernel calls of one round, in stream order.
@@ -188,20 +214,11 @@ class SpecDecoder(Watched):
         calls = [] if self.fused else [self._seed_call(reset_ring=first_round)]
         calls += [Call(f"draft_step[{j}]", functools.partial(self.draft.draft_step, b, j)) for j in range(self.k)]
         if self.assemble:
-            calls.append(Call("assemble_verify", functools.partial(ops.assemble_verify, b.pend, b.draft_tok, b.brk,
-                                                                   b.vtok)))
+            calls.append(assemble_call(ops, b))
         calls.append(Call("verify", functools.partial(self.target.verify, b)))
         if self.fused:
-            return calls + [Call("epilogue", functools.partial(
-                ops.epilogue, b.tgt_pred, b.eos, b.vtok, b.brk, b.n_acc, b.last_pred, b.budget, b.ring, b.pend,
-                b.acc, b.n_commit, b.pos_start, b.pos_ctr, self.table))]
-        return calls + [
-            Call("accept_greedy", functools.partial(ops.accept_greedy, b.vtok, b.tgt_pred, b.brk, b.n_acc,
-                                                    b.last_pred)),
-            Call("ring_commit", functools.partial(ops.ring_commit, b.vtok, b.n_acc, b.last_pred, b.eos, b.budget,
-                                                  b.ring, b.pend, b.acc, b.n_commit)),
-            Call("rollback_stream", functools.partial(ops.rollback_stream, self.table, b.pos_start, b.n_commit)),
-        ]
+            return calls + [epilogue_call(ops, b, self.table)]
+        return calls + separate_tail_calls(ops, b, self.table)
 
     def burst_calls(self) -> list[Call]:
         """The bound calls of a whole M-round burst (fused bursts start with a head seed)."""
@@ -213,9 +230,7 @@ class SpecDecoder(Watched):
     def refresh_tables(self) -> None:
         """Rebuild every pointer table from the caches' current layers (before a recapture)."""
         for model in (self.target, self.draft):
-            refresh = getattr(model, "refresh_tables", None)
-            if refresh is not None:
-                refresh()
+            hook(model, "refresh_tables")()
         self.table = kv_len_ptr_table([self.target.cache, self.draft.cache], pos_ctr=self.bufs.pos_ctr)
 
     def _update_fits(self) -> None:
@@ -300,6 +315,34 @@ class SpecDecoder(Watched):
     def positions(self) -> np.ndarray:
         """``[B]`` host copy of the device position counter (a host sync)."""
         return self.backend.to_host(self.bufs.pos_ctr, self.stream)
+
+
+# The generic bookkeeping calls, shared by the decoder's program and the capture warm-up.
+
+
+def seed_call(ops, b: StreamBufs, reset_ring: bool) -> Call:
+    return Call("seed_gather", functools.partial(ops.seed_gather, b.pend, b.pos_ctr, b.vtok, b.pos_start, b.brk,
+                                                 b.ring, reset_ring=reset_ring))
+
+
+def assemble_call(ops, b: StreamBufs) -> Call:
+    return Call("assemble_verify", functools.partial(ops.assemble_verify, b.pend, b.draft_tok, b.brk, b.vtok))
+
+
+def epilogue_call(ops, b: StreamBufs, table) -> Call:
+    return Call("epilogue", functools.partial(ops.epilogue, b.tgt_pred, b.eos, b.vtok, b.brk, b.n_acc, b.last_pred,
+                                              b.budget, b.ring, b.pend, b.acc, b.n_commit, b.pos_start, b.pos_ctr,
+                                              table))
+
+
+def separate_tail_calls(ops, b: StreamBufs, table) -> list[Call]:
+    """Accept, commit and rollback as three kernels (the unfused round's tail)."""
+    return [
+        Call("accept_greedy", functools.partial(ops.accept_greedy, b.vtok, b.tgt_pred, b.brk, b.n_acc, b.last_pred)),
+        Call("ring_commit", functools.partial(ops.ring_commit, b.vtok, b.n_acc, b.last_pred, b.eos, b.budget, b.ring,
+                                              b.pend, b.acc, b.n_commit)),
+        Call("rollback_stream", functools.partial(ops.rollback_stream, table, b.pos_start, b.n_commit)),
+    ]
 
 
 def _per_slot(name: str, value, batch: int) -> list:

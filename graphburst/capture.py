@@ -7,8 +7,9 @@ the region fails the capture), upload, then ``replay()`` = one graph launch and
 ring and accept counters into pinned memory, so draining is an event wait plus host
 work. With ``gapless=True`` two graphs differ only in the pinned buffer that copy
 fills, so burst n+1 can be enqueued before burst n is read. On the numpy backend
-"capture" records the same bound calls and replay re-runs the record, so CI exercises
-the same ordering and baking logic.
+"capture" records the same bound calls into a :class:`RecordedProgram`, which has a
+CUDA graph's face (``upload``, ``launch``), so replay has one path and CI exercises the
+same ordering and baking logic.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from collections import deque
 
 import numpy as np
 
-from .buffers import BurstTokens, split_out_block, split_ring
-from .burst import Call, SpecDecoder
+from .buffers import BurstTokens, PtrTable, StreamBufs, split_out_block, split_ring
+from .burst import Call, SpecDecoder, assemble_call, epilogue_call, seed_call, separate_tail_calls
 from .guard import AddressGuard, StaleGraphError
+from .protocol import hook
 
 CAPTURE_MODES = ("global", "thread_local")
 __all__ = ["BurstGraph", "CaptureError", "StaleGraphError", "CAPTURE_MODES"]
@@ -32,18 +34,57 @@ class CaptureError(RuntimeError):
 
 @functools.cache
 def _warm_up(device_id: int) -> None:
-    """Compile, load and launch every kernel once on scratch buffers, outside any capture."""
+    """Compile and load every library kernel, and launch each bookkeeping kernel once on
+    scratch buffers, outside any capture (a first launch may still do lazy work).
+
+    Models are not run here: protocol v1 asks a model to have its own kernels loaded
+    before the first capture (docs/models.md).
+    """
     from . import cuda_ops
     from .backend import Backend
-    from .models import stub_pair
 
     cuda_ops.warm_up(device_id)
     backend = Backend("cupy", device_id)
-    for fused in (True, False):  # between them, every bookkeeping kernel runs once
-        target, draft = stub_pair(1, 2, 1, 1, 8, backend=backend)
-        scratch = SpecDecoder(target, draft, k=1, m_rounds=1, fused=fused, assemble=not fused)
-        scratch.prefill([[0]])
-        scratch.run_burst()
+    bufs = StreamBufs(1, 1, 1, backend)  # budget 0: the scratch round commits nothing
+    table = PtrTable([bufs.pos_ctr], backend)  # [1] uint64: rollback writes pos_ctr only
+    stream = backend.new_stream()
+    ops = backend.ops
+    calls = [seed_call(ops, bufs, reset_ring=True), assemble_call(ops, bufs), *separate_tail_calls(ops, bufs, table),
+             epilogue_call(ops, bufs, table)]
+    with backend.device():
+        for call in calls:
+            call(stream)
+        stream.synchronize()
+
+
+class RecordedProgram:
+    """A burst program recorded on the numpy backend, with a CUDA graph's face.
+
+    Parameters
+    ----------
+    calls : list of Call
+        Bound calls in stream order; ``launch`` re-runs them.
+    """
+
+    def __init__(self, calls: list[Call]):
+        self.calls = list(calls)
+
+    def upload(self, stream) -> None:
+        """Nothing to upload: the calls run on the host."""
+
+    def launch(self, stream) -> None:
+        for call in self.calls:
+            call(stream)
+
+
+class HostEvent:
+    """Stand-in for a CUDA event on the numpy backend: host work is already done."""
+
+    def record(self, stream=None) -> None:
+        """Nothing to mark: the stream has no queue."""
+
+    def synchronize(self) -> None:
+        """Nothing to wait for."""
 
 
 def _copy_to_host(backend, host_dst: np.ndarray, src, *, stream) -> None:
@@ -117,16 +158,21 @@ class BurstGraph:
         if self.backend.is_gpu:
             with self.backend.device():
                 return self.backend.xp.cuda.Event(disable_timing=True)
-        return None
+        return HostEvent()
 
     def _program(self, slot: int) -> list[Call]:
         copy = functools.partial(_copy_to_host, self.backend, self._host_blocks[slot], self.dec.bufs.out_block)
         return self.dec.burst_calls() + [Call("outputs_to_host", copy)]
 
     def _capture_one(self, slot: int):
+        """One slot's program as a graph (cupy) or a recorded program (numpy), uploaded."""
         program = self._program(slot)
-        if not self.backend.is_gpu:
-            return program
+        graph = self._stream_capture(program) if self.backend.is_gpu else RecordedProgram(program)
+        with self.backend.device():
+            graph.upload(self.dec.stream)
+        return graph
+
+    def _stream_capture(self, program: list[Call]):
         rt = self.backend.xp.cuda.runtime
         mode = rt.streamCaptureModeGlobal if self.capture_mode == "global" else rt.streamCaptureModeThreadLocal
         stream = self.dec.stream
@@ -140,9 +186,7 @@ class BurstGraph:
                 _abort_capture(stream)
                 where = call.name if call is not None else "start"
                 raise CaptureError(f"capture failed in {where}: {type(exc).__name__}: {exc}") from exc
-            graph = stream.end_capture()
-            graph.upload(stream)
-        return graph
+            return stream.end_capture()
 
     def _baked_buffers(self) -> tuple[dict, list]:
         """Getters for every buffer the program bakes in, and the objects that hold them."""
@@ -161,11 +205,9 @@ class BurstGraph:
                 holders.append(layer)
                 getters[f"{role}.cache.layers[{i}].length"] = lambda c=cache, i=i: c.layers[i].length
                 getters[f"{role}.cache.layers[{i}].storage"] = lambda c=cache, i=i: c.layers[i].storage
-            extra = getattr(model, "graph_buffers", None)
-            for name in (extra() if extra else {}):
-                getters[f"{role}.{name}"] = lambda m=model, n=name: m.graph_buffers()[n]
-        holders += [getattr(dec.target, "kv_table", None), getattr(dec.target, "len_table", None),
-                    getattr(dec.draft, "kv_table", None), getattr(dec.draft, "len_table", None)]
+            for name in hook(model, "graph_buffers")():
+                getters[f"{role}.{name}"] = lambda m=model, n=name: hook(m, "graph_buffers")()[n]
+            holders += list(hook(model, "watched")())
         return getters, [h for h in holders if hasattr(h, "watch")]
 
     def capture(self) -> None:
@@ -192,7 +234,7 @@ class BurstGraph:
         Parameters
         ----------
         timing_events : (Event, Event), optional
-            Recorded on the stream just before and after the launch (cupy only), for
+            Recorded on the stream just before and after the launch, for
             measuring replay time and the GPU's idle gap between bursts.
 
         Raises
@@ -204,18 +246,13 @@ class BurstGraph:
         """
         self.guard.check()
         self.dec.begin_burst(max_outstanding=self.n_slots)
-        slot = self._next_slot
-        graph = self._graphs[slot]
-        if self.backend.is_gpu:
-            if timing_events is not None:
-                timing_events[0].record(self.dec.stream)
-            graph.launch(self.dec.stream)
-            if timing_events is not None:
-                timing_events[1].record(self.dec.stream)
-            self._events[slot].record(self.dec.stream)
-        else:
-            for call in graph:
-                call(self.dec.stream)
+        slot, stream = self._next_slot, self.dec.stream
+        if timing_events is not None:
+            timing_events[0].record(stream)
+        self._graphs[slot].launch(stream)
+        if timing_events is not None:
+            timing_events[1].record(stream)
+        self._events[slot].record(stream)
         self._pending.append(slot)
         self._next_slot = (slot + 1) % self.n_slots
 
@@ -228,8 +265,7 @@ class BurstGraph:
         if not self._pending:
             raise RuntimeError("no burst to drain: replay() first")
         slot = self._pending.popleft()
-        if self.backend.is_gpu:
-            self._events[slot].synchronize()
+        self._events[slot].synchronize()
         ring, acc = self._host_views[slot]
         tokens = split_ring(ring)
         self.last_acc = acc.copy()

@@ -192,6 +192,9 @@ extern "C" __global__ void spec_assemble_verify(int batch, int k,
 }
 
 // Threads: one per sequence, each walking at most k drafts.
+// The _dc suffix ("device count") is kept from the engine these kernels were extracted
+// from: the accepted count n stays on the device (n_acc, last_pred) for the next kernel
+// and is never read back by the host, unlike that engine's host-side accept.
 // n = longest prefix with vtok[b, 1 + i] == tgt_pred[b, i], i < clamp(brk[b, 0], 0, k);
 // bonus = tgt_pred[b, n].
 extern "C" __global__ void spec_accept_greedy_dc(int batch, int k,

@@ -85,7 +85,12 @@ class TorchPeer:
             self._round(first=r == 0)
 
     def capture(self) -> None:
-        """Run one eager warm-up burst (drained by the caller), then capture."""
+        """Capture one burst with ``torch.cuda.graph``.
+
+        Call it after at least one eager burst (``enqueue`` before capture, then the
+        caller's ``drain``): that burst is the warm-up that loads every kernel and
+        settles torch's allocator, so nothing is compiled or allocated in the capture.
+        """
         torch = self.torch
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, stream=self.stream):

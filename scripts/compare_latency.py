@@ -1,6 +1,6 @@
-"""Latency comparison of every burst mode; the same as ``graphburst bench``.
+"""Thin entry point: the same as ``graphburst bench latency``.
 
-Usage: PYTHONPATH=. python3 scripts/compare_latency.py [--quick] [--json FILE]
+Usage: PYTHONPATH=. python3 scripts/compare_latency.py [--json FILE] [...] (see ``graphburst bench latency --help``)
 """
 
 import sys
@@ -8,4 +8,4 @@ import sys
 from graphburst.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main(["bench", *sys.argv[1:]]))
+    sys.exit(main(["bench", "latency", *sys.argv[1:]]))

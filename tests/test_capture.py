@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import requires_gpu
 from graphburst import CapacityError, SpecDecoder, greedy_reference, stub_pair
 from graphburst.backend import Backend
 from graphburst.capture import BurstGraph, CaptureError, StaleGraphError
@@ -227,7 +226,6 @@ class _AllocatingTarget:
 @pytest.mark.parametrize("mode", ["global", "thread_local"])
 @pytest.mark.parametrize("what", ["allocate", "host_sync"])
 @pytest.mark.gpu
-@requires_gpu
 def test_failed_capture_leaves_stream_usable(mode, what):
     import cupy
 
@@ -258,7 +256,6 @@ def test_failed_capture_leaves_stream_usable(mode, what):
 
 
 @pytest.mark.gpu
-@requires_gpu
 def test_long_run_10000_bursts_no_memory_growth():
     import cupy
 

@@ -11,6 +11,7 @@ import pytest
 from graphburst import constants, digest, reference
 from graphburst.buffers import KVCache, PtrTable
 from graphburst.backend import Backend
+from graphburst.stubs import stub_cache
 
 CU = (Path(__file__).parents[1] / "graphburst" / "kernels.cu").read_text()
 
@@ -93,7 +94,7 @@ def test_ring_commit_stops_at_eos_and_budget():
 
 def test_rollback_follows_pointers_and_skips_absent():
     be = Backend("numpy")
-    cache = KVCache.for_stub([True, False, True], 3, 16, be)
+    cache = stub_cache([True, False, True], 3, 16, be)
     pos = np.zeros(3, np.int32)
     table = PtrTable([cache.layers[0].length, None, cache.layers[2].length, pos], be)
     reference.rollback_stream(table, np.array([1, 2, 3], np.int32), np.array([4, 0, 1], np.int32))

@@ -8,7 +8,6 @@ import json
 import numpy as np
 import pytest
 
-from conftest import requires_gpu
 from graphburst import greedy_reference, stub_pair
 from graphburst.serve import Request, ServeLoop
 from graphburst.serve_cli import parse_line
@@ -149,7 +148,6 @@ def test_cli_serve_writes_records_and_errors(tmp_path, capsys):
 
 
 @pytest.mark.gpu
-@requires_gpu
 def test_soak_10000_requests_one_graph():
     import cupy
 

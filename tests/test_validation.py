@@ -7,6 +7,7 @@ import pytest
 
 from graphburst import CapacityError, KVCache, KVLayer, SpecDecoder, StreamBufs, kv_len_ptr_table_range, stub_pair
 from graphburst.backend import Backend, get_backend
+from graphburst.stubs import stub_cache
 from graphburst.cli import main
 
 
@@ -77,7 +78,7 @@ def test_bad_eos_and_limit(dec):
 
 
 def test_layer_range_outside_cache():
-    cache = KVCache.for_stub([True, False, True], 2, 8, "numpy")
+    cache = stub_cache([True, False, True], 2, 8, "numpy")
     with pytest.raises(ValueError, match=r"layer range range\(1, 4\) is outside the caches' 3 layers"):
         kv_len_ptr_table_range(cache, range(1, 4))
     with pytest.raises(TypeError, match="step 1"):
@@ -92,7 +93,7 @@ def test_caller_arrays_wrong_dtype_shape_or_type():
         KVCache([KVLayer(np.zeros((2, 8), np.int32), np.zeros(3, np.int32))], 2, 8, be)
     with pytest.raises(TypeError, match=r"layers\[1\] must be a KVLayer or None, got list"):
         KVCache([None, [1]], 2, 8, be)
-    cache = KVCache.for_stub([True], 2, 8, be)
+    cache = stub_cache([True], 2, 8, be)
     with pytest.raises(TypeError, match="pos_ctr must be a numpy.ndarray"):
         kv_len_ptr_table_range(cache, range(1), pos_ctr=[0, 0])
 

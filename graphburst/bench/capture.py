@@ -1,0 +1,90 @@
+"""``graphburst bench capture``: the address guard's per-replay cost and the GPU's idle gap
+between bursts, with and without the gapless drain (B=1, k=4, M=8, zero-cost stubs).
+
+Each timed run first replays and checks a few bursts against the greedy reference; the
+timed tokens are checked again afterwards. The idle gap needs CUDA events, so on the
+numpy backend only the guard cost is measured.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+from rich.console import Console
+
+from ..capture import BurstGraph
+from .common import check_greedy, label, new_table, write_results, build_decoder
+
+CFG = dict(batch=1, k=4, m=8, layers=4, accept=0.7, cost_us=0)
+PROMPT = [1, 2, 3]
+CHECK_BURSTS = 5
+
+
+def _decoder(backend, bursts):
+    return build_decoder(backend, CFG, 64 + bursts * CFG["m"] * (CFG["k"] + 1), prompts=[PROMPT] * CFG["batch"])
+
+
+def guard_cost_ns(graph, n=200_000) -> float:
+    check = graph.guard.check
+    t0 = time.perf_counter_ns()
+    for _ in range(n):
+        check()
+    return (time.perf_counter_ns() - t0) / n
+
+
+def idle_gaps_us(backend, gapless: bool, bursts: int) -> tuple[float, float]:
+    """Median GPU idle time between consecutive bursts, and median burst time (µs)."""
+    xp = backend.xp
+    dec = _decoder(backend, bursts + CHECK_BURSTS + 5)
+    g = BurstGraph(dec, gapless=gapless)
+    out = []
+    for _ in range(CHECK_BURSTS):  # checked, and warm, before anything is timed
+        out += g.run()[0].tolist()
+    check_greedy(f"capture gapless={gapless} (before timing)", [PROMPT], [out])
+    events = [(xp.cuda.Event(), xp.cuda.Event()) for _ in range(bursts)]
+    if gapless:
+        g.replay(timing_events=events[0])
+        for i in range(1, bursts):
+            g.replay(timing_events=events[i])
+            out += g.drain()[0].tolist()
+        out += g.drain()[0].tolist()
+    else:
+        for i in range(bursts):
+            g.replay(timing_events=events[i])
+            out += g.drain()[0].tolist()
+    dec.stream.synchronize()
+    check_greedy(f"capture gapless={gapless} (timed bursts)", [PROMPT], [out])
+    gaps = [xp.cuda.get_elapsed_time(events[i][1], events[i + 1][0]) * 1e3 for i in range(bursts - 1)]
+    busy = [xp.cuda.get_elapsed_time(e0, e1) * 1e3 for e0, e1 in events]
+    return statistics.median(gaps), statistics.median(busy)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("capture", help="address-guard cost and the idle gap between bursts")
+    p.add_argument("--backend", choices=("auto", "cupy", "numpy"), default="auto")
+    p.add_argument("--json", default="capture_bench.json")
+    p.add_argument("--bursts", type=int, default=2000)
+
+
+def run(args, console: Console, backend) -> int:
+    dec = _decoder(backend, CHECK_BURSTS)
+    g = BurstGraph(dec)
+    out = []
+    for _ in range(CHECK_BURSTS):
+        out += g.run()[0].tolist()
+    check_greedy("capture (before timing)", [PROMPT], [out])
+    rows = {"guard_check_ns": guard_cost_ns(g)}
+    if backend.is_gpu:
+        for gapless in (False, True):
+            gap, busy = idle_gaps_us(backend, gapless, args.bursts)
+            rows[f"idle_gap_us{'_gapless' if gapless else ''}"] = gap
+            rows[f"burst_us{'_gapless' if gapless else ''}"] = busy
+    table = new_table(f"capture measurements (B=1, k=4, M=8, zero-cost stubs; medians); {label(backend)}",
+                      ["metric", "value"])
+    for key, val in rows.items():
+        table.add_row(key, f"{val:.3f}")
+    if not backend.is_gpu:
+        table.add_row("idle_gap_us", "skipped (needs CUDA events)")
+    write_results(console, args.json, backend=backend, tables=[table], results=rows, bursts=args.bursts)
+    return 0

@@ -1,0 +1,70 @@
+"""``graphburst bench serve``: 64 concurrent requests at B=64, k=4, M=8, stub cost 0 and
+100 µs, through the captured graph (pipelined and not) and through eager bursts that
+sync every round. A warm-up request through each loop is checked against the greedy
+reference before the timed requests start; every timed request is checked after."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+from rich.console import Console
+
+from ..serve import Request, ServeLoop, inter_token_latencies_us, percentiles
+from .common import VOCAB, check_greedy, fmt, label, new_table, stub_models, write_results
+
+ENGINES = (("graph", True), ("graph", False), ("eager_sync", False))
+COSTS_US = (0, 100)
+
+
+def _request(prompt, max_new_tokens, seed=None) -> Request:
+    # The stub draft's per-request agreement seed: the one place a benchmark sets a model option.
+    return Request(prompt, max_new_tokens, seed=seed)
+
+
+def run_one(backend, engine, pipelined, cost_us, n_req, new_tokens, batch=64, k=4, m=8) -> dict:
+    target, draft = stub_models(backend, batch=batch, capacity=64 + new_tokens + m * (k + 1), cost_us=cost_us)
+    loop = ServeLoop(target, draft, k=k, m_rounds=m, engine=engine, pipelined=pipelined)
+    name = engine + (" pipelined" if loop.pipelined else "")
+    warm = loop.submit(_request([1, 2, 3], m * (k + 1)))  # one checked warm-up request through the same loop
+    loop.run_until_idle()
+    check_greedy(f"{name} warm-up", [warm.request.prompt], [warm.tokens])
+    rng = np.random.default_rng(0)
+    reqs = [_request(rng.integers(0, VOCAB, 16).tolist(), new_tokens, seed=i) for i in range(n_req)]
+    t0 = time.perf_counter()
+    states = [loop.submit(r) for r in reqs]
+    loop.run_until_idle()
+    wall = time.perf_counter() - t0
+    check_greedy(name, [s.request.prompt for s in states], [s.tokens for s in states])
+    raw, amortised = inter_token_latencies_us(states)
+    stats = loop.stats()
+    tokens = sum(len(s.tokens) for s in states)
+    return dict(engine=name, cost_us=cost_us, tokens=tokens, wall_s=wall, tokens_per_s=tokens / wall,
+                itl_amortised_us=percentiles(amortised), delivery_gap_us=percentiles(raw),
+                ttft_ms=percentiles([s.stats()["ttft_ms"] for s in states]),
+                gpu_idle_fraction=stats["gpu_idle_fraction"], bursts=stats["bursts"] - 1)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("serve", help="serving loop: tokens/s, inter-token latency, TTFT per engine")
+    p.add_argument("--backend", choices=("auto", "cupy", "numpy"), default="auto")
+    p.add_argument("--json", default="serve_bench.json")
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--requests", type=int, default=64)
+
+
+def run(args, console: Console, backend) -> int:
+    rows = [run_one(backend, engine, pipelined, cost, args.requests, args.new_tokens)
+            for cost in COSTS_US for engine, pipelined in ENGINES]
+    table = new_table(f"serve: {args.requests} requests x {args.new_tokens} tokens, B=64, k=4, M=8; "
+                      f"{label(backend)}",
+                      ["engine", "stub µs/call", "tokens/s", "ITL p50 µs", "ITL p99 µs", "delivery gap p50 µs",
+                       "delivery gap p99 µs", "TTFT p50 ms", "GPU idle", "bursts"])
+    for r in rows:
+        idle = "-" if r["gpu_idle_fraction"] is None else f"{r['gpu_idle_fraction']:.1%}"
+        table.add_row(r["engine"], str(r["cost_us"]), fmt(r["tokens_per_s"], 0), fmt(r["itl_amortised_us"]["p50"]),
+                      fmt(r["itl_amortised_us"]["p99"]), fmt(r["delivery_gap_us"]["p50"], 1),
+                      fmt(r["delivery_gap_us"]["p99"], 1), fmt(r["ttft_ms"]["p50"]), idle, str(r["bursts"]))
+    write_results(console, args.json, backend=backend, tables=[table], results=rows,
+                  requests=args.requests, new_tokens=args.new_tokens)
+    return 0

@@ -1,0 +1,231 @@
+"""Model protocol v1: everything a burst calls on a target and a draft model.
+
+A model is any object with the required members below; subclassing :class:`TargetModel`
+or :class:`DraftModel` is optional and only supplies the documented defaults of the
+optional hooks. Generic code reads an optional hook through :func:`hook`, so a plain
+duck-typed model gets the same defaults. ``docs/models.md`` walks through a complete
+outside model and gives the reason for every rule.
+
+Required, both models
+---------------------
+``vocab : int``
+    Vocabulary size (>= 2); target and draft must agree.
+``cache : KVCache``
+    The model's KV layers (``None`` for a layer without KV). The burst rolls back every
+    layer's ``length`` through one pointer table and never touches the storage.
+``prefill(prompt, prompt_len, pos_ctr, pend, stream)``
+    Enqueue, on ``stream``, the prompt's KV entries into every KV layer.
+
+    * ``prompt : [B, P_max] int32`` device array, row b holds ``prompt_len[b]`` tokens.
+    * ``prompt_len : [B] int32``; ``NO_PREFILL`` marks a slot to leave untouched (its
+      entries, lengths, ``pos_ctr`` and ``pend`` must not change).
+    * For every other slot b: entries ``[0, P)`` are written and each KV layer's
+      ``length[b] = P`` (P = ``prompt_len[b]``).
+    * The **target** gets ``pos_ctr [B] int32`` and ``pend [B] int32`` and sets
+      ``pos_ctr[b] = P`` and ``pend[b]`` = its greedy token after the prompt (the first
+      pending token). The **draft** gets ``None`` for both.
+    * It runs eagerly between bursts, never inside a capture, but still only on
+      ``stream``: the decoder syncs that stream afterwards.
+
+Required, target
+----------------
+``verify(bufs, stream)``
+    Read ``bufs.vtok [B, k+1] int32`` at positions ``pos_ctr + [0, k]``, append one KV
+    entry per position at each layer's own length (so each length grows by k + 1), and
+    write the greedy token after each position into ``bufs.tgt_pred [B, k+1] int32``.
+    Slots past the draft's break hold ``PLACEHOLDER_TOKEN`` (-1): compute on them
+    without faulting; they are never accepted.
+
+Required, draft
+---------------
+``draft_step(bufs, step, stream)`` for ``step`` in ``[0, k)``
+    Step j reads its input (``vtok[:, 0]`` for j = 0, else ``draft_tok[:, j-1]``) at
+    position ``pos_ctr + j`` and writes ``draft_tok[:, j]`` (and ``draft_conf[:, j]``).
+    A chain that stops early sets ``brk[b] = [j, 1]`` (the round starts at ``[k, 0]``)
+    and leaves later steps alone for b. After the chain each draft KV layer holds real
+    entries at ``[anchor, anchor + n_valid]`` (``anchor = pos_start``, ``n_valid =
+    brk[b, 0]``): the inputs of steps 0..n_valid, plus the last draft when no break.
+
+Every call above that a burst makes (``draft_step``, ``verify``) is captured into a CUDA
+graph: it may only enqueue work on the stream it is given, never allocate, never sync.
+
+Optional hooks (defaults in brackets)
+-------------------------------------
+``writes_verify_tokens`` [False]
+    True when each usable proposal also goes to ``vtok[:, 1 + j]`` (slots past the break
+    stay ``PLACEHOLDER_TOKEN``); the burst then skips the ``assemble_verify`` launch.
+``capture_api`` ["cupy"]
+    How the model's work is captured: ``"cupy"`` (stream capture) or ``"torch"``.
+``bind(bufs)`` [nothing]
+    Called once by ``SpecDecoder.__init__`` right after it allocates its ``StreamBufs``,
+    outside any capture, so a model may build views of (or tables over) the burst
+    buffers. The buffers never move for the decoder's life.
+``graph_buffers() -> dict[str, array]`` [{}]
+    Device buffers the model's captured work reads or writes besides its cache and the
+    StreamBufs; the address guard watches them.
+``watched() -> iterable of Watched`` [()]
+    The model's own :class:`~graphburst.guard.Watched` holders (pointer tables...):
+    rebinding one of their watched attributes marks a captured graph stale.
+``refresh_tables()`` [nothing]
+    Rebuild anything derived from the cache's addresses (before a recapture).
+``option_keys : frozenset[str]`` [empty]
+    The per-request option names this model understands. The decoder rejects a key no
+    model claims, and hands each model only the keys it claims.
+``slot_options(options: dict) -> object`` [None]
+    Validate one request's options (only this model's keys) at submission; raise
+    ``ValueError``/``TypeError`` naming the key. The return value is opaque to the burst.
+``set_slot_options(settings: dict[int, object | None], stream)`` [nothing]
+    Apply validated options between bursts at admission: slot -> what ``slot_options``
+    returned, or ``None`` for the defaults (a reused slot). Plain stream-ordered writes
+    into fixed buffers; no allocation, so no recapture.
+"""
+
+from __future__ import annotations
+
+from .buffers import KVCache, StreamBufs
+
+CAPTURE_APIS = ("cupy", "torch")
+COMMON_MEMBERS = ("vocab", "cache", "prefill")
+TARGET_MEMBERS = COMMON_MEMBERS + ("verify",)
+DRAFT_MEMBERS = COMMON_MEMBERS + ("draft_step",)
+__all__ = ["CAPTURE_APIS", "DraftModel", "ModelHooks", "TargetModel", "check_pair", "hook", "split_options"]
+
+
+class ModelHooks:
+    """The optional hooks with their defaults (see the module docstring)."""
+
+    writes_verify_tokens: bool = False
+    capture_api: str = "cupy"
+    option_keys: frozenset = frozenset()
+
+    def bind(self, bufs: StreamBufs) -> None:
+        """Called once with the decoder's burst buffers, outside any capture."""
+
+    def graph_buffers(self) -> dict:
+        """Extra device buffers the captured work touches (name -> array)."""
+        return {}
+
+    def watched(self) -> tuple:
+        """The model's own Watched holders, beyond itself and its cache."""
+        return ()
+
+    def refresh_tables(self) -> None:
+        """Rebuild address-derived state from the cache (before a recapture)."""
+
+    def slot_options(self, options: dict) -> object:
+        """Validate one request's options (this model's keys only)."""
+        if options:
+            key = next(iter(options))
+            raise ValueError(f"unknown model option {key!r}")
+        return None
+
+    def set_slot_options(self, settings: dict, stream) -> None:
+        """Apply validated options per slot between bursts (None = the defaults)."""
+
+
+class TargetModel(ModelHooks):
+    """Optional base of a target model: declares the required members and the defaults."""
+
+    vocab: int
+    cache: KVCache
+
+    def prefill(self, prompt, prompt_len, pos_ctr, pend, stream) -> None:
+        raise NotImplementedError
+
+    def verify(self, bufs: StreamBufs, stream) -> None:
+        raise NotImplementedError
+
+
+class DraftModel(ModelHooks):
+    """Optional base of a draft model: declares the required members and the defaults."""
+
+    vocab: int
+    cache: KVCache
+
+    def prefill(self, prompt, prompt_len, pos_ctr, pend, stream) -> None:
+        raise NotImplementedError
+
+    def draft_step(self, bufs: StreamBufs, step: int, stream) -> None:
+        raise NotImplementedError
+
+
+def hook(model, name: str):
+    """The model's optional member ``name``, or the documented default bound to it."""
+    try:
+        return getattr(model, name)
+    except AttributeError:
+        default = getattr(ModelHooks, name)
+        return default.__get__(model) if callable(default) else default
+
+
+def _missing(model, role: str, members, base) -> None:
+    for name in members:
+        value = getattr(model, name, None)
+        if value is None:
+            raise TypeError(f"{role} {type(model).__name__} lacks the required member {name!r}")
+        declared = getattr(base, name, None)
+        if callable(declared) and getattr(type(model), name, None) is declared:
+            raise TypeError(f"{role} {type(model).__name__} does not implement the required member {name!r}")
+        if name not in ("vocab", "cache") and not callable(value):
+            raise TypeError(f"{role}.{name} must be callable, got {type(value).__name__}")
+    if not isinstance(model.cache, KVCache):
+        raise TypeError(f"{role}.cache must be a KVCache, got {type(model.cache).__name__}")
+    vocab = model.vocab
+    if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 2:
+        raise ValueError(f"{role}.vocab must be an int >= 2, got {vocab!r}")
+    api = hook(model, "capture_api")
+    if api not in CAPTURE_APIS:
+        raise ValueError(f"{role}.capture_api must be one of {CAPTURE_APIS}, got {api!r}")
+
+
+def check_pair(target, draft) -> None:
+    """Raise when a target/draft pair cannot share one burst.
+
+    Raises
+    ------
+    TypeError
+        A required member is missing (named in the message) or has the wrong type.
+    ValueError
+        Vocabulary, batch or backend disagree, or an optional hook has a bad value.
+    """
+    _missing(target, "target", TARGET_MEMBERS, TargetModel)
+    _missing(draft, "draft", DRAFT_MEMBERS, DraftModel)
+    if target.cache.batch != draft.cache.batch:
+        raise ValueError(f"target batch {target.cache.batch} != draft batch {draft.cache.batch}")
+    if target.cache.backend.name != draft.cache.backend.name:
+        raise ValueError(f"target backend {target.cache.backend.name} != draft backend {draft.cache.backend.name}")
+    if target.cache.backend.device_id != draft.cache.backend.device_id:
+        raise ValueError(f"target device {target.cache.backend.device_id} != draft device "
+                         f"{draft.cache.backend.device_id}")
+    if target.vocab != draft.vocab:
+        raise ValueError(f"target vocab {target.vocab} != draft vocab {draft.vocab}")
+
+
+def split_options(models: dict, options: dict | None) -> dict:
+    """Route one request's options to the models that claim them, validated.
+
+    Parameters
+    ----------
+    models : dict of role -> model
+    options : dict of str -> value, or None
+
+    Returns
+    -------
+    dict of role -> object
+        What each model's ``slot_options`` returned for its share of ``options``.
+
+    Raises
+    ------
+    TypeError, ValueError
+        ``options`` is not a dict, a key no model claims, or a model's own check.
+    """
+    options = {} if options is None else options
+    if not isinstance(options, dict):
+        raise TypeError(f"options must be a dict of model options, got {type(options).__name__}")
+    claims = {role: frozenset(hook(m, "option_keys")) for role, m in models.items()}
+    known = frozenset().union(*claims.values())
+    for key in options:
+        if key not in known:
+            raise ValueError(f"unknown model option {key!r}; the models accept {sorted(known)}")
+    return {role: hook(m, "slot_options")({k: v for k, v in options.items() if k in claims[role]})
+            for role, m in models.items()}

@@ -1,0 +1,218 @@
+"""The built-in stub draft and target: deterministic models for tests and benchmarks.
+
+The target's greedy token is a pure function of the whole prefix (a rolling digest,
+:func:`graphburst.digest.greedy_reference`), computed through its KV cache: every layer
+carries the digest, appends at its own length and reads only below it, and layers that
+disagree garble the prediction. So a missing, partial or wrong rollback of any layer, or
+of the position counter, changes the output. The draft computes the same digest
+through its own layers and proposes the target's token with probability
+``accept_prob``, keyed by (seed, position).
+
+Both implement protocol v1 (:mod:`graphburst.protocol`); nothing generic imports this
+module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from .backend import Backend, get_backend
+from .buffers import KVCache, KVLayer, PtrTable, StreamBufs, kv_len_ptr_table_range
+from .digest import fixed24
+from .guard import Watched
+from .protocol import DraftModel, TargetModel
+from .validate import check_int, check_prob
+
+__all__ = ["StubDraft", "StubTarget", "normalize_layout", "storage_ptr_table", "stub_cache", "stub_pair"]
+
+
+def normalize_layout(layers, name: str) -> list[bool]:
+    """``layers`` as a KV/absent list: an int n means n KV layers, else a bool sequence."""
+    if isinstance(layers, (int, np.integer)) and not isinstance(layers, bool):
+        return [True] * check_int(name, layers)
+    layout = [bool(x) for x in layers]
+    if not any(layout):
+        raise ValueError(f"{name} needs at least one KV layer to carry the stub digest, got {list(layers)!r}")
+    return layout
+
+
+def stub_cache(layout: Sequence[bool], batch: int, capacity: int, backend: Backend | str = "auto") -> KVCache:
+    """Allocate a stub cache: ``[B, capacity] int32`` storage for each True in ``layout``."""
+    backend = get_backend(backend)
+    batch = check_int("batch", batch)
+    capacity = check_int("capacity", capacity)
+    layers = [
+        KVLayer(backend.zeros((batch, capacity), np.int32), backend.zeros((batch,), np.int32)) if has_kv else None
+        for has_kv in layout
+    ]
+    return KVCache(layers, batch, capacity, backend)
+
+
+def storage_ptr_table(cache: KVCache) -> PtrTable:
+    """Storage-pointer table of a stub cache (what the stub kernels walk)."""
+    return PtrTable([None if layer is None else layer.storage for layer in cache.layers], cache.backend)
+
+
+class _StubModel(Watched):
+    """Shared set-up of both stubs: a stub KV cache and its two pointer tables."""
+
+    _watched = frozenset({"cache", "kv_table", "len_table", "seed", "agree24"})
+
+    def __init__(self, batch, vocab, layers, capacity, cost_ns, backend, role):
+        self.backend = get_backend(backend)
+        self.vocab = check_int("vocab", vocab, minimum=2, maximum=2**31 - 1)
+        self.cost_ns = check_int("cost_ns", cost_ns, minimum=0)
+        self.layout = normalize_layout(layers, f"{role} layers")
+        self.cache = stub_cache(self.layout, batch, capacity, self.backend)
+        self.refresh_tables()
+
+    def refresh_tables(self) -> None:
+        """Rebuild the pointer tables from the cache's current layers (before a recapture)."""
+        self.kv_table = storage_ptr_table(self.cache)
+        self.len_table = kv_len_ptr_table_range(self.cache, range(self.cache.n_layers))
+
+    def watched(self) -> tuple:
+        """The pointer tables: rebuilding one makes a captured graph stale."""
+        return (self.kv_table, self.len_table)
+
+    def graph_buffers(self) -> dict:
+        """Buffers this model's kernels read or write, besides its cache and the StreamBufs."""
+        out = {"kv_table": self.kv_table.ptrs, "len_table": self.len_table.ptrs}
+        out.update({name: getattr(self, name) for name in ("seed", "agree24") if hasattr(self, name)})
+        return out
+
+    @property
+    def batch(self) -> int:
+        return self.cache.batch
+
+    @property
+    def capacity(self) -> int:
+        return self.cache.capacity
+
+    def prefill(self, prompt, prompt_len, pos_ctr, pend, stream) -> None:
+        """Enqueue the stub prefill of this model's cache (see ``stub_prefill``)."""
+        self.backend.ops.stub_prefill(prompt, prompt_len, self.kv_table, self.len_table, self.capacity, self.vocab,
+                                      pos_ctr, pend, stream=stream)
+
+
+class StubTarget(_StubModel, TargetModel):
+    """Deterministic target model with a digest-carrying KV cache.
+
+    Parameters
+    ----------
+    batch : int
+    vocab : int
+        >= 2.
+    layers : int or sequence of bool
+        Number of KV layers, or a layout where False marks a layer without KV.
+    capacity : int
+        KV entries per sequence.
+    cost_ns : int
+        Emulated device time per verify call.
+    backend : Backend or str
+    """
+
+    def __init__(self, batch: int, vocab: int, layers, capacity: int, *, cost_ns: int = 0,
+                 backend: Backend | str = "auto"):
+        super().__init__(batch, vocab, layers, capacity, cost_ns, backend, "target")
+
+    def verify(self, bufs: StreamBufs, stream) -> None:
+        self.backend.ops.stub_verify(bufs.vtok, bufs.pos_ctr, self.kv_table, self.len_table, self.capacity,
+                                     self.vocab, self.cost_ns, bufs.tgt_pred, stream=stream)
+
+
+class StubDraft(_StubModel, DraftModel):
+    """Draft model that agrees with :class:`StubTarget` with a tunable probability.
+
+    Parameters
+    ----------
+    batch, vocab, layers, capacity, cost_ns, backend
+        As for :class:`StubTarget`; ``vocab`` must match the target's.
+    accept_prob : float
+        Probability in [0, 1] that a draft equals the target's greedy token,
+        deterministic per (seed, position).
+    p_min : float
+        The chain breaks at the first draft whose confidence is below this.
+    seed : int
+        Agreement seed, per sequence through the ``seed`` option.
+
+    Notes
+    -----
+    Per-request options (``option_keys``): ``accept_prob`` (float in [0, 1]) and
+    ``seed`` (int in [0, 2**32)); a missing key keeps the model's default.
+    """
+
+    writes_verify_tokens = True  # each step also fills vtok[:, 1 + step]: no assemble launch
+    option_keys = frozenset({"accept_prob", "seed"})
+
+    def __init__(self, batch: int, vocab: int, layers, capacity: int, *, accept_prob: float = 0.7,
+                 p_min: float = 0.0, seed: int = 0, cost_ns: int = 0, backend: Backend | str = "auto"):
+        super().__init__(batch, vocab, layers, capacity, cost_ns, backend, "draft")
+        self.p_min = check_prob("p_min", p_min)
+        self.default_accept_prob = check_prob("accept_prob", accept_prob)
+        self.default_seed = check_int("seed", seed, minimum=0, maximum=2**32 - 1)
+        # Host mirrors of the per-sequence settings: changing slots is one upload of each.
+        self._host_seed = np.full(self.batch, self.default_seed, np.uint32)
+        self._host_agree = np.full(self.batch, fixed24(self.default_accept_prob), np.int32)
+        self.seed = self.backend.zeros((self.batch,), np.uint32)  # [B] uint32
+        self.agree24 = self.backend.zeros((self.batch,), np.int32)  # [B] int32, 24-bit fixed point
+        self._upload_slots(None)
+
+    def _upload_slots(self, stream) -> None:
+        self.backend.upload(self.seed, self._host_seed, stream)
+        self.backend.upload(self.agree24, self._host_agree, stream)
+
+    def slot_options(self, options: dict) -> tuple:
+        """Validate ``{"accept_prob": p, "seed": s}`` (either optional) as ``(p or None, s or None)``."""
+        unknown = set(options) - self.option_keys
+        if unknown:
+            raise ValueError(f"unknown stub draft option {sorted(unknown)[0]!r}")
+        prob, seed = options.get("accept_prob"), options.get("seed")
+        if prob is not None:
+            prob = check_prob("accept_prob", prob)
+        if seed is not None:
+            seed = check_int("seed", seed, minimum=0, maximum=2**32 - 1)
+        return prob, seed
+
+    def set_slot_options(self, settings: dict, stream) -> None:
+        """Apply :meth:`slot_options` results per slot; None restores the defaults."""
+        self.set_slots({slot: (None, None) if opt is None else opt for slot, opt in settings.items()}, stream)
+
+    def set_slots(self, settings: dict, stream=None) -> None:
+        """Set sequences' agreement probability and seed between bursts (plain writes).
+
+        Parameters
+        ----------
+        settings : dict
+            ``slot -> (accept_prob or None, seed or None)``; None restores the default.
+        """
+        for slot, (accept_prob, seed) in settings.items():
+            slot = check_int("slot", slot, minimum=0, maximum=self.batch - 1)
+            prob = self.default_accept_prob if accept_prob is None else check_prob("accept_prob", accept_prob)
+            self._host_agree[slot] = fixed24(prob)
+            self._host_seed[slot] = self.default_seed if seed is None else check_int("seed", seed, minimum=0,
+                                                                                     maximum=2**32 - 1)
+        if settings:
+            self._upload_slots(stream)
+
+    def set_slot(self, slot: int, *, accept_prob: float | None = None, seed: int | None = None, stream=None) -> None:
+        """Set one sequence's agreement probability or seed (None: the default)."""
+        self.set_slots({slot: (accept_prob, seed)}, stream)
+
+    def draft_step(self, bufs: StreamBufs, step: int, stream) -> None:
+        self.backend.ops.stub_draft_step(step, bufs.vtok, bufs.pos_ctr, self.kv_table, self.len_table, self.capacity,
+                                         self.vocab, self.seed, self.agree24, fixed24(self.p_min), self.cost_ns,
+                                         bufs.draft_tok, bufs.draft_conf, bufs.brk, stream=stream)
+
+
+def stub_pair(batch: int, vocab: int, target_layers: Sequence[bool] | int, draft_layers: Sequence[bool] | int,
+              capacity: int, *, accept_prob: float = 0.7, p_min: float = 0.0, seed: int = 0, cost_ns: int = 0,
+              backend: Backend | str = "auto") -> tuple[StubTarget, StubDraft]:
+    """Build a matching stub target and draft on one backend."""
+    backend = get_backend(backend)
+    target = StubTarget(batch, vocab, target_layers, capacity, cost_ns=cost_ns, backend=backend)
+    draft = StubDraft(batch, vocab, draft_layers, capacity, accept_prob=accept_prob, p_min=p_min, seed=seed,
+                      cost_ns=cost_ns, backend=backend)
+    return target, draft

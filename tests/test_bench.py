@@ -1,0 +1,53 @@
+"""``graphburst bench {latency,serve,capture}`` run as a user runs them, on numpy."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from graphburst.bench.common import check_greedy, random_prompts
+from graphburst.digest import greedy_reference
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def bench(*args, tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    out = tmp_path / "out.json"
+    proc = subprocess.run([sys.executable, "-m", "graphburst.cli", "bench", *args, "--backend", "numpy",
+                           "--json", str(out)], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(out.read_text())
+
+
+def test_bench_capture_on_numpy(tmp_path):
+    res = bench("capture", tmp_path=tmp_path)
+    assert res["meta"]["backend"] == "numpy" and "CPU REFERENCE" in res["meta"]["label"]
+    assert res["results"]["guard_check_ns"] > 0
+
+
+def test_bench_serve_on_numpy(tmp_path):
+    res = bench("serve", "--requests", "3", "--new-tokens", "5", tmp_path=tmp_path)
+    assert [r["tokens"] for r in res["results"]] == [15] * 6
+
+
+def test_bench_latency_quick_on_numpy(tmp_path):
+    res = bench("latency", "--quick", tmp_path=tmp_path)
+    first = res["results"][0]
+    base = first["result"]
+    assert set(base) >= {"a", "b", "c", "d", "_nodes"}
+    assert base["c"]["syncs"] == 1 and base["a"]["syncs"] == first["config"]["m"] + 1
+
+
+def test_check_greedy_rejects_a_wrong_token():
+    prompts = random_prompts(2)
+    outs = [greedy_reference(p, 6, 32000) for p in prompts]
+    check_greedy("ok", prompts, outs)
+    outs[1][3] = (outs[1][3] + 1) % 32000
+    with pytest.raises(AssertionError, match="sequence 1 differs"):
+        check_greedy("bad", prompts, outs)
