@@ -130,6 +130,11 @@ class EngineThread(threading.Thread):
     # ------------------------------------------------------------------ engine thread
 
     def run(self) -> None:
+        # The CUDA current device is per thread: make the loop's device current here too.
+        with self.loop.dec.backend.device():
+            self._serve()
+
+    def _serve(self) -> None:
         while True:
             with self._cond:
                 while not self._inbox and not self._stopping and (self.loop.idle or self.failed):

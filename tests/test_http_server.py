@@ -37,7 +37,8 @@ LONG = 60_000  # tokens; at one token per round on numpy this outlasts every tim
 class ServerProcess:
     """``graphburst serve --http 127.0.0.1:0`` in a subprocess; the port comes from its stdout line."""
 
-    def __init__(self, *flags, backend="numpy"):
+    def __init__(self, *flags, backend="numpy", start_timeout=START_TIMEOUT_S):
+        self.start_timeout = start_timeout
         self.stderr = tempfile.TemporaryFile()
         cmd = [sys.executable, "-m", "graphburst.cli", "serve", "--http", "127.0.0.1:0", "--backend", backend, *flags]
         env = dict(os.environ, PYTHONPATH=str(ROOT))
@@ -51,9 +52,9 @@ class ServerProcess:
 
         sel = selectors.DefaultSelector()
         sel.register(self.proc.stdout, selectors.EVENT_READ)
-        if not sel.select(timeout=START_TIMEOUT_S):
+        if not sel.select(timeout=self.start_timeout):
             self.kill()
-            pytest.fail(f"server did not start within {START_TIMEOUT_S} s: {self.errors()}")
+            pytest.fail(f"server did not start within {self.start_timeout} s: {self.errors()}")
         line = self.proc.stdout.readline().strip()
         if not line:
             pytest.fail(f"server exited: {self.errors()}")
@@ -144,11 +145,14 @@ def test_openai_client_matches_greedy_reference(server):
 @pytest.mark.gpu
 @requires_gpu
 def test_openai_client_on_the_gpu_backend():
-    s = ServerProcess(*SMALL, backend="cupy")
+    s = ServerProcess(*SMALL, backend="cupy", start_timeout=180)  # first start compiles kernels.cu
     try:
         check_openai_client(s.url)
+        idle = metric_values(httpx.get(s.url + "/metrics", timeout=10).text)[("graphburst_gpu_idle_fraction", ())]
+        assert 0.0 <= idle <= 1.0, idle  # GPU timing events are live on this backend
     finally:
         assert s.terminate() == 0, s.errors()
+        print(s.errors())  # the server's summary line, for the record (-s)
 
 
 # ---------------------------------------------------------------------- load
@@ -203,7 +207,7 @@ def test_disconnected_client_frees_its_slot():
 def test_overload_gets_429_with_retry_after():
     s = ServerProcess("--batch", "1", "--max-queue", "1", "-m", "8", "--vocab", str(VOCAB), "--accept", "0",
                       "--capacity", "4096")
-    n = 1500
+    n = 1000
 
     async def main():
         async with httpx.AsyncClient(base_url=s.url, timeout=60) as client:
@@ -326,6 +330,17 @@ def test_sigterm_cancels_after_the_drain_timeout_and_exits_0():
     assert json.loads(events[-2])["choices"][0]["finish_reason"] == "abort"
     assert s.proc.wait(10) == 0, s.errors()
     assert time.perf_counter() - t0 < 8
+
+
+def test_parse_address():
+    from graphburst.http_server import parse_address
+
+    assert parse_address("8000") == ("127.0.0.1", 8000)
+    assert parse_address("0.0.0.0:0") == ("0.0.0.0", 0)
+    assert parse_address("[::1]:9000") == ("::1", 9000)
+    for bad in ("", "host:", "1.2.3.4:70000", ":80"):
+        with pytest.raises(ValueError, match="--http"):
+            parse_address(bad)
 
 
 def test_bad_http_flag_is_one_line_and_exit_2():
