@@ -39,6 +39,14 @@ def add_parser(sub) -> None:
     p.add_argument("--no-pipeline", action="store_true",
                    help="graph engine: drain each burst before enqueueing the next")
     p.add_argument("--live", action="store_true", help="show the live view even when stderr is not a terminal")
+    # --- HTTP mode (graphburst/http_server.py) ---
+    h = p.add_argument_group("HTTP server (--http)")
+    h.add_argument("--http", nargs="?", const="127.0.0.1:8000", default=None, metavar="[HOST:]PORT",
+                   help="serve the OpenAI completions API over HTTP instead of JSONL (default 127.0.0.1:8000)")
+    h.add_argument("--max-queue", type=int, default=256, help="waiting requests before 429")
+    h.add_argument("--drain-timeout", type=float, default=10.0, help="seconds to finish requests on SIGTERM")
+    h.add_argument("--tokenizer", default=None, metavar="DIR", help="model dir with tokenizer.json (text I/O)")
+    h.add_argument("--served-model-name", default="graphburst-stub", help="the model name clients send")
 
 
 def parse_line(text: str) -> Request:
@@ -81,6 +89,13 @@ def _view(loop: ServeLoop) -> Table:
 
 
 def run(args, console: Console) -> int:
+    if args.http:  # --- HTTP mode: aiohttp and prometheus_client come with the [serve] extra ---
+        try:
+            from . import http_server
+        except ImportError as exc:
+            print(f"graphburst serve --http: {exc}; install graphburst[serve]", file=sys.stderr)
+            return 2
+        return http_server.run(args, console)
     backend = get_backend(args.backend)
     target, draft = stub_pair(args.batch, args.vocab, args.layers, 1, args.capacity, accept_prob=args.accept,
                               cost_ns=int(args.cost_us * 1000), backend=backend)

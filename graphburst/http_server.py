@@ -1,0 +1,292 @@
+"""``graphburst serve --http [HOST:]PORT``: an OpenAI-compatible HTTP server over one ServeLoop.
+
+aiohttp parses HTTP and runs the handlers on one asyncio event loop; the ServeLoop lives
+on the engine thread (:mod:`graphburst.engine_thread`), captured once at start-up. A
+completion request is validated (:mod:`graphburst.openai_api`), turned into one ticket per
+prompt, and answered either as one JSON body or as server-sent events, one ``data:``
+chunk per burst that delivered tokens, then a final chunk with ``finish_reason`` and
+``usage``, then ``data: [DONE]``.
+
+A client that goes away is cancelled at the next burst boundary: aiohttp cancels the
+handler when the connection drops (``handler_cancellation=True``), and a failed write does
+the same, and either way the handler's ``finally`` cancels its tickets. SIGINT/SIGTERM stop
+admissions (503), let requests in flight finish for ``--drain-timeout`` seconds, cancel the
+rest, and exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+import uuid
+
+from aiohttp import web
+
+from . import openai_api as api
+from .backend import get_backend
+from .engine_thread import EngineThread, Ticket
+from .metrics import CONTENT_TYPE, Metrics
+from .models import stub_pair
+from .serve import Request, ServeLoop
+
+DEFAULT_ADDRESS = "127.0.0.1:8000"
+DEFAULT_MODEL_NAME = "graphburst-stub"
+MAX_BODY_BYTES = 16 * 2**20  # long token-id prompts are JSON numbers: ~6 bytes a token
+RETRY_AFTER_S = 1
+CANCEL_GRACE_S = 2.0  # after the drain timeout: time for cancelled handlers to send their last chunk
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    """``"8000"``, ``"0.0.0.0:8000"`` or ``"[::1]:8000"`` -> (host, port); port 0 picks a free port."""
+    host, sep, port = text.rpartition(":")
+    host = host.strip("[]") if sep else DEFAULT_ADDRESS.split(":")[0]
+    if not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"--http {text!r}: expected [HOST:]PORT with PORT in 0..65535")
+    return host, int(port)
+
+
+def load_tokenizer(model_dir: str):
+    """The ``tokenizers`` tokenizer in ``model_dir/tokenizer.json``."""
+    from tokenizers import Tokenizer
+
+    path = os.path.join(model_dir, "tokenizer.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"--tokenizer {model_dir!r}: no tokenizer.json there")
+    return Tokenizer.from_file(path)
+
+
+class _Detokenizer:
+    """Incremental text of one choice (``tokenizers.decoders.DecodeStream``); "" without a tokenizer."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        if tokenizer is not None:
+            from tokenizers.decoders import DecodeStream
+
+            self.stream = DecodeStream(skip_special_tokens=False)
+
+    def feed(self, tokens: list) -> str:
+        if self.tokenizer is None:
+            return ""
+        parts = (self.stream.step(self.tokenizer, t) for t in tokens)
+        return "".join(p for p in parts if p is not None)  # None: a UTF-8 sequence not complete yet
+
+
+def _sse(obj) -> bytes:
+    # Server-sent events framing is one line per event; aiohttp owns all HTTP framing.
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+class Server:
+    """Routes and request lifecycle; runs on the event loop thread only."""
+
+    def __init__(self, engine: EngineThread, metrics: Metrics, *, model: str, vocab: int, capacity: int,
+                 max_queue: int, tokenizer=None):
+        self.engine, self.metrics = engine, metrics
+        self.model, self.vocab, self.capacity = model, vocab, capacity
+        self.max_queue, self.tokenizer = max_queue, tokenizer
+        self.created = api.now()
+        self.draining = False
+        self.live = 0  # completion handlers running
+        self.drained = asyncio.Event()
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=MAX_BODY_BYTES)
+        app.add_routes([web.post("/v1/completions", self.completions), web.get("/v1/models", self.models),
+                        web.get("/health", self.health), web.get("/metrics", self.metrics_text)])
+        return app
+
+    # ------------------------------------------------------------------ small routes
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response(api.model_list(self.model, self.created, self.capacity))
+
+    async def health(self, request: web.Request) -> web.Response:
+        if self.engine.failed:
+            return web.json_response({"status": "engine failed", "error": self.engine.failed}, status=503)
+        if self.draining:
+            return web.json_response({"status": "draining"}, status=503)
+        return web.json_response({"status": "ok"})
+
+    async def metrics_text(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+    def _error(self, exc: api.APIError, headers=None) -> web.Response:
+        self.metrics.rejected.labels(str(exc.status)).inc()
+        return web.json_response(exc.body(), status=exc.status, headers=headers)
+
+    # ------------------------------------------------------------------ completions
+
+    def _on_update(self, ticket: Ticket, up, queue: asyncio.Queue) -> None:
+        """Every engine update passes here first, so metrics count even after a client left."""
+        m = self.metrics
+        if up.tokens:
+            m.generation_tokens.inc(len(up.tokens))
+            if ticket.last is None:
+                m.ttft.observe(up.time - ticket.arrived)
+            else:
+                m.itl.observe((up.time - ticket.last) / len(up.tokens))
+            ticket.last = up.time
+        if up.reason is not None:
+            ticket.final = up.reason
+            m.finished(up.reason, up.accepted, up.rounds)
+        queue.put_nowait(up)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        arrived = time.perf_counter()
+        if self.draining or self.engine.failed:
+            return self._error(api.APIError("the server is shutting down" if self.draining else
+                                            f"the engine failed: {self.engine.failed}", status=503,
+                                            type="service_unavailable"))
+        try:
+            body = await request.json()  # the server side ignores Content-Type (curl -d sends a form type)
+        except ValueError as exc:
+            return self._error(api.APIError(f"the body is not valid JSON: {exc}", param="body"))
+        try:
+            comp = api.parse_completion(body, model=self.model, vocab=self.vocab, capacity=self.capacity,
+                                        tokenizer=self.tokenizer, max_prompts=self.max_queue)
+        except api.APIError as exc:
+            return self._error(exc)
+        n = len(comp.prompts)
+        if self.engine.waiting + n > self.max_queue:
+            return self._error(api.APIError(f"{self.engine.waiting} requests are waiting (--max-queue "
+                                            f"{self.max_queue}); retry later", status=429,
+                                            type="rate_limit_error"), headers={"Retry-After": str(RETRY_AFTER_S)})
+        cid = f"cmpl-{uuid.uuid4().hex}"
+        queue: asyncio.Queue = asyncio.Queue()
+        stops = comp.stop_token_ids
+        tickets = [Ticket(Request(prompt=p, max_new_tokens=comp.max_tokens, eos=stops[0] if stops else None,
+                                  id=f"{cid}-{i}"), i, lambda t, u: self._on_update(t, u, queue),
+                          frozenset(stops[1:]), arrived=arrived) for i, p in enumerate(comp.prompts)]
+        self.metrics.prompt_tokens.inc(sum(map(len, comp.prompts)))
+        self.live += 1
+        self.engine.submit(tickets)
+        try:
+            if comp.stream:
+                return await self._stream(request, cid, comp, queue)
+            return await self._complete(cid, comp, queue)
+        finally:  # normal end, failed write, or the handler cancelled because the client left
+            left = [t for t in tickets if t.final is None]
+            if left:
+                self.engine.cancel(left)
+            self.live -= 1
+            if self.draining and self.live == 0:
+                self.drained.set()
+
+    async def _complete(self, cid: str, comp: api.Completion, queue: asyncio.Queue) -> web.Response:
+        n = len(comp.prompts)
+        tokens, texts, reasons = [[] for _ in range(n)], [[] for _ in range(n)], [None] * n
+        detok = [_Detokenizer(self.tokenizer) for _ in range(n)]
+        errors = []
+        while None in reasons:
+            up = await queue.get()
+            tokens[up.index] += up.tokens
+            texts[up.index].append(detok[up.index].feed(up.tokens))
+            reasons[up.index] = up.reason
+            if up.error:
+                errors.append(up.error)
+        if errors:
+            return self._error(api.APIError(f"generation failed: {errors[0]}", status=500, type="server_error"))
+        choices = [api.choice(i, "".join(texts[i]), tokens[i], reasons[i]) for i in range(n)]
+        use = api.usage(sum(map(len, comp.prompts)), sum(map(len, tokens)))
+        return web.json_response(api.completion(cid, api.now(), self.model, choices, use))
+
+    async def _stream(self, request: web.Request, cid: str, comp: api.Completion,
+                      queue: asyncio.Queue) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        n, created = len(comp.prompts), api.now()
+        detok = [_Detokenizer(self.tokenizer) for _ in range(n)]
+        left, generated = n, 0
+        try:
+            while left:
+                up = await queue.get()  # one update per burst per choice
+                generated += len(up.tokens)
+                if up.reason is not None:
+                    left -= 1
+                elif not up.tokens:
+                    continue
+                if up.error:
+                    await resp.write(_sse(api.APIError(up.error, status=500, type="server_error").body()))
+                use = api.usage(sum(map(len, comp.prompts)), generated) if left == 0 else None
+                choice = api.choice(up.index, detok[up.index].feed(up.tokens), up.tokens, up.reason)
+                await resp.write(_sse(api.completion(cid, created, self.model, [choice], use)))
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        except ConnectionError:  # the client went away mid-stream; finally in completions() cancels
+            pass
+        return resp
+
+
+def build_loop(args, backend) -> ServeLoop:
+    """The stub pair and loop the serve flags describe (``--model``/``--draft`` come later)."""
+    target, draft = stub_pair(args.batch, args.vocab, args.layers, 1, args.capacity, accept_prob=args.accept,
+                              cost_ns=int(args.cost_us * 1000), backend=backend)
+    return ServeLoop(target, draft, k=args.k, m_rounds=args.rounds, engine=args.engine,
+                     pipelined=not args.no_pipeline)
+
+
+async def _serve(args, loop: ServeLoop, host: str, port: int, tokenizer) -> int:
+    aloop = asyncio.get_running_loop()
+    engine = EngineThread(loop, aloop)
+    metrics = Metrics(engine)
+    server = Server(engine, metrics, model=args.served_model_name, vocab=loop.vocab, capacity=loop.dec.capacity,
+                    max_queue=args.max_queue, tokenizer=tokenizer)
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        aloop.add_signal_handler(sig, stop.set)
+    engine.start()
+    runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None, shutdown_timeout=CANCEL_GRACE_S)
+    await runner.setup()
+    try:
+        try:
+            await web.TCPSite(runner, host, port).start()
+        except OSError as exc:
+            print(f"graphburst serve: cannot listen on {host}:{port}: {exc.strerror or exc}", file=sys.stderr)
+            return 2
+        bound_host, bound_port = runner.addresses[0][:2]
+        shown = f"[{bound_host}]" if ":" in bound_host else bound_host
+        print(f"graphburst serve: listening on http://{shown}:{bound_port}", flush=True)
+        await stop.wait()
+        server.draining = True
+        print(f"graphburst serve: draining {server.live} requests (up to {args.drain_timeout:g} s)",
+              file=sys.stderr, flush=True)
+        if server.live:
+            try:
+                await asyncio.wait_for(server.drained.wait(), args.drain_timeout)
+            except asyncio.TimeoutError:
+                engine.cancel_all()  # their handlers send a final "abort" chunk and return
+                try:
+                    await asyncio.wait_for(server.drained.wait(), CANCEL_GRACE_S)
+                except asyncio.TimeoutError:
+                    pass
+    finally:
+        await runner.cleanup()
+        engine.stop()
+        await asyncio.to_thread(engine.join, 10.0)
+    s = engine.snapshot
+    print(f"graphburst serve: stopped after {s['bursts']} bursts, {s['tokens']} tokens", file=sys.stderr)
+    return 0
+
+
+def run(args, console) -> int:
+    """Entry point of ``graphburst serve --http``; CLI errors are one stderr line and exit 2."""
+    try:
+        host, port = parse_address(args.http)
+        if args.max_queue < 1:
+            raise ValueError(f"--max-queue must be >= 1, got {args.max_queue}")
+        if args.drain_timeout < 0:
+            raise ValueError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
+        tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
+        backend = get_backend(args.backend)
+        loop = build_loop(args, backend)
+    except (ValueError, TypeError, RuntimeError, OSError) as exc:
+        print(f"graphburst serve: {exc}", file=sys.stderr)
+        return 2
+    if not backend.is_gpu:
+        print("graphburst serve: no GPU in use; running the numpy reference backend", file=sys.stderr)
+    return asyncio.run(_serve(args, loop, host, port, tokenizer))

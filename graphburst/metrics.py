@@ -1,0 +1,99 @@
+"""Prometheus metrics of the HTTP server, rendered by ``prometheus_client``.
+
+Request-level metrics (finish reasons, tokens, TTFT, inter-token latency, acceptance) are
+updated on the event loop thread as updates arrive from the engine thread. Loop-level
+values (GPU idle fraction, queue depth, active slots, bursts) belong to the engine thread's
+``ServeLoop``; a custom collector reads the engine's latest stats snapshot at scrape time,
+so a scrape never touches the loop itself.
+
+Each server owns its :class:`CollectorRegistry` (no process-global registry), so two
+servers in one process, or tests, never share counters.
+"""
+
+from __future__ import annotations
+
+import math
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+# Seconds. Bursts deliver tokens in groups, so TTFT starts at one burst (~ms on a GPU).
+TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+ITL_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+ACCEPT_BUCKETS = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 16.0)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class _LoopCollector:
+    """Loop-level gauges and counters from ``engine.snapshot`` (a dict replaced per update)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def collect(self):
+        s = self.engine.snapshot
+        idle = s.get("gpu_idle_fraction")
+        yield _gauge("graphburst_gpu_idle_fraction",
+                     "Fraction of GPU time idle between bursts since start (NaN without GPU timing)",
+                     math.nan if idle is None else idle)
+        yield _gauge("graphburst_queue_depth", "Requests waiting for a batch slot", s.get("waiting", s["queued"]))
+        yield _gauge("graphburst_active_slots", "Batch slots holding a running request", s["active_slots"])
+        yield _gauge("graphburst_engine_tokens_per_second", "Tokens delivered per second since start",
+                     s["tokens_per_s"])
+        bursts = CounterMetricFamily("graphburst_bursts", "Bursts drained")
+        bursts.add_metric([], s["bursts"])
+        yield bursts
+
+
+def _gauge(name, doc, value):
+    g = GaugeMetricFamily(name, doc)
+    g.add_metric([], float(value))
+    return g
+
+
+class Metrics:
+    """Every metric of one server.
+
+    Parameters
+    ----------
+    engine : EngineThread, optional
+        Source of the loop-level snapshot; without one only request metrics are exported.
+    """
+
+    def __init__(self, engine=None):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("graphburst_requests", "Finished completion choices by finish reason",
+                                ["finish_reason"], registry=r)
+        self.rejected = Counter("graphburst_http_rejected", "HTTP requests refused by status code",
+                                ["code"], registry=r)
+        self.prompt_tokens = Counter("graphburst_prompt_tokens", "Prompt tokens admitted", registry=r)
+        self.generation_tokens = Counter("graphburst_generation_tokens", "Tokens generated and sent", registry=r)
+        self.ttft = Histogram("graphburst_time_to_first_token_seconds",
+                              "From the HTTP request's arrival to its first token", buckets=TTFT_BUCKETS,
+                              registry=r)
+        # One observation per burst delivery: the gap since the request's previous
+        # delivery divided by the tokens it carried (per-token latency without one
+        # observe() per token on the hot path).
+        self.itl = Histogram("graphburst_inter_token_latency_seconds",
+                             "Gap between deliveries to one request per token delivered", buckets=ITL_BUCKETS,
+                             registry=r)
+        self.accepted = Counter("graphburst_draft_accepted", "Draft tokens accepted by the target", registry=r)
+        self.rounds = Counter("graphburst_spec_rounds", "Speculative rounds run for finished requests", registry=r)
+        self.accept_per_round = Histogram("graphburst_accepted_drafts_per_round",
+                                          "Accepted drafts per round, one observation per finished request",
+                                          buckets=ACCEPT_BUCKETS, registry=r)
+        if engine is not None:
+            r.register(_LoopCollector(engine))
+
+    def finished(self, reason: str, accepted: int, rounds: int) -> None:
+        self.requests.labels(reason).inc()
+        if rounds:
+            self.accepted.inc(accepted)
+            self.rounds.inc(rounds)
+            self.accept_per_round.observe(accepted / rounds)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

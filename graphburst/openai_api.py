@@ -1,0 +1,184 @@
+"""The OpenAI completions subset: request validation and response shapes, no HTTP.
+
+Only greedy decoding is served, so sampling fields that would change the output
+(``temperature`` > 0, ``top_p`` < 1, ``n`` > 1, ``best_of`` > 1) are refused with a 400 that
+names the field rather than silently ignored; fields that cannot change the tokens
+(``user``, ``seed``, ``presence_penalty`` of 0, ...) are ignored, as vLLM does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+import time
+
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+# graphburst's finish reasons -> the OpenAI field. "abort" follows vLLM for requests the
+# server cancelled (shutdown); "error" for a request the engine could not finish.
+OPENAI_FINISH = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "abort", "error": "error"}
+
+
+class APIError(Exception):
+    """An error response: HTTP status, OpenAI error ``type`` and the offending ``param``."""
+
+    def __init__(self, message: str, *, param: str | None = None, status: int = 400,
+                 type: str = "invalid_request_error"):  # noqa: A002 - the OpenAI field name
+        super().__init__(message)
+        self.message, self.param, self.status, self.type = message, param, status, type
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": None}}
+
+
+@dataclasses.dataclass
+class Completion:
+    """A validated request: one prompt per choice, shared limits."""
+
+    prompts: list  # list of list of int
+    max_tokens: int
+    stop_token_ids: list  # [0] -> the device EOS, the rest checked on the host
+    stream: bool
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _tokens(name: str, value, vocab: int) -> list:
+    if not value:
+        raise APIError(f"{name} must not be empty", param="prompt")
+    for i, t in enumerate(value):
+        if not _is_int(t):
+            raise APIError(f"{name}[{i}] must be an int token id, got {t!r}", param="prompt")
+        if not 0 <= t < vocab:
+            raise APIError(f"{name}[{i}] = {t} is outside the vocabulary [0, {vocab})", param="prompt")
+    return [int(t) for t in value]
+
+
+def _prompts(value, vocab: int, tokenizer) -> list:
+    """``prompt`` as a list of token-id lists; text needs a tokenizer."""
+    def text(i, s):
+        if tokenizer is None:
+            raise APIError(f"prompt{i} is text ({s[:40]!r}) but the server has no tokenizer (start it with "
+                           "--tokenizer DIR); send token ids", param="prompt")
+        return _tokens(f"prompt{i} (tokenized)", tokenizer.encode(s).ids, vocab)
+
+    if isinstance(value, str):
+        return [text("", value)]
+    if not isinstance(value, list) or not value:
+        raise APIError(f"prompt must be a token-id list, a list of them, or text; got {value!r:.60}", param="prompt")
+    if not any(isinstance(t, (list, str)) for t in value):  # one prompt of token ids
+        return [_tokens("prompt", value, vocab)]
+    out = []
+    for i, p in enumerate(value):
+        if isinstance(p, str):
+            out.append(text(f"[{i}]", p))
+        elif isinstance(p, list):
+            out.append(_tokens(f"prompt[{i}]", p, vocab))
+        else:
+            raise APIError(f"prompt[{i}] must be an int token id, a token-id list or text, got {p!r:.60}",
+                           param="prompt")
+    return out
+
+
+def parse_completion(body, *, model: str, vocab: int, capacity: int, tokenizer=None,
+                     max_prompts: int) -> Completion:
+    """Validate a ``/v1/completions`` body; raise :class:`APIError` naming the field.
+
+    Parameters
+    ----------
+    body : object
+        The decoded JSON body.
+    model : str
+        The served model name; a different ``model`` is a 404 like OpenAI's.
+    vocab, capacity : int
+        Token ids must be in ``[0, vocab)``; prompt plus ``max_tokens`` must fit ``capacity``.
+    tokenizer : tokenizers.Tokenizer, optional
+        Needed for text prompts.
+    max_prompts : int
+        More prompts than this in one request could never be queued at once.
+    """
+    if not isinstance(body, dict):
+        raise APIError(f"the body must be a JSON object, got {type(body).__name__}", param="body")
+    if "model" in body and body["model"] != model:
+        raise APIError(f"model {body['model']!r} does not exist; this server serves {model!r}", param="model",
+                       status=404, type="not_found_error")
+    if "prompt" not in body:
+        raise APIError("missing field prompt", param="prompt")
+    prompts = _prompts(body["prompt"], vocab, tokenizer)
+    if len(prompts) > max_prompts:
+        raise APIError(f"prompt holds {len(prompts)} prompts; at most {max_prompts} per request", param="prompt")
+
+    max_tokens = body.get("max_tokens")
+    max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
+    if not _is_int(max_tokens) or max_tokens < 1:
+        raise APIError(f"max_tokens must be an int >= 1, got {max_tokens!r}", param="max_tokens")
+    longest = max(len(p) for p in prompts)
+    if longest + max_tokens > capacity:
+        raise APIError(f"a prompt of {longest} tokens plus max_tokens={max_tokens} needs {longest + max_tokens} "
+                       f"KV entries, but a slot holds {capacity}", param="max_tokens")
+
+    stops = body.get("stop_token_ids") or []
+    if not isinstance(stops, list):
+        raise APIError(f"stop_token_ids must be a list of token ids, got {stops!r:.60}", param="stop_token_ids")
+    for i, t in enumerate(stops):
+        if not _is_int(t) or not 0 <= t < vocab:
+            raise APIError(f"stop_token_ids[{i}] = {t!r} is not a token id in [0, {vocab})", param="stop_token_ids")
+
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise APIError(f"stream must be true or false, got {stream!r}", param="stream")
+    _check_greedy(body)
+    return Completion(prompts, int(max_tokens), [int(t) for t in stops], stream)
+
+
+def _check_greedy(body: dict) -> None:
+    """Refuse what would change the tokens of greedy decoding."""
+    def num(field):
+        v = body.get(field)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Real)):
+            raise APIError(f"{field} must be a number, got {v!r}", param=field)
+        return v
+
+    t, p = num("temperature"), num("top_p")
+    if t is not None and t > 0:
+        raise APIError(f"temperature={t}: greedy only for now (send 0 or leave it out)", param="temperature")
+    if p is not None and p < 1:
+        raise APIError(f"top_p={p}: greedy only for now (send 1 or leave it out)", param="top_p")
+    n, best_of = body.get("n", 1), body.get("best_of")
+    if n != 1:
+        raise APIError(f"n={n!r}: only n=1 is supported (send several prompts for several choices)", param="n")
+    if best_of not in (None, 1):
+        raise APIError(f"best_of={best_of!r}: only 1 is supported", param="best_of")
+    if body.get("echo"):
+        raise APIError("echo is not supported", param="echo")
+    if body.get("logprobs") is not None:
+        raise APIError("logprobs are not supported", param="logprobs")
+    if body.get("stop"):
+        raise APIError("stop strings are not supported; use stop_token_ids", param="stop")
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def choice(index: int, text: str, token_ids: list, reason: str | None) -> dict:
+    return {"index": index, "text": text, "token_ids": token_ids, "logprobs": None,
+            "finish_reason": None if reason is None else OPENAI_FINISH[reason]}
+
+
+def completion(cid: str, created: int, model: str, choices: list, usage_: dict | None) -> dict:
+    """A completion body, or one stream chunk (same shape; OpenAI uses one object type)."""
+    return {"id": cid, "object": "text_completion", "created": created, "model": model, "choices": choices,
+            "usage": usage_}
+
+
+def model_list(model: str, created: int, max_len: int) -> dict:
+    return {"object": "list", "data": [{"id": model, "object": "model", "created": created,
+                                        "owned_by": "graphburst", "max_model_len": max_len}]}
+
+
+def now() -> int:
+    return int(time.time())
