@@ -72,6 +72,8 @@ class SpecDecoder(Watched):
         self.batch = target.cache.batch
         self.bufs = StreamBufs(self.batch, k, m_rounds, self.backend)
         self.k, self.m_rounds = self.bufs.k, self.bufs.m_rounds
+        for m in (target, draft):  # models that keep views of the buffers make them now, outside capture
+            getattr(m, "bind", None) and m.bind(self.bufs)
         self.table = kv_len_ptr_table([target.cache, draft.cache], pos_ctr=self.bufs.pos_ctr)
         self.capacity = min(target.cache.capacity, draft.cache.capacity)
         self.stream = self.backend.new_stream() if stream is None else stream
