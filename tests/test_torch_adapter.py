@@ -8,6 +8,11 @@ changes the output. The reference below is plain Python over token lists.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -192,3 +197,14 @@ def test_outside_model_graph_on_gpu_50_bursts(gapless, rng):
     got = run_bursts(dec, graph.run, 50, churn)
     for b, prompt in enumerate(prompts):
         assert got[b] == greedy_truth(prompt, len(got[b]))
+
+
+def test_graphburst_imports_without_torch():
+    """``import graphburst`` (and the torch modules' import) never needs torch; using them says how to get it."""
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "import graphburst, graphburst.torch_adapter, graphburst.checkpoint\n"
+            "try:\n    graphburst.torch_adapter.TorchTarget(None, batch=1, capacity=1, backend='numpy')\n"
+            "except ImportError as e:\n    print('ImportError:', e)\n")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert "pip install 'graphburst[torch]'" in out.stdout
