@@ -24,6 +24,9 @@ from graphburst.llama import LlamaConfig
 
 from conftest import requires_gpu
 
+# Tiny tensors gain nothing from intra-op threads, and CI's 2 cores are shared with pytest itself.
+torch.set_num_threads(1)
+
 VOCAB = 512
 PROMPTS = [[5, 6, 7, 8, 9], [1, 2], list(range(40, 51))]  # ragged
 NEW = 20
