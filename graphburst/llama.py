@@ -233,13 +233,14 @@ class Llama(nn.Module):
         Weights, activations and KV (fp32 or bf16); RoPE and norms compute in fp32.
     device : torch.device or str
     kv_slack : int
-        Extra KV rows past ``capacity`` (see the module docstring); at least k + 2.
+        Extra KV rows past ``capacity`` (see the module docstring), at least k + 2;
+        rounded up so the row count is a multiple of 16.
     """
 
     def __init__(self, cfg: LlamaConfig, *, batch: int, capacity: int, dtype=torch.float32, device="cpu",
                  kv_slack: int = DEFAULT_KV_SLACK):
         super().__init__()
-        self.cfg, self.batch, self.capacity, self.kv_slack = cfg, batch, capacity, kv_slack
+        self.cfg, self.batch, self.capacity = cfg, batch, capacity
         self.vocab = cfg.vocab_size
         meta = {"device": "meta", "dtype": dtype}  # no init work; to_empty() places the storage
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, **meta)
@@ -248,7 +249,9 @@ class Llama(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False,
                                                                       **meta)
         self.to_empty(device=device)
-        rows = capacity + kv_slack
+        # Rounded up to a multiple of 16 so SDPA's fused kernels need not pad the mask on every call.
+        rows = -(-(capacity + kv_slack) // 16) * 16
+        self.kv_slack = rows - capacity
         cos, sin = rope_tables(cfg, rows, device)
         self.register_buffer("rope_cos", cos, persistent=False)  # [capacity + slack, head_dim] float32
         self.register_buffer("rope_sin", sin, persistent=False)
