@@ -77,6 +77,9 @@ class _TorchModel(Watched):
         self.module = module
         self.backend = get_backend(backend)
         self.vocab = check_int("vocab", getattr(module, "vocab", None) if vocab is None else vocab, minimum=2)
+        own = getattr(module, "capacity", None)
+        if own is not None and own < capacity:
+            raise ValueError(f"capacity {capacity} exceeds the module's own KV capacity {own}")
         storages = list(module.kv_layers())
         layers = [None if s is None else KVLayer(s, self.backend.zeros((batch,), np.int32)) for s in storages]
         self.cache = KVCache(layers, batch, capacity, self.backend)  # validates batch, capacity, devices

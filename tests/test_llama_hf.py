@@ -201,16 +201,17 @@ def test_tiny_random_pair_matches_plain_greedy():
 
 @pytest.mark.gpu
 @requires_gpu
-def test_gpu_fp32_matches_hf_generate(saved):
+@pytest.mark.parametrize("mode", ["pre_issued", "graph"])
+def test_gpu_fp32_matches_hf_generate(saved, mode):
     _, hf, _, target_dir, draft_dir = saved
     want = [hf_greedy(hf, p, NEW) for p in PROMPTS]
     target, draft = load_pair(target_dir, draft_dir, batch=len(PROMPTS), capacity=64, backend="cupy")
     dec = SpecDecoder(target, draft, k=3, m_rounds=2)
     dec.prefill(PROMPTS, max_new_tokens=NEW)
-    graph = BurstGraph(dec)
+    runner = BurstGraph(dec).run if mode == "graph" else dec.run_burst
     got = [[] for _ in PROMPTS]
     while dec.host_left.any():
-        tokens = graph.run()
+        tokens = runner()
         for b in range(len(PROMPTS)):
             got[b] += tokens[b].tolist()
     assert got == want

@@ -174,6 +174,14 @@ def test_backend_accepts_torch_tensors():
         backend.check_device("storage", meta)
 
 
+def test_capacity_past_the_modules_own_is_refused():
+    from graphburst.checkpoint import tiny_random_pair
+
+    target, _ = tiny_random_pair(batch=1, capacity=32, backend="numpy")
+    with pytest.raises(ValueError, match="capacity 64 exceeds the module's own KV capacity 32"):
+        TorchTarget(target.module, batch=1, capacity=64, backend="numpy")
+
+
 def test_kv_slack_too_small_for_k_is_refused():
     target, draft = make_pair(1, 64, Backend("numpy"), p_min=0.0)
     with pytest.raises(ValueError, match="kv_slack 8 must be >= k \\+ 2 = 9"):
