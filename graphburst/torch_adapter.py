@@ -129,8 +129,8 @@ class _TorchModel(Watched):
     def _on(self, stream):
         """Run torch ops on graphburst's stream (cupy) or in program order (numpy)."""
         torch = self.torch
-        if not self.backend.is_gpu:
-            return contextlib.nullcontext()
+        if not self.backend.is_gpu or torch.cuda.current_stream(self.backend.device_id).cuda_stream == stream.ptr:
+            return contextlib.nullcontext()  # numpy, or torch already on it (a torch-driven capture)
         ts = self._streams.get(stream.ptr)
         if ts is None:
             ts = self._streams[stream.ptr] = torch.cuda.ExternalStream(stream.ptr, device=self.backend.device_id)
