@@ -275,7 +275,11 @@ class Llama(nn.Module):
             p.copy_(host)
         return self
 
-    def forward(self, tokens: torch.Tensor, start_pos: torch.Tensor, lengths, rows: torch.Tensor | None = None):
+    #: forward takes ``logits_at``: prefill then computes the head at one position per row only.
+    accepts_logits_at = True
+
+    def forward(self, tokens: torch.Tensor, start_pos: torch.Tensor, lengths, rows: torch.Tensor | None = None,
+                logits_at: torch.Tensor | None = None):
         """Logits after each token; writes the tokens' KV, never moves a length.
 
         Parameters
@@ -284,10 +288,13 @@ class Llama(nn.Module):
         start_pos : [R] int32 or int64, position of ``tokens[:, 0]``
         lengths : sequence of [R] int32, one per layer: valid KV rows before the call
         rows : [R] int64 batch rows, or None for all B (R = B; the captured case)
+        logits_at : [R] int64, optional
+            Only the logits after token ``logits_at[r]`` of each row (a long prompt's
+            ``[R, T, vocab]`` would be large).
 
         Returns
         -------
-        [R, T, vocab] float32
+        [R, T, vocab] float32, or [R, 1, vocab] with ``logits_at``
         """
         r, t = tokens.shape
         if rows is None:
@@ -298,4 +305,6 @@ class Llama(nn.Module):
         x = self.embed_tokens(tokens)
         for layer, kv, length in zip(self.layers, self.kv, lengths):
             x = layer(x, cos, sin, kv, length, rows)
+        if logits_at is not None:
+            x = x[torch.arange(r, device=x.device), logits_at].unsqueeze(1)  # [R, 1, hidden]
         return F.linear(self.norm(x), self.head_weight()).float()

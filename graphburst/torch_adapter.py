@@ -10,7 +10,9 @@ The module implements two things over torch tensors:
   ``[R] int32`` tensor (or None) per layer: the valid KV rows before the call. It writes
   the T tokens' KV at rows ``lengths + [0, T)`` of batch rows ``rows`` (``[R] int64``,
   None = all B), attends only below, returns ``[R, T, vocab]`` logits and **never moves
-  a length** (the adapter advances them). ``graphburst.llama.Llama`` is one.
+  a length** (the adapter advances them). ``graphburst.llama.Llama`` is one. A module
+  with ``accepts_logits_at = True`` also takes ``logits_at [R] int64`` and returns only
+  those positions' logits ``[R, 1, vocab]``; prefill then skips the rest of the head.
 
 :class:`TorchTarget` and :class:`TorchDraft` do the rest: zero-copy torch views of the
 ``StreamBufs`` and of the KV lengths (made once, outside capture), the ``KVCache``,
@@ -165,13 +167,17 @@ class _TorchModel(Watched):
             plen = plen_all[rows]  # [R] int32
             start = torch.zeros_like(plen)
             lengths = [None if ln is None else start for ln in self._lengths]
-            logits = self.module(self._tokens(tok_all[rows]), start, lengths, rows)  # [R, P_max, V]
+            last = (plen.long() - 1).clamp(min=0)  # [R] the prompt's last token
+            if getattr(self.module, "accepts_logits_at", False):
+                logits = self.module(self._tokens(tok_all[rows]), start, lengths, rows, logits_at=last)[:, 0]
+            else:
+                logits = self.module(self._tokens(tok_all[rows]), start, lengths, rows)  # [R, P_max, V]
+                logits = logits[torch.arange(rows.numel(), device=rows.device), last]
             for ln in self._lengths:
                 if ln is not None:
                     ln[rows] = plen
             if pos_ctr is not None:
-                last = (plen.long() - 1).clamp(min=0)
-                pred = logits[torch.arange(rows.numel(), device=rows.device), last].argmax(-1)
+                pred = logits.argmax(-1)  # [R]
                 as_tensor(pos_ctr)[rows] = plen
                 as_tensor(pend)[rows] = pred.to(torch.int32)
 
