@@ -117,7 +117,9 @@ class Backend:
             return self.xp.asarray(host, dtype=dtype)
 
     def address(self, arr) -> int:
-        """Device (or host) address of an array's first element."""
+        """Device (or host) address of an array's (or a torch tensor's) first element."""
+        if hasattr(arr, "data_ptr"):  # a torch tensor, duck-typed so torch stays optional
+            return int(arr.data_ptr())
         return int(arr.data.ptr) if self.is_gpu else int(arr.ctypes.data)
 
     def to_host(self, arr, stream) -> np.ndarray:
@@ -135,7 +137,14 @@ class Backend:
             np.copyto(dst, host.reshape(dst.shape))
 
     def check_device(self, name: str, arr) -> None:
-        """Raise ValueError when a cupy array lives on another device than this backend."""
+        """Raise ValueError when an array or torch tensor lives on another device than this backend."""
+        if hasattr(arr, "data_ptr"):  # a torch tensor: CUDA on this device for cupy, CPU for numpy
+            kind, index = arr.device.type, arr.device.index
+            want = ("cuda", self.device_id) if self.is_gpu else ("cpu", None)
+            if (kind, index if kind == "cuda" else None) != want:
+                where = f"cuda:{want[1]}" if self.is_gpu else "cpu"
+                raise ValueError(f"{name} is a torch tensor on {arr.device}, but the {self.name} backend needs {where}")
+            return
         if self.is_gpu and arr.device.id != self.device_id:
             raise ValueError(f"{name} is on CUDA device {arr.device.id}, but the backend uses device {self.device_id}")
 

@@ -1,0 +1,166 @@
+"""Load Hugging Face Llama checkpoints into :class:`graphburst.llama.Llama`, and build pairs.
+
+A checkpoint directory holds ``config.json`` and either ``model.safetensors`` or a
+sharded ``model.safetensors.index.json`` (its ``weight_map`` names each tensor's shard).
+Tensors are read one at a time with ``safetensors.safe_open`` and copied into the
+model's preallocated parameters, so peak memory is the model plus one tensor.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .backend import Backend, get_backend
+from .torch_adapter import TorchDraft, TorchTarget, _torch
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+DTYPES = ("float32", "bfloat16", "float16")
+HF_PREFIX = "model."  # HF nests everything but lm_head under LlamaForCausalLM.model
+
+
+def hf_name(name: str) -> str:
+    """HF parameter name of one of :class:`Llama`'s (``layers.0.mlp.up_proj.weight`` -> ``model.layers.0...``)."""
+    return name if name.startswith("lm_head.") else HF_PREFIX + name
+
+
+def read_config(model_dir):
+    """:class:`LlamaConfig` from ``model_dir/config.json`` (ValueError naming a bad key)."""
+    from .llama import LlamaConfig
+
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise ValueError(f"{model_dir}: no config.json (expected a Hugging Face checkpoint directory)")
+    with open(path) as f:
+        return LlamaConfig.from_hf(json.load(f))
+
+
+def tensor_files(model_dir) -> dict[str, Path]:
+    """Map every tensor name in the checkpoint to the safetensors file holding it."""
+    from safetensors import safe_open
+
+    root = Path(model_dir)
+    if (root / INDEX_FILE).is_file():
+        with open(root / INDEX_FILE) as f:
+            weight_map = json.load(f).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{root / INDEX_FILE}: no 'weight_map' object")
+        return {name: root / shard for name, shard in weight_map.items()}
+    if (root / SINGLE_FILE).is_file():
+        with safe_open(root / SINGLE_FILE, framework="pt") as f:
+            return {name: root / SINGLE_FILE for name in f.keys()}
+    raise ValueError(f"{model_dir}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
+
+
+def torch_dtype(dtype):
+    """A torch dtype from a name in DTYPES or a torch dtype."""
+    torch = _torch()
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    return getattr(torch, dtype)
+
+
+def load_llama(model_dir, *, batch: int, capacity: int, dtype="float32", device="cpu", **kw):
+    """Build a :class:`Llama` from a HF checkpoint directory.
+
+    Parameters
+    ----------
+    model_dir : path
+    batch, capacity : int
+    dtype : str or torch.dtype
+        Weights are cast to it on load.
+    device : torch device
+    **kw
+        Passed to :class:`Llama` (``kv_slack``).
+
+    Raises
+    ------
+    ValueError
+        Naming the missing config key, the missing tensor or the one whose shape differs.
+    """
+    from safetensors import safe_open
+
+    from .llama import Llama
+
+    torch = _torch()
+    cfg = read_config(model_dir)
+    model = Llama(cfg, batch=batch, capacity=capacity, dtype=torch_dtype(dtype), device=device, **kw)
+    files = tensor_files(model_dir)
+    wanted = {hf_name(n): p for n, p in model.named_parameters()}
+    by_file: dict[Path, list[str]] = {}
+    for name in wanted:
+        if name not in files:
+            raise ValueError(f"{model_dir}: checkpoint lacks tensor {name!r}")
+        by_file.setdefault(files[name], []).append(name)
+    with torch.no_grad():
+        for path, names in by_file.items():
+            with safe_open(path, framework="pt") as f:
+                for name in names:
+                    src, dst = f.get_tensor(name), wanted[name]
+                    if tuple(src.shape) != tuple(dst.shape):
+                        raise ValueError(f"{model_dir}: tensor {name!r} has shape {tuple(src.shape)}, "
+                                         f"config.json implies {tuple(dst.shape)}")
+                    dst.copy_(src)
+    return model
+
+
+def _device_of(backend: Backend, device):
+    want = f"cuda:{backend.device_id}" if backend.is_gpu else "cpu"
+    if device is not None and str(device) != want and not (backend.is_gpu and str(device) == "cuda"):
+        raise ValueError(f"device {device!r} does not match the {backend.name} backend (needs {want})")
+    return want
+
+
+def wrap_pair(target_module, draft_module, *, batch: int, capacity: int, backend, p_min: float = 0.0):
+    """Wrap two torch modules as a (TorchTarget, TorchDraft) pair; the vocabularies must match."""
+    if target_module.vocab != draft_module.vocab:
+        raise ValueError(f"target vocab {target_module.vocab} != draft vocab {draft_module.vocab}")
+    target = TorchTarget(target_module, batch=batch, capacity=capacity, backend=backend)
+    draft = TorchDraft(draft_module, batch=batch, capacity=capacity, backend=backend, p_min=p_min)
+    return target, draft
+
+
+def load_pair(model_dir, draft_dir, *, batch: int, capacity: int, backend: Backend | str = "auto",
+              dtype="float32", device=None, p_min: float = 0.0):
+    """Load a target and a draft checkpoint as a graphburst pair.
+
+    Returns
+    -------
+    (TorchTarget, TorchDraft)
+    """
+    backend = get_backend(backend)
+    device = _device_of(backend, device)
+    target = load_llama(model_dir, batch=batch, capacity=capacity, dtype=dtype, device=device)
+    draft = load_llama(draft_dir, batch=batch, capacity=capacity, dtype=dtype, device=device)
+    return wrap_pair(target, draft, batch=batch, capacity=capacity, backend=backend, p_min=p_min)
+
+
+def tiny_random_pair(*, batch: int, capacity: int, backend: Backend | str = "auto", dtype="float32", device=None,
+                     seed: int = 0, vocab: int = 512, hidden: int = 64, layers: int = 4, p_min: float = 0.0):
+    """A small random Llama target and its early-exit draft, built in memory (no files).
+
+    The draft is the target's first layer with the target's embeddings, final norm and
+    head, so it agrees with the target often enough for a demo to show acceptance.
+
+    Returns
+    -------
+    (TorchTarget, TorchDraft)
+    """
+    from .llama import Llama, LlamaConfig
+
+    torch = _torch()
+    backend = get_backend(backend)
+    device = _device_of(backend, device)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4)
+    dt = torch_dtype(dtype)
+    target = Llama(cfg, batch=batch, capacity=capacity, dtype=dt, device=device).init_random_(seed)
+    draft = Llama(cfg.replace(num_hidden_layers=1), batch=batch, capacity=capacity, dtype=dt, device=device)
+    own = dict(target.named_parameters())
+    with torch.no_grad():
+        for name, p in draft.named_parameters():
+            p.copy_(own[name])  # layers.0.*, embeddings, norm, head: all names exist in the target
+    return wrap_pair(target, draft, batch=batch, capacity=capacity, backend=backend, p_min=p_min)

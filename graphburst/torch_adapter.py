@@ -1,0 +1,247 @@
+"""Turn a PyTorch module into a graphburst draft or target (the model protocol).
+
+The module implements two things over torch tensors:
+
+* ``kv_layers() -> list[Tensor | None]``: its preallocated KV storage, one entry per
+  layer (None for a layer without KV). Storage is the module's own; graphburst only
+  records its address.
+* ``forward(tokens, start_pos, lengths, rows=None) -> logits``: ``tokens [R, T] int64``
+  (valid ids), ``start_pos [R]`` the position of ``tokens[:, 0]``, ``lengths`` one
+  ``[R] int32`` tensor (or None) per layer: the valid KV rows before the call. It writes
+  the T tokens' KV at rows ``lengths + [0, T)`` of batch rows ``rows`` (``[R] int64``,
+  None = all B), attends only below, returns ``[R, T, vocab]`` logits and **never moves
+  a length** (the adapter advances them). ``graphburst.llama.Llama`` is one. A module
+  with ``accepts_logits_at = True`` also takes ``logits_at [R] int64`` and returns only
+  those positions' logits ``[R, 1, vocab]``; prefill then skips the rest of the head.
+
+:class:`TorchTarget` and :class:`TorchDraft` do the rest: zero-copy torch views of the
+``StreamBufs`` and of the KV lengths (made once, outside capture), the ``KVCache``,
+placeholder clamping, argmax and confidence, the p-min break, the verify-token writes,
+the draft's extra KV append and length bookkeeping. On the cupy backend the ops run on
+the stream graphburst gives (a torch ``ExternalStream`` over it); on numpy they run on
+CPU tensors that alias the numpy buffers, which is how CI tests this file.
+
+Inside ``draft_step`` and ``verify`` nothing syncs or reads a value on the host.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+
+from .backend import Backend, get_backend
+from .buffers import KVCache, KVLayer, StreamBufs
+from .constants import NO_PREFILL
+from .guard import Watched
+from .validate import check_int, check_prob
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError as exc:  # graphburst itself does not need torch
+        raise ImportError("graphburst's torch adapter needs PyTorch: pip install 'graphburst[torch]'") from exc
+    return torch
+
+
+def as_tensor(arr):
+    """Zero-copy torch view of a numpy (``from_numpy``) or cupy (DLPack) array. Not inside a capture."""
+    torch = _torch()
+    if isinstance(arr, np.ndarray):
+        return torch.from_numpy(arr)
+    return torch.from_dlpack(arr)
+
+
+class TorchBufs:
+    """Torch views of every :class:`StreamBufs` field, same names, same memory.
+
+    Parameters
+    ----------
+    bufs : StreamBufs
+    """
+
+    def __init__(self, bufs: StreamBufs):
+        self.source = bufs
+        for name in bufs.LAYOUT:
+            setattr(self, name, as_tensor(getattr(bufs, name)))
+
+
+class _TorchModel(Watched):
+    """Shared part of both wrappers: the cache, the length views, streams and binding."""
+
+    capture_api = "torch"  # the burst graph must be captured by torch (see the lead's capture path)
+    _watched = frozenset({"cache", "module"})
+
+    def __init__(self, module, *, batch: int, capacity: int, backend: Backend | str = "auto", vocab: int | None = None):
+        torch = _torch()
+        self.torch = torch
+        self.module = module
+        self.backend = get_backend(backend)
+        self.vocab = check_int("vocab", getattr(module, "vocab", None) if vocab is None else vocab, minimum=2)
+        own = getattr(module, "capacity", None)
+        if own is not None and own < capacity:
+            raise ValueError(f"capacity {capacity} exceeds the module's own KV capacity {own}")
+        storages = list(module.kv_layers())
+        layers = [None if s is None else KVLayer(s, self.backend.zeros((batch,), np.int32)) for s in storages]
+        self.cache = KVCache(layers, batch, capacity, self.backend)  # validates batch, capacity, devices
+        self._lengths = [None if layer is None else as_tensor(layer.length) for layer in self.cache.layers]
+        self._streams = {}  # stream ptr -> torch ExternalStream, made once per stream
+        self._bound: TorchBufs | None = None
+        self._settle()
+
+    def _settle(self) -> None:
+        # cupy.zeros and torch's own init ran on other streams than the decoder's; finish
+        # them now (outside any capture) so the decoder's stream never sees them unfinished.
+        if self.backend.is_gpu:
+            self.torch.cuda.synchronize(self.backend.device_id)
+            with self.backend.device():
+                self.backend.xp.cuda.Device().synchronize()
+
+    @property
+    def batch(self) -> int:
+        return self.cache.batch
+
+    @property
+    def capacity(self) -> int:
+        return self.cache.capacity
+
+    def bind(self, bufs: StreamBufs) -> None:
+        """Make the torch views of ``bufs`` (SpecDecoder calls this once, outside capture)."""
+        if not isinstance(bufs, StreamBufs):
+            raise TypeError(f"bufs must be a StreamBufs, got {type(bufs).__name__}")
+        slack = getattr(self.module, "kv_slack", None)
+        if slack is not None and slack < bufs.k + 2:
+            raise ValueError(f"the module's kv_slack {slack} must be >= k + 2 = {bufs.k + 2}: a chain started at "
+                             f"the last KV row would write past its storage")
+        self._bound = TorchBufs(bufs)
+        self._settle()
+
+    def _views(self, bufs: StreamBufs) -> TorchBufs:
+        if self._bound is None or self._bound.source is not bufs:
+            self.bind(bufs)  # eager fallback; a capture path must bind first (DLPack cannot run inside one)
+        return self._bound
+
+    def graph_buffers(self) -> dict:
+        """The module's weights and buffers: baked into a graph, so the address guard watches them."""
+        out = {f"param.{n}": p for n, p in self.module.named_parameters()}
+        out.update({f"buffer.{n}": b for n, b in self.module.named_buffers()})
+        return out
+
+    def _on(self, stream):
+        """Run torch ops on graphburst's stream (cupy) or in program order (numpy)."""
+        torch = self.torch
+        if not self.backend.is_gpu or torch.cuda.current_stream(self.backend.device_id).cuda_stream == stream.ptr:
+            return contextlib.nullcontext()  # numpy, or torch already on it (a torch-driven capture)
+        ts = self._streams.get(stream.ptr)
+        if ts is None:
+            ts = self._streams[stream.ptr] = torch.cuda.ExternalStream(stream.ptr, device=self.backend.device_id)
+        return torch.cuda.stream(ts)
+
+    def _forward(self, tokens, start_pos):
+        """All-B forward at each layer's own length, then every length moves by T."""
+        logits = self.module(tokens, start_pos, self._lengths, None)
+        for length in self._lengths:
+            if length is not None:
+                length.add_(tokens.shape[1])
+        return logits
+
+    def _tokens(self, t):
+        return t.clamp(0, self.vocab - 1).long()  # PLACEHOLDER_TOKEN (-1) becomes a valid id
+
+    def prefill(self, prompt, prompt_len, pos_ctr, pend, stream) -> None:
+        """Write the prompts' KV (eager: it reads which slots to fill on the host).
+
+        Parameters
+        ----------
+        prompt : [B, P_max] int32 backend array
+        prompt_len : [B] int32, NO_PREFILL for a slot to leave untouched
+        pos_ctr, pend : [B] int32 (target) or None (draft), written for prefilled slots
+        """
+        torch = self.torch
+        with self._on(stream), torch.no_grad():
+            tok_all, plen_all = as_tensor(prompt), as_tensor(prompt_len)
+            rows = torch.nonzero(plen_all != NO_PREFILL).flatten()  # [R] int64
+            if rows.numel() == 0:
+                return
+            plen = plen_all[rows]  # [R] int32
+            start = torch.zeros_like(plen)
+            lengths = [None if ln is None else start for ln in self._lengths]
+            last = (plen.long() - 1).clamp(min=0)  # [R] the prompt's last token
+            if getattr(self.module, "accepts_logits_at", False):
+                logits = self.module(self._tokens(tok_all[rows]), start, lengths, rows, logits_at=last)[:, 0]
+            else:
+                logits = self.module(self._tokens(tok_all[rows]), start, lengths, rows)  # [R, P_max, V]
+                logits = logits[torch.arange(rows.numel(), device=rows.device), last]
+            for ln in self._lengths:
+                if ln is not None:
+                    ln[rows] = plen
+            if pos_ctr is not None:
+                pred = logits.argmax(-1)  # [R]
+                as_tensor(pos_ctr)[rows] = plen
+                as_tensor(pend)[rows] = pred.to(torch.int32)
+
+
+class TorchTarget(_TorchModel):
+    """A torch module as a graphburst target.
+
+    Parameters
+    ----------
+    module
+        ``kv_layers()`` and ``forward(tokens, start_pos, lengths, rows)`` (module docstring).
+    batch, capacity : int
+        Slots, and KV entries per slot graphburst may fill (the storage needs slack rows past it).
+    backend : Backend or str
+        cupy: the module's tensors are on that CUDA device; numpy: on CPU.
+    vocab : int, optional
+        Defaults to ``module.vocab``.
+    """
+
+    def verify(self, bufs: StreamBufs, stream) -> None:
+        """Logits at ``pos_ctr + [0, k]`` for ``vtok``; greedy tokens into ``tgt_pred [B, k+1]``."""
+        t = self._views(bufs)
+        with self._on(stream), self.torch.no_grad():
+            logits = self._forward(self._tokens(t.vtok), t.pos_ctr)  # [B, k+1, V]
+            t.tgt_pred.copy_(logits.argmax(-1))
+
+
+class TorchDraft(_TorchModel):
+    """A torch module as a graphburst draft (greedy proposals, softmax confidence).
+
+    Parameters
+    ----------
+    module, batch, capacity, backend, vocab
+        As for :class:`TorchTarget`.
+    p_min : float
+        A proposal whose probability is below this breaks the chain (0: never).
+    writes_verify_tokens : bool
+        Also write usable proposals into ``vtok[:, 1 + step]`` so the burst skips its
+        assemble launch.
+    """
+
+    def __init__(self, module, *, batch: int, capacity: int, backend: Backend | str = "auto", vocab: int | None = None,
+                 p_min: float = 0.0, writes_verify_tokens: bool = True):
+        super().__init__(module, batch=batch, capacity=capacity, backend=backend, vocab=vocab)
+        self.p_min = check_prob("p_min", p_min)
+        self.writes_verify_tokens = bool(writes_verify_tokens)
+
+    def draft_step(self, bufs: StreamBufs, step: int, stream) -> None:
+        """Propose ``draft_tok[:, step]`` from the previous token at ``pos_ctr + step``."""
+        torch, t, k = self.torch, self._views(bufs), bufs.k
+        with self._on(stream), torch.no_grad():
+            prev = t.vtok[:, :1] if step == 0 else t.draft_tok[:, step - 1: step]  # [B, 1] int32
+            logits = self._forward(self._tokens(prev), t.pos_ctr + step)[:, -1]  # [B, V]
+            conf, tok = torch.softmax(logits, dim=-1).max(dim=-1)  # [B] float32, [B] int64
+            t.draft_tok[:, step].copy_(tok)
+            t.draft_conf[:, step].copy_(conf)
+            if self.p_min > 0.0:
+                # First low-confidence step of a still-unbroken row: n_valid = step.
+                newly = (t.brk[:, 1] == 0) & (conf < self.p_min)
+                t.brk[:, 0].copy_(torch.where(newly, step, t.brk[:, 0]))
+                t.brk[:, 1].copy_(torch.where(newly, 1, t.brk[:, 1]))
+            if self.writes_verify_tokens:
+                usable = t.brk[:, 1] == 0
+                t.vtok[:, 1 + step].copy_(torch.where(usable, tok.to(torch.int32), t.vtok[:, 1 + step]))
+            if step == k - 1:
+                # All k accepted keeps anchor + k + 1 entries: append the last proposal's KV too.
+                self._forward(tok.unsqueeze(1), t.pos_ctr + k)
