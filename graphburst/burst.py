@@ -16,6 +16,7 @@ import numpy as np
 from .buffers import BurstTokens, StreamBufs, kv_len_ptr_table
 from .guard import Watched
 from .constants import NO_EOS, NO_PREFILL, UNBOUNDED_BUDGET
+from .torch_capture import capture_api, stream_pair
 from .protocol import DraftModel, TargetModel, check_pair, hook, split_options
 from .validate import check_int
 
@@ -77,6 +78,11 @@ class SpecDecoder(Watched):
         self.table = kv_len_ptr_table([target.cache, draft.cache], pos_ctr=self.bufs.pos_ctr)
         self.capacity = min(target.cache.capacity, draft.cache.capacity)
         self.stream = self.backend.new_stream() if stream is None else stream
+        # Torch models are captured by torch (capture.py): the decoder's stream must then
+        # be one CUDA stream that both torch and CuPy name.
+        self.torch_stream = None
+        if self.backend.is_gpu and capture_api(target, draft) == "torch":
+            self.stream, self.torch_stream = stream_pair(self.backend, stream)
         # Prefill staging, allocated once so admitting a request never allocates.
         self._prompt_flat = self.backend.zeros((self.batch * self.capacity,), np.int32)  # [B * capacity] int32
         self._prompt_len = self.backend.zeros((self.batch,), np.int32)  # [B] int32

@@ -23,6 +23,7 @@ from .buffers import BurstTokens, PtrTable, StreamBufs, split_out_block, split_r
 from .burst import Call, SpecDecoder, assemble_call, epilogue_call, seed_call, separate_tail_calls
 from .guard import AddressGuard, StaleGraphError
 from .protocol import hook
+from .torch_capture import TorchCapturer, capture_api
 
 CAPTURE_MODES = ("global", "thread_local")
 __all__ = ["BurstGraph", "CaptureError", "StaleGraphError", "CAPTURE_MODES"]
@@ -107,6 +108,34 @@ def _host_buffer(backend, shape) -> np.ndarray:
     return arr  # the array keeps ``mem`` alive through its base
 
 
+def _capture_failed(call, exc: Exception):
+    """Raise CaptureError naming the call that failed (the stream is already out of capture)."""
+    where = call.name if call is not None else "start"
+    raise CaptureError(f"capture failed in {where}: {type(exc).__name__}: {exc}") from exc
+
+
+def _warm_up_models(dec: SpecDecoder) -> None:
+    """Run the decoder's burst program once eagerly, then restore every buffer it wrote.
+
+    Torch models do lazy work on a first call (library handles, kernel selection) that
+    must not happen inside a capture. Running the real program once does it without a
+    scratch model. The burst writes only the StreamBufs, KV lengths and KV entries at or
+    above each layer's length, which no one reads (protocol rule 1), so restoring the
+    buffers and lengths leaves the sequences exactly as they were.
+    """
+    bufs, stream = dec.bufs, dec.stream
+    arrays = [bufs.out_block] + [getattr(bufs, n) for n in bufs.LAYOUT if n not in bufs.OUTPUTS]
+    arrays += [layer.length for m in (dec.target, dec.draft) for layer in m.cache.layers if layer is not None]
+    with dec.backend.device(), stream:
+        saved = [a.copy() for a in arrays]
+    for call in dec.burst_calls():
+        call(stream)
+    with dec.backend.device(), stream:
+        for a, s in zip(arrays, saved):
+            a[...] = s
+    stream.synchronize()
+
+
 def _abort_capture(stream) -> None:
     # Ending the capture is what returns the stream to normal use; the half-built graph
     # (or the error saying it was invalidated) is discarded.
@@ -141,6 +170,13 @@ class BurstGraph:
         self.gapless = bool(gapless)
         self.capture_mode = capture_mode
         self.n_slots = 2 if self.gapless else 1
+        # Torch models need torch to own the capture (docs/capture.md); numpy records either way.
+        self.capture_api = capture_api(decoder.target, decoder.draft)
+        self._torch = None
+        if self.backend.is_gpu and self.capture_api == "torch":
+            if decoder.torch_stream is None:
+                raise ValueError("torch models need the decoder's torch stream; build the SpecDecoder with them")
+            self._torch = TorchCapturer(decoder.torch_stream)  # one graph pool for both gapless graphs
         bufs = decoder.bufs
         # Pinned copies of bufs.out_block ([B*R + B*2] int32), one per slot, viewed as (ring, acc).
         self._host_blocks = [_host_buffer(self.backend, bufs.out_block.shape) for _ in range(self.n_slots)]
@@ -167,7 +203,13 @@ class BurstGraph:
     def _capture_one(self, slot: int):
         """One slot's program as a graph (cupy) or a recorded program (numpy), uploaded."""
         program = self._program(slot)
-        graph = self._stream_capture(program) if self.backend.is_gpu else RecordedProgram(program)
+        if not self.backend.is_gpu:
+            graph = RecordedProgram(program)
+        elif self._torch is not None:
+            with self.backend.device():
+                graph = self._torch.capture(program, self.dec.stream, _capture_failed)
+        else:
+            graph = self._stream_capture(program)
         with self.backend.device():
             graph.upload(self.dec.stream)
         return graph
@@ -182,10 +224,9 @@ class BurstGraph:
             try:
                 for call in program:
                     call(stream)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - reported with the failing node's name
                 _abort_capture(stream)
-                where = call.name if call is not None else "start"
-                raise CaptureError(f"capture failed in {where}: {type(exc).__name__}: {exc}") from exc
+                _capture_failed(call, exc)
             return stream.end_capture()
 
     def _baked_buffers(self) -> tuple[dict, list]:
@@ -216,6 +257,8 @@ class BurstGraph:
             raise RuntimeError("drain every enqueued burst before capturing")
         if self.backend.is_gpu:
             _warm_up(self.backend.device_id)
+            if self._torch is not None:
+                _warm_up_models(self.dec)
         getters, holders = self._baked_buffers()
         self.guard = AddressGuard(getters, holders, self.backend.address)
         self._graphs = [self._capture_one(slot) for slot in range(self.n_slots)]
@@ -300,6 +343,8 @@ class BurstGraph:
         """Node count read back from the CUDA graph (None without cuda.bindings or on numpy)."""
         if not self.backend.is_gpu:
             return None
+        if self._torch is not None:
+            return self._graphs[0].node_count()
         try:
             from cuda.bindings import runtime as cudart
         except ImportError:
@@ -314,6 +359,7 @@ class BurstGraph:
         """Counts a user checks before adopting the graph."""
         return {
             "backend": self.backend.name,
+            "capture_api": self.capture_api,
             "m_rounds": self.dec.m_rounds,
             "k": self.dec.k,
             "batch": self.dec.batch,

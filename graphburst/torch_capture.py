@@ -1,0 +1,122 @@
+"""Torch-driven capture of a burst program, for models that run torch ops.
+
+When either model declares ``capture_api = "torch"``, torch must own the capture:
+
+* torch's caching allocator then hands the model's temporaries out of the graph's
+  private memory pool. Under a CuPy-driven capture it hands out ordinary blocks, which
+  torch may give to unrelated work after capture while the graph still writes them.
+* graphburst's CuPy kernels are launched on the same CUDA stream (the decoder's stream
+  is a ``cupy.cuda.ExternalStream`` over the torch stream), so they land in the same
+  graph, in program order.
+
+``torch.cuda.CUDAGraph.replay()`` launches on torch's *current* stream, so every launch
+here names the decoder's torch stream explicitly: replay and drain must share a stream
+(``../shared/notes/torch-in-the-burst.md`` records the wrong tokens seen otherwise).
+"""
+
+from __future__ import annotations
+
+from .protocol import hook
+
+
+def capture_api(target, draft) -> str:
+    """``"torch"`` when either model runs torch ops, else ``"cupy"`` (``check_pair`` has
+    already rejected any other value)."""
+    return "torch" if "torch" in (hook(target, "capture_api"), hook(draft, "capture_api")) else "cupy"
+
+
+def stream_pair(backend, stream=None):
+    """A (cupy stream, torch stream) pair over one CUDA stream of ``backend``'s device.
+
+    With no ``stream`` a new torch stream is made and wrapped for CuPy (the order seen
+    to work on the H200); a caller's CuPy stream is wrapped for torch instead.
+    """
+    import torch
+
+    device = torch.device("cuda", backend.device_id)
+    if stream is None:
+        ts = torch.cuda.Stream(device=device)
+        return backend.xp.cuda.ExternalStream(ts.cuda_stream, backend.device_id), ts
+    return stream, torch.cuda.ExternalStream(stream.ptr, device=device)
+
+
+class TorchGraph:
+    """A captured burst as a ``torch.cuda.CUDAGraph``, with a CuPy graph's face.
+
+    Parameters
+    ----------
+    graph : torch.cuda.CUDAGraph
+    torch_stream : torch.cuda.Stream
+        The stream it was captured on; every replay is launched on it.
+    """
+
+    def __init__(self, graph, torch_stream):
+        self.graph = graph
+        self.torch_stream = torch_stream
+
+    def upload(self, stream) -> None:
+        """Instantiate now, so the first replay costs what every later one does."""
+        self.graph.instantiate()
+
+    def launch(self, stream) -> None:
+        import torch
+
+        with torch.cuda.stream(self.torch_stream):
+            self.graph.replay()
+
+    def node_count(self) -> int | None:
+        """Nodes of the captured graph, read back through cuda.bindings (None if unavailable)."""
+        try:
+            from cuda.bindings import runtime as cudart
+        except ImportError:
+            return None
+        handle = cudart.cudaGraph_t(init_value=int(self.graph.raw_cuda_graph()))
+        err, _, count = cudart.cudaGraphGetNodes(handle, 0)
+        if err != cudart.cudaError_t.cudaSuccess:
+            raise RuntimeError(f"cudaGraphGetNodes failed: {err}")
+        return int(count)
+
+
+class TorchCapturer:
+    """Captures programs with torch; gapless mode's graphs share one memory pool.
+
+    Parameters
+    ----------
+    torch_stream : torch.cuda.Stream
+        The decoder's stream as torch sees it.
+    """
+
+    def __init__(self, torch_stream):
+        import torch
+
+        self.torch_stream = torch_stream
+        self.pool = torch.cuda.graph_pool_handle()  # one pool for every graph of this BurstGraph
+
+    def capture(self, program, stream, on_error) -> TorchGraph:
+        """Capture ``program`` (a list of ``Call``) on ``stream``; ``on_error(call, exc)`` must raise."""
+        import torch
+
+        graph = torch.cuda.CUDAGraph(keep_graph=True)  # keep_graph: raw_cuda_graph() for node counts
+        # Capture outside the ``torch.cuda.graph`` context manager: if its capture_end
+        # raises, it never restores the current stream. Here both always unwind.
+        torch.cuda.synchronize(self.torch_stream.device)
+        call = None
+        with torch.cuda.stream(self.torch_stream):
+            graph.capture_begin(pool=self.pool, capture_error_mode="global")
+            try:
+                for call in program:
+                    call(stream)
+            except Exception as exc:  # noqa: BLE001 - re-raised by on_error with the node's name
+                _end_quietly(graph)
+                on_error(call, exc)
+            graph.capture_end()
+        return TorchGraph(graph, self.torch_stream)
+
+
+def _end_quietly(graph) -> None:
+    # Ending the capture returns the stream (and torch's allocator) to normal use; the
+    # half-built graph, or the error saying it was invalidated, is discarded.
+    try:
+        graph.capture_end()
+    except Exception:  # noqa: BLE001 - the original capture error is the one to report
+        pass
