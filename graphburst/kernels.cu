@@ -562,6 +562,7 @@ extern "C" __global__ void stub_verify(int k,
 
 #define GB_SAMPLE_THREADS 256
 #define GB_SAMPLE_WARPS (GB_SAMPLE_THREADS / 32)
+static_assert(GB_SAMPLE_THREADS == 256, "radix select gives each thread one 8-bit digit bin");
 #define GB_DRAW_DRAFT 0u
 #define GB_DRAW_ACCEPT 1u
 #define GB_DRAW_RESAMPLE 2u
