@@ -7,6 +7,7 @@ reject rules that are subtly wrong.
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -63,6 +64,14 @@ def test_sampling_macros_match_constants(macro, value):
     m = re.search(rf"#define {macro} \(?(-?(?:0x)?[0-9a-fA-F]+)u?\)?", CU)
     assert m, macro
     assert int(m.group(1), 0) == value
+
+
+def test_every_kernel_is_warmed_up_before_capture():
+    # cuda_ops imports cupy, so read its KERNEL_NAMES from the source instead.
+    tree = ast.parse((Path(__file__).parents[1] / "graphburst" / "cuda_ops.py").read_text())
+    names = next(ast.literal_eval(node.value) for node in tree.body
+                 if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "KERNEL_NAMES")
+    assert sorted(names) == sorted(re.findall(r'extern "C" __global__ void (\w+)\(', CU))
 
 
 def test_uniform_is_24_bit_keyed_and_uniform():
