@@ -15,3 +15,14 @@ MAX_K = 64  # drafts per round; bounds the verify kernel's shared memory
 MAX_TABLE_ENTRIES = 65535  # rollback walks the table on gridDim.y
 THREADS_PER_BLOCK = 128  # one-thread-per-sequence kernels
 MAX_LAYER_THREADS = 256  # stub models: threads per block striding over layers
+
+# Sampling (kernels.cu "Sampling" section; sampling_ref.py is its numpy twin)
+SAMPLE_THREADS = 256  # threads per vocabulary row; fixes the summation order the reference mirrors
+SAMPLE_MAX_VOCAB = 1 << 20  # keeps a row's top-p mass (2**32 per token at most) exact in a double
+DRAW_DRAFT = 0  # Philox counter word 1: the draft's proposal for a position
+DRAW_ACCEPT = 1  # the uniform of the accept test for a position
+DRAW_RESAMPLE = 2  # the replacement (after a rejection) or bonus token for a position
+GREEDY_TEMPERATURE = 0.0  # temperature[b] that turns a row into a one-hot at its argmax
+TOP_K_OFF = 0  # top_k[b] that keeps every token
+TOP_P_OFF = 1.0  # top_p[b] that keeps every token
+SEED_LIMIT = 2**64  # seeds are uint64: [0, SEED_LIMIT)

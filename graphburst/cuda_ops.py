@@ -14,7 +14,7 @@ from pathlib import Path
 import cupy
 import numpy as np
 
-from .constants import MAX_LAYER_THREADS, THREADS_PER_BLOCK
+from .constants import MAX_LAYER_THREADS, SAMPLE_THREADS, THREADS_PER_BLOCK
 
 KERNEL_SOURCE = Path(__file__).with_name("kernels.cu")
 KERNEL_NAMES = (
@@ -28,6 +28,9 @@ KERNEL_NAMES = (
     "stub_prefill",
     "stub_draft_step",
     "stub_verify",
+    "spec_probs_from_logits",
+    "spec_sample_draft",
+    "spec_accept_sample",
 )
 _i32 = np.int32
 _i64 = np.int64
@@ -166,3 +169,76 @@ def stub_verify(vtok, pos_ctr, kv_table, len_table, capacity, vocab, cost_ns, tg
     args = (_i32(k1 - 1), vtok, pos_ctr, kv_table.ptrs, len_table.ptrs, _i32(len(kv_table)), _i32(capacity),
             _i32(vocab), _i64(cost_ns), tgt_pred)
     _launch("stub_verify", grid, block, args, stream, shared_mem=shared)
+
+
+# ----------------------------------------------------------------------------- sampling
+# One block of SAMPLE_THREADS per vocabulary row; the block size is part of the bit-exact
+# contract with sampling_ref.py (it fixes the summation order), so it is not tunable here.
+
+
+def _step_arg(step, n_rows):
+    """(kernel step argument, rows launched on grid y) for ``step`` None (all) or one row."""
+    return (_i32(-1), n_rows) if step is None else (_i32(step), 1)
+
+
+def probs_from_logits(logits, temperature, top_k, top_p, probs, *, step=None, stream):
+    """Temperature, top-k and top-p: logits -> normalized probabilities (see sampling_ref).
+
+    Parameters
+    ----------
+    logits : [B, T, V] float32
+    temperature : [B] float32 (<= 0: one-hot at the argmax)
+    top_k : [B] int32 (0: off)
+    top_p : [B] float32 (1: off)
+    probs : [B, T, V] float32, written; may be ``logits`` (in place)
+    step : int or None
+        Only row ``step`` of each sequence; None: all T rows.
+    """
+    batch, n_rows, vocab = logits.shape
+    step_arg, grid_y = _step_arg(step, n_rows)
+    grid = (batch, grid_y)
+    block = (SAMPLE_THREADS,)
+    args = (_i32(n_rows), _i32(vocab), step_arg, logits, temperature, top_k, top_p, probs)
+    _launch("spec_probs_from_logits", grid, block, args, stream)
+
+
+def sample_draft(q, seed, pos, draft_tok, draft_prob, *, step=None, stream):
+    """Sample draft row t of each sequence (the token at ``pos + t + 1``) from q.
+
+    Parameters
+    ----------
+    q : [B, k, V] float32
+    seed : [B] uint64
+    pos : [B] int32, position of ``vtok[b, 0]``
+    draft_tok : [B, k] int32, written
+    draft_prob : [B, k] float32, written (q of the drawn token)
+    step : int or None
+        Only draft row ``step``; None: all k rows.
+    """
+    batch, k, vocab = q.shape
+    step_arg, grid_y = _step_arg(step, k)
+    grid = (batch, grid_y)
+    block = (SAMPLE_THREADS,)
+    args = (_i32(k), _i32(vocab), step_arg, q, seed, pos, draft_tok, draft_prob)
+    _launch("spec_sample_draft", grid, block, args, stream)
+
+
+def accept_sample(vtok, p, q, brk, seed, pos, n_acc, last_pred, *, stream):
+    """Lossless speculative sampling; outputs mean what :func:`accept_greedy`'s do.
+
+    Parameters
+    ----------
+    vtok : [B, K1] int32
+    p : [B, K1, V] float32 target probabilities
+    q : [B, k, V] float32 draft probabilities
+    brk : [B, 2] int32
+    seed : [B] uint64
+    pos : [B] int32, position of ``vtok[b, 0]``
+    n_acc : [B] int32, written (accepted drafts)
+    last_pred : [B] int32, written (replacement or bonus token)
+    """
+    batch, k1 = vtok.shape
+    grid = (batch,)
+    block = (SAMPLE_THREADS,)
+    args = (_i32(k1 - 1), _i32(p.shape[2]), vtok, p, q, brk, seed, pos, n_acc, last_pred)
+    _launch("spec_accept_sample", grid, block, args, stream)

@@ -542,3 +542,418 @@ extern "C" __global__ void stub_verify(int k,
         tgt_pred[(long long)b * k1 + j] =
             gb_target_token(gb_combine(s_minmax[j], s_minmax[k1 + j]), vocab);
 }
+
+// =====================================================================================
+// Sampling: speculative rejection sampling (Leviathan et al. 2023; Chen et al. 2023)
+// =====================================================================================
+//
+// Contract with the numpy twin in sampling_ref.py, which reproduces every output bit:
+//   * Randomness is Philox4x32-10 keyed by the request seed (key = [lo32, hi32]) with
+//     counter [absolute position of the token being decided, draw index, 0, 0]; a uniform
+//     is (word0 >> 8) * 2^-24, exact in float32. No generator state exists anywhere, so a
+//     replay needs nothing from the host and a row's tokens do not depend on its batch slot.
+//   * One block of GB_SAMPLE_THREADS threads per vocabulary row. Thread t owns the chunk
+//     [t*C, min((t+1)*C, V)), C = ceil(V / GB_SAMPLE_THREADS). A row sum adds each chunk left
+//     to right, scans the chunk sums inside each warp (Kogge-Stone), scans the warp totals
+//     (Kogge-Stone in warp 0) and adds the exclusive warp prefix. Float ops are explicit
+//     _rn intrinsics, so nvcc cannot contract them into FMAs; there are no float atomics.
+//   * exp is gb_exp_neg (float * + rint only), so numpy gets the same bits.
+//   * Order for top-k/top-p/argmax: the 64-bit key (orderable logit bits << 32 | ~index),
+//     i.e. larger logit first and the lower index first among equal logits; every key is
+//     distinct, so top-k keeps exactly k tokens. Top-p uses integer masses
+//     floor(e * 2^32) (e = exp((l - max) / T) <= 1), so its cut is exact and order-free.
+
+#define GB_SAMPLE_THREADS 256
+#define GB_SAMPLE_WARPS (GB_SAMPLE_THREADS / 32)
+static_assert(GB_SAMPLE_THREADS == 256, "radix select gives each thread one 8-bit digit bin");
+#define GB_DRAW_DRAFT 0u
+#define GB_DRAW_ACCEPT 1u
+#define GB_DRAW_RESAMPLE 2u
+
+struct GbSampleSmem {
+    float scan[GB_SAMPLE_THREADS];  // inclusive chunk-sum scan
+    float warp_f[GB_SAMPLE_WARPS];
+    u64 warp_u[GB_SAMPLE_WARPS];
+    int warp_i[GB_SAMPLE_WARPS];
+    u64 hist_w[256];                // radix select: weight per digit
+    u32 hist_c[256];                // radix select: elements per digit
+    u64 sel_prefix, sel_remaining;
+    int sel_state;                  // 0 = continue, 1 = done, 2 = no digit found
+    int pick;
+};
+
+// Philox4x32-10 (Salmon et al., SC'11), in place on the 4-word counter.
+__device__ __forceinline__ void gb_philox4x32_10(u32 c[4], u32 k0, u32 k1) {
+    for (int r = 0; r < 10; ++r) {
+        if (r > 0) {
+            k0 += 0x9E3779B9u;
+            k1 += 0xBB67AE85u;
+        }
+        u32 hi0 = __umulhi(0xD2511F53u, c[0]), lo0 = 0xD2511F53u * c[0];
+        u32 hi1 = __umulhi(0xCD9E8D57u, c[2]), lo1 = 0xCD9E8D57u * c[2];
+        u32 n0 = hi1 ^ c[1] ^ k0, n2 = hi0 ^ c[3] ^ k1;
+        c[0] = n0;
+        c[1] = lo1;
+        c[2] = n2;
+        c[3] = lo0;
+    }
+}
+
+// Uniform in [0, 1) with 24 random bits for (seed, position, draw index).
+__device__ __forceinline__ float gb_uniform(u64 seed, int pos, u32 draw) {
+    u32 c[4] = {(u32)pos, draw, 0u, 0u};
+    gb_philox4x32_10(c, (u32)seed, (u32)(seed >> 32));
+    return __fmul_rn((float)(c[0] >> 8), 0x1p-24f);
+}
+
+// e^x for x <= 0 from 2^y, y = x*log2(e) = n + f, |f| <= 1/2: degree-7 Taylor in f
+// (relative error ~1e-7), scaled by 2^n. Results below 2^-125 (and NaN) flush to 0.
+__device__ __forceinline__ float gb_exp_neg(float x) {
+    float y = __fmul_rn(x, 0x1.715476p+0f);
+    if (!(y >= -125.0f)) return 0.0f;
+    y = fminf(y, 0.0f);
+    float n = rintf(y);
+    float f = __fsub_rn(y, n);
+    float r = 0x1.ffcbfcp-17f;
+    r = __fadd_rn(__fmul_rn(r, f), 0x1.430912p-13f);
+    r = __fadd_rn(__fmul_rn(r, f), 0x1.5d87fep-10f);
+    r = __fadd_rn(__fmul_rn(r, f), 0x1.3b2ab6p-7f);
+    r = __fadd_rn(__fmul_rn(r, f), 0x1.c6b08ep-5f);
+    r = __fadd_rn(__fmul_rn(r, f), 0x1.ebfbe0p-3f);
+    r = __fadd_rn(__fmul_rn(r, f), 0x1.62e430p-1f);
+    r = __fadd_rn(__fmul_rn(r, f), 1.0f);
+    return __fmul_rn(r, __int_as_float(((int)n + 127) << 23));
+}
+
+// Order key of a logit: larger logit -> larger key, then lower index -> larger key.
+__device__ __forceinline__ u64 gb_order_key(float x, int i) {
+    u32 b = x == 0.0f ? 0u : __float_as_uint(x);  // -0 ranks as +0
+    b = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+    return ((u64)b << 32) | (u64)(~(u32)i);
+}
+
+__device__ __forceinline__ int gb_chunk_len(int vocab) {
+    return (vocab + GB_SAMPLE_THREADS - 1) / GB_SAMPLE_THREADS;
+}
+
+// Order-free block reductions (max/min/sum of integers): any association gives one result.
+__device__ __forceinline__ u64 gb_block_max_u64(u64 v, GbSampleSmem& sm) {
+    for (int o = 16; o > 0; o >>= 1) {
+        u64 w = __shfl_xor_sync(0xffffffffu, v, o);
+        v = w > v ? w : v;
+    }
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) sm.warp_u[threadIdx.x >> 5] = v;
+    __syncthreads();
+    u64 r = sm.warp_u[0];
+    for (int w = 1; w < GB_SAMPLE_WARPS; ++w) r = sm.warp_u[w] > r ? sm.warp_u[w] : r;
+    return r;
+}
+
+__device__ __forceinline__ u64 gb_block_sum_u64(u64 v, GbSampleSmem& sm) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) sm.warp_u[threadIdx.x >> 5] = v;
+    __syncthreads();
+    u64 r = 0;
+    for (int w = 0; w < GB_SAMPLE_WARPS; ++w) r += sm.warp_u[w];
+    return r;
+}
+
+// max when want_max, else min.
+__device__ __forceinline__ int gb_block_minmax_i(int v, bool want_max, GbSampleSmem& sm) {
+    for (int o = 16; o > 0; o >>= 1) {
+        int w = __shfl_xor_sync(0xffffffffu, v, o);
+        v = want_max ? max(v, w) : min(v, w);
+    }
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) sm.warp_i[threadIdx.x >> 5] = v;
+    __syncthreads();
+    int r = sm.warp_i[0];
+    for (int w = 1; w < GB_SAMPLE_WARPS; ++w) r = want_max ? max(r, sm.warp_i[w]) : min(r, sm.warp_i[w]);
+    return r;
+}
+
+// Inclusive scan of the per-thread chunk sums in the fixed order described above; fills
+// sm.scan and returns the row total sm.scan[GB_SAMPLE_THREADS - 1].
+__device__ __forceinline__ float gb_block_scan(float v, GbSampleSmem& sm) {
+    const unsigned full = 0xffffffffu;
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    for (int d = 1; d < 32; d <<= 1) {
+        float o = __shfl_up_sync(full, v, d);
+        if (lane >= d) v = __fadd_rn(v, o);
+    }
+    __syncthreads();
+    if (lane == 31) sm.warp_f[w] = v;
+    __syncthreads();
+    if (w == 0) {
+        float t = lane < GB_SAMPLE_WARPS ? sm.warp_f[lane] : 0.0f;
+        for (int d = 1; d < GB_SAMPLE_WARPS; d <<= 1) {
+            float o = __shfl_up_sync(full, t, d);
+            if (lane >= d) t = __fadd_rn(t, o);
+        }
+        float excl = __shfl_up_sync(full, t, 1);  // inclusive total of the previous warp
+        if (lane > 0 && lane < GB_SAMPLE_WARPS) sm.warp_f[lane] = excl;
+    }
+    __syncthreads();
+    if (w > 0) v = __fadd_rn(sm.warp_f[w], v);
+    sm.scan[threadIdx.x] = v;
+    __syncthreads();
+    return sm.scan[GB_SAMPLE_THREADS - 1];
+}
+
+// Weight functors for gb_sample_row: a probability row, or the residual max(0, p - q).
+struct GbRowWeight {
+    const float* p;
+    __device__ float operator()(int i) const { return p[i]; }
+};
+struct GbResidualWeight {
+    const float* p;
+    const float* q;
+    __device__ float operator()(int i) const {
+        float d = __fsub_rn(p[i], q[i]);
+        return d > 0.0f ? d : 0.0f;
+    }
+};
+
+// Inverse-CDF draw from non-negative weights: with W the row total and target = u * W,
+// thread t* = the lowest t with scan[t] > target walks its chunk from scan[t* - 1] and
+// picks the first index whose running sum exceeds target. Rounding fallbacks: the last
+// positive index of that chunk, else of the row. Returns -1 when no weight is positive.
+template <typename Weight>
+__device__ int gb_sample_row(const Weight& wt, int vocab, float u, GbSampleSmem& sm) {
+    int c_len = gb_chunk_len(vocab);
+    int lo = threadIdx.x * c_len, hi = min(vocab, lo + c_len);
+    float acc = 0.0f;
+    int last = -1;
+    for (int i = lo; i < hi; ++i) {
+        float w = wt(i);
+        acc = __fadd_rn(acc, w);
+        if (w > 0.0f) last = i;
+    }
+    float total = gb_block_scan(acc, sm);
+    int last_pos = gb_block_minmax_i(last, true, sm);
+    if (!(total > 0.0f) || last_pos < 0) return -1;
+    float target = __fmul_rn(u, total);
+    int first = gb_block_minmax_i(sm.scan[threadIdx.x] > target ? (int)threadIdx.x : GB_SAMPLE_THREADS, false, sm);
+    if (first == GB_SAMPLE_THREADS) return last_pos;
+    if ((int)threadIdx.x == first) {
+        float run = first > 0 ? sm.scan[first - 1] : 0.0f;
+        int pick = -1, last_c = -1;
+        for (int i = lo; i < hi; ++i) {
+            float w = wt(i);
+            run = __fadd_rn(run, w);
+            if (w > 0.0f) last_c = i;
+            if (run > target) {
+                pick = i;
+                break;
+            }
+        }
+        sm.pick = pick >= 0 ? pick : (last_c >= 0 ? last_c : last_pos);
+    }
+    __syncthreads();
+    return sm.pick;
+}
+
+// e_i = exp((l_i - l_max) / T) of a logit row.
+__device__ __forceinline__ float gb_scaled_exp(float l, float l_max, float temp) {
+    return gb_exp_neg(__fdiv_rn(__fsub_rn(l, l_max), temp));
+}
+
+// Radix select over order keys, 8 bits per pass from the top: the largest threshold c with
+// sum{weight_i : key_i >= c, key_i >= floor_key} >= need, weight = 1 (by_mass = false: the
+// need-th largest key) or floor(e_i * 2^32) (by_mass = true). A pass stops early once the
+// chosen digit holds one element (or, counting, exactly the elements still needed), with
+// the lower bits of the threshold left 0. Returns 0 (keep all) if the need is never met.
+__device__ u64 gb_radix_select(const float* row, int vocab, float l_max, float temp, u64 floor_key, u64 need,
+                               bool by_mass, GbSampleSmem& sm) {
+    int c_len = gb_chunk_len(vocab);
+    int lo = threadIdx.x * c_len, hi = min(vocab, lo + c_len);
+    int t = threadIdx.x;  // also the digit this thread scans
+    int lane = t & 31, w = t >> 5;
+    if (t == 0) {
+        sm.sel_prefix = 0;
+        sm.sel_remaining = need;
+        sm.sel_state = 0;
+    }
+    u64 mask = 0;
+    for (int shift = 56; shift >= 0; shift -= 8) {
+        __syncthreads();
+        sm.hist_w[t] = 0;
+        sm.hist_c[t] = 0;
+        __syncthreads();
+        u64 prefix = sm.sel_prefix;
+        for (int i = lo; i < hi; ++i) {
+            float l = row[i];
+            u64 key = gb_order_key(l, i);
+            if (key < floor_key || (key & mask) != prefix) continue;
+            int d = (int)((key >> shift) & 255u);
+            u64 wgt = by_mass ? (u64)__float2ull_rz(__fmul_rn(gb_scaled_exp(l, l_max, temp), 0x1p32f)) : 1ull;
+            atomicAdd(&sm.hist_w[d], (unsigned long long)wgt);
+            atomicAdd(&sm.hist_c[d], 1u);
+        }
+        __syncthreads();
+        // Suffix sum over digits: s = weight of digits >= t (integers: order-free).
+        u64 h = sm.hist_w[t], s = h;
+        for (int o = 1; o < 32; o <<= 1) {
+            u64 x = __shfl_down_sync(0xffffffffu, s, o);
+            if (lane + o < 32) s += x;
+        }
+        if (lane == 0) sm.warp_u[w] = s;
+        __syncthreads();
+        for (int j = w + 1; j < GB_SAMPLE_WARPS; ++j) s += sm.warp_u[j];
+        u64 remaining = sm.sel_remaining;
+        bool no_digit = t == 0 && s < remaining;  // digit 0's suffix is the total
+        __syncthreads();
+        if (s >= remaining && s - h < remaining) {
+            u64 rem = remaining - (s - h);
+            sm.sel_prefix = prefix | ((u64)t << shift);
+            sm.sel_remaining = rem;
+            sm.sel_state = (sm.hist_c[t] == 1u || (!by_mass && h == rem)) ? 1 : 0;
+        }
+        if (no_digit) sm.sel_state = 2;
+        __syncthreads();
+        if (sm.sel_state != 0) break;
+        mask |= (u64)255 << shift;
+    }
+    int state = sm.sel_state;
+    u64 thr = sm.sel_prefix;
+    __syncthreads();
+    return state == 2 ? 0ull : thr;
+}
+
+// Threads: one block of GB_SAMPLE_THREADS per (sequence b, row t): t = step, or every row
+// (gridDim.y = T) when step < 0. logits and probs may alias (in place): each element is
+// written only by the thread that last reads it, after every read of the row.
+// temperature <= 0 (or NaN): one-hot at the argmax (lowest index on ties). Otherwise
+// top-k (0 or >= V = off) keeps the k largest order keys, then top-p (>= 1 or NaN = off)
+// keeps the shortest run of the rest, in key order, whose integer mass reaches
+// max(1, ceil(top_p * total mass)) (double arithmetic); probs = kept e_i / row sum.
+// Logits must be finite or -inf with at least one finite value per row; V <= 2^20.
+extern "C" __global__ void spec_probs_from_logits(int n_rows, int vocab, int step,
+                                                  const float* logits,                   // [B, T, V]
+                                                  const float* __restrict__ temperature,  // [B]
+                                                  const int* __restrict__ top_k,          // [B]
+                                                  const float* __restrict__ top_p,        // [B]
+                                                  float* probs) {                         // [B, T, V]
+    __shared__ GbSampleSmem sm;
+    int b = blockIdx.x;
+    int r = step >= 0 ? step : (int)blockIdx.y;
+    long long base = ((long long)b * n_rows + r) * vocab;
+    const float* row = logits + base;
+    float* out = probs + base;
+    int c_len = gb_chunk_len(vocab);
+    int lo = threadIdx.x * c_len, hi = min(vocab, lo + c_len);
+    float temp = temperature[b];
+    int kk = top_k[b];
+    float tp = top_p[b];
+
+    u64 best = 0;
+    for (int i = lo; i < hi; ++i) {
+        u64 key = gb_order_key(row[i], i);
+        best = key > best ? key : best;
+    }
+    best = gb_block_max_u64(best, sm);
+    int amax = (int)(~(u32)best);
+    float l_max = row[amax];
+    __syncthreads();  // every thread has read row[amax] before any write below
+    if (!(temp > 0.0f)) {
+        for (int i = lo; i < hi; ++i) out[i] = i == amax ? 1.0f : 0.0f;
+        return;
+    }
+    u64 thr = 0;
+    if (kk > 0 && kk < vocab) thr = gb_radix_select(row, vocab, l_max, temp, 0ull, (u64)kk, false, sm);
+    if (tp < 1.0f) {
+        u64 mass = 0;
+        for (int i = lo; i < hi; ++i) {
+            float l = row[i];
+            if (gb_order_key(l, i) >= thr)
+                mass += (u64)__float2ull_rz(__fmul_rn(gb_scaled_exp(l, l_max, temp), 0x1p32f));
+        }
+        mass = gb_block_sum_u64(mass, sm);
+        double want = ceil(__dmul_rn((double)tp, (double)mass));
+        u64 need = want < 1.0 ? 1ull : (u64)want;
+        u64 thr_p = gb_radix_select(row, vocab, l_max, temp, thr, need, true, sm);
+        thr = thr_p > thr ? thr_p : thr;
+    }
+    float acc = 0.0f;
+    for (int i = lo; i < hi; ++i) {
+        float l = row[i];
+        if (gb_order_key(l, i) >= thr) acc = __fadd_rn(acc, gb_scaled_exp(l, l_max, temp));
+    }
+    float total = gb_block_scan(acc, sm);  // ends in a barrier: all reads of row are done
+    for (int i = lo; i < hi; ++i) {
+        float l = row[i];
+        out[i] = gb_order_key(l, i) >= thr ? __fdiv_rn(gb_scaled_exp(l, l_max, temp), total) : 0.0f;
+    }
+}
+
+// Threads: one block of GB_SAMPLE_THREADS per (sequence b, draft row t): t = step, or every
+// row (gridDim.y = k) when step < 0. Row t proposes the token at absolute position
+// pos[b] + t + 1 (pos = position of vtok[b, 0]) from q[b, t] with draw GB_DRAW_DRAFT.
+// draft_tok[b, t] <- token (PLACEHOLDER if q has no positive entry); draft_prob <- its q.
+extern "C" __global__ void spec_sample_draft(int k, int vocab, int step,
+                                             const float* __restrict__ q,       // [B, k, V]
+                                             const u64* __restrict__ seed,      // [B]
+                                             const int* __restrict__ pos,       // [B]
+                                             int* __restrict__ draft_tok,       // [B, k]
+                                             float* __restrict__ draft_prob) {  // [B, k]
+    __shared__ GbSampleSmem sm;
+    int b = blockIdx.x;
+    int t = step >= 0 ? step : (int)blockIdx.y;
+    const float* row = q + ((long long)b * k + t) * vocab;
+    float u = gb_uniform(seed[b], pos[b] + t + 1, GB_DRAW_DRAFT);
+    int tok = gb_sample_row(GbRowWeight{row}, vocab, u, sm);
+    if (threadIdx.x == 0) {
+        draft_tok[(long long)b * k + t] = tok >= 0 ? tok : GB_PLACEHOLDER_TOKEN;
+        draft_prob[(long long)b * k + t] = tok >= 0 ? row[tok] : 0.0f;
+    }
+}
+
+// Threads: one block of GB_SAMPLE_THREADS per sequence.
+// Lossless speculative sampling with the outputs of spec_accept_greedy_dc: for
+// i < n_valid = clamp(brk[b, 0], 0, k), in order, draft x = vtok[b, 1 + i] is accepted iff
+// 0 <= x < V and u_i * q[b, i, x] < p[b, i, x] (u_i: draw GB_DRAW_ACCEPT at pos[b] + i + 1);
+// n_acc[b] <- n, the accepted prefix. last_pred[b] <- a token for position pos[b] + n + 1
+// (draw GB_DRAW_RESAMPLE): from norm(max(0, p_n - q_n)) after a rejection (from p_n when
+// that residual is all zero), else (n == n_valid, the break or all k accepted) from p_n.
+extern "C" __global__ void spec_accept_sample(int k, int vocab,
+                                              const int* __restrict__ vtok,   // [B, K1]
+                                              const float* __restrict__ p,    // [B, K1, V]
+                                              const float* __restrict__ q,    // [B, k, V]
+                                              const int* __restrict__ brk,    // [B, 2]
+                                              const u64* __restrict__ seed,   // [B]
+                                              const int* __restrict__ pos,    // [B]
+                                              int* __restrict__ n_acc,        // [B]
+                                              int* __restrict__ last_pred) {  // [B]
+    __shared__ GbSampleSmem sm;
+    __shared__ int s_n;
+    int b = blockIdx.x;
+    u64 my_seed = seed[b];
+    int my_pos = pos[b];
+    int n_valid = min(max(brk[2 * b], 0), k);
+    if (threadIdx.x == 0) {
+        const int* v = vtok + (long long)b * (k + 1);
+        int n = 0;
+        for (; n < n_valid; ++n) {
+            int x = v[n + 1];
+            if (x < 0 || x >= vocab) break;
+            float u = gb_uniform(my_seed, my_pos + n + 1, GB_DRAW_ACCEPT);
+            float px = p[((long long)b * (k + 1) + n) * vocab + x];
+            float qx = q[((long long)b * k + n) * vocab + x];
+            if (!(__fmul_rn(u, qx) < px)) break;
+        }
+        s_n = n;
+    }
+    __syncthreads();
+    int n = s_n;
+    const float* p_row = p + ((long long)b * (k + 1) + n) * vocab;
+    float u = gb_uniform(my_seed, my_pos + n + 1, GB_DRAW_RESAMPLE);
+    int tok = -1;
+    if (n < n_valid) tok = gb_sample_row(GbResidualWeight{p_row, q + ((long long)b * k + n) * vocab}, vocab, u, sm);
+    if (tok < 0) tok = gb_sample_row(GbRowWeight{p_row}, vocab, u, sm);
+    if (threadIdx.x == 0) {
+        n_acc[b] = n;
+        last_pred[b] = tok >= 0 ? tok : GB_PLACEHOLDER_TOKEN;
+    }
+}

@@ -1,0 +1,323 @@
+"""CPU tests of the sampling reference (sampling_ref.py) and of per-request validation.
+
+The losslessness tests are the ones that matter: the emitted tokens of the reference
+rule must follow the target distribution p by a chi-square test, and the same test must
+reject rules that are subtly wrong.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import sampling_stats as st
+from graphburst import constants, reference
+from graphburst import sampling_ref as sr
+from graphburst.constants import PLACEHOLDER_TOKEN
+from graphburst.sampling_params import SamplingParams, check_sampling
+
+CU = (Path(__file__).parents[1] / "graphburst" / "kernels.cu").read_text()
+F32 = np.float32
+
+
+def run_accept(vtok, p, q, brk, seed, pos):
+    n_acc = np.full(len(vtok), -7, np.int32)
+    last = np.full(len(vtok), -7, np.int32)
+    sr.accept_sample(vtok, p, q, brk, seed, pos, n_acc, last)
+    return n_acc, last
+
+
+def probs(logits, temperature, top_k=0, top_p=1.0):
+    b = logits.shape[0]
+    out = np.full_like(logits, np.nan)
+    sr.probs_from_logits(logits, np.broadcast_to(F32(temperature), b).astype(F32),
+                         np.broadcast_to(np.int32(top_k), b).astype(np.int32),
+                         np.broadcast_to(F32(top_p), b).astype(F32), out)
+    return out
+
+
+# ------------------------------------------------------------------ generator and floats
+
+
+@pytest.mark.parametrize("ctr, key, want", [
+    # Random123 kat_vectors, "philox4x32 10" lines.
+    ([0, 0, 0, 0], [0, 0], [0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8]),
+    ([0xFFFFFFFF] * 4, [0xFFFFFFFF] * 2, [0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD]),
+    ([0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344], [0xA4093822, 0x299F31D0],
+     [0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1]),
+])
+def test_philox_known_answers(ctr, key, want):
+    assert sr.philox4x32_10(np.array(ctr, np.uint32), np.array(key, np.uint32)).tolist() == want
+
+
+@pytest.mark.parametrize("macro, value", [
+    ("GB_SAMPLE_THREADS", constants.SAMPLE_THREADS),
+    ("GB_DRAW_DRAFT", constants.DRAW_DRAFT),
+    ("GB_DRAW_ACCEPT", constants.DRAW_ACCEPT),
+    ("GB_DRAW_RESAMPLE", constants.DRAW_RESAMPLE),
+])
+def test_sampling_macros_match_constants(macro, value):
+    m = re.search(rf"#define {macro} \(?(-?(?:0x)?[0-9a-fA-F]+)u?\)?", CU)
+    assert m, macro
+    assert int(m.group(1), 0) == value
+
+
+def test_every_kernel_is_warmed_up_before_capture():
+    # cuda_ops imports cupy, so read its KERNEL_NAMES from the source instead.
+    tree = ast.parse((Path(__file__).parents[1] / "graphburst" / "cuda_ops.py").read_text())
+    names = next(ast.literal_eval(node.value) for node in tree.body
+                 if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "KERNEL_NAMES")
+    assert sorted(names) == sorted(re.findall(r'extern "C" __global__ void (\w+)\(', CU))
+
+
+def test_uniform_is_24_bit_keyed_and_uniform():
+    n = 100_000
+    seed = np.arange(n, dtype=np.uint64) << np.uint64(20)
+    u = sr.uniform(seed, np.zeros(n), constants.DRAW_DRAFT)
+    assert u.dtype == np.float32 and u.min() >= 0 and u.max() < 1
+    assert np.all((u * 2**24) == np.floor(u * 2**24))
+    assert abs(u.mean() - 0.5) < 0.005 and abs((u < 0.1).mean() - 0.1) < 0.005
+    # Every key component changes the draw; the same key always gives the same draw.
+    base = sr.uniform(seed[:1000], np.full(1000, 5), 1)
+    assert np.array_equal(base, sr.uniform(seed[:1000], np.full(1000, 5), 1))
+    for other in (sr.uniform(seed[:1000] + np.uint64(1 << 40), np.full(1000, 5), 1),
+                  sr.uniform(seed[:1000], np.full(1000, 6), 1), sr.uniform(seed[:1000], np.full(1000, 5), 2)):
+        assert np.mean(other == base) < 0.01
+
+
+def test_exp_neg_accuracy_and_edges():
+    x = np.linspace(-80, 0, 200_001, dtype=F32)
+    got = sr.exp_neg(x).astype(np.float64)
+    want = np.exp(x.astype(np.float64))
+    # y = x*log2(e) is rounded once (half an ulp of y): the error grows like |x| * 2^-23.
+    assert np.all(np.abs(got - want) <= want * (4e-7 + np.abs(x) * 2.0**-23))
+    assert sr.exp_neg(F32(0)) == 1 and sr.exp_neg(F32(-np.inf)) == 0 and sr.exp_neg(F32(-100)) == 0
+
+
+def test_sample_rows_hand_cases():
+    w = np.array([[0, 1, 0, 3]] * 5 + [[0, 0, 0, 0], [0, 0, 0, 2.5]], F32)
+    u = np.array([0, 0.2499, 0.25, 0.99, 1 - 2**-24, 0.5, 0.7], F32)
+    # targets 0, 0.9996, 1.0, 3.96, ~4: first running sum strictly above the target.
+    assert sr.sample_rows(w, u).tolist() == [1, 1, 3, 3, 3, -1, 3]
+
+
+def test_sample_rows_block_sum_order_matches_a_scan():
+    rng = np.random.default_rng(3)
+    for vocab in (1, 7, 31, 256, 257, 4099):
+        w = rng.random((5, vocab)).astype(F32)
+        total = sr.row_sum(w)
+        np.testing.assert_allclose(total, w.astype(np.float64).sum(axis=1), rtol=1e-5)
+        tok = sr.sample_rows(w, np.zeros(5, F32))
+        assert tok.tolist() == [0] * 5
+
+
+# ------------------------------------------------------------------ probs_from_logits
+
+
+def test_greedy_is_one_hot_at_lowest_argmax():
+    logits = np.array([[[1, 3, 3, 2]], [[-0.0, 0.0, -1, -np.inf]], [[-np.inf, -np.inf, 5, 5]]], F32)
+    out = probs(logits, 0.0)
+    assert out[:, 0].tolist() == [[0, 1, 0, 0], [1, 0, 0, 0], [0, 0, 1, 0]]
+
+
+def test_softmax_without_filters_matches_float64(rng):
+    logits = (rng.normal(size=(6, 3, 300)) * 4).astype(F32)
+    logits[0, 0, :7] = -np.inf
+    for temp in (0.3, 1.0, 2.5):
+        got = probs(logits, temp)
+        z = logits.astype(np.float64) / temp
+        want = np.exp(z - z.max(axis=-1, keepdims=True))
+        want /= want.sum(axis=-1, keepdims=True)
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-9)
+        np.testing.assert_allclose(got.sum(axis=-1), 1, rtol=1e-5)
+
+
+def test_top_k_keeps_exactly_k_with_ties_broken_by_index(rng):
+    logits = np.zeros((1, 1, 10), F32)  # all tied: the k lowest indices survive
+    out = probs(logits, 1.0, top_k=3)
+    assert (out[0, 0] > 0).tolist() == [True] * 3 + [False] * 7
+    logits = rng.normal(size=(4, 2, 50)).astype(F32)
+    out = probs(logits, 0.8, top_k=5)
+    top5 = np.argsort(-logits, axis=-1, kind="stable")[..., :5]
+    assert np.array_equal(np.sort(np.nonzero(out > 0)[2].reshape(4, 2, 5), axis=-1), np.sort(top5, axis=-1))
+
+
+def test_top_k_one_equals_greedy(rng):
+    logits = rng.normal(size=(8, 3, 40)).astype(F32)
+    logits[0, 0, [4, 9]] = 9  # a tie for the maximum
+    assert np.array_equal(probs(logits, 1.7, top_k=1), probs(logits, 0.0))
+
+
+def test_top_p_keeps_the_shortest_head_reaching_p():
+    logits = np.log(np.array([[[0.5, 0.3, 0.15, 0.05]]], np.float64)).astype(F32)
+    for top_p, kept in [(0.4, 1), (0.49, 1), (0.55, 2), (0.79, 2), (0.81, 3), (0.96, 4), (1.0, 4)]:
+        out = probs(logits, 1.0, top_p=top_p)
+        assert (out[0, 0] > 0).sum() == kept, top_p
+        np.testing.assert_allclose(out.sum(), 1, rtol=1e-6)
+    out = probs(logits, 1.0, top_k=2, top_p=0.9)  # top-p over the top-k survivors
+    assert (out[0, 0] > 0).tolist() == [True, True, False, False]
+
+
+def test_in_place_and_step_rows(rng):
+    logits = rng.normal(size=(3, 4, 33)).astype(F32)
+    temp, k, p = np.array([0, 0.7, 1.3], F32), np.array([0, 4, 0], np.int32), np.array([1, 1, 0.8], F32)
+    out = np.full_like(logits, np.nan)
+    sr.probs_from_logits(logits, temp, k, p, out)
+    inplace = logits.copy()
+    sr.probs_from_logits(inplace, temp, k, p, inplace)
+    assert np.array_equal(out, inplace)
+    one = np.full_like(logits, -5.0)
+    sr.probs_from_logits(logits, temp, k, p, one, step=2)
+    assert np.array_equal(one[:, 2], out[:, 2]) and np.all(one[:, [0, 1, 3]] == -5)
+
+
+# ------------------------------------------------------------------ sample_draft / accept
+
+
+def test_sample_draft_rows_and_probabilities(rng):
+    q = probs(rng.normal(size=(9, 3, 20)).astype(F32), 1.0)
+    seed = rng.integers(0, 2**63, 9, dtype=np.uint64)
+    pos = rng.integers(0, 1000, 9, dtype=np.int32)
+    tok, prob = np.full((9, 3), -9, np.int32), np.full((9, 3), -1, F32)
+    sr.sample_draft(q, seed, pos, tok, prob)
+    assert np.array_equal(prob, np.take_along_axis(q, tok[..., None], axis=2)[..., 0]) and np.all(prob > 0)
+    tok1, prob1 = np.full((9, 3), -9, np.int32), np.full((9, 3), -1, F32)
+    sr.sample_draft(q, seed, pos, tok1, prob1, step=1)
+    assert np.array_equal(tok1[:, 1], tok[:, 1]) and np.all(tok1[:, [0, 2]] == -9)
+    dead = np.zeros((1, 1, 5), F32)
+    sr.sample_draft(dead, seed[:1], pos[:1], tok[:1, :1], prob[:1, :1])
+    assert tok[0, 0] == PLACEHOLDER_TOKEN and prob[0, 0] == 0
+
+
+def test_accept_hand_cases():
+    v = 4
+    p = np.zeros((4, 3, v), F32)
+    p[:] = [0.25, 0.25, 0.25, 0.25]
+    q = p[:, :2].copy()
+    vtok = np.array([[9, 1, 2], [9, 1, 2], [9, PLACEHOLDER_TOKEN, 2], [9, 3, 7]], np.int32)
+    brk = np.array([[2, 0], [1, 1], [2, 0], [2, 0]], np.int32)
+    p[3, 0] = [0.5, 0.5, 0, 0]  # draft 3 has p = 0: always rejected, replaced from {0, 1}
+    seed = np.arange(4, dtype=np.uint64)
+    n_acc, last = run_accept(vtok, p, q, brk, seed, np.zeros(4, np.int32))
+    assert n_acc.tolist() == [2, 1, 0, 0]  # p == q accepts every valid draft; the break cuts
+    assert 0 <= last[0] < v and 0 <= last[1] < v and 0 <= last[2] < v and last[3] in (0, 1)
+
+
+def test_temperature_zero_equals_greedy_accept(rng):
+    batch, k, vocab = 300, 4, 23
+    logits = rng.normal(size=(batch, k + 1, vocab)).astype(F32)
+    logits[::7, :, 3] = logits[::7].max(axis=-1) # ties at the maximum
+    tgt_pred = np.argmax(logits, axis=-1).astype(np.int32)
+    q = probs(rng.normal(size=(batch, k, vocab)).astype(F32), 1.5)
+    vtok = rng.integers(0, vocab, (batch, k + 1), dtype=np.int32)
+    agree = rng.random((batch, k)) < 0.7
+    vtok[:, 1:] = np.where(agree, tgt_pred[:, :k], vtok[:, 1:])
+    vtok[::11, 2] = PLACEHOLDER_TOKEN
+    brk = np.stack([rng.integers(-1, k + 2, batch), rng.integers(0, 2, batch)], axis=1).astype(np.int32)
+    seed = rng.integers(0, 2**63, batch, dtype=np.uint64)
+    pos = rng.integers(0, 10_000, batch, dtype=np.int32)
+    want_n, want_last = np.zeros(batch, np.int32), np.zeros(batch, np.int32)
+    reference.accept_greedy(vtok, tgt_pred, brk, want_n, want_last)
+    for p in (probs(logits, 0.0), probs(logits, 0.9, top_k=1)):
+        n_acc, last = run_accept(vtok, p, q, brk, seed, pos)
+        assert np.array_equal(n_acc, want_n) and np.array_equal(last, want_last)
+    assert 0 < want_n.mean() < k  # both accepts and rejections were exercised
+
+
+def test_batch_permutation_permutes_outputs(rng):
+    batch, k, vocab = 40, 3, 30
+    logits = rng.normal(size=(batch, k + 1, vocab)).astype(F32)
+    temp = rng.choice(np.array([0, 0.5, 1, 2], F32), batch)
+    top_k = rng.choice(np.array([0, 1, 5], np.int32), batch)
+    top_p = rng.choice(np.array([1, 0.9, 0.5], F32), batch)
+    seed = rng.integers(0, 2**63, batch, dtype=np.uint64)
+    pos = rng.integers(0, 1000, batch, dtype=np.int32)
+
+    def pipeline(ix):
+        p = np.empty_like(logits)
+        sr.probs_from_logits(logits[ix], temp[ix], top_k[ix], top_p[ix], p)
+        q = p[:, :k] ** 0.5
+        q /= q.sum(axis=-1, keepdims=True)
+        vtok = np.zeros((batch, k + 1), np.int32)
+        prob = np.zeros((batch, k), F32)
+        sr.sample_draft(q, seed[ix], pos[ix], vtok[:, 1:], prob)
+        brk = np.tile(np.array([k, 0], np.int32), (batch, 1))
+        return (*run_accept(vtok, p, q, brk, seed[ix], pos[ix]), vtok)
+
+    perm = rng.permutation(batch)
+    for a, b in zip(pipeline(np.arange(batch)), pipeline(perm)):
+        assert np.array_equal(a[perm], b)
+
+
+# ------------------------------------------------------------------ losslessness
+
+
+@pytest.mark.parametrize("df, critical", [(2, 13.816), (7, 24.322), (11, 31.264), (15, 37.697)])
+def test_chi2_sf_matches_table_at_alpha(df, critical):
+    # 0.999 quantiles of chi-square from standard tables.
+    assert st.chi2_sf(critical, df) == pytest.approx(1e-3, rel=0.25)
+    assert st.chi2_sf(critical * 0.8, df) > 1e-3 > st.chi2_sf(critical * 1.2, df)
+
+
+def test_reference_rule_is_lossless():
+    """Two draft slots per round over the fixed pairs: each emitted slot follows its p."""
+    n, k = 120_000, 2
+    for shift in range(len(st.PAIRS)):
+        pairs = st.PAIRS[shift:] + st.PAIRS[:shift]
+        p, q, seed, pos = st.round_inputs(n, k, pairs)
+        vtok = np.zeros((n, k + 1), np.int32)
+        prob = np.zeros((n, k), F32)
+        sr.sample_draft(q, seed, pos, vtok[:, 1:], prob)
+        brk = np.tile(np.array([k, 0], np.int32), (n, 1))
+        n_acc, last = run_accept(vtok, p, q, brk, seed, pos)
+        for slot in range(k):
+            pval, info = st.goodness_of_fit(st.emitted(vtok, n_acc, last, slot), p[0, slot])
+            assert pval > st.ALPHA, f"{pairs[slot][0]} slot {slot}: {info}"
+
+
+@pytest.mark.parametrize("name, p, q", st.PAIRS, ids=[c[0] for c in st.PAIRS])
+def test_the_chi2_test_rejects_wrong_rules(name, p, q):
+    rng = np.random.default_rng(20261130)
+    n = 120_000
+    pval, info = st.goodness_of_fit(st.one_slot(p, q, n, "correct", rng), p)
+    assert pval > st.ALPHA, info
+    for rule in st.WRONG_RULES:
+        pval, info = st.goodness_of_fit(st.one_slot(p, q, n, rule, rng), p)
+        assert pval < st.ALPHA, f"{rule} passed on {name}: {info}"
+
+
+# ------------------------------------------------------------------ validation
+
+
+def test_check_sampling_accepts_and_normalizes():
+    assert check_sampling() == SamplingParams(0.0, 0, 1.0, 0)
+    got = check_sampling(np.float32(0.7), np.int64(40), 0.95, 2**64 - 1)
+    assert got == SamplingParams(float(np.float32(0.7)), 40, 0.95, 2**64 - 1)
+    assert type(got.top_k) is int and type(got.seed) is int
+
+
+@pytest.mark.parametrize("kw, exc, match", [
+    (dict(temperature=-0.5), ValueError, r"temperature must be >= 0, got -0.5"),
+    (dict(temperature=float("nan")), ValueError, r"temperature must be finite, got nan"),
+    (dict(temperature=float("inf")), ValueError, r"temperature must be finite, got inf"),
+    (dict(temperature=1e-50), ValueError, r"temperature must be 0 or >= .*, got 1e-50"),
+    (dict(temperature="1"), TypeError, r"temperature must be a number, got str '1'"),
+    (dict(temperature=True), TypeError, r"temperature must be a number, got bool True"),
+    (dict(top_k=-1), ValueError, r"top_k must be >= 0 \(0 = off\), got -1"),
+    (dict(top_k=2.0), TypeError, r"top_k must be an int, got float 2.0"),
+    (dict(top_k=2**31), ValueError, r"top_k must be <= 2147483647, got 2147483648"),
+    (dict(top_p=0.0), ValueError, r"top_p must be in \(0, 1\], got 0.0"),
+    (dict(top_p=1.5), ValueError, r"top_p must be in \(0, 1\], got 1.5"),
+    (dict(top_p=float("nan")), ValueError, r"top_p must be finite, got nan"),
+    (dict(top_p=None), TypeError, r"top_p must be a number, got NoneType None"),
+    (dict(seed=-1), ValueError, r"seed must be in \[0, 2\*\*64\), got -1"),
+    (dict(seed=2**64), ValueError, r"seed must be in \[0, 2\*\*64\), got 18446744073709551616"),
+    (dict(seed=1.0), TypeError, r"seed must be an int, got float 1.0"),
+])
+def test_check_sampling_rejects_with_named_field(kw, exc, match):
+    with pytest.raises(exc, match=match):
+        check_sampling(**kw)
