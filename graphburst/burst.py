@@ -25,7 +25,17 @@ _BIG = np.iinfo(np.int64).max  # "any number of bursts fits"
 
 
 class CapacityError(ValueError):
-    """A request or burst would write past a KV cache's capacity."""
+    """A request or burst would write past a KV cache's capacity.
+
+    Attributes
+    ----------
+    slots : tuple of int
+        The batch slots that would overflow (empty when not tied to slots).
+    """
+
+    def __init__(self, message: str, slots=()):
+        super().__init__(message)
+        self.slots = tuple(int(b) for b in slots)
 
 
 @dataclass(frozen=True)
@@ -193,6 +203,19 @@ class SpecDecoder(Watched):
         self.backend.upload(self.bufs.budget, budget, self.stream)
         self.host_left[slots] = 0
 
+    def abandon_enqueued(self) -> None:
+        """Forget bursts enqueued but never drained, after a failure mid-enqueue.
+
+        Their tokens are lost; the host mirror is re-read from the device (a host sync)
+        so capacity checks stay exact. For error recovery only.
+        """
+        self.stream.synchronize()
+        self.outstanding = 0
+        self.host_pos[:] = self.backend.to_host(self.bufs.pos_ctr, self.stream)
+        budget = self.backend.to_host(self.bufs.budget, self.stream).astype(np.int64)
+        self.host_left[:] = budget
+        self._update_fits()
+
     # ------------------------------------------------------------------ the round program
 
     def _seed_call(self, reset_ring: bool) -> Call:
@@ -274,9 +297,11 @@ class SpecDecoder(Watched):
         n = self.outstanding + 1
         fits = self._bursts_that_fit()
         b = int(np.argmin(fits))
+        over = np.flatnonzero(fits < n)
         raise CapacityError(
             f"slot {b} is at position {int(self.host_pos[b])} with {int(self.host_left[b])} tokens left; "
-            f"{n} more burst(s) of up to {self.bufs.ring_capacity} tokens would pass the KV capacity {self.capacity}")
+            f"{n} more burst(s) of up to {self.bufs.ring_capacity} tokens would pass the KV capacity {self.capacity}",
+            slots=over)
 
     def begin_burst(self, max_outstanding: int = 1) -> None:
         """Host-side checks before enqueueing a burst (no device work, no sync)."""
