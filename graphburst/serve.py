@@ -227,7 +227,8 @@ class ServeLoop:
 
     @property
     def idle(self) -> bool:
-        return not self.queue and self.active == 0
+        """Nothing queued, running or in flight."""
+        return not self.queue and self.active == 0 and not self._in_flight
 
     # ------------------------------------------------------------------ the loop
 
