@@ -82,14 +82,19 @@ class SpecDecoder(Watched):
         self.target, self.draft = target, draft
         self.backend = target.cache.backend
         self.batch = target.cache.batch
-        self.bufs = StreamBufs(self.batch, k, m_rounds, self.backend)
-        self.k, self.m_rounds = self.bufs.k, self.bufs.m_rounds
-        self.table = kv_len_ptr_table([target.cache, draft.cache], pos_ctr=self.bufs.pos_ctr)
-        self.capacity = min(target.cache.capacity, draft.cache.capacity)
         self.stream = self.backend.new_stream() if stream is None else stream
-        # Prefill staging, allocated once so admitting a request never allocates.
-        self._prompt_flat = self.backend.zeros((self.batch * self.capacity,), np.int32)  # [B * capacity] int32
-        self._prompt_len = self.backend.zeros((self.batch,), np.int32)  # [B] int32
+        # The caller's models (KV caches, tables) were initialised on the device's
+        # current stream, which this stream does not wait for: order that work first,
+        # with an event rather than a host sync.
+        self.backend.order_after_current(self.stream)
+        self.capacity = min(target.cache.capacity, draft.cache.capacity)
+        with self.stream:  # the decoder's own buffers are initialised in order with its stream
+            self.bufs = StreamBufs(self.batch, k, m_rounds, self.backend)
+            self.table = kv_len_ptr_table([target.cache, draft.cache], pos_ctr=self.bufs.pos_ctr)
+            # Prefill staging, allocated once so admitting a request never allocates.
+            self._prompt_flat = self.backend.zeros((self.batch * self.capacity,), np.int32)  # [B * capacity] int32
+            self._prompt_len = self.backend.zeros((self.batch,), np.int32)  # [B] int32
+        self.k, self.m_rounds = self.bufs.k, self.bufs.m_rounds
         # Host mirror of what has been drained: positions and token budgets per slot.
         self.host_pos = np.zeros(self.batch, np.int64)
         self.host_left = np.zeros(self.batch, np.int64)  # tokens still allowed; 0 = idle or finished
@@ -261,7 +266,9 @@ class SpecDecoder(Watched):
             refresh = getattr(model, "refresh_tables", None)
             if refresh is not None:
                 refresh()
-        self.table = kv_len_ptr_table([self.target.cache, self.draft.cache], pos_ctr=self.bufs.pos_ctr)
+        self.backend.order_after_current(self.stream)  # new layers may have been initialised on another stream
+        with self.stream:
+            self.table = kv_len_ptr_table([self.target.cache, self.draft.cache], pos_ctr=self.bufs.pos_ctr)
 
     def _bursts_that_fit(self) -> np.ndarray:
         """``[B]`` int64: how many more bursts each slot can take; ``BIG`` when any number can.

@@ -108,7 +108,7 @@ def test_broken_pipe_is_a_quiet_exit():
 
 
 def test_every_line_gets_one_record_with_its_line_number(tmp_path):
-    lines = [b'{"id": "a", "prompt": [12, 7, 99], "max_new_tokens": 16}',
+    lines = [b'{"id": "a", "prompt": [12, 7, 99], "max_new_tokens": 120}',  # long: still running at line 6
              b"[" * 100_000,
              b'{"id": "b", "prompt": [3], "max_new_tokens": 5}',
              b"\xff\xfe not utf-8",
@@ -129,7 +129,7 @@ def test_every_line_gets_one_record_with_its_line_number(tmp_path):
     assert len(recs) == len(by_line) == 10 and set(by_line) == {1, 2, 3, 4, 6, 7, 8, 9, 10, 11}
     assert {n for n, r in by_line.items() if "error" in r} == {2, 4, 6, 9, 10, 11}
     assert "already in flight" in by_line[6]["error"]
-    assert by_line[1]["tokens"] == greedy_reference([12, 7, 99], 16, 5003)
+    assert by_line[1]["tokens"] == greedy_reference([12, 7, 99], 120, 5003)
     assert by_line[3]["tokens"] == greedy_reference([3], 5, 5003)
     assert by_line[8]["id"] not in {"a", "b", "req-0"} and by_line[8]["tokens"] == greedy_reference([6], 5, 5003)
     assert all(len(r["error"]) <= 300 for r in recs if "error" in r)
