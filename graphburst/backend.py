@@ -104,6 +104,24 @@ class Backend:
                 return self.xp.cuda.Stream(non_blocking=True)
         return HostStream()
 
+    def order_after_current(self, stream) -> None:
+        """Make ``stream`` wait for the work already enqueued on the device's current stream.
+
+        ``cupy.zeros`` and ``arr[...] = v`` run on the current stream (the legacy null
+        stream by default), which a non-blocking stream does not wait for. An event
+        recorded there and waited on by ``stream`` orders that work first with no host
+        sync. A no-op on numpy, and when ``stream`` is the current stream.
+        """
+        if not self.is_gpu:
+            return
+        with self.device():
+            current = self.xp.cuda.get_current_stream()
+            if current.ptr == stream.ptr:
+                return
+            event = self.xp.cuda.Event(disable_timing=True)
+            event.record(current)
+            stream.wait_event(event)
+
     def zeros(self, shape, dtype):
         with self.device():
             return self.xp.zeros(shape, dtype=dtype)

@@ -8,6 +8,7 @@ eager modes run that list, and :mod:`graphburst.capture` captures the same list.
 from __future__ import annotations
 
 import functools
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -18,13 +19,24 @@ from .guard import Watched
 from .constants import NO_EOS, NO_PREFILL, UNBOUNDED_BUDGET
 from .torch_capture import capture_api, stream_pair
 from .protocol import DraftModel, TargetModel, check_pair, hook, split_options
-from .validate import check_int
+from .validate import check_int, check_prompt
 
 MODES = ("per_round_sync", "pre_issued")
+_BIG = np.iinfo(np.int64).max  # "any number of bursts fits"
 
 
 class CapacityError(ValueError):
-    """A request or burst would write past a KV cache's capacity."""
+    """A request or burst would write past a KV cache's capacity.
+
+    Attributes
+    ----------
+    slots : tuple of int
+        The batch slots that would overflow (empty when not tied to slots).
+    """
+
+    def __init__(self, message: str, slots=()):
+        super().__init__(message)
+        self.slots = tuple(int(b) for b in slots)
 
 
 @dataclass(frozen=True)
@@ -71,21 +83,27 @@ class SpecDecoder(Watched):
         self.target, self.draft = target, draft
         self.backend = target.cache.backend
         self.batch = target.cache.batch
-        self.bufs = StreamBufs(self.batch, k, m_rounds, self.backend)
-        for model in (target, draft):  # the buffers never move from here on: models may view them
-            hook(model, "bind")(self.bufs)
-        self.k, self.m_rounds = self.bufs.k, self.bufs.m_rounds
-        self.table = kv_len_ptr_table([target.cache, draft.cache], pos_ctr=self.bufs.pos_ctr)
-        self.capacity = min(target.cache.capacity, draft.cache.capacity)
         self.stream = self.backend.new_stream() if stream is None else stream
         # Torch models are captured by torch (capture.py): the decoder's stream must then
         # be one CUDA stream that both torch and CuPy name.
         self.torch_stream = None
         if self.backend.is_gpu and capture_api(target, draft) == "torch":
             self.stream, self.torch_stream = stream_pair(self.backend, stream)
-        # Prefill staging, allocated once so admitting a request never allocates.
-        self._prompt_flat = self.backend.zeros((self.batch * self.capacity,), np.int32)  # [B * capacity] int32
-        self._prompt_len = self.backend.zeros((self.batch,), np.int32)  # [B] int32
+        # The caller's models (KV caches, tables) were initialised on the device's
+        # current stream, which this stream does not wait for: order that work first,
+        # with an event rather than a host sync.
+        self.backend.order_after_current(self.stream)
+        self.capacity = min(target.cache.capacity, draft.cache.capacity)
+        with self.stream:  # the decoder's own buffers are initialised in order with its stream
+            self.bufs = StreamBufs(self.batch, k, m_rounds, self.backend)
+            # Prefill staging, allocated once so admitting a request never allocates.
+            self._prompt_flat = self.backend.zeros((self.batch * self.capacity,), np.int32)  # [B * capacity] int32
+            self._prompt_len = self.backend.zeros((self.batch,), np.int32)  # [B] int32
+        self.k, self.m_rounds = self.bufs.k, self.bufs.m_rounds
+        for model in (target, draft):  # the buffers never move from here on: models may view them
+            hook(model, "bind")(self.bufs)
+        with self.stream:
+            self.table = kv_len_ptr_table([target.cache, draft.cache], pos_ctr=self.bufs.pos_ctr)
         # Host mirror of what has been drained: positions and token budgets per slot.
         self.host_pos = np.zeros(self.batch, np.int64)
         self.host_left = np.zeros(self.batch, np.int64)  # tokens still allowed; 0 = idle or finished
@@ -119,24 +137,19 @@ class SpecDecoder(Watched):
         """
         if self.outstanding:
             raise RuntimeError("drain every enqueued burst before prefilling: its tokens would be lost")
+        if isinstance(prompts, np.ndarray) and prompts.ndim == 2:
+            prompts = list(prompts)
+        if isinstance(prompts, (str, bytes, bytearray)) or not isinstance(prompts, Sequence):
+            raise TypeError(f"prompts must be a list with one entry (token list or None) per slot ({self.batch}), "
+                            f"got {type(prompts).__name__}")
         if len(prompts) != self.batch:
             raise ValueError(f"prompts must have one entry per slot ({self.batch}), got {len(prompts)}")
         slots = [b for b, p in enumerate(prompts) if p is not None]
-        vocab = self.target.vocab
         limits = _per_slot("max_new_tokens", max_new_tokens, self.batch)
         stops = _per_slot("eos", eos, self.batch)
         rows = {}
         for b in slots:
-            rows[b] = _check_prompt(f"prompts[{b}]", prompts[b], vocab)
-            limit = UNBOUNDED_BUDGET if limits[b] is None else check_int(f"max_new_tokens[{b}]", limits[b],
-                                                                           maximum=UNBOUNDED_BUDGET - 1)
-            if stops[b] is not None:
-                check_int(f"eos[{b}]", stops[b], minimum=0, maximum=vocab - 1)
-            need = len(rows[b]) + min(limit, self.bufs.ring_capacity)
-            if need > self.capacity:
-                raise CapacityError(
-                    f"prompts[{b}] of length {len(rows[b])} plus {min(limit, self.bufs.ring_capacity)} new tokens "
-                    f"needs {need} KV entries, but the cache holds {self.capacity}")
+            rows[b], limits[b], stops[b] = self.check_request(prompts[b], limits[b], stops[b], index=b)
         if not slots:
             return
         p_max = max(len(r) for r in rows.values())
@@ -154,8 +167,8 @@ class SpecDecoder(Watched):
         self.draft.prefill(stage, self._prompt_len, None, None, s)
         budget, stop, acc = (self.backend.to_host(a, s) for a in (bufs.budget, bufs.eos, bufs.acc))
         for b in slots:
-            budget[b] = UNBOUNDED_BUDGET if limits[b] is None else limits[b]
-            stop[b] = NO_EOS if stops[b] is None else stops[b]
+            budget[b] = limits[b]
+            stop[b] = stops[b]
             acc[b] = 0
             self.host_pos[b] = len(rows[b])
             self.host_left[b] = budget[b]
@@ -166,6 +179,31 @@ class SpecDecoder(Watched):
             self.backend.upload(dst, src, s)
         s.synchronize()
         self._update_fits()
+
+    def check_request(self, prompt, max_new_tokens=None, eos=None, *, index: int | None = None):
+        """Validate one slot's prefill arguments without touching the device.
+
+        Returns ``(prompt [n] int32, budget, stop token)`` with the sentinels filled in
+        (``UNBOUNDED_BUDGET``, ``NO_EOS``). ``index`` names the slot in messages.
+
+        Raises
+        ------
+        TypeError, ValueError
+            For a bad prompt, limit or stop token.
+        CapacityError
+            When the prompt plus one burst's worth of its tokens cannot fit the cache.
+        """
+        at = "" if index is None else f"[{index}]"
+        row = check_prompt(f"prompts{at}", prompt, self.target.vocab)
+        limit = UNBOUNDED_BUDGET if max_new_tokens is None else check_int(
+            f"max_new_tokens{at}", max_new_tokens, maximum=UNBOUNDED_BUDGET - 1)
+        stop = NO_EOS if eos is None else check_int(f"eos{at}", eos, minimum=0, maximum=self.target.vocab - 1)
+        need = len(row) + min(limit, self.bufs.ring_capacity)
+        if need > self.capacity:
+            raise CapacityError(
+                f"prompts{at} of length {len(row)} plus {min(limit, self.bufs.ring_capacity)} new tokens "
+                f"needs {need} KV entries, but the cache holds {self.capacity}")
+        return row, limit, stop
 
     def release(self, slots) -> None:
         """Make slots idle (budget 0) between bursts: they emit nothing until the next prefill."""
@@ -205,6 +243,19 @@ class SpecDecoder(Watched):
             if per_slot:
                 hook(getattr(self, role), "set_slot_options")(per_slot, self.stream)
 
+    def abandon_enqueued(self) -> None:
+        """Forget bursts enqueued but never drained, after a failure mid-enqueue.
+
+        Their tokens are lost; the host mirror is re-read from the device (a host sync)
+        so capacity checks stay exact. For error recovery only.
+        """
+        self.stream.synchronize()
+        self.outstanding = 0
+        self.host_pos[:] = self.backend.to_host(self.bufs.pos_ctr, self.stream)
+        budget = self.backend.to_host(self.bufs.budget, self.stream).astype(np.int64)
+        self.host_left[:] = budget
+        self._update_fits()
+
     # ------------------------------------------------------------------ the round program
 
     def _seed_call(self, reset_ring: bool) -> Call:
@@ -237,33 +288,49 @@ class SpecDecoder(Watched):
         """Rebuild every pointer table from the caches' current layers (before a recapture)."""
         for model in (self.target, self.draft):
             hook(model, "refresh_tables")()
-        self.table = kv_len_ptr_table([self.target.cache, self.draft.cache], pos_ctr=self.bufs.pos_ctr)
+        self.backend.order_after_current(self.stream)  # new layers may have been initialised on another stream
+        with self.stream:
+            self.table = kv_len_ptr_table([self.target.cache, self.draft.cache], pos_ctr=self.bufs.pos_ctr)
+
+    def _bursts_that_fit(self) -> np.ndarray:
+        """``[B]`` int64: how many more bursts each slot can take; ``BIG`` when any number can.
+
+        Over n bursts a live slot writes at most ``min(host_left, n * ring_capacity)``
+        tokens (its budget bounds it, and so does the ring), so n bursts fit iff
+        ``host_pos + min(host_left, n * R) <= capacity``. A slot whose whole remaining
+        budget fits never limits the count; idle and finished slots write nothing.
+        """
+        ring = self.bufs.ring_capacity
+        left = self.host_left
+        whole_budget_fits = self.host_pos + left <= self.capacity
+        by_ring = np.maximum(self.capacity - self.host_pos, 0) // ring
+        return np.where((left <= 0) | whole_budget_fits, _BIG, by_ring)
 
     def _update_fits(self) -> None:
         """Recompute exactly how many more bursts fit every live slot."""
-        live = self.host_left > 0
-        growth = np.minimum(self.host_left, self.bufs.ring_capacity)
-        big = np.iinfo(np.int64).max
-        fits = np.where(live, (self.capacity - self.host_pos) // np.maximum(growth, 1), big)
-        self._fits = int(fits.min(initial=big))
+        self._fits = int(self._bursts_that_fit().min(initial=_BIG))
 
     def check_fits(self) -> None:
         """Raise CapacityError unless one more burst, after those outstanding, fits every live slot.
 
-        ``_fits`` is a lower bound kept in O(1) per burst (a burst moves a slot by at
-        most one ring's worth); the exact recount runs only when the bound is reached.
+        ``_fits`` is a lower bound kept in O(1) per burst: a drained burst of c tokens
+        moves a slot to ``(pos + c, left - c)`` with ``c <= ring_capacity``, which fits
+        n bursts whenever the old state fitted n + 1. The exact recount runs only when
+        the bound is reached.
         """
         if self.outstanding + 1 <= self._fits:
             return
         self._update_fits()
         if self.outstanding + 1 <= self._fits:
             return
-        growth = np.minimum(self.host_left, self.bufs.ring_capacity) * (self.outstanding + 1)
-        end = np.where(self.host_left > 0, self.host_pos + growth, 0)
-        b = int(np.argmax(end))
+        n = self.outstanding + 1
+        fits = self._bursts_that_fit()
+        b = int(np.argmin(fits))
+        over = np.flatnonzero(fits < n)
         raise CapacityError(
-            f"slot {b} is at position {int(self.host_pos[b])}; {self.outstanding + 1} more burst(s) of up to "
-            f"{int(growth[b]) // (self.outstanding + 1)} tokens would pass the KV capacity {self.capacity}")
+            f"slot {b} is at position {int(self.host_pos[b])} with {int(self.host_left[b])} tokens left; "
+            f"{n} more burst(s) of up to {self.bufs.ring_capacity} tokens would pass the KV capacity {self.capacity}",
+            slots=over)
 
     def begin_burst(self, max_outstanding: int = 1) -> None:
         """Host-side checks before enqueueing a burst (no device work, no sync)."""
@@ -352,22 +419,15 @@ def separate_tail_calls(ops, b: StreamBufs, table) -> list[Call]:
 
 
 def _per_slot(name: str, value, batch: int) -> list:
-    if value is None or isinstance(value, (int, np.integer)):
-        return [value] * batch
+    """A per-slot setting broadcast from a scalar (checked later), or a sequence of one per slot."""
+    if value is None or isinstance(value, (numbers.Number, str, bytes, bytearray)):
+        return [value] * batch  # check_int then names the bad scalar, e.g. 1.0 or '3'
+    if isinstance(value, np.ndarray) and value.ndim == 1:
+        value = value.tolist()
+    if not isinstance(value, Sequence):
+        raise TypeError(f"{name} must be an int, None, or a sequence with one entry per slot ({batch}), "
+                        f"got {type(value).__name__}")
     value = list(value)
     if len(value) != batch:
         raise ValueError(f"{name} must be a scalar or have one entry per slot ({batch}), got {len(value)}")
     return value
-
-
-def _check_prompt(name: str, prompt, vocab: int) -> np.ndarray:
-    arr = np.asarray(prompt)
-    if arr.ndim != 1 or arr.size == 0:
-        raise ValueError(f"{name} must be a non-empty 1-D token sequence, got shape {arr.shape}")
-    if not np.issubdtype(arr.dtype, np.integer):
-        raise TypeError(f"{name} must hold integer tokens, got dtype {arr.dtype}")
-    bad = (arr < 0) | (arr >= vocab)
-    if bad.any():
-        i = int(np.argmax(bad))
-        raise ValueError(f"{name}[{i}] = {int(arr[i])} is outside the vocabulary [0, {vocab})")
-    return arr.astype(np.int32)

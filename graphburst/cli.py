@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import numpy as np
@@ -11,6 +12,8 @@ from rich.table import Table
 
 from . import bench, serve_cli
 from .backend import BACKEND_NAMES, get_backend
+from .cli_args import FlagError, Parser, check_backend, check_kv_memory, int_in, real_in
+from .constants import MAX_K
 from .burst import MODES, SpecDecoder
 from .digest import greedy_reference
 from .models import stub_pair
@@ -19,16 +22,26 @@ from .models import stub_pair
 def _demo_parser(sub) -> None:
     p = sub.add_parser("demo", help="run a few bursts of the stub models and check them against greedy decoding")
     p.add_argument("--backend", choices=BACKEND_NAMES, default="auto")
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("-k", type=int, default=4, help="drafts per round")
-    p.add_argument("-m", "--rounds", type=int, default=8, help="rounds per burst")
-    p.add_argument("--bursts", type=int, default=4)
-    p.add_argument("--layers", type=int, default=8, help="target KV layers (every third one absent)")
-    p.add_argument("--accept", type=float, default=0.7, help="draft agreement probability")
-    p.add_argument("--p-min", type=float, default=0.05)
-    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--batch", type=int_in(1, 4096), default=4)
+    p.add_argument("-k", type=int_in(1, MAX_K), default=4, help="drafts per round")
+    p.add_argument("-m", "--rounds", type=int_in(1, 1024), default=8, help="rounds per burst")
+    p.add_argument("--bursts", type=int_in(1, 10_000), default=4)
+    p.add_argument("--layers", type=int_in(1, 4096), default=8, help="target KV layers (every third one absent)")
+    p.add_argument("--accept", type=real_in(0.0, 1.0), default=0.7, help="draft agreement probability")
+    p.add_argument("--p-min", type=real_in(0.0, 1.0), default=0.05)
+    p.add_argument("--vocab", type=int_in(2, 2**31 - 1), default=32000)
     p.add_argument("--mode", choices=MODES + ("graph",), default="pre_issued")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int_in(0, 2**32 - 1), default=0)
+
+
+def check_demo(args) -> None:
+    """Checks across flags, before any work (FlagError names the flag)."""
+    check_backend(args.backend)
+    capacity = 64 + args.bursts * args.rounds * (args.k + 1)
+    if capacity > 2**31 - 1:
+        raise FlagError("--bursts", f"{args.bursts} bursts of up to {args.rounds * (args.k + 1)} tokens need "
+                                    f"{capacity} KV entries per sequence, over 2**31 - 1")
+    check_kv_memory(args.batch, capacity, args.layers + 1, flags=("--batch", "--bursts", "--rounds", "-k"))
 
 
 def run_demo(args, console: Console) -> int:
@@ -76,22 +89,30 @@ def run_demo(args, console: Console) -> int:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="graphburst", description=__doc__)
+    parser = Parser(prog="graphburst", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _demo_parser(sub)
     bench.add_parser(sub)
     serve_cli.add_parser(sub)
     args = parser.parse_args(argv)
+    commands = {"demo": (check_demo, run_demo), "bench": (bench.check_args, bench.run),
+                "serve": (serve_cli.check_args, serve_cli.run)}
+    check, run = commands[args.command]
+    subparser = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[args.command]
+    try:
+        check(args)
+    except FlagError as exc:
+        subparser.flag_error(exc)
     # Wide tables stay readable when the output is a log file rather than a terminal.
     console = Console() if sys.stdout.isatty() else Console(width=220)
-    if args.command == "demo":
-        return run_demo(args, console)
-    if args.command == "bench":
-        return bench.run(args, console)
-    if args.command == "serve":
-        return serve_cli.run(args, console)
-    parser.error(f"unknown command {args.command}")
-    return 2
+    try:
+        return run(args, console)
+    except BrokenPipeError:
+        # The reader went away (``| head -1``): stop quietly. Point stdout at devnull so
+        # the interpreter's final flush does not raise again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

@@ -7,6 +7,10 @@ model's prefill kernels: no recapture, no allocation), then replays, drains and 
 each request's new tokens. Stops (EOS, max_new_tokens) happen on the device, mid-round if need be, so no
 token past a stop ever reaches the ring; a finished or idle slot has budget 0 and emits
 nothing.
+
+A failure inside :meth:`ServeLoop.step` costs only the requests it touches: they finish
+with ``error`` set (``finish_reason == "error"``), the tokens already handed out stay,
+and the loop goes on serving the others.
 """
 
 from __future__ import annotations
@@ -23,8 +27,8 @@ import numpy as np
 
 from .burst import SpecDecoder
 from .capture import BurstGraph
-from .models import StubDraft
-from .validate import check_int, check_prob
+from .constants import UNBOUNDED_BUDGET
+from .validate import check_int, check_prob, check_prompt
 
 ENGINE_MODES = ("graph", "eager_sync")
 
@@ -35,8 +39,8 @@ class Request:
 
     Parameters
     ----------
-    prompt : list of int
-        Non-empty, tokens in ``[0, vocab)``.
+    prompt : sequence of int or 1-D integer array
+        Non-empty, tokens in ``[0, vocab)`` (numpy integers accepted).
     max_new_tokens : int
         >= 1.
     eos : int, optional
@@ -44,7 +48,7 @@ class Request:
     accept_prob, seed : optional
         Per-request settings of the stub draft.
     id : str, optional
-        Made up when absent.
+        Made up when absent; never equal to the id of another request in flight.
     """
 
     prompt: list
@@ -69,11 +73,27 @@ class RequestState:
     rounds: int = 0
     cancelled: bool = False
     deliveries: list = dataclasses.field(default_factory=list)  # (time, n_tokens) per burst that delivered
+    error: str | None = None  # why the loop gave up on this request; None unless finish_reason == "error"
+    line: int | None = None  # the input line it came from (JSONL serving), if any
     _new: collections.deque = dataclasses.field(default_factory=collections.deque)
 
     @property
     def done(self) -> bool:
         return self.finished is not None
+
+    @property
+    def finish_reason(self) -> str | None:
+        """``"eos"``, ``"length"``, ``"cancelled"`` or ``"error"``; None while running."""
+        if not self.done:
+            return None
+        if self.error is not None:
+            return "error"
+        if self.cancelled:
+            return "cancelled"
+        eos = self.request.eos
+        if eos is not None and self.tokens and self.tokens[-1] == eos:
+            return "eos"
+        return "length"
 
     def stats(self) -> dict:
         """Time to first token, tokens/s and mean accepted drafts per round."""
@@ -115,6 +135,8 @@ class ServeLoop:
         self.slots: list[RequestState | None] = [None] * self.dec.batch
         self.queue: collections.deque[RequestState] = collections.deque()
         self._ids = itertools.count()
+        self._live_ids: dict = {}  # id -> RequestState, for every request queued or running
+        self.errors = 0  # requests finished with an error by the loop
         self.bursts = 0
         self.tokens_out = 0
         self.gpu_busy_ms = 0.0
@@ -127,38 +149,77 @@ class ServeLoop:
     # ------------------------------------------------------------------ requests
 
     def validate(self, req: Request) -> Request:
-        """Raise ValueError/TypeError naming the bad field; fill in a missing id."""
-        if not isinstance(req.prompt, (list, tuple)) or not req.prompt:
-            raise ValueError(f"prompt must be a non-empty list of tokens, got {req.prompt!r}")
-        for i, t in enumerate(req.prompt):
-            if isinstance(t, bool) or not isinstance(t, int):
-                raise TypeError(f"prompt[{i}] must be an int token, got {t!r}")
-            if not 0 <= t < self.vocab:
-                raise ValueError(f"prompt[{i}] = {t} is outside the vocabulary [0, {self.vocab})")
-        check_int("max_new_tokens", req.max_new_tokens)
+        """Raise ValueError/TypeError naming the bad field; fill in a missing id.
+
+        The prompt check is the one ``SpecDecoder.prefill`` uses, so the loop accepts
+        the same prompts (numpy integers and arrays included). An id already in flight
+        is refused; a made-up id never equals one.
+        """
+        if not isinstance(req, Request):
+            raise TypeError(f"request must be a graphburst.serve.Request, got {type(req).__name__}")
+        prompt = check_prompt("prompt", req.prompt, self.vocab)
+        limit = check_int("max_new_tokens", req.max_new_tokens, maximum=UNBOUNDED_BUDGET - 1)
         if req.eos is not None:
             check_int("eos", req.eos, minimum=0, maximum=self.vocab - 1)
         if req.accept_prob is not None:
             check_prob("accept_prob", req.accept_prob)
         if req.seed is not None:
             check_int("seed", req.seed, minimum=0, maximum=2**32 - 1)
-        need = len(req.prompt) + req.max_new_tokens
+        need = len(prompt) + limit
         if need > self.dec.capacity:
-            raise ValueError(f"prompt of {len(req.prompt)} tokens plus max_new_tokens={req.max_new_tokens} needs "
+            raise ValueError(f"prompt of {len(prompt)} tokens plus max_new_tokens={limit} needs "
                              f"{need} KV entries, but the cache holds {self.dec.capacity}")
         if req.id is None:
-            req.id = f"req-{next(self._ids)}"
+            req.id = self._new_id()
+        elif not isinstance(req.id, str):
+            raise TypeError(f"id must be a str, got {type(req.id).__name__}")
+        elif req.id in self._live_ids:
+            other = self._live_ids[req.id]
+            where = "" if other.line is None else f" (line {other.line})"
+            raise ValueError(f"id {req.id!r} is already in flight{where}")
         return req
 
-    def submit(self, req: Request) -> RequestState:
-        """Queue a request (validated now); it is admitted at the next burst boundary."""
-        state = RequestState(self.validate(req), submitted=time.perf_counter())
+    def _new_id(self) -> str:
+        while True:
+            rid = f"req-{next(self._ids)}"
+            if rid not in self._live_ids:
+                return rid
+
+    def submit(self, req: Request, *, line: int | None = None) -> RequestState:
+        """Queue a request (validated now); it is admitted at the next burst boundary.
+
+        Parameters
+        ----------
+        req : Request
+        line : int, optional
+            Input line number, kept on the state for the caller's records.
+        """
+        state = RequestState(self.validate(req), submitted=time.perf_counter(), line=line)
+        self._live_ids[req.id] = state
         self.queue.append(state)
         return state
 
     def cancel(self, state: RequestState) -> None:
-        """Cancel a request; its slot is freed at the next burst boundary."""
+        """Cancel a request: from now on it receives no token, and it is done.
+
+        Its slot is freed at the next burst boundary; tokens of bursts already in
+        flight for it are dropped. Cancelling a finished request changes nothing.
+        """
+        if state.done:
+            return
         state.cancelled = True
+        self._retire(state)
+
+    def _retire(self, state: RequestState, now: float | None = None, error: str | None = None) -> None:
+        """Mark a request finished (once) and forget its id."""
+        if state.done:
+            return
+        if error is not None:
+            state.error = error
+            self.errors += 1
+        state.finished = now or time.perf_counter()
+        if self._live_ids.get(state.request.id) is state:
+            del self._live_ids[state.request.id]
 
     @property
     def active(self) -> int:
@@ -166,35 +227,57 @@ class ServeLoop:
 
     @property
     def idle(self) -> bool:
-        return not self.queue and self.active == 0
+        """Nothing queued, running or in flight."""
+        return not self.queue and self.active == 0 and not self._in_flight
 
     # ------------------------------------------------------------------ the loop
 
     def _boundary(self) -> None:
-        """Free cancelled slots, then admit waiting requests into free slots."""
-        freed = [b for b, s in enumerate(self.slots) if s is not None and s.cancelled]
+        """Free slots of cancelled or failed requests, then admit waiting requests into free slots.
+
+        Only runs with nothing in flight. A request whose prefill arguments fail the
+        decoder's check finishes with an error and does not take a slot.
+        """
+        freed = [b for b, s in enumerate(self.slots) if s is not None and s.done]
         for b in freed:
-            self._finish(b)
+            self.slots[b] = None
         self.dec.release(freed)
         free = [b for b, s in enumerate(self.slots) if s is None]
         if not free or not self.queue:
             return
         prompts, limits, stops = [None] * self.dec.batch, [None] * self.dec.batch, [None] * self.dec.batch
-        draft_settings = {}
+        draft_settings, admitted = {}, []
         for b in free:
-            while self.queue and self.queue[0].cancelled:  # cancelled while waiting: never admitted
-                self.queue.popleft().finished = time.perf_counter()
-            if not self.queue:
+            while self.queue:
+                state = self.queue.popleft()
+                if state.done:  # cancelled while waiting: never admitted
+                    continue
+                req = state.request
+                try:
+                    # Re-checked here: a caller may have changed the request since submit().
+                    prompts[b] = self.dec.check_request(req.prompt, req.max_new_tokens, req.eos)[0]
+                except Exception as exc:  # noqa: BLE001 - a bad request costs only itself
+                    self._retire(state, error=_describe(exc))
+                    continue
+                limits[b], stops[b] = req.max_new_tokens, req.eos
+                state.slot = b
+                self.slots[b] = state
+                admitted.append(b)
+                draft_settings[b] = (req.accept_prob, req.seed)  # None restores the default for a reused slot
                 break
-            state = self.queue.popleft()
-            req = state.request
-            state.slot = b
-            self.slots[b] = state
-            prompts[b], limits[b], stops[b] = req.prompt, req.max_new_tokens, req.eos
-            draft_settings[b] = (req.accept_prob, req.seed)  # None restores the default for a reused slot
-        if isinstance(self.dec.draft, StubDraft):
-            self.dec.draft.set_slots(draft_settings, self.dec.stream)
-        self.dec.prefill(prompts, max_new_tokens=limits, eos=stops)
+        if not admitted:
+            return
+        try:
+            set_slots = getattr(self.dec.draft, "set_slots", None)  # per-request draft settings (the stub draft)
+            if set_slots is not None:
+                set_slots(draft_settings, self.dec.stream)
+            self.dec.prefill(prompts, max_new_tokens=limits, eos=stops)
+        except Exception as exc:  # noqa: BLE001 - only the requests being admitted are touched
+            msg = _describe(exc)
+            for b in admitted:
+                self._retire(self.slots[b], error=msg)
+                self.slots[b] = None
+            self.dec.release(admitted)
 
     # Timing: every burst gets a (start, end) event pair; three pairs in rotation cover
     # two bursts in flight plus the last drained burst's end, used for the idle gap.
@@ -242,7 +325,7 @@ class ServeLoop:
 
     def _needs_boundary(self) -> bool:
         has_free = any(s is None for s in self.slots)
-        return bool(self.queue and has_free) or any(s is not None and s.cancelled for s in self.slots)
+        return bool(self.queue and has_free) or any(s is not None and s.done for s in self.slots)
 
     def step(self) -> int:
         """One iteration: admit, run a burst, drain, stream tokens, free finished slots.
@@ -250,7 +333,34 @@ class ServeLoop:
         With the pipelined graph engine the next burst is enqueued before the last one's
         tokens are handed out, so the GPU keeps working while the host does; slots are
         only changed with nothing in flight. Returns the number of tokens delivered.
+
+        An exception inside the iteration finishes the requests it touches with an
+        error (those of the slots it names, else every running one) and is not raised;
+        tokens already delivered stay, and bursts in flight still deliver to the rest.
+        Only a failure of the recovery itself (the device is unusable) propagates.
         """
+        try:
+            return self._step()
+        except Exception as exc:  # noqa: BLE001 - a serving loop outlives one request's failure
+            return self._recover(exc)
+
+    def _recover(self, exc: Exception) -> int:
+        msg = _describe(exc)
+        named = [b for b in getattr(exc, "slots", ()) if 0 <= b < len(self.slots) and self.slots[b] is not None]
+        touched = named or [b for b, s in enumerate(self.slots) if s is not None]
+        now = time.perf_counter()
+        for b in touched:
+            self._retire(self.slots[b], now, error=msg)
+        delivered = 0
+        if self.graph is not None:
+            while self._in_flight:  # launched bursts still hold the other requests' tokens
+                delivered += self._drain_one()
+        if self.dec.outstanding:  # a burst failed part-way through being enqueued
+            self.dec.abandon_enqueued()
+        self._boundary()
+        return delivered
+
+    def _step(self) -> int:
         if self.graph is None:
             self._boundary()
             return self._run_eager() if self.active else 0
@@ -273,34 +383,35 @@ class ServeLoop:
         return bool((left > 0).any())
 
     def _deliver(self, tokens, acc) -> int:
+        """Hand a drained burst's tokens to their requests; finish those that stopped.
+
+        Only slots that received tokens or finished are visited (numpy picks them), so
+        the host cost follows the tokens delivered, not the batch size. A request that
+        is already done (cancelled, failed) receives nothing more.
+        """
         now = time.perf_counter()
         self.bursts += 1
-        # One conversion per burst, then plain list slicing: per-slot numpy calls would
-        # dominate the host time of a 64-slot loop.
-        rows, counts, acc_rows = tokens.data.tolist(), tokens.counts.tolist(), acc.tolist()
-        finished = (self.dec.host_left == 0).tolist()
-        for b, state in enumerate(self.slots):
-            if state is None:
+        counts = tokens.counts
+        finished = self.dec.host_left == 0
+        for b in np.flatnonzero((counts > 0) | finished).tolist():
+            state = self.slots[b]
+            if state is None or state.done:
                 continue
-            n = counts[b]
+            n = int(counts[b])
             if n:
-                new = rows[b][1 : 1 + n]
+                new = tokens.data[b, 1 : 1 + n].tolist()
                 if state.first_token is None:
                     state.first_token = now
                 state.tokens += new
                 state._new.extend(new)
                 state.deliveries.append((now, n))
-            state.accepted, state.rounds = acc_rows[b]
+                state.accepted, state.rounds = int(acc[b, 0]), int(acc[b, 1])
             if finished[b]:
-                self._finish(b, now)
+                self._retire(state, now)
+                self.slots[b] = None
         delivered = tokens.total
         self.tokens_out += delivered
         return delivered
-
-    def _finish(self, b: int, now: float | None = None) -> None:
-        state = self.slots[b]
-        state.finished = now or time.perf_counter()
-        self.slots[b] = None
 
     def run_until_idle(self) -> None:
         """Serve until every submitted request has finished and nothing is in flight."""
@@ -347,6 +458,7 @@ class ServeLoop:
             "tokens_per_s": self.tokens_out / elapsed if elapsed > 0 else 0.0,
             "active_slots": self.active,
             "queued": len(self.queue),
+            "errors": self.errors,
             "gpu_idle_fraction": self.gpu_idle_ms / total if total > 0 else None,
             "captures": self.graph.captures if self.graph is not None else 0,
         }
@@ -368,3 +480,9 @@ def percentiles(xs, qs=(50, 99)) -> dict:
     if not xs:
         return {f"p{q}": None for q in qs}
     return {f"p{q}": float(np.percentile(xs, q)) for q in qs} | {"median": statistics.median(xs)}
+
+
+def _describe(exc: BaseException) -> str:
+    """One line for a request's ``error``: the exception type and message."""
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -1,41 +1,51 @@
 """``graphburst serve``: serve JSONL requests through one captured burst graph.
 
 Each input line is ``{"id": "r1", "prompt": [12, 7, 99], "max_new_tokens": 64, "eos": 2}``
-(``eos``, ``id``, ``accept_prob`` and ``seed`` optional). Each output line is the
-request's record, with its ``id``, ``tokens`` and timings, or ``{"error": ..., "line": N}``
-for a line that could not be served; the loop keeps serving the rest.
+(``eos``, ``id``, ``accept_prob`` and ``seed`` optional). Input is served as it arrives:
+a reader thread hands lines over one at a time, so a request from a pipe starts before
+EOF, and its record is written as soon as it finishes. Every non-blank line yields
+exactly one output line carrying its ``line`` number: the request's record (``id``,
+``tokens``, ``finish_reason``, timings, and ``error`` if the loop had to give up on it),
+or ``{"error": ..., "line": N}`` for a line that could not be served. A bad line
+(bad JSON or UTF-8, nesting too deep, a duplicate id in flight...) costs only itself.
 """
 
 from __future__ import annotations
 
 import json
+import queue
 import sys
+import threading
 
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
 from .backend import BACKEND_NAMES, get_backend
+from .cli_args import FlagError, check_backend, check_kv_memory, int_in, readable_file, real_in, same_file, \
+    writable_file
+from .constants import MAX_K
 from .models import stub_pair
 from .serve import ENGINE_MODES, Request, ServeLoop
 
 FIELDS = {"prompt", "max_new_tokens", "eos", "id", "accept_prob", "seed"}
+MAX_ERROR_CHARS = 300  # an error record stays one short line, whatever the input was
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="serve JSONL requests (file or stdin) over one captured burst graph")
-    p.add_argument("--requests", default="-", help="JSONL file, '-' for stdin")
-    p.add_argument("--output", default="-", help="JSONL results, '-' for stdout")
+    p.add_argument("--requests", type=readable_file, default="-", help="JSONL file, '-' for stdin")
+    p.add_argument("--output", type=writable_file, default="-", help="JSONL results, '-' for stdout")
     p.add_argument("--backend", choices=BACKEND_NAMES, default="auto")
     p.add_argument("--engine", choices=ENGINE_MODES, default="graph")
-    p.add_argument("--batch", type=int, default=64, help="batch slots")
-    p.add_argument("-k", type=int, default=4)
-    p.add_argument("-m", "--rounds", type=int, default=8)
-    p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--layers", type=int, default=4, help="target KV layers")
-    p.add_argument("--capacity", type=int, default=4096, help="KV entries per slot")
-    p.add_argument("--accept", type=float, default=0.7, help="default draft agreement probability")
-    p.add_argument("--cost-us", type=float, default=0.0, help="emulated model time per call")
+    p.add_argument("--batch", type=int_in(1, 65536), default=64, help="batch slots")
+    p.add_argument("-k", type=int_in(1, MAX_K), default=4)
+    p.add_argument("-m", "--rounds", type=int_in(1, 1024), default=8)
+    p.add_argument("--vocab", type=int_in(2, 2**31 - 1), default=32000)
+    p.add_argument("--layers", type=int_in(1, 4096), default=4, help="target KV layers")
+    p.add_argument("--capacity", type=int_in(1, 2**31 - 1), default=4096, help="KV entries per slot")
+    p.add_argument("--accept", type=real_in(0.0, 1.0), default=0.7, help="default draft agreement probability")
+    p.add_argument("--cost-us", type=real_in(0.0, 1e6), default=0.0, help="emulated model time per call")
     p.add_argument("--no-pipeline", action="store_true",
                    help="graph engine: drain each burst before enqueueing the next")
     p.add_argument("--live", action="store_true", help="show the live view even when stderr is not a terminal")
@@ -49,12 +59,22 @@ def add_parser(sub) -> None:
     h.add_argument("--served-model-name", default="graphburst-stub", help="the model name clients send")
 
 
+def check_args(args) -> None:
+    """Checks across flags, before anything is opened (FlagError names the flag)."""
+    check_backend(args.backend)
+    if same_file(args.requests, args.output):
+        raise FlagError("--output", f"{args.output!r} is the --requests file; writing there would empty it")
+    check_kv_memory(args.batch, args.capacity, args.layers + 1)
+
+
 def parse_line(text: str) -> Request:
     """A request from one JSONL line; raises ValueError/TypeError naming what is wrong."""
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ValueError(f"bad JSON: {exc.msg} at column {exc.colno}") from exc
+    except RecursionError as exc:
+        raise ValueError("bad JSON: nested too deeply") from exc
     if not isinstance(obj, dict):
         raise TypeError(f"a request must be a JSON object, got {type(obj).__name__}")
     missing = [f for f in ("prompt", "max_new_tokens") if f not in obj]
@@ -62,19 +82,39 @@ def parse_line(text: str) -> Request:
         raise ValueError(f"missing field(s): {', '.join(missing)}")
     req = Request(**{k: v for k, v in obj.items() if k in FIELDS})
     if req.id is not None:
+        if not isinstance(req.id, (str, int)) or isinstance(req.id, bool):
+            raise TypeError(f"id must be a string or an integer, got {type(req.id).__name__}")
         req.id = str(req.id)
     return req
 
 
+def _error_text(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    if not isinstance(exc, (ValueError, TypeError)):
+        text = f"{type(exc).__name__}: {text}"
+    return text if len(text) <= MAX_ERROR_CHARS else text[: MAX_ERROR_CHARS - 3] + "..."
+
+
 def _record(state) -> dict:
-    req = state.request
-    if state.cancelled:
-        reason = "cancelled"
-    elif req.eos is not None and state.tokens and state.tokens[-1] == req.eos:
-        reason = "eos"
-    else:
-        reason = "length"
-    return {"id": req.id, "tokens": state.tokens, "finish_reason": reason, **state.stats()}
+    rec = {"id": state.request.id, "line": state.line, "tokens": state.tokens,
+           "finish_reason": state.finish_reason, **state.stats()}
+    if state.error is not None:
+        rec["error"] = state.error
+    return rec
+
+
+_EOF = object()
+
+
+def _read_lines(source, lines: queue.Queue) -> None:
+    """Reader thread: put ``(line number, bytes)`` per line as it arrives, then _EOF."""
+    try:
+        for n, raw in enumerate(iter(source.readline, b""), start=1):
+            lines.put((n, raw))
+    except Exception as exc:  # noqa: BLE001 - reported by the main thread
+        lines.put(exc)
+    finally:
+        lines.put(_EOF)
 
 
 def _view(loop: ServeLoop) -> Table:
@@ -104,41 +144,73 @@ def run(args, console: Console) -> int:
     err = Console(stderr=True)
     if not backend.is_gpu:
         err.print("graphburst serve: no GPU in use; running the numpy reference backend")
-    source = sys.stdin if args.requests == "-" else open(args.requests)  # noqa: SIM115 - closed below
+    source = sys.stdin.buffer if args.requests == "-" else open(args.requests, "rb")  # noqa: SIM115 - closed below
     sink = sys.stdout if args.output == "-" else open(args.output, "w")  # noqa: SIM115
-    states, n_err = [], 0
-    try:
-        for n, text in enumerate(source, start=1):
-            if not text.strip():
-                continue
-            try:
-                states.append(loop.submit(parse_line(text)))
-            except (ValueError, TypeError) as exc:
-                sink.write(json.dumps({"error": str(exc), "line": n}) + "\n")
-                n_err += 1
-        written = set()
-        live = Live(_view(loop), console=err, refresh_per_second=4, transient=False,
-                    auto_refresh=False) if (err.is_terminal or args.live) else None
-        if live:
-            live.start()
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=_read_lines, args=(source, lines), daemon=True, name="graphburst-serve-reader").start()
+    counts = {"lines": 0, "rejected": 0, "served": 0, "failed": 0}
+    pending: list = []  # submitted, record not yet written
+
+    def emit(rec: dict) -> None:
+        sink.write(json.dumps(rec) + "\n")
+
+    def take(n: int, raw: bytes) -> None:
+        if not raw.strip():
+            return
+        counts["lines"] += 1
         try:
-            while not loop.idle:
+            pending.append(loop.submit(parse_line(raw.decode("utf-8")), line=n))
+        except Exception as exc:  # noqa: BLE001 - a bad line costs only itself
+            emit({"error": _error_text(exc), "line": n})
+            counts["rejected"] += 1
+
+    live = Live(_view(loop), console=err, refresh_per_second=4, transient=False,
+                auto_refresh=False) if (err.is_terminal or args.live) else None
+    if live:
+        live.start()
+    eof, read_error = False, None
+    try:
+        while True:
+            block = loop.idle  # nothing to serve: wait for the next line
+            while not eof:
+                try:
+                    item = lines.get(block=block)
+                except queue.Empty:
+                    break
+                block = False
+                if item is _EOF:
+                    eof = True
+                elif isinstance(item, Exception):
+                    read_error = item
+                else:
+                    take(*item)
+            if not loop.idle:
                 loop.step()
-                for s in states:
-                    if s.done and id(s) not in written:
-                        sink.write(json.dumps(_record(s)) + "\n")
-                        written.add(id(s))
-                if live:
-                    live.update(_view(loop), refresh=True)
-        finally:
+            still = []
+            for s in pending:
+                if s.done:
+                    emit(_record(s))
+                    counts["failed" if s.error else "served"] += 1
+                else:
+                    still.append(s)
+            pending[:] = still
+            sink.flush()
             if live:
-                live.stop()
+                live.update(_view(loop), refresh=True)
+            if eof and loop.idle and not pending:
+                break
     finally:
-        if source is not sys.stdin:
+        if live:
+            live.stop()
+        if source is not sys.stdin.buffer:
             source.close()
         if sink is not sys.stdout:
             sink.close()
     stats = loop.stats()
-    err.print(f"served {len(states)} requests ({n_err} rejected) in {stats['bursts']} bursts, "
-              f"{stats['tokens']} tokens, {stats['tokens_per_s']:.0f} tokens/s")
-    return 0
+    err.print(f"served {counts['served']} requests ({counts['rejected']} lines rejected, {counts['failed']} failed) "
+              f"in {stats['bursts']} bursts, {stats['tokens']} tokens, {stats['tokens_per_s']:.0f} tokens/s")
+    if read_error is not None:
+        err.print(f"graphburst serve: reading the requests failed: {_error_text(read_error)}")
+        return 1
+    # Exit 1 when no line was served: every input line was rejected (or failed).
+    return 1 if counts["lines"] and not counts["served"] else 0

@@ -14,6 +14,8 @@ module.
 
 from __future__ import annotations
 
+import numbers
+
 from collections.abc import Sequence
 
 import numpy as np
@@ -29,9 +31,20 @@ __all__ = ["StubDraft", "StubTarget", "normalize_layout", "storage_ptr_table", "
 
 
 def normalize_layout(layers, name: str) -> list[bool]:
-    """``layers`` as a KV/absent list: an int n means n KV layers, else a bool sequence."""
-    if isinstance(layers, (int, np.integer)) and not isinstance(layers, bool):
+    """``layers`` as a KV/absent list: an int n means n KV layers, else a sequence of bools.
+
+    Raises TypeError naming ``name`` for anything else (``True``, ``None``, a string...).
+    """
+    if isinstance(layers, numbers.Integral) and not isinstance(layers, (bool, np.bool_)):
         return [True] * check_int(name, layers)
+    if isinstance(layers, np.ndarray):
+        layers = layers.tolist()
+    if isinstance(layers, (str, bytes, bytearray)) or not isinstance(layers, Sequence):
+        raise TypeError(f"{name} must be an int (number of KV layers) or a sequence of bools (False: no KV), "
+                        f"got {type(layers).__name__} {layers!r:.60}")
+    for i, x in enumerate(layers):
+        if not isinstance(x, (bool, np.bool_)) and not (isinstance(x, numbers.Integral) and x in (0, 1)):
+            raise TypeError(f"{name}[{i}] must be a bool (True: a KV layer), got {type(x).__name__} {x!r:.60}")
     layout = [bool(x) for x in layers]
     if not any(layout):
         raise ValueError(f"{name} needs at least one KV layer to carry the stub digest, got {list(layers)!r}")
@@ -211,6 +224,8 @@ def stub_pair(batch: int, vocab: int, target_layers: Sequence[bool] | int, draft
               capacity: int, *, accept_prob: float = 0.7, p_min: float = 0.0, seed: int = 0, cost_ns: int = 0,
               backend: Backend | str = "auto") -> tuple[StubTarget, StubDraft]:
     """Build a matching stub target and draft on one backend."""
+    target_layers = normalize_layout(target_layers, "target_layers")
+    draft_layers = normalize_layout(draft_layers, "draft_layers")
     backend = get_backend(backend)
     target = StubTarget(batch, vocab, target_layers, capacity, cost_ns=cost_ns, backend=backend)
     draft = StubDraft(batch, vocab, draft_layers, capacity, accept_prob=accept_prob, p_min=p_min, seed=seed,

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import numbers
+from collections.abc import Sequence
+
+import numpy as np
 
 
 def check_int(name: str, value, minimum: int = 1, maximum: int | None = None) -> int:
     """Return ``value`` as int, or raise naming it when it is not an int in range."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {_short(value)}")
     value = int(value)
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
@@ -20,7 +23,7 @@ def check_int(name: str, value, minimum: int = 1, maximum: int | None = None) ->
 def check_prob(name: str, value) -> float:
     """Return ``value`` as float, or raise when it is not a probability in [0, 1]."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a float in [0, 1], got {type(value).__name__} {value!r}")
+        raise TypeError(f"{name} must be a float in [0, 1], got {type(value).__name__} {_short(value)}")
     value = float(value)
     if not 0.0 <= value <= 1.0:
         raise ValueError(f"{name} must be in [0, 1], got {value}")
@@ -53,3 +56,44 @@ def check_array(name: str, arr, backend, shape: tuple, dtype) -> None:
     if not arr.flags.c_contiguous:
         raise ValueError(f"{name} must be C-contiguous")
     backend.check_device(name, arr)
+
+
+def check_prompt(name: str, prompt, vocab: int) -> np.ndarray:
+    """Return a prompt as a ``[n] int32`` host array, or raise naming the bad token.
+
+    The one prompt check of the library: ``SpecDecoder.prefill`` and ``ServeLoop``
+    both use it, so they accept the same inputs: a non-empty list, tuple or other
+    sequence of ints (numpy integers included) or a 1-D integer numpy array, every
+    token in ``[0, vocab)``. Bools, floats, strings, ``None``, generators, nested and
+    ragged sequences are refused with TypeError/ValueError.
+    """
+    if isinstance(prompt, np.ndarray):
+        if prompt.ndim != 1 or prompt.size == 0:
+            raise ValueError(f"{name} must be a non-empty 1-D token sequence, got shape {prompt.shape}")
+        if prompt.dtype == np.bool_ or not np.issubdtype(prompt.dtype, np.integer):
+            raise TypeError(f"{name} must hold integer tokens, got dtype {prompt.dtype}")
+        bad = (prompt < 0) | (prompt >= vocab)
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise ValueError(f"{name}[{i}] = {int(prompt[i])} is outside the vocabulary [0, {vocab})")
+        return prompt.astype(np.int32)
+    if isinstance(prompt, (str, bytes, bytearray)) or not isinstance(prompt, Sequence):
+        raise TypeError(f"{name} must be a list of int tokens or a 1-D integer array, got {type(prompt).__name__}"
+                        + ("" if prompt is None else f" {_short(prompt)}"))
+    if len(prompt) == 0:
+        raise ValueError(f"{name} must be a non-empty 1-D token sequence, got an empty {type(prompt).__name__}")
+    for i, t in enumerate(prompt):
+        if isinstance(t, (bool, np.bool_)) or not isinstance(t, numbers.Integral):
+            raise TypeError(f"{name}[{i}] must be an int token, got {type(t).__name__} {_short(t)}")
+        if not 0 <= t < vocab:
+            raise ValueError(f"{name}[{i}] = {int(t)} is outside the vocabulary [0, {vocab})")
+    return np.array(prompt, dtype=np.int32)
+
+
+def _short(value, limit: int = 60) -> str:
+    """``repr`` cut to ``limit`` characters: error messages must stay one short line."""
+    try:
+        text = repr(value)
+    except RecursionError:
+        return f"<deeply nested {type(value).__name__}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."

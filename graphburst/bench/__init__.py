@@ -13,6 +13,7 @@ from __future__ import annotations
 from rich.console import Console
 
 from ..backend import get_backend
+from ..cli_args import check_backend
 from . import capture, latency, serve
 
 BENCHMARKS = {"latency": latency, "serve": serve, "capture": capture}
@@ -23,6 +24,14 @@ def add_parser(sub) -> None:
     kinds = p.add_subparsers(dest="benchmark", required=True, metavar="{latency,serve,capture}")
     for module in BENCHMARKS.values():
         module.add_parser(kinds)
+
+
+def check_args(args) -> None:
+    """Flag checks before any work (raise ``cli_args.FlagError``): the backend, then the benchmark's own."""
+    check_backend(args.backend)
+    own = getattr(BENCHMARKS[args.benchmark], "check_args", None)
+    if own is not None:
+        own(args)
 
 
 def run(args, console: Console) -> int:

@@ -14,6 +14,7 @@ import time
 from rich.console import Console
 
 from ..capture import BurstGraph
+from ..cli_args import int_in, writable_file
 from .common import check_greedy, label, new_table, write_results, build_decoder
 
 CFG = dict(batch=1, k=4, m=8, layers=4, accept=0.7, cost_us=0)
@@ -63,8 +64,8 @@ def idle_gaps_us(backend, gapless: bool, bursts: int) -> tuple[float, float]:
 def add_parser(sub) -> None:
     p = sub.add_parser("capture", help="address-guard cost and the idle gap between bursts")
     p.add_argument("--backend", choices=("auto", "cupy", "numpy"), default="auto")
-    p.add_argument("--json", default="capture_bench.json")
-    p.add_argument("--bursts", type=int, default=2000)
+    p.add_argument("--json", type=writable_file, default="capture_bench.json")
+    p.add_argument("--bursts", type=int_in(1, 1_000_000), default=2000)
 
 
 def run(args, console: Console, backend) -> int:

@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.progress import Progress
 
 from ..burst import SpecDecoder
+from ..cli_args import FlagError, check_kv_memory, int_in, writable_file
 from .common import build_decoder, check_greedy, fmt, label, new_table, random_prompts, write_results
 from .modes import LABELS, TIMING_ONLY, Eager, EmptyModel, Floor, Graph, Mode, Peer
 
@@ -198,10 +199,23 @@ def add_parser(sub) -> None:
     p = sub.add_parser("latency", help="latency of every burst mode (rich tables + JSON)")
     p.add_argument("--backend", choices=("auto", "cupy", "numpy"), default="auto")
     p.add_argument("--quick", action="store_true", help="a few configs, under a minute")
-    p.add_argument("--reps", type=int, default=5, help="rotations over the modes per config")
-    p.add_argument("--chunk", type=int, default=20, help="bursts per mode per rotation")
-    p.add_argument("--json", default="bench_results.json")
+    p.add_argument("--reps", type=int_in(1, 1000), default=None,
+                   help="rotations over the modes per config (default 5 on a GPU, 1 on the numpy backend)")
+    p.add_argument("--chunk", type=int_in(1, 10_000), default=None,
+                   help="bursts per mode per rotation (default 20 on a GPU, 3 on the numpy backend)")
+    p.add_argument("--json", type=writable_file, default="bench_results.json", help="raw results file")
     p.add_argument("--no-peer", action="store_true", help="skip the PyTorch-ops peer")
+
+
+def check_args(args) -> None:
+    """The KV caches the sweep needs (sized from reps * chunk) must fit before anything runs."""
+    reps, chunk = args.reps or 5, args.chunk or 20
+    for _, cfg in configs(args.quick):
+        capacity = 16 + (reps * chunk + 8 + CHECK_BURSTS) * cfg["m"] * (cfg["k"] + 1)
+        if capacity > 2**31 - 1:
+            raise FlagError("--reps", f"--reps {reps} x --chunk {chunk} bursts need {capacity} KV entries per "
+                                      "sequence, over 2**31 - 1")
+        check_kv_memory(cfg["batch"], capacity, cfg["layers"] + 2, flags=("--reps", "--chunk"))
 
 
 def run(args, console: Console, backend) -> int:
@@ -209,7 +223,10 @@ def run(args, console: Console, backend) -> int:
     from ..torch_peer import torch_available
 
     with_peer = gpu and not args.no_peer and torch_available()
-    reps, chunk = (args.reps, args.chunk) if gpu else (1, 3)
+    # The numpy reference is slow, so its defaults are small; values given on the
+    # command line are honoured on either backend.
+    reps = args.reps if args.reps is not None else (5 if gpu else 1)
+    chunk = args.chunk if args.chunk is not None else (20 if gpu else 3)
     todo = list(configs(args.quick))
     if not gpu:  # the numpy reference is slow at large sizes; keep the fallback short
         todo = [(d, c) for d, c in todo if c["batch"] <= 8 and c["layers"] <= 32 and c["m"] <= 8][:4]

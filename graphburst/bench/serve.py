@@ -10,6 +10,7 @@ import time
 import numpy as np
 from rich.console import Console
 
+from ..cli_args import int_in, writable_file
 from ..serve import Request, ServeLoop, inter_token_latencies_us, percentiles
 from .common import VOCAB, check_greedy, fmt, label, new_table, stub_models, write_results
 
@@ -48,9 +49,9 @@ def run_one(backend, engine, pipelined, cost_us, n_req, new_tokens, batch=64, k=
 def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="serving loop: tokens/s, inter-token latency, TTFT per engine")
     p.add_argument("--backend", choices=("auto", "cupy", "numpy"), default="auto")
-    p.add_argument("--json", default="serve_bench.json")
-    p.add_argument("--new-tokens", type=int, default=256)
-    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--json", type=writable_file, default="serve_bench.json")
+    p.add_argument("--new-tokens", type=int_in(1, 1_000_000), default=256)
+    p.add_argument("--requests", type=int_in(1, 1_000_000), default=64)
 
 
 def run(args, console: Console, backend) -> int:

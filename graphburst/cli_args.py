@@ -1,0 +1,166 @@
+"""Flag types and the parser of the ``graphburst`` command line.
+
+Every flag value is checked as it is parsed, by an argparse ``type=`` callable, so a
+bad value ends the command before any work with one line on stderr,
+``graphburst <cmd>: error: <flag as typed>: <why>``, and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+
+#: Largest memory the stub KV caches of one command may take; a larger size is a typo.
+MAX_KV_BYTES = 16 * 2**30
+
+
+class FlagError(Exception):
+    """A flag value (or a combination of flags) that cannot be used.
+
+    Parameters
+    ----------
+    flag : str
+        The flag's long name, e.g. ``--output``; the parser reports it as the user typed it.
+    why : str
+    """
+
+    def __init__(self, flag: str, why: str):
+        super().__init__(f"{flag}: {why}")
+        self.flag, self.why = flag, why
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line naming the flag as typed, exit 2."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.argv: list[str] = []
+
+    def parse_args(self, args=None, namespace=None):
+        self._share_argv(list(sys.argv[1:] if args is None else args))
+        return super().parse_args(args, namespace)
+
+    def _share_argv(self, argv: list[str]) -> None:
+        self.argv = argv
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    if isinstance(sub, Parser):
+                        sub._share_argv(argv)
+
+    def typed(self, flag: str) -> str:
+        """How the user spelled ``flag`` (one of its option strings), e.g. ``-m`` for ``--rounds``."""
+        names = [flag]
+        for action in self._actions:
+            if flag in action.option_strings:
+                names = action.option_strings
+        for token in self.argv:
+            for name in names:
+                if token == name or token.startswith(name + "=") or (
+                        len(name) == 2 and not name.startswith("--") and token.startswith(name) and token != name
+                        and not token.startswith("--")):
+                    return name
+        return flag
+
+    def error(self, message: str):
+        # argparse says "argument -m/--rounds: <why>"; the user typed one of those.
+        if message.startswith("argument ") and ": " in message:
+            names, why = message[len("argument "):].split(": ", 1)
+            flag = self.typed(names.split("/")[-1]) if names.startswith("-") else names
+            message = f"{flag}: {why}"
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())}\n")
+
+    def flag_error(self, exc: FlagError):
+        """Report a FlagError raised after parsing (e.g. by a check across flags)."""
+        self.exit(2, f"{self.prog}: error: {self.typed(exc.flag)}: {' '.join(exc.why.split())}\n")
+
+
+def _number(text: str, kind):
+    try:
+        return kind(text)
+    except (ValueError, OverflowError):
+        raise argparse.ArgumentTypeError(f"{'an integer' if kind is int else 'a number'} is needed, got {text!r}")
+
+
+def int_in(lo: int, hi: int):
+    """``type=`` for an integer in ``[lo, hi]``."""
+    def parse(text: str) -> int:
+        value = _number(text, int)
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"must be an integer in [{lo}, {hi}], got {value}")
+        return value
+    parse.__name__ = "int"
+    return parse
+
+
+def real_in(lo: float, hi: float = math.inf):
+    """``type=`` for a finite real in ``[lo, hi]`` (nan and inf refused)."""
+    def parse(text: str) -> float:
+        value = _number(text, float)
+        if not math.isfinite(value) or not lo <= value <= hi:
+            span = f"[{lo}, {hi}]" if math.isfinite(hi) else f">= {lo}"
+            raise argparse.ArgumentTypeError(f"must be a finite number {span}, got {text}")
+        return value
+    parse.__name__ = "float"
+    return parse
+
+
+def readable_file(text: str) -> str:
+    """``type=`` for an existing readable file, or ``-`` for stdin."""
+    if text == "-":
+        return text
+    if not os.path.exists(text):
+        raise argparse.ArgumentTypeError(f"no such file: {text!r}")
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory, not a file")
+    if not os.access(text, os.R_OK):
+        raise argparse.ArgumentTypeError(f"{text!r} is not readable")
+    return text
+
+
+def writable_file(text: str) -> str:
+    """``type=`` for a file that can be created or overwritten, or ``-`` for stdout."""
+    if text == "-":
+        return text
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory, not a file")
+    parent = os.path.dirname(os.path.abspath(text))
+    if not os.path.isdir(parent):
+        raise argparse.ArgumentTypeError(f"directory {parent!r} does not exist")
+    if os.path.exists(text) and not os.access(text, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{text!r} is not writable")
+    if not os.path.exists(text) and not os.access(parent, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"cannot create a file in {parent!r}")
+    return text
+
+
+def same_file(a: str, b: str) -> bool:
+    """True when two paths (neither ``-``) name one file, existing or not."""
+    if a == "-" or b == "-":
+        return False
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def check_kv_memory(batch: int, capacity: int, kv_layers: int, flags=("--batch", "--capacity", "--layers")) -> None:
+    """Raise FlagError when the stub KV caches (int32 entries) would pass MAX_KV_BYTES."""
+    need = batch * capacity * kv_layers * 4
+    if need > MAX_KV_BYTES:
+        raise FlagError(flags[0], f"{batch} slots x {capacity} entries x {kv_layers} KV layers x 4 bytes = "
+                                  f"{need / 2**30:.1f} GiB of KV cache, over the {MAX_KV_BYTES // 2**30} GiB limit "
+                                  f"(lower {', '.join(flags)})")
+
+
+def check_backend(name: str) -> None:
+    """Raise FlagError for ``--backend cupy`` on a machine without a usable GPU."""
+    from .backend import cuda_available
+
+    if name == "cupy" and not cuda_available():
+        raise FlagError("--backend", "cupy needs cupy and a CUDA device, and none was found; "
+                                     "use --backend numpy (or auto)")
