@@ -16,7 +16,7 @@ from .cli_args import FlagError, Parser, check_backend, check_kv_memory, int_in,
 from .constants import MAX_K
 from .burst import MODES, SpecDecoder
 from .digest import greedy_reference
-from .models import stub_pair
+from .stubs import stub_pair
 
 
 def _demo_parser(sub) -> None:

@@ -30,7 +30,7 @@ from . import openai_api as api
 from .backend import get_backend
 from .engine_thread import EngineThread, Ticket
 from .metrics import CONTENT_TYPE, Metrics
-from .models import stub_pair
+from .stubs import stub_pair
 from .serve import Request, ServeLoop
 
 DEFAULT_ADDRESS = "127.0.0.1:8000"

@@ -28,7 +28,7 @@ import numpy as np
 from .burst import SpecDecoder
 from .capture import BurstGraph
 from .constants import UNBOUNDED_BUDGET
-from .validate import check_int, check_prob, check_prompt
+from .validate import check_int, check_prompt
 
 ENGINE_MODES = ("graph", "eager_sync")
 
@@ -45,8 +45,9 @@ class Request:
         >= 1.
     eos : int, optional
         Stop after emitting this token.
-    accept_prob, seed : optional
-        Per-request settings of the stub draft.
+    options : dict, optional
+        Per-request model options (protocol ``option_keys``), for example the stub
+        draft's ``{"accept_prob": 0.9, "seed": 7}``. A key no model claims is refused.
     id : str, optional
         Made up when absent; never equal to the id of another request in flight.
     """
@@ -54,9 +55,8 @@ class Request:
     prompt: list
     max_new_tokens: int
     eos: int | None = None
-    accept_prob: float | None = None
-    seed: int | None = None
     id: str | None = None
+    options: dict | None = None
 
 
 @dataclasses.dataclass
@@ -75,6 +75,7 @@ class RequestState:
     deliveries: list = dataclasses.field(default_factory=list)  # (time, n_tokens) per burst that delivered
     error: str | None = None  # why the loop gave up on this request; None unless finish_reason == "error"
     line: int | None = None  # the input line it came from (JSONL serving), if any
+    slot_options: object = None  # the models' validated view of request.options (SpecDecoder.slot_options)
     _new: collections.deque = dataclasses.field(default_factory=collections.deque)
 
     @property
@@ -161,10 +162,6 @@ class ServeLoop:
         limit = check_int("max_new_tokens", req.max_new_tokens, maximum=UNBOUNDED_BUDGET - 1)
         if req.eos is not None:
             check_int("eos", req.eos, minimum=0, maximum=self.vocab - 1)
-        if req.accept_prob is not None:
-            check_prob("accept_prob", req.accept_prob)
-        if req.seed is not None:
-            check_int("seed", req.seed, minimum=0, maximum=2**32 - 1)
         need = len(prompt) + limit
         if need > self.dec.capacity:
             raise ValueError(f"prompt of {len(prompt)} tokens plus max_new_tokens={limit} needs "
@@ -194,7 +191,9 @@ class ServeLoop:
         line : int, optional
             Input line number, kept on the state for the caller's records.
         """
-        state = RequestState(self.validate(req), submitted=time.perf_counter(), line=line)
+        req = self.validate(req)
+        state = RequestState(req, submitted=time.perf_counter(), line=line,
+                             slot_options=self.dec.slot_options(req.options))
         self._live_ids[req.id] = state
         self.queue.append(state)
         return state
@@ -246,7 +245,7 @@ class ServeLoop:
         if not free or not self.queue:
             return
         prompts, limits, stops = [None] * self.dec.batch, [None] * self.dec.batch, [None] * self.dec.batch
-        draft_settings, admitted = {}, []
+        options, admitted = {}, []
         for b in free:
             while self.queue:
                 state = self.queue.popleft()
@@ -263,14 +262,12 @@ class ServeLoop:
                 state.slot = b
                 self.slots[b] = state
                 admitted.append(b)
-                draft_settings[b] = (req.accept_prob, req.seed)  # None restores the default for a reused slot
+                options[b] = state.slot_options  # every admitted slot: a reused one forgets its last request
                 break
         if not admitted:
             return
         try:
-            set_slots = getattr(self.dec.draft, "set_slots", None)  # per-request draft settings (the stub draft)
-            if set_slots is not None:
-                set_slots(draft_settings, self.dec.stream)
+            self.dec.set_slot_options(options)
             self.dec.prefill(prompts, max_new_tokens=limits, eos=stops)
         except Exception as exc:  # noqa: BLE001 - only the requests being admitted are touched
             msg = _describe(exc)

@@ -1,7 +1,8 @@
 """``graphburst serve``: serve JSONL requests through one captured burst graph.
 
 Each input line is ``{"id": "r1", "prompt": [12, 7, 99], "max_new_tokens": 64, "eos": 2}``
-(``eos``, ``id``, ``accept_prob`` and ``seed`` optional). Input is served as it arrives:
+(``eos`` and ``id`` optional; any other key is a per-request model option, such as the
+stub draft's ``accept_prob`` and ``seed``, and a key no model claims is an error). Input is served as it arrives:
 a reader thread hands lines over one at a time, so a request from a pipe starts before
 EOF, and its record is written as soon as it finishes. Every non-blank line yields
 exactly one output line carrying its ``line`` number: the request's record (``id``,
@@ -25,10 +26,10 @@ from .backend import BACKEND_NAMES, get_backend
 from .cli_args import FlagError, check_backend, check_kv_memory, int_in, readable_file, real_in, same_file, \
     writable_file
 from .constants import MAX_K
-from .models import stub_pair
+from .stubs import stub_pair
 from .serve import ENGINE_MODES, Request, ServeLoop
 
-FIELDS = {"prompt", "max_new_tokens", "eos", "id", "accept_prob", "seed"}
+FIELDS = {"prompt", "max_new_tokens", "eos", "id"}  # every other key is a model option (Request.options)
 MAX_ERROR_CHARS = 300  # an error record stays one short line, whatever the input was
 
 
@@ -80,7 +81,10 @@ def parse_line(text: str) -> Request:
     missing = [f for f in ("prompt", "max_new_tokens") if f not in obj]
     if missing:
         raise ValueError(f"missing field(s): {', '.join(missing)}")
-    req = Request(**{k: v for k, v in obj.items() if k in FIELDS})
+    # Other keys are per-request model options, e.g. the stub draft's accept_prob and
+    # seed; the models refuse any key they do not claim, so a typo is an error record.
+    options = {k: v for k, v in obj.items() if k not in FIELDS}
+    req = Request(**{k: v for k, v in obj.items() if k in FIELDS}, options=options or None)
     if req.id is not None:
         if not isinstance(req.id, (str, int)) or isinstance(req.id, bool):
             raise TypeError(f"id must be a string or an integer, got {type(req.id).__name__}")

@@ -14,7 +14,7 @@ import pytest
 from graphburst import greedy_reference, stub_pair
 from graphburst.burst import CapacityError, SpecDecoder
 from graphburst.capture import BurstGraph
-from graphburst.models import StubTarget
+from graphburst.stubs import StubTarget
 from graphburst.serve import Request, ServeLoop
 
 VOCAB = 5003

@@ -37,8 +37,8 @@ def random_requests(rng, n, eos_rate=0.4):
         eos = None
         if rng.random() < eos_rate:  # a stop token that really occurs, often mid-run
             eos = greedy_reference(prompt, limit, VOCAB)[int(rng.integers(0, limit))]
-        reqs.append(Request(prompt, limit, eos=eos, accept_prob=float(rng.choice([0.3, 0.9, 1.0])),
-                            seed=int(rng.integers(0, 1000))))
+        options = dict(accept_prob=float(rng.choice([0.3, 0.9, 1.0])), seed=int(rng.integers(0, 1000)))
+        reqs.append(Request(prompt, limit, eos=eos, options=options))
     return reqs
 
 
@@ -168,3 +168,20 @@ def test_soak_10000_requests_one_graph():
     assert loop.graph.captures == 1
     bad = [s.request.id for s in states if s.tokens != expected(s.request)]
     assert not bad, bad[:5]
+
+
+def test_request_options_reach_the_models_and_unknown_keys_are_refused():
+    """Per-request model options go through the protocol hook; a key no model claims is an error."""
+    loop = make_loop("numpy", batch=2, accept=0.5)
+    prompt = [1, 2, 3]
+    sure = loop.submit(Request(prompt, 40, options={"accept_prob": 1.0, "seed": 1}))
+    never = loop.submit(Request(prompt, 40, options={"accept_prob": 0.0}))
+    loop.run_until_idle()
+    assert sure.tokens == never.tokens == expected(Request(prompt, 40))
+    assert sure.accepted > 0 and never.accepted == 0  # the stub draft got each slot's own setting
+    with pytest.raises(ValueError, match="unknown model option 'acept_prob'"):
+        loop.submit(Request(prompt, 4, options={"acept_prob": 1.0}))
+    with pytest.raises(ValueError, match="accept_prob"):
+        loop.submit(Request(prompt, 4, options={"accept_prob": 1.5}))
+    rec = parse_line('{"prompt": [1, 2], "max_new_tokens": 3, "seed": 4}')
+    assert rec.options == {"seed": 4}

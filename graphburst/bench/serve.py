@@ -20,7 +20,7 @@ COSTS_US = (0, 100)
 
 def _request(prompt, max_new_tokens, seed=None) -> Request:
     # The stub draft's per-request agreement seed: the one place a benchmark sets a model option.
-    return Request(prompt, max_new_tokens, seed=seed)
+    return Request(prompt, max_new_tokens, options=None if seed is None else {"seed": seed})
 
 
 def run_one(backend, engine, pipelined, cost_us, n_req, new_tokens, batch=64, k=4, m=8) -> dict:
