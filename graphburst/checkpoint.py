@@ -139,11 +139,15 @@ def load_pair(model_dir, draft_dir, *, batch: int, capacity: int, backend: Backe
 
 
 def tiny_random_pair(*, batch: int, capacity: int, backend: Backend | str = "auto", dtype="float32", device=None,
-                     seed: int = 0, vocab: int = 512, hidden: int = 64, layers: int = 4, p_min: float = 0.0):
+                     seed: int = 0, vocab: int = 512, hidden: int = 64, layers: int = 4, p_min: float = 0.0,
+                     residual_scale: float = 0.25):
     """A small random Llama target and its early-exit draft, built in memory (no files).
 
     The draft is the target's first layer with the target's embeddings, final norm and
-    head, so it agrees with the target often enough for a demo to show acceptance.
+    head. The target's later layers have their residual-branch output projections
+    (``o_proj``, ``down_proj``) scaled by ``residual_scale``, so they perturb the draft's
+    view rather than replace it: the draft agrees often enough for a demo to show real
+    acceptance (1.0 gives a plain random model, where an early exit rarely agrees).
 
     Returns
     -------
@@ -158,6 +162,10 @@ def tiny_random_pair(*, batch: int, capacity: int, backend: Backend | str = "aut
                       num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4)
     dt = torch_dtype(dtype)
     target = Llama(cfg, batch=batch, capacity=capacity, dtype=dt, device=device).init_random_(seed)
+    with torch.no_grad():
+        for block in target.layers[1:]:
+            block.self_attn.o_proj.weight.mul_(residual_scale)
+            block.mlp.down_proj.weight.mul_(residual_scale)
     draft = Llama(cfg.replace(num_hidden_layers=1), batch=batch, capacity=capacity, dtype=dt, device=device)
     own = dict(target.named_parameters())
     with torch.no_grad():

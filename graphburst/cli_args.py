@@ -120,6 +120,25 @@ def readable_file(text: str) -> str:
     return text
 
 
+def readable_dir(text: str, flag: str | None = None) -> str:
+    """``type=`` for an existing readable directory (a model checkpoint, say).
+
+    Called directly with ``flag`` it raises :class:`FlagError` naming that flag instead.
+    """
+    why = None
+    if not os.path.exists(text):
+        why = f"no such directory: {text!r}"
+    elif not os.path.isdir(text):
+        why = f"{text!r} is a file, not a directory"
+    elif not os.access(text, os.R_OK | os.X_OK):
+        why = f"{text!r} is not readable"
+    if why is None:
+        return text
+    if flag is not None:
+        raise FlagError(flag, why)
+    raise argparse.ArgumentTypeError(why)
+
+
 def writable_file(text: str) -> str:
     """``type=`` for a file that can be created or overwritten, or ``-`` for stdout."""
     if text == "-":

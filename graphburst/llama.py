@@ -308,3 +308,22 @@ class Llama(nn.Module):
         if logits_at is not None:
             x = x[torch.arange(r, device=x.device), logits_at].unsqueeze(1)  # [R, 1, hidden]
         return F.linear(self.norm(x), self.head_weight()).float()
+
+    @torch.no_grad()
+    def greedy(self, prompt, n: int, row: int = 0) -> list[int]:
+        """The greedy continuation of ``prompt``, re-running the whole prefix for every token.
+
+        A reference that shares no incremental state with the burst: no KV reuse, no
+        speculation. It overwrites the KV entries of batch row ``row``, so call it only
+        while that slot holds nothing you still need (after decoding, in tests and the demo).
+        """
+        device = self.rope_cos.device
+        seq = [int(t) for t in prompt]
+        rows = torch.tensor([row], device=device)
+        zero = torch.zeros(1, dtype=torch.int32, device=device)
+        for _ in range(n):
+            tokens = torch.tensor([seq], device=device)
+            last = torch.tensor([len(seq) - 1], device=device)
+            logits = self(tokens, zero, [zero] * len(self.layers), rows, logits_at=last)
+            seq.append(int(logits[0, -1].argmax()))
+        return seq[len(prompt):]

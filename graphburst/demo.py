@@ -1,0 +1,147 @@
+"""``graphburst demo``: the main job in one screen.
+
+A few bursts of a target/draft pair, run the way a serving process runs them (graph
+replay by default: a CUDA graph on a GPU, the recorded program on the numpy backend),
+checked token for token against an independent greedy reference, in a rich table with
+acceptance, tokens per second and the host syncs the bursts took.
+
+Models: the stub pair by default (reference: the CPU greedy oracle); ``--model
+tiny-random`` for a small random Llama pair built in memory; ``--model DIR --draft DIR``
+for Hugging Face Llama checkpoints (reference for both: the target alone, re-running the
+whole prefix for every token).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from .backend import BACKEND_NAMES, get_backend
+from .burst import MODES, SpecDecoder
+from .cli_args import FlagError, check_backend, check_kv_memory, int_in, readable_dir, real_in
+from .constants import MAX_K
+from .digest import greedy_reference
+
+DEMO_MODES = ("graph", "gapless") + MODES
+TINY_RANDOM = "tiny-random"
+DTYPES = ("float32", "bfloat16")
+STUB_P_MIN = 0.05
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("demo", help="run a few bursts (graph replay by default) and check them against greedy "
+                                    "decoding")
+    p.add_argument("--backend", choices=BACKEND_NAMES, default="auto")
+    p.add_argument("--model", default=None,
+                   help=f"'{TINY_RANDOM}' (a small random Llama pair, no files) or a Hugging Face Llama "
+                        "checkpoint directory; the stub models when absent")
+    p.add_argument("--draft", type=readable_dir, default=None, help="the draft's checkpoint directory (with --model DIR)")
+    p.add_argument("--dtype", choices=DTYPES, default="float32", help="weights and KV of a --model pair")
+    p.add_argument("--batch", type=int_in(1, 4096), default=4)
+    p.add_argument("-k", type=int_in(1, MAX_K), default=4, help="drafts per round")
+    p.add_argument("-m", "--rounds", type=int_in(1, 1024), default=8, help="rounds per burst")
+    p.add_argument("--bursts", type=int_in(1, 10_000), default=4)
+    p.add_argument("--layers", type=int_in(1, 4096), default=8, help="stub target KV layers (every third absent)")
+    p.add_argument("--accept", type=real_in(0.0, 1.0), default=0.7, help="stub draft agreement probability")
+    p.add_argument("--p-min", type=real_in(0.0, 1.0), default=None,
+                   help="the draft breaks its chain below this confidence (default 0.05 for the stubs, 0 for a "
+                        "--model pair, whose softmax confidences can be low)")
+    p.add_argument("--vocab", type=int_in(2, 2**31 - 1), default=32000, help="stub vocabulary")
+    p.add_argument("--mode", choices=DEMO_MODES, default="graph",
+                   help="graph replay (default), graph with the gapless drain, or an eager mode")
+    p.add_argument("--seed", type=int_in(0, 2**32 - 1), default=0)
+
+
+def check_args(args) -> None:
+    """Checks across flags, before any work (FlagError names the flag)."""
+    check_backend(args.backend)
+    if args.model is None and args.draft is not None:
+        raise FlagError("--draft", "needs --model DIR")
+    if args.model not in (None, TINY_RANDOM):
+        readable_dir(args.model, flag="--model")
+        if args.draft is None:
+            raise FlagError("--model", f"a checkpoint directory needs --draft DIR (or use --model {TINY_RANDOM})")
+    capacity = _capacity(args)
+    if capacity > 2**31 - 1:
+        raise FlagError("--bursts", f"{args.bursts} bursts of up to {args.rounds * (args.k + 1)} tokens need "
+                                    f"{capacity} KV entries per sequence, over 2**31 - 1")
+    if args.model is None:
+        check_kv_memory(args.batch, capacity, args.layers + 1, flags=("--batch", "--bursts", "--rounds", "-k"))
+
+
+def _capacity(args) -> int:
+    return 64 + args.bursts * args.rounds * (args.k + 1)  # prompts are at most 32 tokens
+
+
+def _build(args, backend, capacity):
+    """(target, draft, vocab, reference) where ``reference(prompt, n)`` is the greedy truth."""
+    p_min = args.p_min if args.p_min is not None else (STUB_P_MIN if args.model is None else 0.0)
+    if args.model is None:
+        from .stubs import stub_pair
+
+        layout = [i % 3 != 2 for i in range(args.layers)]
+        target, draft = stub_pair(args.batch, args.vocab, layout, [True, False], capacity, accept_prob=args.accept,
+                                  p_min=p_min, seed=args.seed, backend=backend)
+        return target, draft, args.vocab, lambda prompt, n: greedy_reference(prompt, n, args.vocab)
+    from . import checkpoint
+
+    if args.model == TINY_RANDOM:
+        target, draft = checkpoint.tiny_random_pair(batch=args.batch, capacity=capacity, backend=backend,
+                                                    dtype=args.dtype, seed=args.seed, p_min=p_min)
+    else:
+        target, draft = checkpoint.load_pair(args.model, args.draft, batch=args.batch, capacity=capacity,
+                                             backend=backend, dtype=args.dtype, p_min=p_min)
+    return target, draft, target.vocab, lambda prompt, n: target.module.greedy(prompt, n)
+
+
+def _runner(dec, mode):
+    """A callable running one burst and returning its tokens, in the chosen mode."""
+    if mode in MODES:
+        return lambda: dec.run_burst(mode=mode)
+    from .capture import BurstGraph
+
+    return BurstGraph(dec, gapless=mode == "gapless").run
+
+
+def run(args, console: Console) -> int:
+    backend = get_backend(args.backend)
+    where = "GPU (cupy)" if backend.is_gpu else "CPU: numpy reference backend (no GPU in use)"
+    console.print(f"[bold]graphburst demo[/bold] on {where}")
+    capacity = _capacity(args)
+    target, draft, vocab, reference = _build(args, backend, capacity)
+    rng = np.random.default_rng(args.seed)
+    prompts = [rng.integers(0, vocab, int(rng.integers(1, 33))).tolist() for _ in range(args.batch)]
+    dec = SpecDecoder(target, draft, k=args.k, m_rounds=args.rounds)
+    dec.prefill(prompts)
+    run_burst = _runner(dec, args.mode)  # capture happens here, outside the timed bursts
+    syncs0 = dec.host_syncs
+    out = [[] for _ in prompts]
+    t0 = time.perf_counter()
+    for _ in range(args.bursts):
+        for b, t in enumerate(run_burst()):
+            out[b] += t.tolist()
+    wall = time.perf_counter() - t0
+    syncs = dec.host_syncs - syncs0
+    acc = dec.accept_counters()
+    model = "stub" if args.model is None else args.model
+    table = Table(title=f"{model}: k={args.k}, M={args.rounds}, {args.bursts} bursts, mode={args.mode}, "
+                        f"backend={backend.name}")
+    for col in ("seq", "committed", "accepted drafts", "rounds", "acceptance", "tokens/round", "matches greedy"):
+        table.add_column(col, justify="right")
+    all_ok = True
+    for b in range(args.batch):  # references run last: a torch model's reference reuses its KV rows
+        ok = out[b] == reference(prompts[b], len(out[b]))
+        all_ok &= ok
+        rounds = int(acc[b, 1])
+        table.add_row(str(b), str(len(out[b])), str(int(acc[b, 0])), str(rounds),
+                      f"{acc[b, 0] / max(1, rounds * args.k):.2f}", f"{len(out[b]) / max(1, rounds):.2f}",
+                      "[green]yes[/green]" if ok else "[red]NO[/red]")
+    console.print(table)
+    total = sum(len(o) for o in out)
+    console.print(f"{total} tokens in {wall * 1e3:.1f} ms: {total / wall:,.0f} tokens/s ({args.mode}"
+                  f"{'' if backend.is_gpu else ', CPU reference: not a GPU timing'}); host syncs: {syncs} over "
+                  f"{args.bursts} bursts ({syncs / args.bursts:.1f} per burst)")
+    return 0 if all_ok else 1
