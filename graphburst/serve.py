@@ -205,6 +205,7 @@ class ServeLoop:
         # Python list is built when read or when it finishes.
         self.store = SlotTokens(self.dec.batch, self.dec.capacity, self.dec.bufs.ring_capacity)
         self._running = np.zeros(self.dec.batch, bool)  # [B] slot holds a request that is not done
+        self._occupied = np.zeros(self.dec.batch, bool)  # [B] slots[b] is not None (done or not)
         self.queue: collections.deque[RequestState] = collections.deque()
         self._ids = itertools.count()
         self._live_ids: dict = {}  # id -> RequestState, for every request queued or running
@@ -296,7 +297,7 @@ class ServeLoop:
 
     @property
     def active(self) -> int:
-        return sum(s is not None for s in self.slots)
+        return int(np.count_nonzero(self._occupied))
 
     @property
     def idle(self) -> bool:
@@ -314,6 +315,7 @@ class ServeLoop:
         freed = [b for b, s in enumerate(self.slots) if s is not None and s.done]
         for b in freed:
             self.slots[b] = None
+        self._occupied[freed] = False
         self.dec.release(freed)
         free = [b for b, s in enumerate(self.slots) if s is None]
         if not free or not self.queue:
@@ -335,6 +337,7 @@ class ServeLoop:
                 limits[b], stops[b] = req.max_new_tokens, req.eos
                 state.slot = b
                 self.slots[b] = state
+                self._occupied[b] = True
                 admitted.append(b)
                 options[b] = state.slot_options  # every admitted slot: a reused one forgets its last request
                 break
@@ -352,6 +355,7 @@ class ServeLoop:
             for b in admitted:
                 self._retire(self.slots[b], error=msg)
                 self.slots[b] = None
+            self._occupied[admitted] = False
             self.dec.release(admitted)
 
     # Timing: every burst gets a (start, end) event pair; three pairs in rotation cover
@@ -403,8 +407,9 @@ class ServeLoop:
         return self._deliver(tokens, self.dec.accept_counters())
 
     def _needs_boundary(self) -> bool:
-        has_free = any(s is None for s in self.slots)
-        return bool(self.queue and has_free) or any(s is not None and s.done for s in self.slots)
+        """A request waits for a free slot, or a slot still holds a finished request."""
+        occupied = self._occupied
+        return bool(self.queue and not occupied.all()) or bool((occupied & ~self._running).any())
 
     def step(self) -> int:
         """One iteration: admit, run a burst, drain, stream tokens, free finished slots.
@@ -491,6 +496,7 @@ class ServeLoop:
             for b in np.flatnonzero(finished).tolist():
                 self._retire(self.slots[b], now)
                 self.slots[b] = None
+            self._occupied[finished] = False
         delivered = tokens.total
         self.tokens_out += delivered
         return delivered

@@ -63,9 +63,12 @@ class SlotTokens:
         np.copyto(self.acc, acc)
         if rows.size == 0:
             return
-        width = min(self.burst_tokens, ring.shape[1] - 1)
+        width = ring.shape[1] - 1
+        assert width <= self.burst_tokens, (width, self.burst_tokens)
         at = self.n[rows]
-        self.tokens[rows[:, None], at[:, None] + self._cols[:width]] = ring[rows, 1 : 1 + width]
+        # One flat scatter: row b's whole ring row lands at tokens[b, n[b]:n[b] + R].
+        flat = (rows * self.tokens.shape[1] + at)[:, None] + self._cols[:width]  # [r, R]
+        self.tokens.ravel()[flat] = ring[rows, 1:]
         c = counts[rows]
         self.n[rows] = at + c
         d = self.nd[rows]
