@@ -446,6 +446,10 @@ class ServeLoop:
         return delivered
 
     def _step(self) -> int:
+        if not self._in_flight and not self._occupied.any():
+            # Nothing runs and no request holds a slot: the GPU's next gap is the loop
+            # waiting for work, not host overhead between bursts, so it is not counted.
+            self._last_end = None
         if self.graph is None:
             self._boundary()
             return self._run_eager() if self.active else 0
