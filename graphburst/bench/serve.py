@@ -11,7 +11,7 @@ import time
 import numpy as np
 from rich.console import Console
 
-from ..cli_args import int_in, writable_file
+from ..cli_args import FlagError, int_in, writable_file
 from ..serve import Request, ServeLoop, inter_token_latencies_us, percentiles
 from .common import VOCAB, check_greedy, fmt, label, new_table, stub_models, write_results
 
@@ -58,6 +58,17 @@ def add_parser(sub) -> None:
                         "concurrent streaming httpx clients, pipelined and not, stub cost 0")
     p.add_argument("--http-timeout", type=int_in(1, 3600), default=120,
                    help="seconds the HTTP clients of one run may take in all")
+
+
+def check_args(args) -> None:
+    """``--http`` needs the server's packages and the httpx client; say so before any work."""
+    if not args.http:
+        return
+    import importlib.util
+
+    missing = [m for m in ("aiohttp", "prometheus_client", "httpx") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise FlagError("--http", f"needs {', '.join(missing)} (pip install \"graphburst[serve]\")")
 
 
 def run(args, console: Console, backend) -> int:
