@@ -118,3 +118,12 @@ def test_http_tiny_random_through_the_openai_client():
         assert got == tiny_greedy(PROMPTS[1], NEW)
     finally:
         assert s.terminate() == 0, s.errors()
+
+
+@pytest.mark.gpu
+def test_gpu_jsonl_tiny_random_equals_plain_greedy():
+    """On the H200: torch on the cupy backend's device, captured with the burst; tokens equal the CPU loop."""
+    flags = ["--backend", "cupy", *SIZES[2:]]
+    recs = serve_jsonl("--model", "tiny-random", *flags, lines=[{"prompt": p, "max_new_tokens": NEW} for p in PROMPTS])
+    for i, prompt in enumerate(PROMPTS, start=1):
+        assert recs[i]["tokens"] == tiny_greedy(prompt, NEW), i
