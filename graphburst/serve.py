@@ -468,7 +468,8 @@ class ServeLoop:
         # Refill before handing the drained tokens out: while the host delivers burst n,
         # bursts n+1 and n+2 are both queued, so the GPU has work even if delivery is slow.
         try:
-            self._fill(depth)
+            if self.pipelined:
+                self._fill(depth)
         finally:  # a launch that fails (a capacity error, say) must not lose the drained tokens
             delivered += self._deliver(*drained)
         return delivered
