@@ -202,17 +202,18 @@ class EngineThread(threading.Thread):
             if not ticket.admitted and (state.slot is not None or state.done):
                 ticket.admitted = True
                 admitted += 1
-            n = len(state.tokens)
+            n = state.n_tokens  # an int from the loop's slot rows: no list is built for an idle ticket
             if n == ticket.sent and not state.done:
                 continue
-            new = state.tokens[ticket.sent:n]
-            ticket.sent = n
+            new = state.tokens_since(ticket.sent)
+            ticket.sent += len(new)
             if ticket.host_stops:
                 hit = next((i for i, t in enumerate(new) if t in ticket.host_stops), None)
                 if hit is not None:
                     self._close(ticket, "stop", updates, tokens=new[: hit + 1])
                     continue
-            when = state.deliveries[-1][0] if new and state.deliveries else time.perf_counter()
+            last = state.last_delivery
+            when = last if new and last is not None else time.perf_counter()
             if state.done:
                 self._live.pop(id(ticket))
                 reason = finish_reason(state)

@@ -30,11 +30,10 @@ from . import openai_api as api
 from .backend import get_backend
 from .engine_thread import EngineThread, Ticket
 from .metrics import CONTENT_TYPE, Metrics
-from .stubs import stub_pair
 from .serve import Request, ServeLoop
+from .serve_cli import build_loop, model_name
 
 DEFAULT_ADDRESS = "127.0.0.1:8000"
-DEFAULT_MODEL_NAME = "graphburst-stub"
 MAX_BODY_BYTES = 16 * 2**20  # long token-id prompts are JSON numbers: ~6 bytes a token
 RETRY_AFTER_S = 1
 CANCEL_GRACE_S = 2.0  # after the drain timeout: time for cancelled handlers to send their last chunk
@@ -222,19 +221,11 @@ class Server:
         return resp
 
 
-def build_loop(args, backend) -> ServeLoop:
-    """The stub pair and loop the serve flags describe (``--model``/``--draft`` come later)."""
-    target, draft = stub_pair(args.batch, args.vocab, args.layers, 1, args.capacity, accept_prob=args.accept,
-                              cost_ns=int(args.cost_us * 1000), backend=backend)
-    return ServeLoop(target, draft, k=args.k, m_rounds=args.rounds, engine=args.engine,
-                     pipelined=not args.no_pipeline)
-
-
 async def _serve(args, loop: ServeLoop, host: str, port: int, tokenizer) -> int:
     aloop = asyncio.get_running_loop()
     engine = EngineThread(loop, aloop)
     metrics = Metrics(engine)
-    server = Server(engine, metrics, model=args.served_model_name, vocab=loop.vocab, capacity=loop.dec.capacity,
+    server = Server(engine, metrics, model=model_name(args), vocab=loop.vocab, capacity=loop.dec.capacity,
                     max_queue=args.max_queue, tokenizer=tokenizer)
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -284,7 +275,7 @@ def run(args, console) -> int:
         tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
         backend = get_backend(args.backend)
         loop = build_loop(args, backend)
-    except (ValueError, TypeError, RuntimeError, OSError) as exc:
+    except (ValueError, TypeError, RuntimeError, OSError, ImportError) as exc:
         print(f"graphburst serve: {exc}", file=sys.stderr)
         return 2
     if not backend.is_gpu:

@@ -28,6 +28,7 @@ import numpy as np
 from .burst import SpecDecoder
 from .capture import BurstGraph
 from .constants import UNBOUNDED_BUDGET
+from .slot_tokens import SlotTokens
 from .validate import check_int, check_prompt
 
 ENGINE_MODES = ("graph", "eager_sync")
@@ -59,24 +60,88 @@ class Request:
     options: dict | None = None
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class RequestState:
-    """A request in flight: its tokens so far and its timings (perf_counter seconds)."""
+    """A request in flight: its tokens so far and its timings (perf_counter seconds).
+
+    While the request holds a batch slot its tokens, deliveries and accept counters live
+    in the loop's :class:`~graphburst.slot_tokens.SlotTokens` rows (filled with one
+    vectorised copy per burst) and the properties below read them; when it finishes
+    they are copied out once into plain Python values.
+    """
 
     request: Request
-    tokens: list = dataclasses.field(default_factory=list)
     slot: int | None = None
     submitted: float = 0.0
-    first_token: float | None = None
     finished: float | None = None
-    accepted: int = 0  # drafts accepted, from the device counters
-    rounds: int = 0
     cancelled: bool = False
-    deliveries: list = dataclasses.field(default_factory=list)  # (time, n_tokens) per burst that delivered
     error: str | None = None  # why the loop gave up on this request; None unless finish_reason == "error"
     line: int | None = None  # the input line it came from (JSONL serving), if any
     slot_options: object = None  # the models' validated view of request.options (SpecDecoder.slot_options)
-    _new: collections.deque = dataclasses.field(default_factory=collections.deque)
+    _store: SlotTokens | None = None  # the loop's rows while this request runs in ``slot``
+    _tokens: list = dataclasses.field(default_factory=list)  # once finished (or before admission)
+    _deliveries: list = dataclasses.field(default_factory=list)
+    _acc: tuple = (0, 0)
+    _read: int = 0  # tokens already yielded by ServeLoop.stream/astream
+
+    # ------------------------------------------------------------------ reads
+
+    @property
+    def tokens(self) -> list:
+        """Every token delivered so far (a new list while running; the final list once done)."""
+        return self._tokens if self._store is None else self._store.read(self.slot)
+
+    @property
+    def n_tokens(self) -> int:
+        """``len(tokens)`` without building the list."""
+        return len(self._tokens) if self._store is None else int(self._store.n[self.slot])
+
+    def tokens_since(self, start: int) -> list:
+        """``tokens[start:]``, reading only the new part."""
+        return self._tokens[start:] if self._store is None else self._store.read(self.slot, start)
+
+    @property
+    def deliveries(self) -> list:
+        """``[(time, n_tokens), ...]``, one per burst that delivered tokens to this request."""
+        return self._deliveries if self._store is None else self._store.deliveries(self.slot)
+
+    @property
+    def last_delivery(self) -> float | None:
+        """Time of the latest delivery, None before the first."""
+        if self._store is not None:
+            return self._store.last_time(self.slot)
+        return self._deliveries[-1][0] if self._deliveries else None
+
+    @property
+    def first_token(self) -> float | None:
+        if self._store is not None:
+            return self._store.first_time(self.slot)
+        return self._deliveries[0][0] if self._deliveries else None
+
+    @property
+    def accepted(self) -> int:
+        """Drafts accepted, from the device counters."""
+        return int(self._store.acc[self.slot, 0]) if self._store is not None else self._acc[0]
+
+    @property
+    def rounds(self) -> int:
+        return int(self._store.acc[self.slot, 1]) if self._store is not None else self._acc[1]
+
+    def _detach(self) -> None:
+        """Copy this request's values out of the loop's rows (it is leaving its slot)."""
+        store, b = self._store, self.slot
+        if store is None:
+            return
+        self._tokens = store.read(b)
+        self._deliveries = store.deliveries(b)
+        self._acc = (int(store.acc[b, 0]), int(store.acc[b, 1]))
+        self._store = None
+
+    def _take_new(self) -> list:
+        """Tokens not yet yielded to a stream consumer."""
+        new = self.tokens_since(self._read)
+        self._read += len(new)
+        return new
 
     @property
     def done(self) -> bool:
@@ -92,19 +157,21 @@ class RequestState:
         if self.cancelled:
             return "cancelled"
         eos = self.request.eos
-        if eos is not None and self.tokens and self.tokens[-1] == eos:
+        if eos is not None and self._tokens and self._tokens[-1] == eos:
             return "eos"
         return "length"
 
     def stats(self) -> dict:
         """Time to first token, tokens/s and mean accepted drafts per round."""
-        ttft = None if self.first_token is None else (self.first_token - self.submitted) * 1e3
+        first = self.first_token
+        ttft = None if first is None else (first - self.submitted) * 1e3
         # Tokens arrive a burst at a time, so rate is taken over the request's whole life.
         span = (self.finished or time.perf_counter()) - self.submitted
+        rounds = self.rounds
         return {
             "ttft_ms": ttft,
-            "tokens_per_s": len(self.tokens) / span if span > 0 else None,
-            "accepted_per_round": self.accepted / self.rounds if self.rounds else None,
+            "tokens_per_s": self.n_tokens / span if span > 0 else None,
+            "accepted_per_round": self.accepted / rounds if rounds else None,
         }
 
 
@@ -134,6 +201,11 @@ class ServeLoop:
         self._launched = 0
         self.vocab = target.vocab
         self.slots: list[RequestState | None] = [None] * self.dec.batch
+        # Tokens land in per-slot rows (one vectorised copy per burst); a request's
+        # Python list is built when read or when it finishes.
+        self.store = SlotTokens(self.dec.batch, self.dec.capacity, self.dec.bufs.ring_capacity)
+        self._running = np.zeros(self.dec.batch, bool)  # [B] slot holds a request that is not done
+        self._occupied = np.zeros(self.dec.batch, bool)  # [B] slots[b] is not None (done or not)
         self.queue: collections.deque[RequestState] = collections.deque()
         self._ids = itertools.count()
         self._live_ids: dict = {}  # id -> RequestState, for every request queued or running
@@ -216,13 +288,16 @@ class ServeLoop:
         if error is not None:
             state.error = error
             self.errors += 1
+        if state._store is not None:
+            self._running[state.slot] = False  # no later burst's tokens reach it
+            state._detach()
         state.finished = now or time.perf_counter()
         if self._live_ids.get(state.request.id) is state:
             del self._live_ids[state.request.id]
 
     @property
     def active(self) -> int:
-        return sum(s is not None for s in self.slots)
+        return int(np.count_nonzero(self._occupied))
 
     @property
     def idle(self) -> bool:
@@ -240,6 +315,7 @@ class ServeLoop:
         freed = [b for b, s in enumerate(self.slots) if s is not None and s.done]
         for b in freed:
             self.slots[b] = None
+        self._occupied[freed] = False
         self.dec.release(freed)
         free = [b for b, s in enumerate(self.slots) if s is None]
         if not free or not self.queue:
@@ -261,11 +337,16 @@ class ServeLoop:
                 limits[b], stops[b] = req.max_new_tokens, req.eos
                 state.slot = b
                 self.slots[b] = state
+                self._occupied[b] = True
                 admitted.append(b)
                 options[b] = state.slot_options  # every admitted slot: a reused one forgets its last request
                 break
         if not admitted:
             return
+        self.store.reset(admitted)
+        for b in admitted:
+            self.slots[b]._store = self.store
+        self._running[admitted] = True
         try:
             self.dec.set_slot_options(options)
             self.dec.prefill(prompts, max_new_tokens=limits, eos=stops)
@@ -274,6 +355,7 @@ class ServeLoop:
             for b in admitted:
                 self._retire(self.slots[b], error=msg)
                 self.slots[b] = None
+            self._occupied[admitted] = False
             self.dec.release(admitted)
 
     # Timing: every burst gets a (start, end) event pair; three pairs in rotation cover
@@ -304,11 +386,15 @@ class ServeLoop:
         self.graph.replay(timing_events=events)
         self._in_flight.append(events)
 
-    def _drain_one(self) -> int:
-        """Drain the oldest burst in flight and hand its tokens to their requests."""
+    def _drain_raw(self):
+        """Drain the oldest burst in flight: ``(tokens, accept counters)``, not yet handed out."""
         tokens = self.graph.drain()
         self._account(self._in_flight.popleft())
-        return self._deliver(tokens, self.graph.last_acc)
+        return tokens, self.graph.last_acc
+
+    def _drain_one(self) -> int:
+        """Drain the oldest burst in flight and hand its tokens to their requests."""
+        return self._deliver(*self._drain_raw())
 
     def _run_eager(self) -> int:
         events = self._timing_events()
@@ -321,15 +407,17 @@ class ServeLoop:
         return self._deliver(tokens, self.dec.accept_counters())
 
     def _needs_boundary(self) -> bool:
-        has_free = any(s is None for s in self.slots)
-        return bool(self.queue and has_free) or any(s is not None and s.done for s in self.slots)
+        """A request waits for a free slot, or a slot still holds a finished request."""
+        occupied = self._occupied
+        return bool(self.queue and not occupied.all()) or bool((occupied & ~self._running).any())
 
     def step(self) -> int:
         """One iteration: admit, run a burst, drain, stream tokens, free finished slots.
 
-        With the pipelined graph engine the next burst is enqueued before the last one's
-        tokens are handed out, so the GPU keeps working while the host does; slots are
-        only changed with nothing in flight. Returns the number of tokens delivered.
+        With the pipelined graph engine two bursts stay in flight: the oldest is drained,
+        the next one is enqueued, and only then are the drained tokens handed out, so
+        the GPU keeps working while the host does; slots are only changed with nothing
+        in flight. Returns the number of tokens delivered.
 
         An exception inside the iteration finishes the requests it touches with an
         error (those of the slots it names, else every running one) and is not raised;
@@ -358,6 +446,10 @@ class ServeLoop:
         return delivered
 
     def _step(self) -> int:
+        if not self._in_flight and not self._occupied.any():
+            # Nothing runs and no request holds a slot: the GPU's next gap is the loop
+            # waiting for work, not host overhead between bursts, so it is not counted.
+            self._last_end = None
         if self.graph is None:
             self._boundary()
             return self._run_eager() if self.active else 0
@@ -369,9 +461,22 @@ class ServeLoop:
         if self.active == 0:
             return delivered
         depth = self.graph.n_slots if self.pipelined else 1
+        self._fill(depth)
+        if not self._in_flight:
+            return delivered
+        drained = self._drain_raw()
+        # Refill before handing the drained tokens out: while the host delivers burst n,
+        # bursts n+1 and n+2 are both queued, so the GPU has work even if delivery is slow.
+        try:
+            if self.pipelined:
+                self._fill(depth)
+        finally:  # a launch that fails (a capacity error, say) must not lose the drained tokens
+            delivered += self._deliver(*drained)
+        return delivered
+
+    def _fill(self, depth: int) -> None:
         while len(self._in_flight) < depth and self._worth_launching():
             self._launch()
-        return delivered + (self._drain_one() if self._in_flight else 0)
 
     def _worth_launching(self) -> bool:
         # A burst commits at least one token per round for every live slot, so once the
@@ -382,30 +487,21 @@ class ServeLoop:
     def _deliver(self, tokens, acc) -> int:
         """Hand a drained burst's tokens to their requests; finish those that stopped.
 
-        Only slots that received tokens or finished are visited (numpy picks them), so
-        the host cost follows the tokens delivered, not the batch size. A request that
-        is already done (cancelled, failed) receives nothing more.
+        Vectorised over the batch: one fancy-index copy appends every running slot's
+        tokens to its row (:class:`SlotTokens`); Python only visits the requests that
+        finish. A request that is already done (cancelled, failed) receives nothing more.
         """
         now = time.perf_counter()
         self.bursts += 1
         counts = tokens.counts
-        finished = self.dec.host_left == 0
-        for b in np.flatnonzero((counts > 0) | finished).tolist():
-            state = self.slots[b]
-            if state is None or state.done:
-                continue
-            n = int(counts[b])
-            if n:
-                new = tokens.data[b, 1 : 1 + n].tolist()
-                if state.first_token is None:
-                    state.first_token = now
-                state.tokens += new
-                state._new.extend(new)
-                state.deliveries.append((now, n))
-                state.accepted, state.rounds = int(acc[b, 0]), int(acc[b, 1])
-            if finished[b]:
-                self._retire(state, now)
+        running = self._running
+        self.store.append(tokens.data, counts, np.flatnonzero(running & (counts > 0)), acc, now)
+        finished = running & (self.dec.host_left == 0)
+        if finished.any():
+            for b in np.flatnonzero(finished).tolist():
+                self._retire(self.slots[b], now)
                 self.slots[b] = None
+            self._occupied[finished] = False
         delivered = tokens.total
         self.tokens_out += delivered
         return delivered
@@ -420,8 +516,7 @@ class ServeLoop:
     def stream(self, state: RequestState) -> Iterator[int]:
         """Yield a request's tokens as they arrive, driving the loop when none are buffered."""
         while True:
-            while state._new:
-                yield state._new.popleft()
+            yield from state._take_new()
             if state.done:
                 return
             self.step()
@@ -430,12 +525,12 @@ class ServeLoop:
         """Asyncio form of :meth:`stream`: bursts run in a worker thread, one at a time."""
         lock = self._async_lock()
         while True:
-            while state._new:
-                yield state._new.popleft()
+            for t in state._take_new():
+                yield t
             if state.done:
                 return
             async with lock:
-                if not state._new and not state.done:
+                if state.n_tokens == state._read and not state.done:
                     await asyncio.to_thread(self.step)
 
     def _async_lock(self) -> asyncio.Lock:

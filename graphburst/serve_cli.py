@@ -14,6 +14,7 @@ or ``{"error": ..., "line": N}`` for a line that could not be served. A bad line
 from __future__ import annotations
 
 import json
+import os
 import queue
 import sys
 import threading
@@ -29,6 +30,8 @@ from .constants import MAX_K
 from .stubs import stub_pair
 from .serve import ENGINE_MODES, Request, ServeLoop
 
+STUB_DEFAULTS = {"vocab": 32000, "layers": 4, "accept": 0.7, "cost_us": 0.0}
+TINY_RANDOM = "tiny-random"  # --model value: checkpoint.tiny_random_pair, no files
 FIELDS = {"prompt", "max_new_tokens", "eos", "id"}  # every other key is a model option (Request.options)
 MAX_ERROR_CHARS = 300  # an error record stays one short line, whatever the input was
 
@@ -42,11 +45,24 @@ def add_parser(sub) -> None:
     p.add_argument("--batch", type=int_in(1, 65536), default=64, help="batch slots")
     p.add_argument("-k", type=int_in(1, MAX_K), default=4)
     p.add_argument("-m", "--rounds", type=int_in(1, 1024), default=8)
-    p.add_argument("--vocab", type=int_in(2, 2**31 - 1), default=32000)
-    p.add_argument("--layers", type=int_in(1, 4096), default=4, help="target KV layers")
     p.add_argument("--capacity", type=int_in(1, 2**31 - 1), default=4096, help="KV entries per slot")
-    p.add_argument("--accept", type=real_in(0.0, 1.0), default=0.7, help="default draft agreement probability")
-    p.add_argument("--cost-us", type=real_in(0.0, 1e6), default=0.0, help="emulated model time per call")
+    # Stub-only flags default to None so that giving one with --model can be refused.
+    s = p.add_argument_group("stub models (the default; not with --model)")
+    s.add_argument("--vocab", type=int_in(2, 2**31 - 1), default=None, help=f"default {STUB_DEFAULTS['vocab']}")
+    s.add_argument("--layers", type=int_in(1, 4096), default=None,
+                   help=f"target KV layers (default {STUB_DEFAULTS['layers']})")
+    s.add_argument("--accept", type=real_in(0.0, 1.0), default=None,
+                   help=f"default draft agreement probability (default {STUB_DEFAULTS['accept']})")
+    s.add_argument("--cost-us", type=real_in(0.0, 1e6), default=None,
+                   help=f"emulated model time per call (default {STUB_DEFAULTS['cost_us']})")
+    m = p.add_argument_group("Llama models (graphburst.checkpoint)")
+    m.add_argument("--model", default=None, metavar="DIR",
+                   help=f"target checkpoint directory (Hugging Face Llama), or {TINY_RANDOM!r} (a small random "
+                        "pair built in memory)")
+    m.add_argument("--draft", default=None, metavar="DIR", help="draft checkpoint directory (with a --model DIR)")
+    m.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="weights and KV (default float32)")
+    m.add_argument("--p-min", type=real_in(0.0, 1.0), default=None,
+                   help="draft: stop drafting below this probability (default 0)")
     p.add_argument("--no-pipeline", action="store_true",
                    help="graph engine: drain each burst before enqueueing the next")
     p.add_argument("--live", action="store_true", help="show the live view even when stderr is not a terminal")
@@ -57,15 +73,85 @@ def add_parser(sub) -> None:
     h.add_argument("--max-queue", type=int, default=256, help="waiting requests before 429")
     h.add_argument("--drain-timeout", type=float, default=10.0, help="seconds to finish requests on SIGTERM")
     h.add_argument("--tokenizer", default=None, metavar="DIR", help="model dir with tokenizer.json (text I/O)")
-    h.add_argument("--served-model-name", default="graphburst-stub", help="the model name clients send")
+    h.add_argument("--served-model-name", default=None,
+                   help="the model name clients send (default graphburst-stub, or the --model directory's name)")
 
 
 def check_args(args) -> None:
-    """Checks across flags, before anything is opened (FlagError names the flag)."""
+    """Checks across flags, before anything is opened (FlagError names the flag).
+
+    Fills in the stub defaults without ``--model``; with it, a stub-only flag given
+    explicitly is an error (the checkpoint decides the vocabulary and layers, and a real
+    draft has no agreement probability or emulated cost).
+    """
     check_backend(args.backend)
     if same_file(args.requests, args.output):
         raise FlagError("--output", f"{args.output!r} is the --requests file; writing there would empty it")
-    check_kv_memory(args.batch, args.capacity, args.layers + 1)
+    if args.model is None:
+        for flag in ("--draft", "--dtype", "--p-min"):
+            if getattr(args, flag[2:].replace("-", "_")) is not None:
+                raise FlagError(flag, "applies to --model only (the stub models are the default)")
+        for name, value in STUB_DEFAULTS.items():
+            if getattr(args, name) is None:
+                setattr(args, name, value)
+        check_kv_memory(args.batch, args.capacity, args.layers + 1)
+        return
+    for name in STUB_DEFAULTS:
+        if getattr(args, name) is not None:
+            flag = "--" + name.replace("_", "-")
+            raise FlagError(flag, f"applies to the stub models only; with --model the checkpoint sets the model "
+                                  f"(drop {flag})")
+    if args.model == TINY_RANDOM:
+        if args.draft is not None:
+            raise FlagError("--draft", f"--model {TINY_RANDOM} builds its own draft; drop --draft")
+    elif args.draft is None:
+        raise FlagError("--draft", f"--model {args.model!r} needs --draft DIR (a smaller checkpoint with the same "
+                                   "vocabulary)")
+    else:
+        for flag, path in (("--model", args.model), ("--draft", args.draft)):
+            if not os.path.isdir(path):
+                raise FlagError(flag, f"{path!r} is not a directory")
+        if args.tokenizer is None and os.path.isfile(os.path.join(args.model, "tokenizer.json")):
+            args.tokenizer = args.model  # the model directory's own tokenizer, unless told otherwise
+    args.dtype = args.dtype or "float32"
+    args.p_min = 0.0 if args.p_min is None else args.p_min
+
+
+def model_name(args) -> str:
+    """The name the model is served as: ``--served-model-name``, else taken from ``--model``."""
+    if args.served_model_name is not None:
+        return args.served_model_name
+    if args.model is None:
+        return "graphburst-stub"
+    return TINY_RANDOM if args.model == TINY_RANDOM else os.path.basename(os.path.normpath(args.model))
+
+
+def build_loop(args, backend) -> ServeLoop:
+    """The models and the loop the serve flags describe; the one builder of JSONL and HTTP serving.
+
+    Stubs by default; ``--model DIR --draft DIR`` loads a Llama pair with
+    :func:`graphburst.checkpoint.load_pair` (torch on the backend's device: the GPU the
+    cupy backend uses, else the CPU), ``--model tiny-random`` builds
+    :func:`graphburst.checkpoint.tiny_random_pair`.
+
+    Raises
+    ------
+    ValueError, OSError, ImportError
+        A checkpoint that cannot be loaded (the message names the file or key).
+    """
+    if args.model is None:
+        target, draft = stub_pair(args.batch, args.vocab, args.layers, 1, args.capacity, accept_prob=args.accept,
+                                  cost_ns=int(args.cost_us * 1000), backend=backend)
+    else:
+        from . import checkpoint  # torch and safetensors: only when a model is asked for
+
+        kw = dict(batch=args.batch, capacity=args.capacity, backend=backend, dtype=args.dtype, p_min=args.p_min)
+        if args.model == TINY_RANDOM:
+            target, draft = checkpoint.tiny_random_pair(**kw)
+        else:
+            target, draft = checkpoint.load_pair(args.model, args.draft, **kw)
+    return ServeLoop(target, draft, k=args.k, m_rounds=args.rounds, engine=args.engine,
+                     pipelined=not args.no_pipeline)
 
 
 def parse_line(text: str) -> Request:
@@ -141,10 +227,11 @@ def run(args, console: Console) -> int:
             return 2
         return http_server.run(args, console)
     backend = get_backend(args.backend)
-    target, draft = stub_pair(args.batch, args.vocab, args.layers, 1, args.capacity, accept_prob=args.accept,
-                              cost_ns=int(args.cost_us * 1000), backend=backend)
-    loop = ServeLoop(target, draft, k=args.k, m_rounds=args.rounds, engine=args.engine,
-                     pipelined=not args.no_pipeline)
+    try:
+        loop = build_loop(args, backend)
+    except (ValueError, TypeError, RuntimeError, OSError, ImportError) as exc:
+        print(f"graphburst serve: {_error_text(exc)}", file=sys.stderr)
+        return 2
     err = Console(stderr=True)
     if not backend.is_gpu:
         err.print("graphburst serve: no GPU in use; running the numpy reference backend")

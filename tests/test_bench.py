@@ -36,6 +36,18 @@ def test_bench_serve_on_numpy(tmp_path):
     assert [r["tokens"] for r in res["results"]] == [15] * 6
 
 
+def test_bench_serve_http_on_numpy(tmp_path):
+    """The server runs as a subprocess on loopback; concurrent httpx clients check every stream's tokens."""
+    pytest.importorskip("aiohttp")
+    pytest.importorskip("httpx")
+    res = bench("serve", "--requests", "4", "--new-tokens", "9", "--http", "--http-timeout", "60", tmp_path=tmp_path)
+    http = [r for r in res["results"] if r["transport"] == "http"]
+    assert [r["engine"] for r in http] == ["graph pipelined", "graph"]
+    assert all(r["tokens"] == 36 and r["clients"] == 4 and r["bursts"] > 0 for r in http)
+    assert all(r["tokens_per_s"] > 0 and r["ttft_ms"]["p50"] > 0 for r in http)
+    assert len([r for r in res["results"] if r["transport"] == "in-process"]) == 6
+
+
 def test_bench_latency_quick_on_numpy(tmp_path):
     res = bench("latency", "--quick", tmp_path=tmp_path)
     first = res["results"][0]

@@ -185,3 +185,32 @@ def test_request_options_reach_the_models_and_unknown_keys_are_refused():
         loop.submit(Request(prompt, 4, options={"accept_prob": 1.5}))
     rec = parse_line('{"prompt": [1, 2], "max_new_tokens": 3, "seed": 4}')
     assert rec.options == {"seed": 4}
+
+
+@pytest.mark.parametrize("pipelined", [True, False])
+def test_token_rows_while_running_and_after_cancel(rng, pipelined):
+    """Tokens read mid-run are a growing prefix of the reference; a cancelled request never grows
+    again; deliveries account for every token; a slot's row is reused clean by the next request."""
+    loop = make_loop("numpy", batch=3, m=2, pipelined=pipelined)
+    reqs = [Request(rng.integers(0, VOCAB, int(rng.integers(1, 8))).tolist(), int(rng.integers(5, 60)))
+            for _ in range(9)]
+    states = [loop.submit(r) for r in reqs]
+    frozen = {}  # cancelled state -> its tokens when cancel() returned
+    seen = {id(s): 0 for s in states}
+    while not loop.idle:
+        loop.step()
+        for s in states:
+            toks = s.tokens
+            assert toks == greedy_reference(s.request.prompt, len(toks), VOCAB)
+            assert len(toks) >= seen[id(s)] and s.n_tokens == len(toks)
+            assert sum(n for _, n in s.deliveries) == len(toks)
+            seen[id(s)] = len(toks)
+            if not s.done and toks and rng.random() < 0.1:
+                loop.cancel(s)
+                frozen[s] = list(s.tokens)
+        for s, toks in frozen.items():
+            assert s.tokens == toks and s.finish_reason == "cancelled"
+    for s in states:
+        if s not in frozen:
+            assert s.finish_reason == "length" and s.tokens == expected(s.request)
+            assert isinstance(s.tokens, list) and json.dumps(s.tokens)

@@ -1,7 +1,8 @@
 """``graphburst bench serve``: 64 concurrent requests at B=64, k=4, M=8, stub cost 0 and
 100 µs, through the captured graph (pipelined and not) and through eager bursts that
 sync every round. A warm-up request through each loop is checked against the greedy
-reference before the timed requests start; every timed request is checked after."""
+reference before the timed requests start; every timed request is checked after.
+``--http`` adds the HTTP server under real concurrent streaming clients (.serve_http)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import time
 import numpy as np
 from rich.console import Console
 
-from ..cli_args import int_in, writable_file
+from ..cli_args import FlagError, int_in, writable_file
 from ..serve import Request, ServeLoop, inter_token_latencies_us, percentiles
 from .common import VOCAB, check_greedy, fmt, label, new_table, stub_models, write_results
 
@@ -52,18 +53,41 @@ def add_parser(sub) -> None:
     p.add_argument("--json", type=writable_file, default="serve_bench.json")
     p.add_argument("--new-tokens", type=int_in(1, 1_000_000), default=256)
     p.add_argument("--requests", type=int_in(1, 1_000_000), default=64)
+    p.add_argument("--http", action="store_true",
+                   help="also run the HTTP server in a subprocess (127.0.0.1, ephemeral port) under --requests "
+                        "concurrent streaming httpx clients, pipelined and not, stub cost 0")
+    p.add_argument("--http-timeout", type=int_in(1, 3600), default=120,
+                   help="seconds the HTTP clients of one run may take in all")
+
+
+def check_args(args) -> None:
+    """``--http`` needs the server's packages and the httpx client; say so before any work."""
+    if not args.http:
+        return
+    import importlib.util
+
+    missing = [m for m in ("aiohttp", "prometheus_client", "httpx") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise FlagError("--http", f"needs {', '.join(missing)} (pip install \"graphburst[serve]\")")
 
 
 def run(args, console: Console, backend) -> int:
     rows = [run_one(backend, engine, pipelined, cost, args.requests, args.new_tokens)
             for cost in COSTS_US for engine, pipelined in ENGINES]
+    for r in rows:
+        r["transport"] = "in-process"
+    if args.http:
+        from .serve_http import run_http
+
+        rows += [run_http(backend.name, pipelined=pipelined, cost_us=0, clients=args.requests,
+                          new_tokens=args.new_tokens, timeout_s=args.http_timeout) for pipelined in (True, False)]
     table = new_table(f"serve: {args.requests} requests x {args.new_tokens} tokens, B=64, k=4, M=8; "
                       f"{label(backend)}",
-                      ["engine", "stub µs/call", "tokens/s", "ITL p50 µs", "ITL p99 µs", "delivery gap p50 µs",
+                      ["transport", "engine", "stub µs/call", "tokens/s", "ITL p50 µs", "ITL p99 µs", "delivery gap p50 µs",
                        "delivery gap p99 µs", "TTFT p50 ms", "GPU idle", "bursts"])
     for r in rows:
         idle = "-" if r["gpu_idle_fraction"] is None else f"{r['gpu_idle_fraction']:.1%}"
-        table.add_row(r["engine"], str(r["cost_us"]), fmt(r["tokens_per_s"], 0), fmt(r["itl_amortised_us"]["p50"]),
+        table.add_row(r["transport"], r["engine"], str(r["cost_us"]), fmt(r["tokens_per_s"], 0), fmt(r["itl_amortised_us"]["p50"]),
                       fmt(r["itl_amortised_us"]["p99"]), fmt(r["delivery_gap_us"]["p50"], 1),
                       fmt(r["delivery_gap_us"]["p99"], 1), fmt(r["ttft_ms"]["p50"]), idle, str(r["bursts"]))
     write_results(console, args.json, backend=backend, tables=[table], results=rows,

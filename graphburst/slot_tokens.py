@@ -1,0 +1,97 @@
+"""Per-slot token storage of the serving loop: one vectorised append per burst.
+
+Handing a burst's tokens to 64 requests one Python object at a time costs hundreds of
+microseconds, longer than the burst itself, and the GPU waits. Here every batch slot
+owns a preallocated row; a drained burst is appended to all slots that receive tokens
+with one fancy-index copy, and a request's Python list is only built when somebody
+reads it (a streaming consumer, or the request finishing). Delivery times and counts
+and the accept counters are kept the same way.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class SlotTokens:
+    """Tokens, deliveries and accept counters of the request in each batch slot.
+
+    Parameters
+    ----------
+    batch : int
+        Batch slots.
+    max_tokens : int
+        Most tokens one request can receive (the KV capacity bounds it).
+    burst_tokens : int
+        Most tokens one burst delivers to a slot (the ring capacity, M * (k + 1)).
+    """
+
+    def __init__(self, batch: int, max_tokens: int, burst_tokens: int):
+        self.burst_tokens = int(burst_tokens)
+        # A burst's whole ring row is written at the slot's end (garbage past its count
+        # is overwritten by the next append), so a row has room for one extra burst.
+        self.tokens = np.zeros((batch, max_tokens + burst_tokens), np.int32)  # [B, T + R] int32
+        self.n = np.zeros(batch, np.int64)  # [B] valid tokens per row
+        # Deliveries: each one carries >= 1 token, so a request has at most max_tokens.
+        self.when = np.zeros((batch, max_tokens + 1), np.float64)  # [B, T + 1] perf_counter seconds
+        self.count = np.zeros((batch, max_tokens + 1), np.int32)  # [B, T + 1] tokens per delivery
+        self.nd = np.zeros(batch, np.int64)  # [B] deliveries per row
+        self.acc = np.zeros((batch, 2), np.int64)  # [B, 2] accepted drafts, rounds (as of the last burst)
+        self._cols = np.arange(burst_tokens)  # [R]
+
+    def reset(self, slots) -> None:
+        """Empty the rows of newly admitted slots."""
+        self.n[slots] = 0
+        self.nd[slots] = 0
+        self.acc[slots] = 0
+
+    def append(self, ring: np.ndarray, counts: np.ndarray, rows: np.ndarray, acc, now: float) -> None:
+        """Append one drained burst to ``rows``.
+
+        Parameters
+        ----------
+        ring : [B, 1 + R] int32
+            Host copy of the ring (column 0 is the count).
+        counts : [B] int
+            Tokens per slot in this burst.
+        rows : [r] int
+            Slots that receive their tokens (live and with counts > 0).
+        acc : [B, 2] int
+            Accept counters after this burst.
+        now : float
+        """
+        np.copyto(self.acc, acc)
+        if rows.size == 0:
+            return
+        width = ring.shape[1] - 1
+        assert width <= self.burst_tokens, (width, self.burst_tokens)
+        at = self.n[rows]
+        # One flat scatter: row b's whole ring row lands at tokens[b, n[b]:n[b] + R].
+        flat = (rows * self.tokens.shape[1] + at)[:, None] + self._cols[:width]  # [r, R]
+        self.tokens.ravel()[flat] = ring[rows, 1:]
+        c = counts[rows]
+        self.n[rows] = at + c
+        d = self.nd[rows]
+        self.when[rows, d] = now
+        self.count[rows, d] = c
+        self.nd[rows] = d + 1
+
+    # ------------------------------------------------------------------ reads (lazy)
+
+    def read(self, slot: int, start: int = 0, stop: int | None = None) -> list:
+        """Tokens ``[start, stop)`` of a slot as a Python list."""
+        n = int(self.n[slot])
+        stop = n if stop is None else min(stop, n)
+        return self.tokens[slot, start:stop].tolist()
+
+    def deliveries(self, slot: int) -> list:
+        """``[(time, n_tokens), ...]`` of a slot, one per burst that delivered."""
+        d = int(self.nd[slot])
+        return list(zip(self.when[slot, :d].tolist(), self.count[slot, :d].tolist()))
+
+    def first_time(self, slot: int) -> float | None:
+        return float(self.when[slot, 0]) if self.nd[slot] else None
+
+    def last_time(self, slot: int) -> float | None:
+        d = int(self.nd[slot])
+        return float(self.when[slot, d - 1]) if d else None
