@@ -38,6 +38,8 @@ _i64 = np.int64
 
 @functools.cache
 def _module(device_id: int) -> cupy.RawModule:
+    # CuPy appends -ftz=true to every NVRTC compile of a RawModule: float subnormals flush
+    # to zero on the device, and sampling_ref.py models that bit for bit (see its ftz).
     with cupy.cuda.Device(device_id):
         return cupy.RawModule(code=KERNEL_SOURCE.read_text(), options=("-std=c++17",))
 

@@ -8,7 +8,9 @@
 //   * Pointer tables are uint64 arrays of device addresses; 0 marks an absent layer.
 //   * Every kernel is stream-ordered and allocation-free, so it is safe inside a graph.
 //
-// Compiled by NVRTC through cupy.RawModule at run time and by nvcc in CI (-Werror).
+// Compiled by NVRTC through cupy.RawModule at run time (CuPy always adds -ftz=true: float
+// subnormals flush to zero, which the sampling twin models) and by nvcc in CI (-Werror,
+// a syntax check only).
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
@@ -558,6 +560,12 @@ extern "C" __global__ void stub_verify(int k,
 //     (Kogge-Stone in warp 0) and adds the exclusive warp prefix. Float ops are explicit
 //     _rn intrinsics, so nvcc cannot contract them into FMAs; there are no float atomics.
 //   * exp is gb_exp_neg (float * + rint only), so numpy gets the same bits.
+//   * Flush to zero: cuda_ops builds this module through cupy.RawModule, and CuPy appends
+//     -ftz=true to every NVRTC compile. So every float op here, the _rn intrinsics and the
+//     comparisons (setp.ftz) included, reads a subnormal input as a signed zero and flushes
+//     a subnormal result (e.g. p = e / total for a tiny e is 0, a subnormal logit ranks as
+//     +0, a subnormal weight is no weight). sampling_ref.ftz models exactly that. The nvcc
+//     build in CI has no -ftz=true: it checks syntax only, its numerics are not the contract.
 //   * Order for top-k/top-p/argmax: the 64-bit key (orderable logit bits << 32 | ~index),
 //     i.e. larger logit first and the lower index first among equal logits; every key is
 //     distinct, so top-k keeps exactly k tokens. Top-p uses integer masses

@@ -333,3 +333,44 @@ def test_device_rule_is_lossless_and_wrong_rules_fail(ops, stream):
         for rule in st.WRONG_RULES:
             pval, info = st.goodness_of_fit(st.one_slot(p1, q1, n, rule, rng), p1)
             assert pval < st.ALPHA, f"{rule} passed on {name} with n = {n}: {info}"
+
+
+# ------------------------------------------------------------------ flush to zero
+# CuPy builds the module with -ftz=true; these inputs give different bits without the
+# flush (tests/test_sampling.py checks that on the reference), so both sides must flush.
+
+
+def test_ftz_probabilities_match_reference(ops, stream):
+    logits = np.array([[[0, 0, 0, -86.5]], [[0.0, 1e-40, -1.0, -2.0]], [[1e-40, -1e-40, 0.0, 5e-39]]], F32)
+    for temp in (0.0, 1.0, 0.5):
+        t = np.full(3, temp, F32)
+        k, p = np.zeros(3, np.int32), np.ones(3, F32)
+        want = ref_probs(logits, t, k, p)
+        out = cp.full(logits.shape, cp.nan, cp.float32)
+        ops.probs_from_logits(*dev(logits, t, k, p), out, stream=stream)
+        stream.synchronize()
+        assert_bits(out, want, f"probs, temperature {temp}")
+    assert cp.asnumpy(out)[0, 0, 3] == 0  # e / 3 is subnormal: flushed
+
+
+def test_ftz_sample_and_accept_match_reference(ops, stream):
+    from test_sampling import ftz_accept_inputs
+
+    w = np.array([[[1e-40, 0, 1.0]], [[1e-40, 1e-39, 0]]], F32)  # q [2, 1, 3]
+    seed, pos = np.array([1, 2], np.uint64), np.array([0, 0], np.int32)
+    want_tok, want_prob = np.full((2, 1), POISON, np.int32), np.full((2, 1), np.nan, F32)
+    sr.sample_draft(w, seed, pos, want_tok, want_prob)
+    tok, prob = cp.full((2, 1), POISON, cp.int32), cp.full((2, 1), cp.nan, cp.float32)
+    ops.sample_draft(*dev(w, seed, pos), tok, prob, stream=stream)
+    host = ftz_accept_inputs()
+    want_n, want_last = np.full(2, POISON, np.int32), np.full(2, POISON, np.int32)
+    sr.accept_sample(*host, want_n, want_last)
+    n_acc, last = cp.full(2, POISON, cp.int32), cp.full(2, POISON, cp.int32)
+    ops.accept_sample(*dev(*host), n_acc, last, stream=stream)
+    stream.synchronize()
+    assert_bits(tok, want_tok, "draft_tok")
+    assert_bits(prob, want_prob, "draft_prob")
+    assert cp.asnumpy(tok).tolist() == [[2], [PLACEHOLDER_TOKEN]]  # subnormal weights are no weight
+    assert_bits(n_acc, want_n, "n_acc")
+    assert_bits(last, want_last, "last_pred")
+    assert cp.asnumpy(n_acc).tolist() == [0, 0] and int(cp.asnumpy(last)[1]) == 2
