@@ -305,6 +305,7 @@ def test_check_sampling_accepts_and_normalizes():
     (dict(temperature=float("nan")), ValueError, r"temperature must be finite, got nan"),
     (dict(temperature=float("inf")), ValueError, r"temperature must be finite, got inf"),
     (dict(temperature=1e-50), ValueError, r"temperature must be 0 or >= .*, got 1e-50"),
+    (dict(temperature=1e-40), ValueError, r"temperature must be 0 or >= 1.17549435.*e-38, got 1e-40"),
     (dict(temperature="1"), TypeError, r"temperature must be a number, got str '1'"),
     (dict(temperature=True), TypeError, r"temperature must be a number, got bool True"),
     (dict(top_k=-1), ValueError, r"top_k must be >= 0 \(0 = off\), got -1"),
