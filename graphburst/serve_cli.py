@@ -1,8 +1,10 @@
 """``graphburst serve``: serve JSONL requests through one captured burst graph.
 
 Each input line is ``{"id": "r1", "prompt": [12, 7, 99], "max_new_tokens": 64, "eos": 2}``
-(``eos`` and ``id`` optional; any other key is a per-request model option, such as the
-stub draft's ``accept_prob`` and ``seed``, and a key no model claims is an error). Input is served as it arrives:
+(``eos`` and ``id`` optional; ``temperature``, ``top_k``, ``top_p`` and ``seed`` are the
+request's sampling settings, temperature > 0 needing ``--sampling``; any other key is a
+per-request model option, such as the stub draft's ``accept_prob``, and a key no model
+claims is an error). Input is served as it arrives:
 a reader thread hands lines over one at a time, so a request from a pipe starts before
 EOF, and its record is written as soon as it finishes. Every non-blank line yields
 exactly one output line carrying its ``line`` number: the request's record (``id``,
@@ -29,7 +31,8 @@ from .constants import MAX_K
 from .stubs import stub_pair
 from .serve import ENGINE_MODES, Request, ServeLoop
 
-FIELDS = {"prompt", "max_new_tokens", "eos", "id"}  # every other key is a model option (Request.options)
+SAMPLING_FIELDS = {"temperature", "top_k", "top_p", "seed"}  # Request's sampling settings, not model options
+FIELDS = {"prompt", "max_new_tokens", "eos", "id"} | SAMPLING_FIELDS  # every other key is a model option
 MAX_ERROR_CHARS = 300  # an error record stays one short line, whatever the input was
 
 
@@ -47,6 +50,8 @@ def add_parser(sub) -> None:
     p.add_argument("--capacity", type=int_in(1, 2**31 - 1), default=4096, help="KV entries per slot")
     p.add_argument("--accept", type=real_in(0.0, 1.0), default=0.7, help="default draft agreement probability")
     p.add_argument("--cost-us", type=real_in(0.0, 1e6), default=0.0, help="emulated model time per call")
+    p.add_argument("--sampling", action="store_true",
+                   help="decode with speculative rejection sampling, so requests may set temperature > 0")
     p.add_argument("--no-pipeline", action="store_true",
                    help="graph engine: drain each burst before enqueueing the next")
     p.add_argument("--live", action="store_true", help="show the live view even when stderr is not a terminal")
@@ -104,6 +109,8 @@ def _record(state) -> dict:
            "finish_reason": state.finish_reason, **state.stats()}
     if state.error is not None:
         rec["error"] = state.error
+    if state.sampling is not None and state.sampling.temperature > 0:
+        rec["seed"] = state.sampling.seed  # drawn at random when the line had none: replays the request
     return rec
 
 
@@ -144,7 +151,7 @@ def run(args, console: Console) -> int:
     target, draft = stub_pair(args.batch, args.vocab, args.layers, 1, args.capacity, accept_prob=args.accept,
                               cost_ns=int(args.cost_us * 1000), backend=backend)
     loop = ServeLoop(target, draft, k=args.k, m_rounds=args.rounds, engine=args.engine,
-                     pipelined=not args.no_pipeline)
+                     pipelined=not args.no_pipeline, sampling=args.sampling)
     err = Console(stderr=True)
     if not backend.is_gpu:
         err.print("graphburst serve: no GPU in use; running the numpy reference backend")
