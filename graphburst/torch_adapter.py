@@ -67,7 +67,8 @@ class TorchBufs:
     def __init__(self, bufs: StreamBufs):
         self.source = bufs
         for name, arr in bufs.arrays().items():  # the sampling buffers too, when there are any
-            setattr(self, name, as_tensor(arr))
+            if arr.dtype != np.uint64:  # the Philox seeds: no model reads them, and DLPack uint64 is patchy
+                setattr(self, name, as_tensor(arr))
 
 
 class _TorchModel(Watched):

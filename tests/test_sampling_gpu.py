@@ -374,3 +374,54 @@ def test_ftz_sample_and_accept_match_reference(ops, stream):
     assert_bits(n_acc, want_n, "n_acc")
     assert_bits(last, want_last, "last_pred")
     assert cp.asnumpy(n_acc).tolist() == [0, 0] and int(cp.asnumpy(last)[1]) == 2
+
+
+# ------------------------------------------------------------------ stub distributions, whole bursts
+
+
+def test_stub_logits_match_reference(rng, ops, stream):
+    from graphburst import reference
+
+    batch, rows, vocab = 19, 4, 1000
+    pred = rng.integers(-1, vocab, (batch, rows)).astype(np.int32)
+    pos = rng.integers(0, 2**31 - 10, batch).astype(np.int32)
+    kw = dict(pos_offset=1, salt=0x1234567, spread=2.0, peak=7.9)
+    want = np.full((batch, rows, vocab), np.nan, F32)
+    reference.stub_logits(pred, pos, want, **kw)
+    got = cp.full(want.shape, cp.nan, cp.float32)
+    ops.stub_logits(*dev(pred, pos), got, **kw, stream=stream)
+    one = np.full((batch, rows, vocab), POISON, F32)
+    reference.stub_logits(pred[:, :1], pos, one, pos_offset=0, salt=5, spread=0.5, peak=1.0, step=0)
+    got_one = cp.full(want.shape, POISON, cp.float32)
+    ops.stub_logits(cp.asarray(pred[:, :1]), cp.asarray(pos), got_one, pos_offset=0, salt=5, spread=0.5, peak=1.0,
+                    step=0, stream=stream)
+    stream.synchronize()
+    assert_bits(got, want, "stub_logits")
+    assert_bits(got_one, one, "stub_logits step=0, pred stride 1")
+
+
+def test_sampling_burst_equals_numpy_bit_for_bit():
+    """The whole sampling burst (stub kernels, draws, first token, draft_append_last) on the
+    device gives the numpy backend's tokens, counters and KV lengths exactly."""
+    from graphburst.backend import Backend
+    from graphburst.burst import SpecDecoder
+    from graphburst.capture import BurstGraph
+    from graphburst.stubs import stub_pair
+
+    batch = 37
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(0, 1000, int(rng.integers(1, 9))).tolist() for _ in range(batch)]
+    kw = dict(temperature=rng.choice([0.0, 0.5, 1.0, 2.0], batch).tolist(),
+              top_k=rng.choice([0, 1, 20], batch).tolist(), top_p=rng.choice([1.0, 0.9, 0.3], batch).tolist(),
+              seed=[int(s) for s in rng.integers(0, 2**63, batch)])
+
+    def run(name):
+        target, draft = stub_pair(batch, 1000, [True, False, True], [True, True], 200, accept_prob=0.6, p_min=0.1,
+                                  seed=2, backend=Backend(name))
+        dec = SpecDecoder(target, draft, k=4, m_rounds=3, sampling=True)
+        dec.prefill(prompts, **kw)
+        graph = BurstGraph(dec)
+        toks = [[t.tolist() for t in graph.run()] for _ in range(3)]
+        return toks, dec.accept_counters().tolist(), draft.cache.lengths(dec.stream).tolist()
+
+    assert run("cupy") == run("numpy")
