@@ -88,7 +88,8 @@ class SpecDecoder(Watched):
         # The fused epilogue is greedy only; a sampling round assembles vtok from the
         # sampled drafts (a draft's own vtok writes, if any, are its greedy proposals).
         self.fused = bool(fused) and not self.sampling
-        self.assemble = self.sampling or (not hook(draft, "writes_verify_tokens") if assemble is None else bool(assemble))
+        own_vtok = hook(draft, "writes_verify_tokens")
+        self.assemble = self.sampling or (not own_vtok if assemble is None else bool(assemble))
         self.target, self.draft = target, draft
         self.backend = target.cache.backend
         self.batch = target.cache.batch

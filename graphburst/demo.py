@@ -59,7 +59,8 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int_in(0, 2**32 - 1), default=0)
     p.add_argument("--temperature", type=real_in(0.0, 1e6), default=0.0,
                    help="sample at this temperature (0: greedy decoding, checked against the greedy reference)")
-    p.add_argument("--top-k", type=int_in(0, 2**31 - 1), default=0, help="sampling: keep the k likeliest tokens (0: off)")
+    p.add_argument("--top-k", type=int_in(0, 2**31 - 1), default=0,
+                   help="sampling: keep the k likeliest tokens (0: off)")
     p.add_argument("--top-p", type=real_in(1e-9, 1.0), default=1.0, help="sampling: nucleus mass in (0, 1] (1: off)")
 
 
