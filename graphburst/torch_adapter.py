@@ -21,8 +21,9 @@ the draft's extra KV append and length bookkeeping. Bound to sampling StreamBufs
 (``SpecDecoder(..., sampling=True)``), the target writes ``tgt_logits`` (and, at prefill,
 the logits after the prompt to ``tgt_logits[:, 0]``), the draft writes ``draft_logits``
 and appends its sampled last draft in ``draft_append_last``; greedy mode is unchanged.
-On the cupy backend the ops run on the stream graphburst gives (a torch ``ExternalStream`` over it); on numpy they run on
-CPU tensors that alias the numpy buffers, which is how CI tests this file.
+On the cupy backend the ops run on the stream graphburst gives (a torch ``ExternalStream``
+over it); on numpy they run on CPU tensors that alias the numpy buffers, which is how CI
+tests this file.
 
 Inside ``draft_step`` and ``verify`` nothing syncs or reads a value on the host.
 """
