@@ -28,6 +28,7 @@ from .burst import MODES, SpecDecoder
 from .cli_args import FlagError, check_backend, check_kv_memory, int_in, readable_dir, real_in
 from .constants import MAX_K
 from .digest import greedy_reference
+from .sampling_params import check_sampling
 
 DEMO_MODES = ("graph", "gapless") + MODES
 TINY_RANDOM = "tiny-random"
@@ -73,6 +74,10 @@ def check_args(args) -> None:
         readable_dir(args.model, flag="--model")
         if args.draft is None:
             raise FlagError("--model", f"a checkpoint directory needs --draft DIR (or use --model {TINY_RANDOM})")
+    try:
+        check_sampling(args.temperature, args.top_k, args.top_p)
+    except ValueError as exc:
+        raise FlagError(f"--{str(exc).split()[0].replace('_', '-')}", str(exc)) from None
     capacity = _capacity(args)
     if capacity > 2**31 - 1:
         raise FlagError("--bursts", f"{args.bursts} bursts of up to {args.rounds * (args.k + 1)} tokens need "

@@ -56,6 +56,13 @@ def test_demo_temperature_matches_eager():
     assert "matches eager (T=0.8)" in text and "NO" not in text
 
 
+def test_demo_bad_temperature_is_one_line():
+    out = cli("demo", "--backend", "numpy", "--temperature", "1e-40")
+    err = out.stderr.decode()
+    assert out.returncode == 2 and len(err.strip().splitlines()) == 1, err
+    assert "--temperature: temperature must be 0 or >= " in err and "Traceback" not in err
+
+
 def tiny_pair(backend, seed=5):
     from graphburst.checkpoint import tiny_random_pair
 
