@@ -12,7 +12,8 @@ import numpy as np
 
 from .backend import Backend, get_backend
 from .guard import Watched
-from .constants import ABSENT_LAYER, MAX_K, MAX_TABLE_ENTRIES, NO_EOS, PLACEHOLDER_TOKEN, RING_COUNT_SLOT
+from .constants import ABSENT_LAYER, MAX_K, MAX_TABLE_ENTRIES, NO_EOS, PLACEHOLDER_TOKEN, RING_COUNT_SLOT, \
+    SAMPLE_MAX_VOCAB, TOP_P_OFF
 from .validate import check_array, check_int
 
 
@@ -52,16 +53,35 @@ class StreamBufs(Watched):
         "budget": (lambda b, k, m: (b,), np.int32),  # tokens still allowed (0: idle), UNBOUNDED_BUDGET for none
     }
 
-    _watched = frozenset(LAYOUT) | {"out_block"}
+    #: sampling mode only (``vocab`` given): name -> (shape as a function of (B, k, M, V), dtype).
+    SAMPLING_LAYOUT = {
+        "tgt_logits": (lambda b, k, m, v: (b, k + 1, v), np.float32),  # target logits per verify slot; probs in place
+        "draft_logits": (lambda b, k, m, v: (b, k, v), np.float32),  # draft logits per step; probs in place
+        "temperature": (lambda b, k, m, v: (b,), np.float32),  # per slot; 0 = greedy
+        "top_k": (lambda b, k, m, v: (b,), np.int32),  # per slot; TOP_K_OFF = 0 keeps every token
+        "top_p": (lambda b, k, m, v: (b,), np.float32),  # per slot; TOP_P_OFF = 1 keeps every token
+        "seed": (lambda b, k, m, v: (b,), np.uint64),  # per slot Philox key
+    }
+
+    _watched = frozenset(LAYOUT) | frozenset(SAMPLING_LAYOUT) | {"out_block"}
     #: buffers the host reads back after every burst; they share one allocation
     #: (``out_block``) so a graph copies them to the host in a single node.
     OUTPUTS = ("ring", "acc")
 
-    def __init__(self, batch: int, k: int, m_rounds: int, backend: Backend | str = "auto"):
+    def __init__(self, batch: int, k: int, m_rounds: int, backend: Backend | str = "auto", *,
+                 vocab: int | None = None):
         self.batch = check_int("batch", batch)
         self.k = check_int("k", k, maximum=MAX_K)
         self.m_rounds = check_int("m_rounds", m_rounds)
         self.backend = get_backend(backend)
+        #: Sampling mode: the models write logits (``tgt_logits``, ``draft_logits``) and the
+        #: burst samples; the buffers of ``SAMPLING_LAYOUT`` exist only then.
+        self.sampling = vocab is not None
+        self.vocab = None if vocab is None else check_int("vocab", vocab, minimum=2, maximum=SAMPLE_MAX_VOCAB)
+        if self.sampling:
+            for name, (shape, dtype) in self.SAMPLING_LAYOUT.items():
+                setattr(self, name, self.backend.zeros(shape(self.batch, self.k, self.m_rounds, self.vocab), dtype))
+            self.top_p[...] = TOP_P_OFF
         shapes = {name: shape(self.batch, self.k, self.m_rounds) for name, (shape, _) in self.LAYOUT.items()}
         for name, (_, dtype) in self.LAYOUT.items():
             if name not in self.OUTPUTS:
@@ -95,8 +115,9 @@ class StreamBufs(Watched):
         return self.m_rounds * (self.k + 1)
 
     def arrays(self) -> dict:
-        """Every buffer by name (the set a burst graph bakes in)."""
-        return {name: getattr(self, name) for name in self.LAYOUT}
+        """Every buffer by name (the set a burst graph bakes in), sampling buffers included."""
+        names = [*self.LAYOUT, *(self.SAMPLING_LAYOUT if self.sampling else ())]
+        return {name: getattr(self, name) for name in names}
 
     @property
     def nbytes(self) -> int:

@@ -19,6 +19,7 @@ from .guard import Watched
 from .constants import NO_EOS, NO_PREFILL, UNBOUNDED_BUDGET
 from .torch_capture import capture_api, stream_pair
 from .protocol import DraftModel, TargetModel, check_pair, hook, split_options
+from .sampling import SlotSampling, check_slot, draft_sample_calls, sample_first_tokens, verify_sample_calls
 from .validate import check_int, check_prompt
 
 MODES = ("per_round_sync", "pre_issued")
@@ -71,15 +72,24 @@ class SpecDecoder(Watched):
         Launch ``assemble_verify`` each round. By default only when the draft does not
         declare ``writes_verify_tokens``. Bookkeeping per round is then 1 launch (fused,
         no assemble) to 5 (separate, with assemble).
+    sampling : bool
+        Speculative rejection sampling with per-slot temperature, top-k, top-p and seed
+        (:mod:`graphburst.sampling`): both models must declare ``supports_sampling`` and
+        write logits. The round is then always unfused with an assemble launch; slots
+        at temperature 0 still decode exactly the greedy tokens.
     """
 
     _watched = frozenset({"bufs", "table", "target", "draft", "stream"})
 
     def __init__(self, target: TargetModel, draft: DraftModel, *, k: int, m_rounds: int, stream=None,
-                 fused: bool = True, assemble: bool | None = None):
-        check_pair(target, draft)
-        self.fused = bool(fused)
-        self.assemble = not hook(draft, "writes_verify_tokens") if assemble is None else bool(assemble)
+                 fused: bool = True, assemble: bool | None = None, sampling: bool = False):
+        check_pair(target, draft, sampling=sampling)
+        self.sampling = bool(sampling)
+        # The fused epilogue is greedy only; a sampling round assembles vtok from the
+        # sampled drafts (a draft's own vtok writes, if any, are its greedy proposals).
+        self.fused = bool(fused) and not self.sampling
+        own_vtok = hook(draft, "writes_verify_tokens")
+        self.assemble = self.sampling or (not own_vtok if assemble is None else bool(assemble))
         self.target, self.draft = target, draft
         self.backend = target.cache.backend
         self.batch = target.cache.batch
@@ -95,7 +105,8 @@ class SpecDecoder(Watched):
         self.backend.order_after_current(self.stream)
         self.capacity = min(target.cache.capacity, draft.cache.capacity)
         with self.stream:  # the decoder's own buffers are initialised in order with its stream
-            self.bufs = StreamBufs(self.batch, k, m_rounds, self.backend)
+            self.bufs = StreamBufs(self.batch, k, m_rounds, self.backend,
+                                   vocab=target.vocab if self.sampling else None)
             # Prefill staging, allocated once so admitting a request never allocates.
             self._prompt_flat = self.backend.zeros((self.batch * self.capacity,), np.int32)  # [B * capacity] int32
             self._prompt_len = self.backend.zeros((self.batch,), np.int32)  # [B] int32
@@ -108,6 +119,7 @@ class SpecDecoder(Watched):
         self.host_pos = np.zeros(self.batch, np.int64)
         self.host_left = np.zeros(self.batch, np.int64)  # tokens still allowed; 0 = idle or finished
         self.host_eos = np.full(self.batch, NO_EOS, np.int64)
+        self.host_sampling = SlotSampling(self.batch) if self.sampling else None
         self._any_limit = False  # any slot with a token budget or an EOS: finish_burst must track it
         self.host_syncs = 0
         self.bursts = 0
@@ -116,7 +128,8 @@ class SpecDecoder(Watched):
 
     # ------------------------------------------------------------------ admission
 
-    def prefill(self, prompts: Sequence[Sequence[int] | None], *, max_new_tokens=None, eos=None) -> None:
+    def prefill(self, prompts: Sequence[Sequence[int] | None], *, max_new_tokens=None, eos=None, temperature=None,
+                top_k=None, top_p=None, seed=None) -> None:
         """Write prompts into the caches and reset those slots' bookkeeping.
 
         Parameters
@@ -127,6 +140,10 @@ class SpecDecoder(Watched):
             Per-slot token limit (unbounded by default).
         eos : int or sequence, optional
             Per-slot stop token (none by default).
+        temperature, top_k, top_p, seed : scalar or sequence, optional
+            Per-slot sampling settings (``sampling_params.check_sampling``); None means
+            greedy (temperature 0, filters off, seed 0). Temperature > 0 needs a decoder
+            built with ``sampling=True``; the first token is then sampled too.
 
         Raises
         ------
@@ -150,6 +167,7 @@ class SpecDecoder(Watched):
         rows = {}
         for b in slots:
             rows[b], limits[b], stops[b] = self.check_request(prompts[b], limits[b], stops[b], index=b)
+        settings = self._check_sampling_args(slots, temperature, top_k, top_p, seed)
         if not slots:
             return
         p_max = max(len(r) for r in rows.values())
@@ -163,8 +181,13 @@ class SpecDecoder(Watched):
         self.backend.upload(stage, host, s)
         self.backend.upload(self._prompt_len, lens, s)
         bufs = self.bufs
+        if self.sampling:
+            self.host_sampling.set(settings)
+            self.host_sampling.upload(self.backend, bufs, s)
         self.target.prefill(stage, self._prompt_len, bufs.pos_ctr, bufs.pend, s)
         self.draft.prefill(stage, self._prompt_len, None, None, s)
+        if self.sampling:
+            sample_first_tokens(self.backend.ops, self.backend, bufs, lens, s)
         budget, stop, acc = (self.backend.to_host(a, s) for a in (bufs.budget, bufs.eos, bufs.acc))
         for b in slots:
             budget[b] = limits[b]
@@ -204,6 +227,12 @@ class SpecDecoder(Watched):
                 f"prompts{at} of length {len(row)} plus {min(limit, self.bufs.ring_capacity)} new tokens "
                 f"needs {need} KV entries, but the cache holds {self.capacity}")
         return row, limit, stop
+
+    def _check_sampling_args(self, slots, temperature, top_k, top_p, seed) -> dict:
+        """Per-slot sampling settings of a prefill: ``slot -> SamplingParams``, validated."""
+        per = [_per_slot(name, v, self.batch) for name, v in
+               (("temperature", temperature), ("top_k", top_k), ("top_p", top_p), ("seed", seed))]
+        return {b: check_slot(*(p[b] for p in per), sampling=self.sampling, index=b) for b in slots}
 
     def release(self, slots) -> None:
         """Make slots idle (budget 0) between bursts: they emit nothing until the next prefill."""
@@ -269,6 +298,8 @@ class SpecDecoder(Watched):
         """
         b, ops = self.bufs, self.backend.ops
         calls = [] if self.fused else [self._seed_call(reset_ring=first_round)]
+        if self.sampling:
+            return calls + self._sampling_round(ops, b)
         calls += [Call(f"draft_step[{j}]", functools.partial(self.draft.draft_step, b, j)) for j in range(self.k)]
         if self.assemble:
             calls.append(assemble_call(ops, b))
@@ -276,6 +307,17 @@ class SpecDecoder(Watched):
         if self.fused:
             return calls + [epilogue_call(ops, b, self.table)]
         return calls + separate_tail_calls(ops, b, self.table)
+
+    def _sampling_round(self, ops, b: StreamBufs) -> list[Call]:
+        """A sampling round after its seed (the program is in :mod:`graphburst.sampling`)."""
+        calls = []
+        for j in range(self.k):
+            calls.append(Call(f"draft_step[{j}]", functools.partial(self.draft.draft_step, b, j)))
+            calls += [Call(name, fn) for name, fn in draft_sample_calls(ops, b, j)]
+        calls.append(Call("draft_append_last", functools.partial(self.draft.draft_append_last, b)))
+        calls += [assemble_call(ops, b), Call("verify", functools.partial(self.target.verify, b))]
+        calls += [Call(name, fn) for name, fn in verify_sample_calls(ops, b)]
+        return calls + separate_tail_calls(ops, b, self.table)[1:]  # accept_sample replaced accept_greedy
 
     def burst_calls(self) -> list[Call]:
         """The bound calls of a whole M-round burst (fused bursts start with a head seed)."""

@@ -232,7 +232,7 @@ class BurstGraph:
     def _baked_buffers(self) -> tuple[dict, list]:
         """Getters for every buffer the program bakes in, and the objects that hold them."""
         dec = self.dec
-        getters = {f"bufs.{name}": (lambda n=name: getattr(dec.bufs, n)) for name in (*dec.bufs.LAYOUT, "out_block")}
+        getters = {f"bufs.{name}": (lambda n=name: getattr(dec.bufs, n)) for name in (*dec.bufs.arrays(), "out_block")}
         getters["rollback table"] = lambda: dec.table.ptrs
         holders = [dec, dec.bufs, dec.table]
         for role in ("target", "draft"):

@@ -9,6 +9,10 @@ Models: the stub pair by default (reference: the CPU greedy oracle); ``--model
 tiny-random`` for a small random Llama pair built in memory; ``--model DIR --draft DIR``
 for Hugging Face Llama checkpoints (reference for both: the target alone, re-running the
 whole prefix for every token).
+
+``--temperature T`` (with ``--top-k``, ``--top-p``; slot b's seed is ``--seed`` * 2**16 + b)
+samples instead; the reference is then the same pair, built afresh, run eagerly with a
+host sync per round: the same seeds must give the same tokens in every engine.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from .burst import MODES, SpecDecoder
 from .cli_args import FlagError, check_backend, check_kv_memory, int_in, readable_dir, real_in
 from .constants import MAX_K
 from .digest import greedy_reference
+from .sampling_params import check_sampling
 
 DEMO_MODES = ("graph", "gapless") + MODES
 TINY_RANDOM = "tiny-random"
@@ -53,6 +58,11 @@ def add_parser(sub) -> None:
     p.add_argument("--mode", choices=DEMO_MODES, default="graph",
                    help="graph replay (default), graph with the gapless drain, or an eager mode")
     p.add_argument("--seed", type=int_in(0, 2**32 - 1), default=0)
+    p.add_argument("--temperature", type=real_in(0.0, 1e6), default=0.0,
+                   help="sample at this temperature (0: greedy decoding, checked against the greedy reference)")
+    p.add_argument("--top-k", type=int_in(0, 2**31 - 1), default=0,
+                   help="sampling: keep the k likeliest tokens (0: off)")
+    p.add_argument("--top-p", type=real_in(1e-9, 1.0), default=1.0, help="sampling: nucleus mass in (0, 1] (1: off)")
 
 
 def check_args(args) -> None:
@@ -64,6 +74,10 @@ def check_args(args) -> None:
         readable_dir(args.model, flag="--model")
         if args.draft is None:
             raise FlagError("--model", f"a checkpoint directory needs --draft DIR (or use --model {TINY_RANDOM})")
+    try:
+        check_sampling(args.temperature, args.top_k, args.top_p)
+    except ValueError as exc:
+        raise FlagError(f"--{str(exc).split()[0].replace('_', '-')}", str(exc)) from None
     capacity = _capacity(args)
     if capacity > 2**31 - 1:
         raise FlagError("--bursts", f"{args.bursts} bursts of up to {args.rounds * (args.k + 1)} tokens need "
@@ -106,6 +120,26 @@ def _runner(dec, mode):
     return BurstGraph(dec, gapless=mode == "gapless").run
 
 
+def _sampling_kwargs(args) -> dict:
+    """SpecDecoder.prefill's per-slot sampling settings (empty when greedy)."""
+    if args.temperature == 0:
+        return {}
+    return dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                seed=[(args.seed << 16) + b for b in range(args.batch)])
+
+
+def _eager_reference(args, backend, capacity, prompts):
+    """Sampling: each slot's tokens from the same pair, built afresh, run eagerly with a sync per round."""
+    target, draft, _, _ = _build(args, backend, capacity)
+    dec = SpecDecoder(target, draft, k=args.k, m_rounds=args.rounds, sampling=True)
+    dec.prefill(prompts, **_sampling_kwargs(args))
+    out = [[] for _ in prompts]
+    for _ in range(args.bursts):
+        for b, t in enumerate(dec.run_burst(mode="per_round_sync")):
+            out[b] += t.tolist()
+    return out
+
+
 def run(args, console: Console) -> int:
     backend = get_backend(args.backend)
     where = "GPU (cupy)" if backend.is_gpu else "CPU: numpy reference backend (no GPU in use)"
@@ -114,8 +148,9 @@ def run(args, console: Console) -> int:
     target, draft, vocab, reference = _build(args, backend, capacity)
     rng = np.random.default_rng(args.seed)
     prompts = [rng.integers(0, vocab, int(rng.integers(1, 33))).tolist() for _ in range(args.batch)]
-    dec = SpecDecoder(target, draft, k=args.k, m_rounds=args.rounds)
-    dec.prefill(prompts)
+    sampling = args.temperature > 0
+    dec = SpecDecoder(target, draft, k=args.k, m_rounds=args.rounds, sampling=sampling)
+    dec.prefill(prompts, **_sampling_kwargs(args))
     run_burst = _runner(dec, args.mode)  # capture happens here, outside the timed bursts
     syncs0 = dec.host_syncs
     out = [[] for _ in prompts]
@@ -126,14 +161,20 @@ def run(args, console: Console) -> int:
     wall = time.perf_counter() - t0
     syncs = dec.host_syncs - syncs0
     acc = dec.accept_counters()
+    # References run last: a torch model's reference reuses its KV rows.
+    if sampling:
+        want = _eager_reference(args, backend, capacity, prompts)
+    else:
+        want = [reference(prompts[b], len(out[b])) for b in range(args.batch)]
     model = "stub" if args.model is None else args.model
     table = Table(title=f"{model}: k={args.k}, M={args.rounds}, {args.bursts} bursts, mode={args.mode}, "
                         f"backend={backend.name}")
-    for col in ("seq", "committed", "accepted drafts", "rounds", "acceptance", "tokens/round", "matches greedy"):
+    check = f"matches eager (T={args.temperature:g})" if sampling else "matches greedy"
+    for col in ("seq", "committed", "accepted drafts", "rounds", "acceptance", "tokens/round", check):
         table.add_column(col, justify="right")
     all_ok = True
-    for b in range(args.batch):  # references run last: a torch model's reference reuses its KV rows
-        ok = out[b] == reference(prompts[b], len(out[b]))
+    for b in range(args.batch):
+        ok = out[b] == want[b]
         all_ok &= ok
         rounds = int(acc[b, 1])
         table.add_row(str(b), str(len(out[b])), str(int(acc[b, 0])), str(rounds),

@@ -8,7 +8,9 @@
 //   * Pointer tables are uint64 arrays of device addresses; 0 marks an absent layer.
 //   * Every kernel is stream-ordered and allocation-free, so it is safe inside a graph.
 //
-// Compiled by NVRTC through cupy.RawModule at run time and by nvcc in CI (-Werror).
+// Compiled by NVRTC through cupy.RawModule at run time (CuPy always adds -ftz=true: float
+// subnormals flush to zero, which the sampling twin models) and by nvcc in CI (-Werror,
+// a syntax check only).
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
@@ -409,7 +411,9 @@ extern "C" __global__ void stub_prefill(const int* __restrict__ prompt,      // 
 }
 
 // Threads: one block per sequence; threads stride over the draft's layers, each appending
-// one entry (two on the last unbroken step, so the draft KV covers every draft).
+// one entry (two on the last unbroken step when extend_last, so the draft KV covers every
+// draft; a sampling decoder passes 0 and appends its sampled last draft with
+// stub_draft_append instead).
 // Step j reads x_j (vtok[b,0] for j = 0, else draft_tok[b, j-1]) at position pos_ctr+j
 // and proposes draft_tok[b, j] with its confidence, also writing it to vtok[b, 1+j]; a
 // confidence below p_min breaks the chain (brk[b] = [j, 1], vtok[b, 1+j] untouched) and
@@ -425,7 +429,8 @@ extern "C" __global__ void stub_draft_step(int step, int k,
                                            int pmin24, long long cost_ns,
                                            int* __restrict__ draft_tok,      // [B, k]
                                            float* __restrict__ draft_conf,   // [B, k]
-                                           int* __restrict__ brk) {          // [B, 2]
+                                           int* __restrict__ brk,            // [B, 2]
+                                           int extend_last) {
     __shared__ u32 s_min, s_max;
     __shared__ int s_tok, s_extend;
     int b = blockIdx.x;
@@ -483,7 +488,7 @@ extern "C" __global__ void stub_draft_step(int step, int k,
             vtok[(long long)b * (k + 1) + 1 + step] = tok;
         }
         s_tok = tok;
-        s_extend = !breaks && step == k - 1;
+        s_extend = extend_last && !breaks && step == k - 1;
     }
     __syncthreads();
     if (!s_extend) return;
@@ -543,6 +548,59 @@ extern "C" __global__ void stub_verify(int k,
             gb_target_token(gb_combine(s_minmax[j], s_minmax[k1 + j]), vocab);
 }
 
+// Threads: one block per sequence; threads stride over the draft's layers. Sampling mode's
+// draft_append_last: for a chain that did not break (brk[b, 1] == 0), appends the entry of
+// the sampled last draft draft_tok[b, k-1] at position pos_ctr[b] + k at each layer's own
+// length, so the draft KV covers [anchor, anchor + k] as in greedy mode.
+extern "C" __global__ void stub_draft_append(int k,
+                                             const int* __restrict__ draft_tok,  // [B, k]
+                                             const int* __restrict__ pos_ctr,    // [B]
+                                             const int* __restrict__ brk,        // [B, 2]
+                                             const u64* __restrict__ kv_tbl,     // [L]
+                                             const u64* __restrict__ len_tbl,    // [L]
+                                             int n_layers, int capacity) {
+    int b = blockIdx.x;
+    if (brk[2 * b + 1] != 0) return;
+    int tok = draft_tok[(long long)b * k + k - 1];
+    int pos = pos_ctr[b] + k;
+    for (int l = threadIdx.x; l < n_layers; l += blockDim.x) {
+        if (kv_tbl[l] == 0) continue;
+        int* kv = reinterpret_cast<int*>(kv_tbl[l]) + (long long)b * capacity;
+        int* len = reinterpret_cast<int*>(len_tbl[l]);
+        int n = len[b];
+        u32 c = gb_digest_step(gb_prev_entry(kv, n, capacity), tok, pos);
+        if (n >= 0 && n < capacity) kv[n] = (int)c;
+        len[b] = n + 1;
+    }
+}
+
+// Threads: one block per (sequence b, row t), t = step or every row (gridDim.y = T) when
+// step < 0; threads stride over the vocabulary. The stub models' distributions: row t is
+// for the token at position P = pos[b] + pos_offset + t whose greedy choice is
+// g = pred[b * pred_stride + t]. With h_i = mix(key(salt, P, g) ^ i'), logit_i =
+// ((h_i >> 8) * 2^-24) * spread in [0, spread) for i != g and logit_g = spread + peak, so
+// g is the unique argmax (temperature 0 samples exactly the greedy token) and the row is
+// a pure function of the prefix. Every op is exact or one rounded float op (the numpy
+// twin matches bit for bit).
+extern "C" __global__ void stub_logits(int n_rows, int vocab, int step,
+                                       const int* __restrict__ pred,  // [B, pred_stride]
+                                       int pred_stride,
+                                       const int* __restrict__ pos,   // [B]
+                                       int pos_offset, u32 salt, float spread, float peak,
+                                       float* __restrict__ logits) {  // [B, T, V]
+    int b = blockIdx.x;
+    int t = step >= 0 ? step : (int)blockIdx.y;
+    int g = pred[(long long)b * pred_stride + t];
+    u32 p = (u32)(pos[b] + pos_offset + t);
+    u32 key = gb_mix32(salt ^ gb_mix32(p * 0x9e3779b1u + (u32)g * 0x85ebca77u));
+    float* row = logits + ((long long)b * n_rows + t) * vocab;
+    float top = __fadd_rn(spread, peak);
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+        u32 h = gb_mix32(key ^ ((u32)i * 0x27d4eb2fu + 0x165667b1u));
+        row[i] = i == g ? top : __fmul_rn(__fmul_rn((float)(h >> 8), 0x1p-24f), spread);
+    }
+}
+
 // =====================================================================================
 // Sampling: speculative rejection sampling (Leviathan et al. 2023; Chen et al. 2023)
 // =====================================================================================
@@ -558,6 +616,12 @@ extern "C" __global__ void stub_verify(int k,
 //     (Kogge-Stone in warp 0) and adds the exclusive warp prefix. Float ops are explicit
 //     _rn intrinsics, so nvcc cannot contract them into FMAs; there are no float atomics.
 //   * exp is gb_exp_neg (float * + rint only), so numpy gets the same bits.
+//   * Flush to zero: cuda_ops builds this module through cupy.RawModule, and CuPy appends
+//     -ftz=true to every NVRTC compile. So every float op here, the _rn intrinsics and the
+//     comparisons (setp.ftz) included, reads a subnormal input as a signed zero and flushes
+//     a subnormal result (e.g. p = e / total for a tiny e is 0, a subnormal logit ranks as
+//     +0, a subnormal weight is no weight). sampling_ref.ftz models exactly that. The nvcc
+//     build in CI has no -ftz=true: it checks syntax only, its numerics are not the contract.
 //   * Order for top-k/top-p/argmax: the 64-bit key (orderable logit bits << 32 | ~index),
 //     i.e. larger logit first and the lower index first among equal logits; every key is
 //     distinct, so top-k keeps exactly k tokens. Top-p uses integer masses

@@ -49,6 +49,26 @@ Required, draft
 Every call above that a burst makes (``draft_step``, ``verify``) is captured into a CUDA
 graph: it may only enqueue work on the stream it is given, never allocate, never sync.
 
+Sampling mode (``SpecDecoder(..., sampling=True)``; both models declare ``supports_sampling``)
+-------------------------------------------------------------------------------------------
+``bind`` receives StreamBufs with ``bufs.sampling = True`` and these extra buffers
+(``V = vocab``): ``tgt_logits [B, k+1, V] float32``, ``draft_logits [B, k, V] float32``
+and the per-slot settings ``temperature [B] float32``, ``top_k [B] int32``, ``top_p [B]
+float32``, ``seed [B] uint64`` (read-only to models). Then:
+
+* target ``verify`` writes the logits after each verify position into ``tgt_logits``
+  (``tgt_pred`` is not read; the burst turns the logits into probabilities in place);
+* target ``prefill`` also writes the logits after the last prompt token into
+  ``tgt_logits[b, 0]`` for every prefilled slot (the burst samples the first token);
+* draft ``draft_step(bufs, j)`` appends its input's KV as before and writes its logits
+  for the next token into ``draft_logits[:, j]`` for every sequence. It does **not**
+  choose ``draft_tok[:, j]`` (the burst samples it before step j + 1 reads it) and makes
+  no extra append at step k - 1; it may still break the chain (``brk``);
+* draft ``draft_append_last(bufs, stream)`` (required in this mode) runs after the last
+  sample: for every sequence whose chain did not break (``brk[b, 1] == 0``) it appends
+  the KV entry of ``draft_tok[b, k-1]`` at position ``pos_ctr + k``, so rule 2 (the
+  draft covers ``[anchor, anchor + n_valid]``) holds as in greedy mode.
+
 Optional hooks (defaults in brackets)
 -------------------------------------
 ``writes_verify_tokens`` [False]
@@ -68,6 +88,8 @@ Optional hooks (defaults in brackets)
     rebinding one of their watched attributes marks a captured graph stale.
 ``refresh_tables()`` [nothing]
     Rebuild anything derived from the cache's addresses (before a recapture).
+``supports_sampling`` [False]
+    True when the model implements sampling mode (above).
 ``option_keys : frozenset[str]`` [empty]
     The per-request option names this model understands. The decoder rejects a key no
     model claims, and hands each model only the keys it claims.
@@ -96,6 +118,7 @@ class ModelHooks:
 
     writes_verify_tokens: bool = False
     capture_api: str = "cupy"
+    supports_sampling: bool = False
     option_keys: frozenset = frozenset()
 
     def bind(self, bufs: StreamBufs) -> None:
@@ -178,8 +201,8 @@ def _missing(model, role: str, members, base) -> None:
         raise ValueError(f"{role}.capture_api must be one of {CAPTURE_APIS}, got {api!r}")
 
 
-def check_pair(target, draft) -> None:
-    """Raise when a target/draft pair cannot share one burst.
+def check_pair(target, draft, *, sampling: bool = False) -> None:
+    """Raise when a target/draft pair cannot share one burst (in sampling mode, if asked).
 
     Raises
     ------
@@ -199,6 +222,14 @@ def check_pair(target, draft) -> None:
                          f"{draft.cache.backend.device_id}")
     if target.vocab != draft.vocab:
         raise ValueError(f"target vocab {target.vocab} != draft vocab {draft.vocab}")
+    if sampling:
+        for role, model in (("target", target), ("draft", draft)):
+            if hook(model, "supports_sampling") is not True:
+                raise ValueError(f"sampling=True needs models that write logits: {role} {type(model).__name__} does "
+                                 f"not declare supports_sampling = True")
+        if not callable(getattr(draft, "draft_append_last", None)):
+            raise TypeError(f"draft {type(draft).__name__} declares supports_sampling but lacks the sampling-mode "
+                            f"member 'draft_append_last'")
 
 
 def split_options(models: dict, options: dict | None) -> dict:

@@ -25,6 +25,9 @@ from .digest import (
     u32,
     wrong_shift,
 )
+from .digest import mix32
+from .sampling_ref import accept_sample, ftz, probs_from_logits, sample_draft  # noqa: F401 - the sampling kernels
+
 
 _U32_ALL_ONES = np.uint64(0xFFFFFFFF)
 
@@ -232,7 +235,7 @@ def stub_prefill(prompt, prompt_len, kv_table, len_table, capacity, vocab, pos_c
 
 
 def stub_draft_step(step, vtok, pos_ctr, kv_table, len_table, capacity, vocab, seed, agree24, pmin24,
-                    cost_ns, draft_tok, draft_conf, brk, *, stream=None):
+                    cost_ns, draft_tok, draft_conf, brk, *, extend_last=True, stream=None):
     """One draft step of the stub draft (see ``stub_draft_step`` in kernels.cu).
 
     The proposal also goes to ``vtok[:, 1 + step]`` unless this step breaks the chain,
@@ -252,6 +255,10 @@ def stub_draft_step(step, vtok, pos_ctr, kv_table, len_table, capacity, vocab, s
     draft_tok : [B, k] int32, written at column ``step``
     draft_conf : [B, k] float32, written at column ``step``
     brk : [B, 2] int32, set to ``[step, 1]`` when the chain breaks
+    extend_last : bool
+        On the last unbroken step also append the proposal's own entry (greedy mode); a
+        sampling decoder passes False and appends its sampled draft with
+        :func:`stub_draft_append`.
     """
     k = draft_tok.shape[1]
     active = np.nonzero(brk[:, 1] == 0)[0]
@@ -282,7 +289,7 @@ def stub_draft_step(step, vtok, pos_ctr, kv_table, len_table, capacity, vocab, s
     brk[active[breaks], 0] = step
     brk[active[breaks], 1] = 1
     vtok[active[~breaks], 1 + step] = tok[~breaks]
-    if step != k - 1:
+    if step != k - 1 or not extend_last:
         return
     ext = active[~breaks]
     for kv, ln in layers:
@@ -322,3 +329,61 @@ def stub_verify(vtok, pos_ctr, kv_table, len_table, capacity, vocab, cost_ns, tg
             mx[:, j] = np.maximum(mx[:, j], c)
         ln[:] = n + np.int32(k1)
     tgt_pred[:] = target_token(combine(mn, mx), vocab).astype(np.int32)
+
+
+def stub_draft_append(draft_tok, pos_ctr, brk, kv_table, len_table, capacity, *, stream=None):
+    """Append the sampled last draft ``draft_tok[:, k-1]`` at ``pos_ctr + k`` (unbroken chains).
+
+    Sampling mode's ``draft_append_last`` of the stub draft: each KV layer gets the
+    entry at its own length, so the draft covers ``[anchor, anchor + k]``.
+
+    Parameters
+    ----------
+    draft_tok : [B, k] int32
+    pos_ctr : [B] int32
+    brk : [B, 2] int32; sequences with ``brk[b, 1] != 0`` are skipped
+    kv_table, len_table : PtrTable over the draft's layers
+    """
+    k = draft_tok.shape[1]
+    ext = np.nonzero(brk[:, 1] == 0)[0]
+    if len(ext) == 0:
+        return
+    tok, pos = draft_tok[ext, k - 1], pos_ctr[ext] + np.int32(k)
+    for kv, ln in _layers(kv_table, len_table):
+        n = ln[ext].copy()
+        c = digest_step(_prev_entry(kv[ext], n, capacity), tok, pos)
+        ok = (n >= 0) & (n < capacity)
+        kv[ext[ok], n[ok]] = c[ok].astype(np.uint32).view(np.int32)
+        ln[ext] = n + np.int32(1)
+
+
+def stub_logits(pred, pos, logits, *, pos_offset, salt, spread, peak, step=None, stream=None):
+    """The stub models' logit rows (``stub_logits`` in kernels.cu), bit for bit.
+
+    Row t of sequence b is for the token at position ``P = pos[b] + pos_offset + t``
+    whose greedy choice is ``g = pred[b, t]``: ``logit_i = ((h_i >> 8) * 2**-24) * spread``
+    for ``i != g`` (``h_i`` a hash of (salt, P, g, i)) and ``logit_g = spread + peak``.
+
+    Parameters
+    ----------
+    pred : [B, >= T] int32 greedy tokens (column t for row t)
+    pos : [B] int32
+    logits : [B, T, V] float32, written (row ``step`` only, or all)
+    pos_offset : int
+    salt : int, uint32
+    spread, peak : float, > 0
+    step : int or None
+    """
+    vocab = logits.shape[2]
+    spread, peak = np.float32(spread), np.float32(peak)
+    i_mix = (np.arange(vocab, dtype=np.uint64) * np.uint64(0x27D4EB2F) + np.uint64(0x165667B1)) & _U32_ALL_ONES
+    rows = range(logits.shape[1]) if step is None else [step]
+    for t in rows:
+        g = pred[:, t]
+        p = u32(pos.astype(np.int64) + pos_offset + t)
+        key = mix32(np.uint64(salt) ^ mix32((p * np.uint64(0x9E3779B1) + u32(g) * np.uint64(0x85EBCA77))
+                                            & _U32_ALL_ONES))
+        h = mix32(key[:, None] ^ i_mix[None, :])
+        row = ftz(((h >> np.uint64(8)).astype(np.float32) * np.float32(2.0**-24)) * spread)
+        hit = np.arange(vocab)[None, :] == g[:, None]
+        logits[:, t] = np.where(hit, ftz(spread + peak), row)

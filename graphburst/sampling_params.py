@@ -59,10 +59,10 @@ def check_sampling(temperature=GREEDY_TEMPERATURE, top_k=TOP_K_OFF, top_p=TOP_P_
     temperature = _real("temperature", temperature)
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if np.float32(temperature) == 0 and temperature != 0:
-        # float32 would silently turn this into greedy decoding.
-        raise ValueError(f"temperature must be 0 or >= {float(np.finfo(np.float32).smallest_subnormal)}, "
-                         f"got {temperature}")
+    if 0 < temperature and not np.float32(temperature) >= np.finfo(np.float32).tiny:
+        # float32 (and the device's flush to zero of subnormals) would silently turn this
+        # into greedy decoding.
+        raise ValueError(f"temperature must be 0 or >= {float(np.finfo(np.float32).tiny)}, got {temperature}")
     top_k = _int("top_k", top_k)
     if top_k < 0:
         raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k}")

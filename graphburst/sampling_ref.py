@@ -7,6 +7,14 @@ probability bit), which is possible because the kernels fix their float summatio
 (see :func:`block_scan`), use explicitly rounded float ops only, and compute exp with
 :func:`exp_neg` rather than a libm whose last bit differs between host and device.
 
+Flush to zero: CuPy compiles every RawModule through NVRTC with ``-ftz=true`` appended
+unconditionally (``cupy/cuda/compiler.py``), so on the device every float32 operation,
+comparisons included, reads a subnormal input as a signed zero and flushes a subnormal
+result to one. Every float op below that can meet a subnormal therefore goes through
+:func:`ftz` on its inputs and its output (``_sub``, ``_mul``, ``_div``, ``_gt``), and so
+does the zero test of :func:`order_key`. Sums of flushed non-negative weights (the row
+sums and scans) need no flush: a sum of non-negative normal floats is never subnormal.
+
 Randomness is Philox4x32-10 keyed by the request seed; the counter is
 ``[absolute position of the token being decided, draw index, 0, 0]``, so a draw is a pure
 function of (seed, position, draw) and needs no state anywhere.
@@ -33,6 +41,44 @@ _EXP2_POLY = tuple(_F32(float.fromhex(h)) for h in (
     "0x1.c6b08ep-5", "0x1.ebfbe0p-3", "0x1.62e430p-1", "0x1p0"))
 _MASS_SCALE = _F32(2.0**32)
 _ROW_BLOCK = 2048  # rows per block in sample_rows: keeps [rows, NT] temporaries in cache
+FLT_MIN = _F32(2.0**-126)  # smallest normal float32: anything smaller in magnitude is flushed
+
+
+# --------------------------------------------------------------------------------------
+# Flush-to-zero float32 arithmetic (the device runs with -ftz=true)
+# --------------------------------------------------------------------------------------
+
+
+def ftz(x):
+    """Subnormal float32 values -> zero of the same sign (NaN and inf pass through).
+
+    Parameters
+    ----------
+    x : array_like float32
+
+    Returns
+    -------
+    float32 array of the same shape
+    """
+    x = np.asarray(x, _F32)
+    return np.where(np.abs(x) < FLT_MIN, np.copysign(_F32(0.0), x), x).astype(_F32, copy=False)
+
+
+def _sub(a, b):
+    return ftz(ftz(a) - ftz(b))
+
+
+def _mul(a, b):
+    return ftz(ftz(a) * ftz(b))
+
+
+def _div(a, b):
+    return ftz(ftz(a) / ftz(b))
+
+
+def _gt(a, b):
+    """``a > b`` as ``setp.gt.ftz.f32`` compares: subnormal operands count as zero."""
+    return ftz(a) > ftz(b)
 
 
 # --------------------------------------------------------------------------------------
@@ -94,21 +140,24 @@ def exp_neg(x):
     """``gb_exp_neg``: e^x for x <= 0 from float32 * + rint only; below 2^-125 -> 0."""
     x = np.asarray(x, _F32)
     with np.errstate(all="ignore"):
-        y = x * _LOG2E
+        y = _mul(x, _LOG2E)  # x and y flushed; below, |products| < 2**-37 vanish in the add anyway
         small = ~(y >= _F32(-125.0))
         y = np.minimum(np.where(small, _F32(0.0), y), _F32(0.0))
         n = np.rint(y)
-        f = y - n
+        f = _sub(y, n)
         r = np.full_like(f, _EXP2_POLY[0])
         for c in _EXP2_POLY[1:]:
             r = r * f + c
         scale = ((n.astype(np.int32) + np.int32(127)) << np.int32(23)).view(_F32)
-        return np.where(small, _F32(0.0), r * scale)
+        return np.where(small, _F32(0.0), r * scale)  # r >= 0.7, scale >= 2**-125: normal
 
 
 def order_key(x):
-    """``gb_order_key`` of a [R, V] float32 row block: logit order, lower index first on ties."""
-    bits = np.where(x == 0, np.uint32(0), np.ascontiguousarray(x, _F32).view(np.uint32))
+    """``gb_order_key`` of a [R, V] float32 row block: logit order, lower index first on ties.
+
+    The kernel's ``x == 0.0f`` test runs flushed, so a subnormal logit ranks as +0 too.
+    """
+    bits = np.where(ftz(x) == 0, np.uint32(0), np.ascontiguousarray(x, _F32).view(np.uint32))
     bits = np.where(bits & np.uint32(0x80000000), ~bits, bits | np.uint32(0x80000000))
     idx = ~np.arange(x.shape[-1], dtype=np.uint32)
     return (bits.astype(np.uint64) << np.uint64(32)) | idx.astype(np.uint64)
@@ -155,7 +204,7 @@ def block_scan(part):
 
 
 def row_sum(w):
-    """The kernels' fixed-order sum of each row of a [R, V] float32 block."""
+    """The kernels' fixed-order sum of each row of a [R, V] float32 block (flushed, >= 0)."""
     return block_scan(_chunk_sums(_chunks(w)))[:, -1]
 
 
@@ -182,6 +231,7 @@ def sample_rows(w, u):
 
 def _sample_block(w, u):
     rows, vocab = w.shape
+    w = ftz(w)  # every use of a weight on the device (sum, > 0) reads it flushed
     ch = _chunks(w)
     c_len = ch.shape[2]
     scan = block_scan(_chunk_sums(ch))
@@ -189,7 +239,7 @@ def _sample_block(w, u):
     positive = w > 0
     last_pos = np.where(positive.any(axis=1), vocab - 1 - np.argmax(positive[:, ::-1], axis=1), -1)
     ok = (total > 0) & (last_pos >= 0)
-    target = np.asarray(u, _F32) * total
+    target = _mul(np.asarray(u, _F32), total)  # may be subnormal for a tiny total
     above = scan > target[:, None]
     first = np.argmax(above, axis=1)
     ar = np.arange(rows)
@@ -218,10 +268,11 @@ def _probs_rows(logits, temperature, top_k, top_p):
     ar = np.arange(rows)
     key = order_key(logits)
     amax = np.argmax(key, axis=1)
-    greedy = ~(temperature > 0)
+    greedy = ~_gt(temperature, 0)  # NaN, 0 and a (flushed) subnormal temperature
+    top_p = ftz(top_p)
     with np.errstate(all="ignore"):
         temp = np.where(greedy, _F32(1.0), temperature).astype(_F32)
-        e = exp_neg((logits - logits[ar, amax][:, None]) / temp[:, None])
+        e = exp_neg(_div(_sub(logits, logits[ar, amax][:, None]), temp[:, None]))
         thr = np.zeros(rows, np.uint64)
         k_on = ~greedy & (top_k > 0) & (top_k < vocab)
         if k_on.any():
@@ -242,7 +293,7 @@ def _probs_rows(logits, temperature, top_k, top_p):
             thr[sel] = np.maximum(thr[sel], thr_p)
         kept = key >= thr[:, None]
         e = np.where(kept, e, _F32(0.0))
-        out = np.where(kept, e / row_sum(e)[:, None], _F32(0.0)).astype(_F32)
+        out = np.where(kept, _div(e, row_sum(e)[:, None]), _F32(0.0)).astype(_F32)
     out[greedy] = 0
     out[ar[greedy], amax[greedy]] = 1
     return out
@@ -332,7 +383,7 @@ def accept_sample(vtok, p, q, brk, seed, pos, n_acc, last_pred, *, stream=None):
         in_range = (x >= 0) & (x < vocab)
         xs = np.where(in_range, x, 0)
         u = uniform(seed, pos64 + i + 1, DRAW_ACCEPT)
-        ok = alive & (i < n_valid) & in_range & (u * q[ar, i, xs] < p[ar, i, xs])
+        ok = alive & (i < n_valid) & in_range & _gt(p[ar, i, xs], _mul(u, q[ar, i, xs]))
         n += ok
         alive = ok
     u = uniform(seed, pos64 + n + 1, DRAW_RESAMPLE)
@@ -340,7 +391,7 @@ def accept_sample(vtok, p, q, brk, seed, pos, n_acc, last_pred, *, stream=None):
     tok = np.full(batch, -1, np.int64)
     rej = n < n_valid
     if rej.any():
-        d = p_row[rej] - q[ar[rej], n[rej]]
+        d = _sub(p_row[rej], q[ar[rej], n[rej]])
         tok[rej] = sample_rows(np.where(d > 0, d, _F32(0.0)).astype(_F32), u[rej])
     retry = tok < 0
     tok[retry] = sample_rows(p_row[retry], u[retry])

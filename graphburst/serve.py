@@ -19,6 +19,7 @@ import asyncio
 import collections
 import dataclasses
 import itertools
+import secrets
 import statistics
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -29,6 +30,7 @@ from .burst import SpecDecoder
 from .capture import BurstGraph
 from .constants import UNBOUNDED_BUDGET
 from .slot_tokens import SlotTokens
+from .sampling_params import SamplingParams, check_sampling
 from .validate import check_int, check_prompt
 
 ENGINE_MODES = ("graph", "eager_sync")
@@ -51,6 +53,10 @@ class Request:
         draft's ``{"accept_prob": 0.9, "seed": 7}``. A key no model claims is refused.
     id : str, optional
         Made up when absent; never equal to the id of another request in flight.
+    temperature, top_k, top_p, seed : optional
+        Sampling settings (``sampling_params.check_sampling``); None: greedy (temperature
+        0), filters off. Temperature > 0 needs ``ServeLoop(..., sampling=True)``; a
+        sampled request without a seed gets a random one (``RequestState.sampling``).
     """
 
     prompt: list
@@ -58,6 +64,10 @@ class Request:
     eos: int | None = None
     id: str | None = None
     options: dict | None = None
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
 
 
 @dataclasses.dataclass(eq=False)
@@ -78,6 +88,7 @@ class RequestState:
     error: str | None = None  # why the loop gave up on this request; None unless finish_reason == "error"
     line: int | None = None  # the input line it came from (JSONL serving), if any
     slot_options: object = None  # the models' validated view of request.options (SpecDecoder.slot_options)
+    sampling: SamplingParams | None = None  # validated sampling settings, seed filled in (ServeLoop.check_sampling)
     _store: SlotTokens | None = None  # the loop's rows while this request runs in ``slot``
     _tokens: list = dataclasses.field(default_factory=list)  # once finished (or before admission)
     _deliveries: list = dataclasses.field(default_factory=list)
@@ -188,12 +199,18 @@ class ServeLoop:
     pipelined : bool
         Graph engine only: keep a second burst in flight (gapless drain) while the host
         hands out the previous burst's tokens.
+    sampling : bool
+        Decode with speculative rejection sampling, so requests may ask for temperature
+        > 0 (the models must support it; see ``SpecDecoder``). Without it such a request
+        is refused at submission.
     """
 
-    def __init__(self, target, draft, *, k: int, m_rounds: int, engine: str = "graph", pipelined: bool = True):
+    def __init__(self, target, draft, *, k: int, m_rounds: int, engine: str = "graph", pipelined: bool = True,
+                 sampling: bool = False):
         if engine not in ENGINE_MODES:
             raise ValueError(f"engine must be one of {ENGINE_MODES}, got {engine!r}")
-        self.dec = SpecDecoder(target, draft, k=k, m_rounds=m_rounds)
+        self.sampling = bool(sampling)
+        self.dec = SpecDecoder(target, draft, k=k, m_rounds=m_rounds, sampling=self.sampling)
         self.engine = engine
         self.pipelined = bool(pipelined) and engine == "graph"
         self.graph = BurstGraph(self.dec, gapless=self.pipelined) if engine == "graph" else None
@@ -248,6 +265,27 @@ class ServeLoop:
             raise ValueError(f"id {req.id!r} is already in flight{where}")
         return req
 
+    def check_sampling(self, req: Request) -> SamplingParams:
+        """A request's sampling settings, validated at submission (ValueError/TypeError naming
+        the field and value). A request with temperature > 0 and no seed gets a random one."""
+        fields = {f: getattr(req, f) for f in ("temperature", "top_k", "top_p", "seed") if getattr(req, f) is not None}
+        params = check_sampling(**fields)
+        if params.temperature > 0 and not self.sampling:
+            raise ValueError(f"temperature {params.temperature} needs sampling, but this loop decodes greedily "
+                             f"(build it with ServeLoop(..., sampling=True), or run graphburst serve --sampling)")
+        if params.temperature > 0 and req.seed is None:
+            params = dataclasses.replace(params, seed=secrets.randbits(64))
+        return params
+
+    def _sampling_args(self, admitted) -> dict:
+        """``SpecDecoder.prefill`` keyword arguments: per-slot sampling settings of the admitted slots."""
+        args = {f: [None] * self.dec.batch for f in ("temperature", "top_k", "top_p", "seed")}
+        for b in admitted:
+            params = self.slots[b].sampling or SamplingParams()
+            for f in args:
+                args[f][b] = getattr(params, f)
+        return args
+
     def _new_id(self) -> str:
         while True:
             rid = f"req-{next(self._ids)}"
@@ -265,7 +303,7 @@ class ServeLoop:
         """
         req = self.validate(req)
         state = RequestState(req, submitted=time.perf_counter(), line=line,
-                             slot_options=self.dec.slot_options(req.options))
+                             slot_options=self.dec.slot_options(req.options), sampling=self.check_sampling(req))
         self._live_ids[req.id] = state
         self.queue.append(state)
         return state
@@ -349,7 +387,7 @@ class ServeLoop:
         self._running[admitted] = True
         try:
             self.dec.set_slot_options(options)
-            self.dec.prefill(prompts, max_new_tokens=limits, eos=stops)
+            self.dec.prefill(prompts, max_new_tokens=limits, eos=stops, **self._sampling_args(admitted))
         except Exception as exc:  # noqa: BLE001 - only the requests being admitted are touched
             msg = _describe(exc)
             for b in admitted:

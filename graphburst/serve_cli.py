@@ -1,8 +1,10 @@
 """``graphburst serve``: serve JSONL requests through one captured burst graph.
 
 Each input line is ``{"id": "r1", "prompt": [12, 7, 99], "max_new_tokens": 64, "eos": 2}``
-(``eos`` and ``id`` optional; any other key is a per-request model option, such as the
-stub draft's ``accept_prob`` and ``seed``, and a key no model claims is an error). Input is served as it arrives:
+(``eos`` and ``id`` optional; ``temperature``, ``top_k``, ``top_p`` and ``seed`` are the
+request's sampling settings, temperature > 0 needing ``--sampling``; any other key is a
+per-request model option, such as the stub draft's ``accept_prob``, and a key no model
+claims is an error). Input is served as it arrives:
 a reader thread hands lines over one at a time, so a request from a pipe starts before
 EOF, and its record is written as soon as it finishes. Every non-blank line yields
 exactly one output line carrying its ``line`` number: the request's record (``id``,
@@ -32,7 +34,8 @@ from .serve import ENGINE_MODES, Request, ServeLoop
 
 STUB_DEFAULTS = {"vocab": 32000, "layers": 4, "accept": 0.7, "cost_us": 0.0}
 TINY_RANDOM = "tiny-random"  # --model value: checkpoint.tiny_random_pair, no files
-FIELDS = {"prompt", "max_new_tokens", "eos", "id"}  # every other key is a model option (Request.options)
+SAMPLING_FIELDS = {"temperature", "top_k", "top_p", "seed"}  # Request's sampling settings, not model options
+FIELDS = {"prompt", "max_new_tokens", "eos", "id"} | SAMPLING_FIELDS  # every other key is a model option
 MAX_ERROR_CHARS = 300  # an error record stays one short line, whatever the input was
 
 
@@ -63,6 +66,8 @@ def add_parser(sub) -> None:
     m.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="weights and KV (default float32)")
     m.add_argument("--p-min", type=real_in(0.0, 1.0), default=None,
                    help="draft: stop drafting below this probability (default 0)")
+    p.add_argument("--sampling", action="store_true",
+                   help="decode with speculative rejection sampling, so requests may set temperature > 0")
     p.add_argument("--no-pipeline", action="store_true",
                    help="graph engine: drain each burst before enqueueing the next")
     p.add_argument("--live", action="store_true", help="show the live view even when stderr is not a terminal")
@@ -151,7 +156,7 @@ def build_loop(args, backend) -> ServeLoop:
         else:
             target, draft = checkpoint.load_pair(args.model, args.draft, **kw)
     return ServeLoop(target, draft, k=args.k, m_rounds=args.rounds, engine=args.engine,
-                     pipelined=not args.no_pipeline)
+                     pipelined=not args.no_pipeline, sampling=getattr(args, "sampling", False))
 
 
 def parse_line(text: str) -> Request:
@@ -190,6 +195,8 @@ def _record(state) -> dict:
            "finish_reason": state.finish_reason, **state.stats()}
     if state.error is not None:
         rec["error"] = state.error
+    if state.sampling is not None and state.sampling.temperature > 0:
+        rec["seed"] = state.sampling.seed  # drawn at random when the line had none: replays the request
     return rec
 
 

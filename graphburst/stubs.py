@@ -8,12 +8,19 @@ of the position counter, changes the output. The draft computes the same digest
 through its own layers and proposes the target's token with probability
 ``accept_prob``, keyed by (seed, position).
 
+For sampling, each model also has a distribution per position (``stub_logits`` in
+kernels.cu): a hashed logit row over the vocabulary, peaked at the model's greedy token,
+so it depends only on the prefix and temperature 0 decodes exactly the greedy tokens.
+The target's row is keyed by its greedy token and the draft's by its own proposal (with
+other salts), so p and q differ and both the accept and the residual paths run.
+
 Both implement protocol v1 (:mod:`graphburst.protocol`); nothing generic imports this
 module.
 """
 
 from __future__ import annotations
 
+import math
 import numbers
 
 from collections.abc import Sequence
@@ -28,6 +35,16 @@ from .protocol import DraftModel, TargetModel
 from .validate import check_int, check_prob
 
 __all__ = ["StubDraft", "StubTarget", "normalize_layout", "storage_ptr_table", "stub_cache", "stub_pair"]
+
+TARGET_SALT = 0x1B56C4E9  # stub_logits key of the target's rows
+DRAFT_SALT = 0x3C6EF372  # ... and of the draft's
+LOGIT_SPREAD = 2.0  # logits of non-greedy tokens lie in [0, spread)
+
+
+def default_peak(vocab: int) -> float:
+    """The greedy token's logit lead over the spread: 1 + ln(V) keeps its probability
+    near e / (e + 1.3) ~ 0.7 at temperature 1 whatever the vocabulary size."""
+    return 1.0 + math.log(vocab)
 
 
 def normalize_layout(layers, name: str) -> list[bool]:
@@ -72,14 +89,31 @@ class _StubModel(Watched):
     """Shared set-up of both stubs: a stub KV cache and its two pointer tables."""
 
     _watched = frozenset({"cache", "kv_table", "len_table", "seed", "agree24"})
+    supports_sampling = True  # writes logits when bound to sampling StreamBufs
 
-    def __init__(self, batch, vocab, layers, capacity, cost_ns, backend, role):
+    def __init__(self, batch, vocab, layers, capacity, cost_ns, backend, role, logit_peak=None):
         self.backend = get_backend(backend)
         self.vocab = check_int("vocab", vocab, minimum=2, maximum=2**31 - 1)
         self.cost_ns = check_int("cost_ns", cost_ns, minimum=0)
         self.layout = normalize_layout(layers, f"{role} layers")
         self.cache = stub_cache(self.layout, batch, capacity, self.backend)
+        peak = default_peak(self.vocab) if logit_peak is None else logit_peak
+        if isinstance(peak, bool) or not isinstance(peak, numbers.Real) or not 0.0 < peak <= 1e4:
+            raise ValueError(f"logit_peak must be a number in (0, 1e4], got {logit_peak!r}")
+        self.logit_peak = float(peak)
+        self._bufs = None  # the decoder's StreamBufs, from bind()
         self.refresh_tables()
+
+    def bind(self, bufs: StreamBufs) -> None:
+        """Keep the decoder's buffers: in sampling mode prefill writes ``tgt_logits``."""
+        self._bufs = bufs
+
+    def _sampling(self, bufs) -> bool:
+        return bool(getattr(bufs, "sampling", False))
+
+    def _logits(self, pred, pos, logits, salt, pos_offset, step, stream) -> None:
+        self.backend.ops.stub_logits(pred, pos, logits, pos_offset=pos_offset, salt=salt, spread=LOGIT_SPREAD,
+                                     peak=self.logit_peak, step=step, stream=stream)
 
     def refresh_tables(self) -> None:
         """Rebuild the pointer tables from the cache's current layers (before a recapture)."""
@@ -105,9 +139,12 @@ class _StubModel(Watched):
         return self.cache.capacity
 
     def prefill(self, prompt, prompt_len, pos_ctr, pend, stream) -> None:
-        """Enqueue the stub prefill of this model's cache (see ``stub_prefill``)."""
+        """Enqueue the stub prefill of this model's cache (see ``stub_prefill``); a target
+        bound to sampling buffers also writes the logits after the prompt to ``tgt_logits[:, 0]``."""
         self.backend.ops.stub_prefill(prompt, prompt_len, self.kv_table, self.len_table, self.capacity, self.vocab,
                                       pos_ctr, pend, stream=stream)
+        if pend is not None and self._sampling(self._bufs):
+            self._logits(pend.reshape(-1, 1), pos_ctr, self._bufs.tgt_logits, TARGET_SALT, 0, 0, stream)
 
 
 class StubTarget(_StubModel, TargetModel):
@@ -125,15 +162,19 @@ class StubTarget(_StubModel, TargetModel):
     cost_ns : int
         Emulated device time per verify call.
     backend : Backend or str
+    logit_peak : float, optional
+        Sampling: the greedy token's logit lead (default :func:`default_peak`).
     """
 
     def __init__(self, batch: int, vocab: int, layers, capacity: int, *, cost_ns: int = 0,
-                 backend: Backend | str = "auto"):
-        super().__init__(batch, vocab, layers, capacity, cost_ns, backend, "target")
+                 backend: Backend | str = "auto", logit_peak: float | None = None):
+        super().__init__(batch, vocab, layers, capacity, cost_ns, backend, "target", logit_peak)
 
     def verify(self, bufs: StreamBufs, stream) -> None:
         self.backend.ops.stub_verify(bufs.vtok, bufs.pos_ctr, self.kv_table, self.len_table, self.capacity,
                                      self.vocab, self.cost_ns, bufs.tgt_pred, stream=stream)
+        if self._sampling(bufs):  # row t: the token at pos_ctr + t + 1, peaked at tgt_pred[:, t]
+            self._logits(bufs.tgt_pred, bufs.pos_ctr, bufs.tgt_logits, TARGET_SALT, 1, None, stream)
 
 
 class StubDraft(_StubModel, DraftModel):
@@ -161,8 +202,9 @@ class StubDraft(_StubModel, DraftModel):
     option_keys = frozenset({"accept_prob", "seed"})
 
     def __init__(self, batch: int, vocab: int, layers, capacity: int, *, accept_prob: float = 0.7,
-                 p_min: float = 0.0, seed: int = 0, cost_ns: int = 0, backend: Backend | str = "auto"):
-        super().__init__(batch, vocab, layers, capacity, cost_ns, backend, "draft")
+                 p_min: float = 0.0, seed: int = 0, cost_ns: int = 0, backend: Backend | str = "auto",
+                 logit_peak: float | None = None):
+        super().__init__(batch, vocab, layers, capacity, cost_ns, backend, "draft", logit_peak)
         self.p_min = check_prob("p_min", p_min)
         self.default_accept_prob = check_prob("accept_prob", accept_prob)
         self.default_seed = check_int("seed", seed, minimum=0, maximum=2**32 - 1)
@@ -215,19 +257,28 @@ class StubDraft(_StubModel, DraftModel):
         self.set_slots({slot: (accept_prob, seed)}, stream)
 
     def draft_step(self, bufs: StreamBufs, step: int, stream) -> None:
+        sampling = self._sampling(bufs)
         self.backend.ops.stub_draft_step(step, bufs.vtok, bufs.pos_ctr, self.kv_table, self.len_table, self.capacity,
                                          self.vocab, self.seed, self.agree24, fixed24(self.p_min), self.cost_ns,
-                                         bufs.draft_tok, bufs.draft_conf, bufs.brk, stream=stream)
+                                         bufs.draft_tok, bufs.draft_conf, bufs.brk, extend_last=not sampling,
+                                         stream=stream)
+        if sampling:  # the row for pos_ctr + step + 1, peaked at the greedy proposal the decoder then replaces
+            self._logits(bufs.draft_tok, bufs.pos_ctr, bufs.draft_logits, DRAFT_SALT, 1, step, stream)
+
+    def draft_append_last(self, bufs: StreamBufs, stream) -> None:
+        """Sampling mode: the KV entry of the sampled last draft (see ``stub_draft_append``)."""
+        self.backend.ops.stub_draft_append(bufs.draft_tok, bufs.pos_ctr, bufs.brk, self.kv_table, self.len_table,
+                                           self.capacity, stream=stream)
 
 
 def stub_pair(batch: int, vocab: int, target_layers: Sequence[bool] | int, draft_layers: Sequence[bool] | int,
               capacity: int, *, accept_prob: float = 0.7, p_min: float = 0.0, seed: int = 0, cost_ns: int = 0,
-              backend: Backend | str = "auto") -> tuple[StubTarget, StubDraft]:
-    """Build a matching stub target and draft on one backend."""
+              backend: Backend | str = "auto", logit_peak: float | None = None) -> tuple[StubTarget, StubDraft]:
+    """Build a matching stub target and draft on one backend (``logit_peak``: both models' sampling peak)."""
     target_layers = normalize_layout(target_layers, "target_layers")
     draft_layers = normalize_layout(draft_layers, "draft_layers")
     backend = get_backend(backend)
-    target = StubTarget(batch, vocab, target_layers, capacity, cost_ns=cost_ns, backend=backend)
+    target = StubTarget(batch, vocab, target_layers, capacity, cost_ns=cost_ns, backend=backend, logit_peak=logit_peak)
     draft = StubDraft(batch, vocab, draft_layers, capacity, accept_prob=accept_prob, p_min=p_min, seed=seed,
-                      cost_ns=cost_ns, backend=backend)
+                      cost_ns=cost_ns, backend=backend, logit_peak=logit_peak)
     return target, draft

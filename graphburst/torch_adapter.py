@@ -17,9 +17,13 @@ The module implements two things over torch tensors:
 :class:`TorchTarget` and :class:`TorchDraft` do the rest: zero-copy torch views of the
 ``StreamBufs`` and of the KV lengths (made once, outside capture), the ``KVCache``,
 placeholder clamping, argmax and confidence, the p-min break, the verify-token writes,
-the draft's extra KV append and length bookkeeping. On the cupy backend the ops run on
-the stream graphburst gives (a torch ``ExternalStream`` over it); on numpy they run on
-CPU tensors that alias the numpy buffers, which is how CI tests this file.
+the draft's extra KV append and length bookkeeping. Bound to sampling StreamBufs
+(``SpecDecoder(..., sampling=True)``), the target writes ``tgt_logits`` (and, at prefill,
+the logits after the prompt to ``tgt_logits[:, 0]``), the draft writes ``draft_logits``
+and appends its sampled last draft in ``draft_append_last``; greedy mode is unchanged.
+On the cupy backend the ops run on the stream graphburst gives (a torch ``ExternalStream``
+over it); on numpy they run on CPU tensors that alias the numpy buffers, which is how CI
+tests this file.
 
 Inside ``draft_step`` and ``verify`` nothing syncs or reads a value on the host.
 """
@@ -63,14 +67,16 @@ class TorchBufs:
 
     def __init__(self, bufs: StreamBufs):
         self.source = bufs
-        for name in bufs.LAYOUT:
-            setattr(self, name, as_tensor(getattr(bufs, name)))
+        for name, arr in bufs.arrays().items():  # the sampling buffers too, when there are any
+            if arr.dtype != np.uint64:  # the Philox seeds: no model reads them, and DLPack uint64 is patchy
+                setattr(self, name, as_tensor(arr))
 
 
 class _TorchModel(Watched):
     """Shared part of both wrappers: the cache, the length views, streams and binding."""
 
     capture_api = "torch"  # the burst graph must be captured by torch (see the lead's capture path)
+    supports_sampling = True  # writes logits when bound to sampling StreamBufs
     _watched = frozenset({"cache", "module"})
 
     def __init__(self, module, *, batch: int, capacity: int, backend: Backend | str = "auto", vocab: int | None = None):
@@ -176,6 +182,8 @@ class _TorchModel(Watched):
             for ln in self._lengths:
                 if ln is not None:
                     ln[rows] = plen
+            if pos_ctr is not None and self._bound is not None and self._bound.source.sampling:
+                self._bound.tgt_logits[rows, 0] = logits.float()  # the decoder samples the first token
             if pos_ctr is not None:
                 pred = logits.argmax(-1)  # [R]
                 as_tensor(pos_ctr)[rows] = plen
@@ -202,7 +210,10 @@ class TorchTarget(_TorchModel):
         t = self._views(bufs)
         with self._on(stream), self.torch.no_grad():
             logits = self._forward(self._tokens(t.vtok), t.pos_ctr)  # [B, k+1, V]
-            t.tgt_pred.copy_(logits.argmax(-1))
+            if bufs.sampling:
+                t.tgt_logits.copy_(logits)  # float32; the burst turns them into probabilities
+            else:
+                t.tgt_pred.copy_(logits.argmax(-1))
 
 
 class TorchDraft(_TorchModel):
@@ -231,17 +242,33 @@ class TorchDraft(_TorchModel):
         with self._on(stream), torch.no_grad():
             prev = t.vtok[:, :1] if step == 0 else t.draft_tok[:, step - 1: step]  # [B, 1] int32
             logits = self._forward(self._tokens(prev), t.pos_ctr + step)[:, -1]  # [B, V]
+            if bufs.sampling:
+                # The decoder samples draft_tok[:, step] from these, before step + 1 reads it.
+                t.draft_logits[:, step].copy_(logits)
+                if self.p_min > 0.0:
+                    self._break(t, step, torch.softmax(logits.float(), dim=-1).amax(dim=-1))
+                return
             conf, tok = torch.softmax(logits, dim=-1).max(dim=-1)  # [B] float32, [B] int64
             t.draft_tok[:, step].copy_(tok)
             t.draft_conf[:, step].copy_(conf)
             if self.p_min > 0.0:
-                # First low-confidence step of a still-unbroken row: n_valid = step.
-                newly = (t.brk[:, 1] == 0) & (conf < self.p_min)
-                t.brk[:, 0].copy_(torch.where(newly, step, t.brk[:, 0]))
-                t.brk[:, 1].copy_(torch.where(newly, 1, t.brk[:, 1]))
+                self._break(t, step, conf)
             if self.writes_verify_tokens:
                 usable = t.brk[:, 1] == 0
                 t.vtok[:, 1 + step].copy_(torch.where(usable, tok.to(torch.int32), t.vtok[:, 1 + step]))
             if step == k - 1:
                 # All k accepted keeps anchor + k + 1 entries: append the last proposal's KV too.
                 self._forward(tok.unsqueeze(1), t.pos_ctr + k)
+
+    def _break(self, t, step: int, conf) -> None:
+        """First low-confidence step of a still-unbroken row: ``brk = [step, 1]`` (n_valid = step)."""
+        torch = self.torch
+        newly = (t.brk[:, 1] == 0) & (conf < self.p_min)
+        t.brk[:, 0].copy_(torch.where(newly, step, t.brk[:, 0]))
+        t.brk[:, 1].copy_(torch.where(newly, 1, t.brk[:, 1]))
+
+    def draft_append_last(self, bufs: StreamBufs, stream) -> None:
+        """Sampling mode: the sampled last draft's KV at ``pos_ctr + k`` (protocol rule 2)."""
+        t, k = self._views(bufs), bufs.k
+        with self._on(stream), self.torch.no_grad():
+            self._forward(self._tokens(t.draft_tok[:, k - 1:k]), t.pos_ctr + k)

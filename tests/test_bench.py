@@ -56,6 +56,17 @@ def test_bench_latency_quick_on_numpy(tmp_path):
     assert base["c"]["syncs"] == 1 and base["a"]["syncs"] == first["config"]["m"] + 1
 
 
+def test_bench_latency_sampling_on_numpy(tmp_path):
+    res = bench("latency", "--sampling", tmp_path=tmp_path)
+    assert res["meta"]["mode"] == "sampling"
+    (row,) = res["results"]  # numpy: B = 1 only
+    assert row["config"] == dict(k=4, m=8, batch=1)
+    r = row["result"]
+    assert r["greedy_round_us"] > 0 and r["sampling_round_us"] > 0
+    assert r["overhead"] == pytest.approx(r["sampling_round_us"] / r["greedy_round_us"] - 1)
+    assert 1 <= r["greedy_tokens_per_round"] <= 5 and 1 <= r["sampling_tokens_per_round"] <= 5
+
+
 def test_check_greedy_rejects_a_wrong_token():
     prompts = random_prompts(2)
     outs = [greedy_reference(p, 6, 32000) for p in prompts]

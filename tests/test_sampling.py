@@ -305,6 +305,7 @@ def test_check_sampling_accepts_and_normalizes():
     (dict(temperature=float("nan")), ValueError, r"temperature must be finite, got nan"),
     (dict(temperature=float("inf")), ValueError, r"temperature must be finite, got inf"),
     (dict(temperature=1e-50), ValueError, r"temperature must be 0 or >= .*, got 1e-50"),
+    (dict(temperature=1e-40), ValueError, r"temperature must be 0 or >= 1.17549435.*e-38, got 1e-40"),
     (dict(temperature="1"), TypeError, r"temperature must be a number, got str '1'"),
     (dict(temperature=True), TypeError, r"temperature must be a number, got bool True"),
     (dict(top_k=-1), ValueError, r"top_k must be >= 0 \(0 = off\), got -1"),
@@ -321,3 +322,62 @@ def test_check_sampling_accepts_and_normalizes():
 def test_check_sampling_rejects_with_named_field(kw, exc, match):
     with pytest.raises(exc, match=match):
         check_sampling(**kw)
+
+
+# ------------------------------------------------------------------ flush to zero
+# The device module is compiled with -ftz=true (CuPy appends it): every float op reads a
+# subnormal input as 0 and flushes a subnormal result. Each case below gives a different
+# answer without the flush, which the test also checks, so it fails if the twin stops
+# modelling it. tests/test_sampling_gpu.py runs the same inputs on the device.
+
+TINY = F32(2.0**-126)
+
+
+def test_ftz_helper():
+    x = np.array([1e-40, -1e-40, TINY, -TINY, 0.0, -0.0, np.inf, np.nan, 1.0], F32)
+    got = sr.ftz(x)
+    assert got[:2].tolist() == [0.0, 0.0] and np.signbit(got[1]) and not np.signbit(got[0])
+    assert got[2] == TINY and got[3] == -TINY and np.isinf(got[6]) and np.isnan(got[7]) and got[8] == 1
+
+
+def test_ftz_probability_underflow_is_zero():
+    logits = np.array([[[0, 0, 0, -86.5]]], F32)
+    e = sr.exp_neg(F32(-86.5))
+    assert e >= TINY and 0 < e / F32(3) < TINY  # without the flush p[3] would be subnormal
+    out = probs(logits, 1.0)
+    assert out[0, 0, 3] == 0 and np.all(out[0, 0, :3] > 0)
+
+
+def test_ftz_subnormal_logit_ranks_as_zero():
+    logits = np.array([[[0.0, 1e-40, -1.0]]], F32)
+    assert np.argmax(logits) == 1  # unflushed order
+    assert probs(logits, 0.0)[0, 0].tolist() == [1, 0, 0]
+    assert probs(logits, 1.0, top_k=1)[0, 0].tolist() == [1, 0, 0]
+
+
+def test_ftz_subnormal_weight_is_no_weight():
+    w = np.array([[1e-40, 0, 1.0]], F32)
+    assert sr.sample_rows(w, np.zeros(1, F32)).tolist() == [2]  # unflushed: 0 (running sum 1e-40 > 0)
+
+
+def ftz_accept_inputs():
+    """Two sequences, k = 1, V = 3: a subnormal p(x) (never accepted when flushed) and a
+    residual whose only positive entry is subnormal (flushed: the replacement comes from p)."""
+    p = np.zeros((2, 2, 3), F32)
+    q = np.zeros((2, 1, 3), F32)
+    p[0, 0] = [1e-39, 0.5, 0.5]
+    q[0, 0] = [1e-39, 0.5, 0.5]
+    p[1, 0] = [0.0, 2.0**-125, 1.0]
+    q[1, 0] = [0.5, 1.5 * 2.0**-126, 1.0]
+    p[:, 1] = [0.25, 0.25, 0.5]
+    vtok = np.array([[5, 0], [5, 0]], np.int32)
+    brk = np.array([[1, 0], [1, 0]], np.int32)
+    return vtok, p, q, brk, np.array([3, 4], np.uint64), np.array([10, 20], np.int32)
+
+
+def test_ftz_accept_and_residual():
+    vtok, p, q, brk, seed, pos = ftz_accept_inputs()
+    assert 0 < p[1, 0, 1] - q[1, 0, 1] < TINY  # unflushed residual: token 1 only
+    n_acc, last = run_accept(vtok, p, q, brk, seed, pos)
+    assert n_acc.tolist() == [0, 0]  # unflushed, u * q < p would accept draft 0 of row 0
+    assert last[1] == 2  # flushed residual is all zero: drawn from p, whose mass is at 2

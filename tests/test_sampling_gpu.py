@@ -333,3 +333,95 @@ def test_device_rule_is_lossless_and_wrong_rules_fail(ops, stream):
         for rule in st.WRONG_RULES:
             pval, info = st.goodness_of_fit(st.one_slot(p1, q1, n, rule, rng), p1)
             assert pval < st.ALPHA, f"{rule} passed on {name} with n = {n}: {info}"
+
+
+# ------------------------------------------------------------------ flush to zero
+# CuPy builds the module with -ftz=true; these inputs give different bits without the
+# flush (tests/test_sampling.py checks that on the reference), so both sides must flush.
+
+
+def test_ftz_probabilities_match_reference(ops, stream):
+    logits = np.array([[[0, 0, 0, -86.5]], [[0.0, 1e-40, -1.0, -2.0]], [[1e-40, -1e-40, 0.0, 5e-39]]], F32)
+    for temp in (0.0, 1.0, 0.5):
+        t = np.full(3, temp, F32)
+        k, p = np.zeros(3, np.int32), np.ones(3, F32)
+        want = ref_probs(logits, t, k, p)
+        out = cp.full(logits.shape, cp.nan, cp.float32)
+        ops.probs_from_logits(*dev(logits, t, k, p), out, stream=stream)
+        stream.synchronize()
+        assert_bits(out, want, f"probs, temperature {temp}")
+    assert cp.asnumpy(out)[0, 0, 3] == 0  # e / 3 is subnormal: flushed
+
+
+def test_ftz_sample_and_accept_match_reference(ops, stream):
+    from test_sampling import ftz_accept_inputs
+
+    w = np.array([[[1e-40, 0, 1.0]], [[1e-40, 1e-39, 0]]], F32)  # q [2, 1, 3]
+    seed, pos = np.array([1, 2], np.uint64), np.array([0, 0], np.int32)
+    want_tok, want_prob = np.full((2, 1), POISON, np.int32), np.full((2, 1), np.nan, F32)
+    sr.sample_draft(w, seed, pos, want_tok, want_prob)
+    tok, prob = cp.full((2, 1), POISON, cp.int32), cp.full((2, 1), cp.nan, cp.float32)
+    ops.sample_draft(*dev(w, seed, pos), tok, prob, stream=stream)
+    host = ftz_accept_inputs()
+    want_n, want_last = np.full(2, POISON, np.int32), np.full(2, POISON, np.int32)
+    sr.accept_sample(*host, want_n, want_last)
+    n_acc, last = cp.full(2, POISON, cp.int32), cp.full(2, POISON, cp.int32)
+    ops.accept_sample(*dev(*host), n_acc, last, stream=stream)
+    stream.synchronize()
+    assert_bits(tok, want_tok, "draft_tok")
+    assert_bits(prob, want_prob, "draft_prob")
+    assert cp.asnumpy(tok).tolist() == [[2], [PLACEHOLDER_TOKEN]]  # subnormal weights are no weight
+    assert_bits(n_acc, want_n, "n_acc")
+    assert_bits(last, want_last, "last_pred")
+    assert cp.asnumpy(n_acc).tolist() == [0, 0] and int(cp.asnumpy(last)[1]) == 2
+
+
+# ------------------------------------------------------------------ stub distributions, whole bursts
+
+
+def test_stub_logits_match_reference(rng, ops, stream):
+    from graphburst import reference
+
+    batch, rows, vocab = 19, 4, 1000
+    pred = rng.integers(-1, vocab, (batch, rows)).astype(np.int32)
+    pos = rng.integers(0, 2**31 - 10, batch).astype(np.int32)
+    kw = dict(pos_offset=1, salt=0x1234567, spread=2.0, peak=7.9)
+    want = np.full((batch, rows, vocab), np.nan, F32)
+    reference.stub_logits(pred, pos, want, **kw)
+    got = cp.full(want.shape, cp.nan, cp.float32)
+    ops.stub_logits(*dev(pred, pos), got, **kw, stream=stream)
+    one = np.full((batch, rows, vocab), POISON, F32)
+    reference.stub_logits(pred[:, :1], pos, one, pos_offset=0, salt=5, spread=0.5, peak=1.0, step=0)
+    got_one = cp.full(want.shape, POISON, cp.float32)
+    ops.stub_logits(cp.asarray(pred[:, :1]), cp.asarray(pos), got_one, pos_offset=0, salt=5, spread=0.5, peak=1.0,
+                    step=0, stream=stream)
+    stream.synchronize()
+    assert_bits(got, want, "stub_logits")
+    assert_bits(got_one, one, "stub_logits step=0, pred stride 1")
+
+
+def test_sampling_burst_equals_numpy_bit_for_bit():
+    """The whole sampling burst (stub kernels, draws, first token, draft_append_last) on the
+    device gives the numpy backend's tokens, counters and KV lengths exactly."""
+    from graphburst.backend import Backend
+    from graphburst.burst import SpecDecoder
+    from graphburst.capture import BurstGraph
+    from graphburst.stubs import stub_pair
+
+    batch = 37
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(0, 1000, int(rng.integers(1, 9))).tolist() for _ in range(batch)]
+    kw = dict(temperature=rng.choice([0.0, 0.5, 1.0, 2.0], batch).tolist(),
+              top_k=rng.choice([0, 1, 20], batch).tolist(), top_p=rng.choice([1.0, 0.9, 0.3], batch).tolist(),
+              seed=[int(s) for s in rng.integers(0, 2**63, batch)])
+
+    def run(name):
+        target, draft = stub_pair(batch, 1000, [True, False, True], [True, True], 200, accept_prob=0.6, p_min=0.1,
+                                  seed=2, backend=Backend(name))
+        dec = SpecDecoder(target, draft, k=4, m_rounds=3, sampling=True)
+        dec.prefill(prompts, **kw)
+        graph = BurstGraph(dec)
+        toks = [[t.tolist() for t in graph.run()] for _ in range(3)]
+        return toks, dec.accept_counters().tolist(), draft.cache.lengths(dec.stream).tolist()
+
+    assert run("cupy") == run("numpy")

@@ -183,8 +183,9 @@ def test_request_options_reach_the_models_and_unknown_keys_are_refused():
         loop.submit(Request(prompt, 4, options={"acept_prob": 1.0}))
     with pytest.raises(ValueError, match="accept_prob"):
         loop.submit(Request(prompt, 4, options={"accept_prob": 1.5}))
-    rec = parse_line('{"prompt": [1, 2], "max_new_tokens": 3, "seed": 4}')
-    assert rec.options == {"seed": 4}
+    rec = parse_line('{"prompt": [1, 2], "max_new_tokens": 3, "accept_prob": 0.5, "seed": 4, "temperature": 0.5}')
+    assert rec.options == {"accept_prob": 0.5}  # seed and temperature are the request's sampling fields
+    assert (rec.seed, rec.temperature, rec.top_k, rec.top_p) == (4, 0.5, None, None)
 
 
 @pytest.mark.parametrize("pipelined", [True, False])

@@ -205,6 +205,9 @@ def add_parser(sub) -> None:
                    help="bursts per mode per rotation (default 20 on a GPU, 3 on the numpy backend)")
     p.add_argument("--json", type=writable_file, default="bench_results.json", help="raw results file")
     p.add_argument("--no-peer", action="store_true", help="skip the PyTorch-ops peer")
+    p.add_argument("--sampling", action="store_true",
+                   help="instead of the mode sweep: sampling against greedy per round (graph replay, k=4, M=8, "
+                        "B=1 and 16; B=1 only on the numpy backend)")
 
 
 def check_args(args) -> None:
@@ -218,7 +221,22 @@ def check_args(args) -> None:
         check_kv_memory(cfg["batch"], capacity, cfg["layers"] + 2, flags=("--reps", "--chunk"))
 
 
+def run_sampling(args, console: Console, backend) -> int:
+    """``--sampling``: the sampling-against-greedy table (bench/sampling.py)."""
+    from . import sampling
+
+    reps = args.reps if args.reps is not None else (5 if backend.is_gpu else 1)
+    bursts = args.chunk if args.chunk is not None else (20 if backend.is_gpu else 1)
+    console.print(f"[bold]graphburst bench latency --sampling[/bold]: {label(backend)}")
+    results, table = sampling.run_stub(backend, reps=reps, bursts=bursts, label=label(backend))
+    write_results(console, args.json, backend=backend, tables=[table], results=results, reps=reps, chunk=bursts,
+                  mode="sampling")
+    return 0
+
+
 def run(args, console: Console, backend) -> int:
+    if args.sampling:
+        return run_sampling(args, console, backend)
     gpu = backend.is_gpu
     from ..torch_peer import torch_available
 

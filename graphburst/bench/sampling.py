@@ -1,0 +1,110 @@
+"""Sampling against greedy: the per-round cost of speculative rejection sampling.
+
+:func:`sampling_cost` is model-agnostic: give it a factory of fresh (target, draft)
+pairs, and it captures one greedy and one sampling burst graph of the same pair and
+shape, replays them in rotation and reports median µs per round of each and the
+overhead. ``graphburst bench latency --sampling`` runs it on the stub pair at k=4, M=8,
+B=1 and 16; the real-model bench can call it with its Llama factory.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+from ..burst import SpecDecoder
+from ..capture import BurstGraph
+from .common import check_greedy, fmt, new_table, random_prompts, stub_models
+
+SHAPES = [dict(k=4, m=8, batch=1), dict(k=4, m=8, batch=16)]
+WARM_BURSTS = 2
+
+
+def capacity_needed(prompt_len: int, k: int, m: int, bursts: int) -> int:
+    """KV entries per sequence that :func:`sampling_cost` writes with ``bursts`` timed bursts."""
+    return prompt_len + (bursts + 2 * WARM_BURSTS) * m * (k + 1) + 8
+
+
+def _time_bursts(graph: BurstGraph, n: int, backend) -> list:
+    """Device µs per burst (CUDA events) on cupy, host µs on numpy; each burst drained."""
+    out = []
+    for _ in range(n):
+        if backend.is_gpu:
+            ev = (backend.xp.cuda.Event(), backend.xp.cuda.Event())
+            graph.replay(timing_events=ev)
+            graph.drain()
+            out.append(backend.xp.cuda.get_elapsed_time(*ev) * 1e3)
+        else:
+            t0 = time.perf_counter()
+            graph.run()
+            out.append((time.perf_counter() - t0) * 1e6)
+    return out
+
+
+def sampling_cost(make_pair, prompts, *, k: int, m: int, bursts: int, reps: int = 3, temperature: float = 1.0,
+                  top_k: int = 0, top_p: float = 1.0, seed: int = 0, reference=None) -> dict:
+    """Median µs per round of a greedy and a sampling burst graph of the same pair and shape.
+
+    Parameters
+    ----------
+    make_pair : callable () -> (target, draft)
+        Fresh models each call (two calls), batch = ``len(prompts)``, capacity at least
+        :func:`capacity_needed` for ``reps * bursts`` bursts.
+    prompts : list of token lists, one per slot
+    k, m : drafts per round, rounds per burst
+    bursts, reps : bursts per rotation and rotations (greedy and sampling alternate)
+    temperature, top_k, top_p, seed : the sampling decoder's settings (seed + b per slot)
+    reference : callable (prompts, outs) -> None, optional
+        Checks the greedy decoder's first tokens before timing (raises on a mismatch).
+
+    Returns
+    -------
+    dict
+        ``greedy_round_us``, ``sampling_round_us``, ``overhead`` (sampling / greedy - 1),
+        ``greedy_tokens_per_round`` and ``sampling_tokens_per_round`` (per sequence).
+    """
+    graphs, tokens = {}, {}
+    for name, sampling in (("greedy", False), ("sampling", True)):
+        target, draft = make_pair()
+        dec = SpecDecoder(target, draft, k=k, m_rounds=m, sampling=sampling)
+        kw = dict(temperature=temperature, top_k=top_k, top_p=top_p,
+                  seed=[seed + b for b in range(len(prompts))]) if sampling else {}
+        dec.prefill(prompts, **kw)
+        graphs[name] = BurstGraph(dec)
+        outs = [[] for _ in prompts]
+        for _ in range(WARM_BURSTS):
+            for b, t in enumerate(graphs[name].run()):
+                outs[b] += t.tolist()
+        if not sampling and reference is not None:
+            reference(prompts, outs)
+        tokens[name] = sum(len(o) for o in outs) / (len(prompts) * WARM_BURSTS * m)
+    backend = graphs["greedy"].backend
+    times = {name: [] for name in graphs}
+    for _ in range(reps):
+        for name, graph in graphs.items():
+            times[name] += _time_bursts(graph, bursts, backend)
+    g, s = (statistics.median(times[n]) / m for n in ("greedy", "sampling"))
+    return dict(greedy_round_us=g, sampling_round_us=s, overhead=s / g - 1,
+                greedy_tokens_per_round=tokens["greedy"], sampling_tokens_per_round=tokens["sampling"])
+
+
+def run_stub(backend, *, reps: int, bursts: int, label: str):
+    """The stub comparison at SHAPES (numpy: B = 1 only): (results, rich table)."""
+    shapes = SHAPES if backend.is_gpu else SHAPES[:1]
+    results = []
+    for shape in shapes:
+        prompts = random_prompts(shape["batch"])
+        capacity = capacity_needed(len(prompts[0]), shape["k"], shape["m"], reps * bursts)
+        res = sampling_cost(lambda: stub_models(backend, batch=shape["batch"], capacity=capacity), prompts,
+                            k=shape["k"], m=shape["m"], bursts=bursts, reps=reps,
+                            reference=lambda p, o: check_greedy("greedy graph", p, o))
+        results.append(dict(config=shape, result=res))
+    table = new_table(f"sampling (T=1, filters off) against greedy, stub pair, graph replay; µs per round, medians. "
+                      f"{label}", ["k", "M", "B", "greedy µs/round", "sampling µs/round", "overhead",
+                                   "greedy tokens/round", "sampling tokens/round"])
+    for r in results:
+        c, x = r["config"], r["result"]
+        table.add_row(str(c["k"]), str(c["m"]), str(c["batch"]), fmt(x["greedy_round_us"]),
+                      fmt(x["sampling_round_us"]), f"{x['overhead']:+.1%}", fmt(x["greedy_tokens_per_round"]),
+                      fmt(x["sampling_tokens_per_round"]))
+    return results, table

@@ -1,0 +1,135 @@
+"""Sampling mode of a :class:`~graphburst.burst.SpecDecoder`: its round calls, per-slot
+settings and first tokens.
+
+A decoder built with ``sampling=True`` allocates the buffers of
+``StreamBufs.SAMPLING_LAYOUT`` and runs this round program (no fused epilogue: that one
+is greedy only)::
+
+    seed_gather                                   vtok[:, 0] = pend, pos_start = pos_ctr, brk = [k, 0]
+    for j in 0 .. k-1:
+        draft.draft_step(bufs, j)                 draft_logits[:, j]  (and its input's KV)
+        probs_from_logits(step=j)                 draft_logits[:, j] <- q, in place
+        sample_draft(step=j)                      draft_tok[:, j] ~ q, draft_conf[:, j] = q(token)
+    draft.draft_append_last(bufs)                 KV of the sampled last draft (protocol rule 2)
+    assemble_verify                               vtok = [pend, drafts before the break, -1 ...]
+    target.verify(bufs)                           tgt_logits [B, k+1, V]
+    probs_from_logits(all rows)                   tgt_logits <- p, in place
+    accept_sample                                 n_acc, last_pred (Leviathan / Chen rule)
+    ring_commit, rollback_stream
+
+Randomness is Philox keyed by (``seed[b]``, absolute position of the token decided, draw
+index): a sequence's tokens depend on nothing the host holds, nor on its batch slot. A
+slot at temperature 0 (or top_k = 1) gets one-hot distributions, so it decodes exactly
+the greedy tokens. The functions here return ``(name, fn)`` pairs that the decoder wraps
+as its ``Call`` objects.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from .buffers import StreamBufs
+from .constants import GREEDY_TEMPERATURE, NO_PREFILL, SEED_LIMIT, TOP_K_OFF, TOP_P_OFF
+from .sampling_params import SamplingParams, check_sampling
+
+GREEDY = SamplingParams()
+
+
+def draft_sample_calls(ops, b: StreamBufs, j: int) -> list:
+    """Draft step j's distribution and its sample (after ``draft_step(j)``)."""
+    return [
+        (f"draft_probs[{j}]", functools.partial(ops.probs_from_logits, b.draft_logits, b.temperature, b.top_k, b.top_p,
+                                                b.draft_logits, step=j)),
+        (f"sample_draft[{j}]", functools.partial(ops.sample_draft, b.draft_logits, b.seed, b.pos_start, b.draft_tok,
+                                                 b.draft_conf, step=j)),
+    ]
+
+
+def verify_sample_calls(ops, b: StreamBufs) -> list:
+    """The target's distributions and the lossless accept (after ``verify``)."""
+    return [
+        ("target_probs", functools.partial(ops.probs_from_logits, b.tgt_logits, b.temperature, b.top_k, b.top_p,
+                                           b.tgt_logits)),
+        ("accept_sample", functools.partial(ops.accept_sample, b.vtok, b.tgt_logits, b.draft_logits, b.brk, b.seed,
+                                            b.pos_start, b.n_acc, b.last_pred)),
+    ]
+
+
+def check_slot(temperature=None, top_k=None, top_p=None, seed=None, *, sampling: bool,
+               index: int | None = None) -> SamplingParams:
+    """One slot's settings (None: the greedy defaults), validated; ``index`` names the slot.
+
+    Raises
+    ------
+    TypeError, ValueError
+        Naming the field and its value; also for ``temperature > 0`` on a greedy decoder.
+    """
+    at = "" if index is None else f"[{index}]"
+    kw = {name: value for name, value in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p),
+                                          ("seed", seed)) if value is not None}
+    try:
+        params = check_sampling(**kw)
+    except (TypeError, ValueError) as exc:
+        if not at:
+            raise
+        raise type(exc)(f"{exc} (slot {index})") from None
+    if params.temperature > 0 and not sampling:
+        raise ValueError(f"temperature{at} = {params.temperature} needs sampling: build the decoder with "
+                         f"sampling=True (temperature 0 is greedy decoding)")
+    return params
+
+
+class SlotSampling:
+    """Host mirrors of the per-slot settings; admission uploads all four (plain writes).
+
+    Parameters
+    ----------
+    batch : int
+    """
+
+    def __init__(self, batch: int):
+        self.temperature = np.full(batch, GREEDY_TEMPERATURE, np.float32)  # [B]
+        self.top_k = np.full(batch, TOP_K_OFF, np.int32)  # [B]
+        self.top_p = np.full(batch, TOP_P_OFF, np.float32)  # [B]
+        self.seed = np.zeros(batch, np.uint64)  # [B]
+
+    def set(self, settings: dict) -> None:
+        """``slot -> SamplingParams`` (validated)."""
+        for b, p in settings.items():
+            assert 0 <= p.seed < SEED_LIMIT
+            self.temperature[b], self.top_k[b], self.top_p[b], self.seed[b] = p.temperature, p.top_k, p.top_p, p.seed
+
+    def upload(self, backend, bufs: StreamBufs, stream) -> None:
+        for name in ("temperature", "top_k", "top_p", "seed"):
+            backend.upload(getattr(bufs, name), getattr(self, name), stream)
+
+
+def sample_first_tokens(ops, backend, bufs: StreamBufs, prompt_len: np.ndarray, stream) -> None:
+    """``pend[b]`` <- a draw from the target's distribution after the prompt, for prefilled slots.
+
+    The target's prefill wrote that row's logits to ``tgt_logits[:, 0]``. The draw is
+    ``accept_sample`` with no drafts (``brk = [0, 0]``) at ``pos = P - 1``: one draw of
+    ``DRAW_RESAMPLE`` for the token at position P from ``p`` row 0, keyed like every later
+    token. ``brk``, ``pos_start``, ``n_acc`` and ``last_pred`` are per-round scratch
+    (every sampling round reseeds them), so other slots lose nothing; their ``pend`` is
+    kept by a host merge (admission may sync).
+
+    Parameters
+    ----------
+    prompt_len : [B] int32 host array, ``NO_PREFILL`` for slots left alone
+    """
+    slots = np.flatnonzero(prompt_len != NO_PREFILL)
+    if len(slots) == 0:
+        return
+    ops.probs_from_logits(bufs.tgt_logits, bufs.temperature, bufs.top_k, bufs.top_p, bufs.tgt_logits, step=0,
+                          stream=stream)
+    pos = np.where(prompt_len != NO_PREFILL, prompt_len.astype(np.int64) - 1, 0).astype(np.int32)
+    backend.upload(bufs.brk, np.zeros((bufs.batch, 2), np.int32), stream)
+    backend.upload(bufs.pos_start, pos, stream)
+    ops.accept_sample(bufs.vtok, bufs.tgt_logits, bufs.draft_logits, bufs.brk, bufs.seed, bufs.pos_start, bufs.n_acc,
+                      bufs.last_pred, stream=stream)
+    pend = backend.to_host(bufs.pend, stream)
+    pend[slots] = backend.to_host(bufs.last_pred, stream)[slots]
+    backend.upload(bufs.pend, pend, stream)
