@@ -84,8 +84,9 @@ class Server:
     """Routes and request lifecycle; runs on the event loop thread only."""
 
     def __init__(self, engine: EngineThread, metrics: Metrics, *, model: str, vocab: int, capacity: int,
-                 max_queue: int, tokenizer=None):
+                 max_queue: int, tokenizer=None, sampling: bool = False):
         self.engine, self.metrics = engine, metrics
+        self.sampling = sampling
         self.model, self.vocab, self.capacity = model, vocab, capacity
         self.max_queue, self.tokenizer = max_queue, tokenizer
         self.created = api.now()
@@ -147,7 +148,8 @@ class Server:
             return self._error(api.APIError(f"the body is not valid JSON: {exc}", param="body"))
         try:
             comp = api.parse_completion(body, model=self.model, vocab=self.vocab, capacity=self.capacity,
-                                        tokenizer=self.tokenizer, max_prompts=self.max_queue)
+                                        tokenizer=self.tokenizer, max_prompts=self.max_queue,
+                                        sampling=self.sampling)
         except api.APIError as exc:
             return self._error(exc)
         n = len(comp.prompts)
@@ -159,7 +161,7 @@ class Server:
         queue: asyncio.Queue = asyncio.Queue()
         stops = comp.stop_token_ids
         tickets = [Ticket(Request(prompt=p, max_new_tokens=comp.max_tokens, eos=stops[0] if stops else None,
-                                  id=f"{cid}-{i}"), i, lambda t, u: self._on_update(t, u, queue),
+                                  id=f"{cid}-{i}", **comp.sampling), i, lambda t, u: self._on_update(t, u, queue),
                           frozenset(stops[1:]), arrived=arrived) for i, p in enumerate(comp.prompts)]
         self.metrics.prompt_tokens.inc(sum(map(len, comp.prompts)))
         self.live += 1
@@ -226,7 +228,7 @@ async def _serve(args, loop: ServeLoop, host: str, port: int, tokenizer) -> int:
     engine = EngineThread(loop, aloop)
     metrics = Metrics(engine)
     server = Server(engine, metrics, model=model_name(args), vocab=loop.vocab, capacity=loop.dec.capacity,
-                    max_queue=args.max_queue, tokenizer=tokenizer)
+                    max_queue=args.max_queue, tokenizer=tokenizer, sampling=loop.sampling)
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         aloop.add_signal_handler(sig, stop.set)

@@ -1,9 +1,11 @@
 """The OpenAI completions subset: request validation and response shapes, no HTTP.
 
-Only greedy decoding is served, so sampling fields that would change the output
-(``temperature`` > 0, ``top_p`` < 1, ``n`` > 1, ``best_of`` > 1) are refused with a 400 that
-names the field rather than silently ignored; fields that cannot change the tokens
-(``user``, ``seed``, ``presence_penalty`` of 0, ...) are ignored, as vLLM does.
+``temperature``, ``top_p``, ``seed`` and vLLM's ``top_k`` (-1 = off) reach the device's
+speculative rejection sampler when the server runs with ``--sampling``; a greedy server
+refuses a field that would change its output (``temperature`` > 0, ``top_p`` < 1,
+``top_k`` > 0) with a 400 naming it rather than ignoring it. ``n`` > 1 and ``best_of`` > 1
+are refused too; fields that cannot change the tokens (``user``, ``presence_penalty`` of
+0, ...) are ignored, as vLLM does.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 import numbers
 import time
+
+from .sampling_params import check_sampling
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -39,6 +43,7 @@ class Completion:
     max_tokens: int
     stop_token_ids: list  # [0] -> the device EOS, the rest checked on the host
     stream: bool
+    sampling: dict = dataclasses.field(default_factory=dict)  # Request's temperature/top_k/top_p/seed as sent
 
 
 def _is_int(x) -> bool:
@@ -83,7 +88,7 @@ def _prompts(value, vocab: int, tokenizer) -> list:
 
 
 def parse_completion(body, *, model: str, vocab: int, capacity: int, tokenizer=None,
-                     max_prompts: int) -> Completion:
+                     max_prompts: int, sampling: bool = False) -> Completion:
     """Validate a ``/v1/completions`` body; raise :class:`APIError` naming the field.
 
     Parameters
@@ -98,6 +103,8 @@ def parse_completion(body, *, model: str, vocab: int, capacity: int, tokenizer=N
         Needed for text prompts.
     max_prompts : int
         More prompts than this in one request could never be queued at once.
+    sampling : bool
+        The server samples (``--sampling``); otherwise fields that change greedy output are refused.
     """
     if not isinstance(body, dict):
         raise APIError(f"the body must be a JSON object, got {type(body).__name__}", param="body")
@@ -129,23 +136,30 @@ def parse_completion(body, *, model: str, vocab: int, capacity: int, tokenizer=N
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise APIError(f"stream must be true or false, got {stream!r}", param="stream")
-    _check_greedy(body)
-    return Completion(prompts, int(max_tokens), [int(t) for t in stops], stream)
+    _check_unsupported(body)
+    return Completion(prompts, int(max_tokens), [int(t) for t in stops], stream, _sampling(body, sampling))
 
 
-def _check_greedy(body: dict) -> None:
-    """Refuse what would change the tokens of greedy decoding."""
-    def num(field):
-        v = body.get(field)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Real)):
-            raise APIError(f"{field} must be a number, got {v!r}", param=field)
-        return v
+def _sampling(body: dict, sampling: bool) -> dict:
+    """The request's sampling fields, checked as ServeLoop checks them (400 naming the field)."""
+    fields = {f: body[f] for f in ("temperature", "top_k", "top_p", "seed") if body.get(f) is not None}
+    if fields.get("top_k") == -1:  # vLLM's spelling of "off"
+        fields["top_k"] = 0
+    try:
+        params = check_sampling(**fields)
+    except (TypeError, ValueError) as exc:
+        raise APIError(str(exc), param=str(exc).split()[0]) from exc
+    if not sampling:
+        changes = {"temperature": params.temperature > 0, "top_p": params.top_p < 1, "top_k": params.top_k > 0}
+        for field, changed in changes.items():
+            if changed:
+                raise APIError(f"{field}={fields[field]}: this server decodes greedily (start it with --sampling, "
+                               f"or leave {field} out)", param=field)
+    return fields
 
-    t, p = num("temperature"), num("top_p")
-    if t is not None and t > 0:
-        raise APIError(f"temperature={t}: greedy only for now (send 0 or leave it out)", param="temperature")
-    if p is not None and p < 1:
-        raise APIError(f"top_p={p}: greedy only for now (send 1 or leave it out)", param="top_p")
+
+def _check_unsupported(body: dict) -> None:
+    """Refuse what the server cannot do rather than ignore it."""
     n, best_of = body.get("n", 1), body.get("best_of")
     if n != 1:
         raise APIError(f"n={n!r}: only n=1 is supported (send several prompts for several choices)", param="n")

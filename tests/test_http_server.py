@@ -238,7 +238,8 @@ def test_overload_gets_429_with_retry_after():
     ({"prompt": []}, "prompt", "prompt"),
     ({"prompt": "hello"}, "prompt", "tokenizer"),
     ({"prompt": [1], "n": 2}, "n", "n=2"),
-    ({"prompt": [1], "temperature": 0.7}, "temperature", "0.7"),
+    ({"prompt": [1], "temperature": 0.7}, "temperature", "--sampling"),
+    ({"prompt": [1], "top_k": 3}, "top_k", "--sampling"),
     ({"prompt": [1], "top_p": 0.5}, "top_p", "0.5"),
     ({"prompt": [1], "max_tokens": 0}, "max_tokens", "0"),
     ({"prompt": [1], "max_tokens": 100000}, "max_tokens", "100000"),
@@ -372,3 +373,31 @@ def test_idle_engine_thread_sleeps():
 
     used, alive = asyncio.run(main())
     assert used < 0.1 and not alive, used
+
+
+# ---------------------------------------------------------------------- sampling
+
+
+def test_sampling_server_reproduces_seeded_requests_and_keeps_greedy_exact():
+    """--sampling: temperature 0 is the greedy reference, a seed pins the tokens, bad values are 400s."""
+    s = ServerProcess(*SMALL, "--sampling")
+    try:
+        def complete(**fields):
+            r = httpx.post(s.url + "/v1/completions", timeout=30, json={"prompt": [4, 2, 7], "max_tokens": 12,
+                                                                         **fields})
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["token_ids"]
+
+        assert complete(temperature=0) == greedy_reference([4, 2, 7], 12, VOCAB)
+        assert complete(top_k=1, temperature=1.0, seed=3) == greedy_reference([4, 2, 7], 12, VOCAB)
+        a, b = complete(temperature=1.5, seed=11), complete(temperature=1.5, seed=11)
+        assert a == b and len(a) == 12
+        others = [complete(temperature=1.5, seed=sd) for sd in (12, 13, 14)]
+        assert any(o != a for o in others)  # the seed matters: at this temperature the stubs' rows are flat
+        assert complete(temperature=0.7, top_k=-1, top_p=0.9, seed=1)  # vLLM's top_k=-1 means off
+        for body, param in (({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"),
+                            ({"seed": -5}, "seed"), ({"top_k": 1.5}, "top_k")):
+            r = httpx.post(s.url + "/v1/completions", timeout=10, json={"prompt": [1], **body})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    finally:
+        assert s.terminate() == 0, s.errors()
