@@ -9,13 +9,15 @@ which also covers the rank check's copy).
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 from ..burst import Call, SpecDecoder
 from ..capture import BurstGraph
 from ..torch_adapter import TorchDraft, TorchTarget
 from .check import RankCheck
-from .dist import Context, Layout
+from .dist import Context, Layout, ParallelError
 from .models import self_draft
 from .pp import StageLlama, StageTarget, stage_table
 from .tp import TPLlama
@@ -58,12 +60,26 @@ class ParallelBurst:
         self.graph = BurstGraph(dec)  # not gapless: one pinned check buffer per rank
 
     def replay(self) -> None:
-        self.graph.replay()
+        with self._peer_errors():
+            self.graph.replay()
 
     def drain(self):
-        tokens = self.graph.drain()
+        with self._peer_errors():
+            tokens = self.graph.drain()
         self.dec.check.verify(self.dec.bursts)
         return tokens
+
+    @contextlib.contextmanager
+    def _peer_errors(self):
+        """A collective that fails (a peer died, a timeout) becomes one clear ParallelError."""
+        try:
+            yield
+        except ParallelError:
+            raise
+        except RuntimeError as exc:
+            raise ParallelError(f"rank {self.dec.ctx.rank}: burst {self.dec.bursts + 1} failed in a collective; "
+                                f"another rank probably failed or timed out ({type(exc).__name__}: "
+                                f"{str(exc).splitlines()[0][:300]})") from exc
 
     def run(self):
         self.replay()
