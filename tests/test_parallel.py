@@ -97,3 +97,33 @@ def test_world_size_must_match_the_layout():
     cfg = TINY.replace(intermediate_size=129)
     with pytest.raises(ValueError, match="intermediate_size"):
         check_layout(cfg, Layout(tp=2))
+
+
+def _demo(*flags, nproc=2, timeout=90):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), "-m",
+           "graphburst", "demo", "--model", "tiny-random", "--backend", "numpy", "--bursts", "2", *flags]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("flag", ["--tp", "--pp"])
+def test_demo_under_torchrun_matches_the_one_process_greedy(flag):
+    proc = _demo(flag, "2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert ("tp2" if flag == "--tp" else "pp2") in proc.stdout
+    assert "NO" not in proc.stdout and proc.stdout.count("yes") == 4
+    assert "1.0 per burst per rank" in proc.stdout
+
+
+def test_demo_rejects_a_layout_the_model_cannot_take_before_any_group():
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("WORLD_SIZE", None)
+    alone = subprocess.run([sys.executable, "-m", "graphburst", "demo", "--model", "tiny-random", "--tp", "2",
+                            "--backend", "numpy"], env=env, capture_output=True, text=True, timeout=60)
+    assert alone.returncode == 2 and "launch with torchrun --nproc_per_node 2" in alone.stderr  # not torchrun
+    assert "Traceback" not in alone.stderr
+    one = subprocess.run([sys.executable, "-m", "graphburst", "demo", "--model", "tiny-random", "--pp", "3",
+                          "--backend", "numpy"], env={**env, "WORLD_SIZE": "3"}, capture_output=True, text=True,
+                         timeout=60)
+    assert one.returncode == 2 and "pp=3 does not divide the model's num_hidden_layers (4)" in one.stderr
+    assert "Traceback" not in one.stderr

@@ -128,7 +128,7 @@ def hash_parts(full_target, full_draft, layout: Layout, **flags) -> tuple:
     import dataclasses
 
     def probe(m):  # a few weight values: a different checkpoint or seed changes them
-        w = m.embed_tokens.weight
+        w = m.embed_tokens.weight.detach()
         return [float(x) for x in w.reshape(-1)[:: max(1, w.numel() // 8)][:8].float().cpu()]
     return (dataclasses.asdict(full_target.cfg), dataclasses.asdict(full_draft.cfg), dataclasses.asdict(layout),
             flags, probe(full_target), probe(full_draft))
