@@ -11,7 +11,6 @@ import os
 import sys
 import time
 
-import numpy as np
 import torch
 
 from graphburst.burst import SpecDecoder
@@ -24,14 +23,22 @@ from graphburst.parallel.models import TINY, random_pair
 from graphburst.parallel.runner import ParallelBurst, ParallelDecoder, build_pair, hash_parts
 
 CFG = TINY.replace(vocab_size=509)  # odd: the vocab-parallel head's padding is exercised
-BATCH, K, M, BURSTS, CAP = 3, 3, 4, 10, 256
+GPU = os.environ.get("GB_TEST_GPU") == "1"  # NCCL + cupy on cuda:LOCAL_RANK (tests/test_parallel_gpu.py)
+BATCH, K, M, CAP = 3, 3, 4, 1024
+BURSTS = int(os.environ.get("GB_TEST_BURSTS", "10"))
 PROMPTS = [[5, 17, 300, 2, 9, 44, 101], [7], [250, 3, 3, 80]]  # ragged
 
 
-def reference(seed: int) -> list[list[int]]:
-    """TP=1 tokens: the whole pair on one process (no collectives)."""
-    t, d = random_pair(CFG, batch=BATCH, capacity=CAP, seed=seed)
-    target, draft = wrap_pair(t, d, batch=BATCH, capacity=CAP, backend="numpy")
+def backend_of(ctx):
+    from graphburst.backend import Backend
+
+    return Backend("cupy", ctx.local_rank) if GPU else Backend("numpy")
+
+
+def reference(ctx, seed: int) -> list[list[int]]:
+    """TP=1 tokens: the whole pair on this rank alone (no collectives)."""
+    t, d = random_pair(CFG, batch=BATCH, capacity=CAP, seed=seed, device=ctx.device)
+    target, draft = wrap_pair(t, d, batch=BATCH, capacity=CAP, backend=backend_of(ctx))
     dec = SpecDecoder(target, draft, k=K, m_rounds=M)
     dec.prefill(PROMPTS)
     run = BurstGraph(dec).run
@@ -43,9 +50,10 @@ def reference(seed: int) -> list[list[int]]:
 
 
 def parallel(ctx, layout: Layout, seed: int, draft_mode="replicated", diverge_at=None, raise_at=None):
-    t, d = random_pair(CFG, batch=1, capacity=16, seed=seed)
+    t, d = random_pair(CFG, batch=1, capacity=16, seed=seed, device=ctx.device)
     ctx.agree_on("model and flags", *hash_parts(t, d, layout, k=K, m=M, batch=BATCH))
-    target, draft = build_pair(t, d, ctx, layout, batch=BATCH, capacity=CAP, backend="numpy", draft_mode=draft_mode)
+    target, draft = build_pair(t, d, ctx, layout, batch=BATCH, capacity=CAP, backend=backend_of(ctx),
+                               draft_mode=draft_mode)
     dec = ParallelDecoder(target, draft, ctx, k=K, m_rounds=M)
     dec.prefill(PROMPTS)
     burst = ParallelBurst(dec)
@@ -66,11 +74,12 @@ def stage_info(dec) -> dict:
     expect = [target.cache.layers[i].length for i in own] + [ly.length for ly in dec.draft.cache.layers]
     expect.append(dec.bufs.pos_ctr)
     same = len(dec.table.targets) == len(expect) and all(a is b for a, b in zip(dec.table.targets, expect))
-    lengths = [np.asarray(target.cache.layers[i].length).tolist() for i in own]
+    to_host = lambda a: dec.backend.to_host(a, dec.stream).tolist()  # noqa: E731
+    lengths = [to_host(target.cache.layers[i].length) for i in own]
     absent = [i for i, ly in enumerate(target.cache.layers) if ly is None]
     return {"own": [own.start, own.stop], "table_is_stage_local": same, "table_len": len(dec.table),
             "resolved": dec.table.resolve() is not None, "own_lengths": lengths, "absent": absent,
-            "pos_ctr": np.asarray(dec.bufs.pos_ctr).tolist()}
+            "pos_ctr": to_host(dec.bufs.pos_ctr)}
 
 
 def main(scenario: str, out_dir: str) -> int:
@@ -79,16 +88,16 @@ def main(scenario: str, out_dir: str) -> int:
     ok = False
     result: dict = {"scenario": scenario}
     try:
-        ctx = dist.init(gpu=False, timeout_s=float(os.environ.get("GB_TEST_TIMEOUT", "20")))
+        ctx = dist.init(gpu=GPU, timeout_s=float(os.environ.get("GB_TEST_TIMEOUT", "20")))
         result["rank"] = ctx.rank
         if scenario == "tokens":
-            ref = reference(seed=3)
+            ref = reference(ctx, seed=3)
             result["ref_tokens"] = sum(map(len, ref))
             for name, layout, mode in (("tp2", Layout(tp=2), "replicated"), ("tp2_sharded_draft", Layout(tp=2),
                                                                                "sharded"), ("pp2", Layout(pp=2), "")):
                 got, dec, burst = parallel(ctx, layout, seed=3, draft_mode=mode or "replicated")
                 result[name] = {"equal": got == ref, "tokens": sum(map(len, got)), "checks": dec.check.bursts,
-                                "host_syncs": dec.host_syncs}
+                                "host_syncs": dec.host_syncs, "graph": burst.graph.info()}
                 if layout.pp > 1:
                     result[name]["stage"] = stage_info(dec)
                 burst.close()
