@@ -49,6 +49,8 @@ class RankCheck:
         self._sum = torch.zeros(1, dtype=torch.int64, device=dev)  # [1] int64 own checksum
         self._all = torch.zeros((ctx.world, 1), dtype=torch.int64, device=dev)  # [world, 1] every rank's
         self.host = _pinned(backend, ctx.world)  # [world] int64, filled by the graph's copy node
+        if backend.is_gpu:  # made on torch's default stream: finish before the decoder's stream reads them
+            torch.cuda.synchronize(dev)
         self.bursts = 0
 
     def graph_buffers(self) -> dict:

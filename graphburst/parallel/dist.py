@@ -20,7 +20,7 @@ import hashlib
 import json
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 #: Set in every launcher: NVLink SHARP / multicast stay off (the device README requires it).
 NCCL_SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -101,6 +101,11 @@ class Context:
     backend: str
     device: object
     timeout_s: float
+    #: collectives issued by this process, by kind (eager calls and captures both count)
+    calls: dict = field(default_factory=dict)
+
+    def _count(self, kind: str) -> None:
+        self.calls[kind] = self.calls.get(kind, 0) + 1
 
     @property
     def is_gpu(self) -> bool:
@@ -112,6 +117,7 @@ class Context:
         """``out [world, *x.shape]`` <- every rank's ``x``; capturable with NCCL, eager on gloo."""
         import torch.distributed as dist
 
+        self._count("all_gather")
         if self.is_gpu:
             dist.all_gather_into_tensor(out, x.contiguous())
         else:
@@ -121,7 +127,21 @@ class Context:
         """In-place sum over the ranks (the row-parallel reduction)."""
         import torch.distributed as dist
 
+        self._count("all_reduce")
         dist.all_reduce(x)
+
+    def send(self, x, dst: int) -> None:
+        """Point-to-point to rank ``dst`` (NCCL send inside a graph; gloo eager)."""
+        import torch.distributed as dist
+
+        self._count("send")
+        dist.send(x.contiguous(), dst)
+
+    def recv(self, out, src: int) -> None:
+        import torch.distributed as dist
+
+        self._count("recv")
+        dist.recv(out, src)
 
     def gather_ints(self, values) -> list[list[int]]:
         """Every rank's small list of ints (host values; eager, outside any graph)."""

@@ -82,14 +82,10 @@ class StageLlama(nn.Module):
         return self.inner.embed_tokens(tokens)
 
     def send(self, x, dst: int) -> None:
-        import torch.distributed as dist
-
-        dist.send(x.contiguous(), dst)
+        self.ctx.send(x, dst)
 
     def recv(self, out, src: int) -> None:
-        import torch.distributed as dist
-
-        dist.recv(out, src)
+        self.ctx.recv(out, src)
 
     def pipeline(self, tokens, start_pos, lengths, rows, hidden_buf, logits_at=None):
         """Run this stage's part; returns ``[R, T', vocab]`` logits on the last stage, else None.
