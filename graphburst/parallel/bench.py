@@ -71,6 +71,11 @@ class Run:
 
     def pair(self, dtype, batch: int, capacity: int):
         """This rank's (decoder, runner) of the layout on fresh random weights of ``dtype``."""
+        import gc
+
+        gc.collect()  # the last phase's models (sharded modules hold reference cycles through their hooks)
+        if self.gpu:
+            self.torch.cuda.empty_cache()
         from ..burst import SpecDecoder
         from ..capture import BurstGraph
         from ..checkpoint import wrap_pair

@@ -11,6 +11,8 @@ naming the burst and the ranks that differ from rank 0.
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import torch
 
@@ -52,19 +54,29 @@ class RankCheck:
         if backend.is_gpu:  # made on torch's default stream: finish before the decoder's stream reads them
             torch.cuda.synchronize(dev)
         self.bursts = 0
+        self._stream = None  # torch's view of the burst stream, made on first eager use
 
     def graph_buffers(self) -> dict:
         return {"check.flat": self._flat, "check.sum": self._sum, "check.all": self._all}
 
     def __call__(self, stream) -> None:
         """Enqueue checksum, all-gather and host copy (captured into the burst graph)."""
-        at = 0
-        for v in self._views:
-            self._flat[at:at + v.numel()].copy_(v)
-            at += v.numel()
-        torch.sum(self._flat * self._weights, dim=0, keepdim=True, out=self._sum)
-        self.ctx.all_gather_into(self._all, self._sum)
+        with self._on(stream):
+            at = 0
+            for v in self._views:
+                self._flat[at:at + v.numel()].copy_(v)
+                at += v.numel()
+            torch.sum(self._flat * self._weights, dim=0, keepdim=True, out=self._sum)
+            self.ctx.all_gather_into(self._all, self._sum)
         _copy_to_host(self.backend, self.host, self._all, stream)
+
+    def _on(self, stream):
+        """torch on the burst's stream: already so inside a torch capture, not in the eager warm-up."""
+        if not self.backend.is_gpu or torch.cuda.current_stream(self.ctx.device).cuda_stream == stream.ptr:
+            return contextlib.nullcontext()
+        if self._stream is None or self._stream.cuda_stream != stream.ptr:
+            self._stream = torch.cuda.ExternalStream(stream.ptr, device=self.ctx.device)
+        return torch.cuda.stream(self._stream)
 
     def verify(self, burst: int | None = None) -> None:
         """Compare the copied checksums (after the drain's wait); raise on divergence."""
