@@ -48,7 +48,7 @@ class Run:
         import torch
 
         from ..backend import Backend, cuda_available
-        from .dist import Context, Layout, env_world, init
+        from .dist import Context, Layout, env_world, init, use_device
 
         self.args, self.name = args, layout_name
         tp, pp, self.draft_mode = LAYOUTS[layout_name]
@@ -61,7 +61,7 @@ class Run:
             rank, world, local = env_world()
             dev = torch.device("cuda", local) if self.gpu else torch.device("cpu")
             if self.gpu:
-                torch.cuda.set_device(dev)
+                use_device(local)
             self.ctx = Context(rank=0, world=1, local_rank=local, backend="nccl" if self.gpu else "gloo", device=dev,
                                timeout_s=args.dist_timeout)
         self.backend = Backend("cupy", self.ctx.local_rank) if self.gpu else Backend("numpy")

@@ -176,6 +176,22 @@ def env_world() -> tuple[int, int, int]:
     return read("RANK", 0), read("WORLD_SIZE", 1), read("LOCAL_RANK", 0)
 
 
+def use_device(index: int) -> None:
+    """Make CUDA device ``index`` current for torch *and* CuPy in this process (once, at start).
+
+    graphburst's kernels launch on CuPy's current device, and not every burst step enters
+    a device context, so a rank on GPU 1 must not leave CuPy on GPU 0.
+    """
+    import torch
+
+    torch.cuda.set_device(index)
+    try:
+        import cupy
+    except ImportError:
+        return
+    cupy.cuda.Device(index).use()
+
+
 def init(*, gpu: bool, timeout_s: float = DEFAULT_TIMEOUT_S) -> Context:
     """Join the process group torchrun describes (``MASTER_ADDR``/``PORT``, ``RANK``, ``WORLD_SIZE``).
 
@@ -199,7 +215,7 @@ def init(*, gpu: bool, timeout_s: float = DEFAULT_TIMEOUT_S) -> Context:
         if local_rank >= torch.cuda.device_count():
             raise ValueError(f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} CUDA device(s)")
         device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
+        use_device(local_rank)
         dist.init_process_group("nccl", timeout=timeout, device_id=device)
     else:
         device = torch.device("cpu")
