@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 
 import torch
 
@@ -131,7 +130,6 @@ def main(scenario: str, out_dir: str) -> int:
 
 
 if __name__ == "__main__":
-    t0 = time.time()
     code = main(sys.argv[1], sys.argv[2])
     sys.stdout.flush()
     sys.stderr.flush()

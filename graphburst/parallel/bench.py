@@ -77,7 +77,6 @@ class Run:
         if self.gpu:
             self.torch.cuda.empty_cache()
         from ..burst import SpecDecoder
-        from ..capture import BurstGraph
         from ..checkpoint import wrap_pair
         from .models import random_pair
         from .runner import ParallelBurst, ParallelDecoder, build_pair, hash_parts
@@ -136,8 +135,6 @@ class Run:
     # ------------------------------------------------------------------ timing
 
     def time_batch(self, batch: int) -> dict:
-        from ..torch_capture import TorchCapturer
-
         a = self.args
         dtype = self.torch.bfloat16 if self.gpu else self.torch.float32
         cap = 64 + (a.bursts + a.warmup + 2 * a.bursts + 2) * a.rounds * (a.k + 1)
