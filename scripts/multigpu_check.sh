@@ -32,15 +32,17 @@ TR="$PY -m torch.distributed.run --standalone --nproc_per_node 2"
 
 # 1. GPU tests: TP=2 / PP=2 == TP=1 over 50 bursts, rank check, a raising rank (each test launches torchrun).
 step pytest_gpu 200 $PY -m pytest -q -m gpu tests/test_parallel_gpu.py -p no:cacheprovider
-# 2. The benchmark, 8B shape: tp1 first (it writes the fp32 tokens the others must match).
-for layout in tp1 tp2 pp2 tp2s; do
-  if [[ $layout == tp1 ]]; then launcher="$PY"; else launcher="$TR"; fi
-  step "bench_$layout" 110 $launcher -m graphburst.parallel.bench run --layout $layout --out "$OUT" --shape 8b
-done
-step bench_report 30 $PY -m graphburst.parallel.bench report --out "$OUT" --shape 8b
-# 3. The demos, the way a user launches them.
+# 2. The demos, the way a user launches them.
 step demo_tp2 60 $TR -m graphburst demo --model tiny-random --tp 2
 step demo_pp2 60 $TR -m graphburst demo --model tiny-random --pp 2
+
+
+# 3. The benchmark, 8B shape: tp1 first (it writes the fp32 tokens the others must match).
+for layout in tp1 tp2s tp2 pp2; do
+  if [[ $layout == tp1 ]]; then launcher="$PY"; else launcher="$TR"; fi
+  step "bench_$layout" 100 $launcher -m graphburst.parallel.bench run --layout $layout --out "$OUT" --shape 8b
+done
+step bench_report 30 $PY -m graphburst.parallel.bench report --out "$OUT" --shape 8b
 
 tail -n 3 "$OUT/pytest_gpu.log" >> "$SUMMARY" 2>/dev/null
 echo "total $(( $(date +%s) - START )) s" | tee -a "$SUMMARY"
