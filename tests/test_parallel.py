@@ -127,3 +127,31 @@ def test_demo_rejects_a_layout_the_model_cannot_take_before_any_group():
                          timeout=60)
     assert one.returncode == 2 and "pp=3 does not divide the model's num_hidden_layers (4)" in one.stderr
     assert "Traceback" not in one.stderr
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_stage_table_holds_only_the_stages_layers(stage):
+    """In one process, no collective: a stage's decoder rolls back its own target layers,
+    the draft's and pos_ctr, through kv_len_ptr_table_range; a recapture keeps it local."""
+    import torch
+
+    from graphburst.backend import Backend
+    from graphburst.parallel.dist import Context
+    from graphburst.parallel.models import random_pair
+    from graphburst.parallel.runner import ParallelDecoder, build_pair
+
+    cfg = TINY.replace(num_hidden_layers=6)
+    ctx = Context(rank=stage, world=2, local_rank=stage, backend="gloo", device=torch.device("cpu"), timeout_s=5)
+    t, d = random_pair(cfg, batch=1, capacity=16, seed=1)
+    target, draft = build_pair(t, d, ctx, Layout(pp=2), batch=2, capacity=64, backend=Backend("numpy"))
+    dec = ParallelDecoder(target, draft, ctx, k=2, m_rounds=2)
+    own = range(3 * stage, 3 * stage + 3)
+    assert [i for i, ly in enumerate(target.cache.layers) if ly is not None] == list(own)
+    want = [target.cache.layers[i].length for i in own] + [ly.length for ly in draft.cache.layers] + [dec.bufs.pos_ctr]
+    for _ in range(2):
+        assert len(dec.table) == 3 + 1 + 1
+        assert all(a is b for a, b in zip(dec.table.resolve(), want))
+        dec.refresh_tables()
+    # The stage's blocks are the whole model's layers own.start.. (weights copied, not re-drawn).
+    got = target.module.inner.layers[0].mlp.down_proj.weight
+    assert torch.equal(got, t.layers[own.start].mlp.down_proj.weight)
