@@ -63,11 +63,22 @@ def add_parser(sub) -> None:
     p.add_argument("--top-k", type=int_in(0, 2**31 - 1), default=0,
                    help="sampling: keep the k likeliest tokens (0: off)")
     p.add_argument("--top-p", type=real_in(1e-9, 1.0), default=1.0, help="sampling: nucleus mass in (0, 1] (1: off)")
+    # Multi-GPU (docs/parallel.md): launch with torchrun --nproc_per_node N -m graphburst demo ...
+    p.add_argument("--tp", type=int_in(1, 64), default=1, help="tensor-parallel ranks (torchrun, --model only)")
+    p.add_argument("--pp", type=int_in(1, 64), default=1, help="pipeline stages (torchrun, --model only)")
+    p.add_argument("--draft-mode", choices=("replicated", "sharded"), default="replicated",
+                   help="under --tp: the whole draft on every rank, or sharded like the target")
+    p.add_argument("--dist-timeout", type=real_in(1.0, 3600.0), default=60.0,
+                   help="seconds before a collective or the rendezvous gives up")
 
 
 def check_args(args) -> None:
     """Checks across flags, before any work (FlagError names the flag)."""
     check_backend(args.backend)
+    if args.tp > 1 or args.pp > 1:
+        from .parallel import launch
+
+        launch.check_args(args)
     if args.model is None and args.draft is not None:
         raise FlagError("--draft", "needs --model DIR")
     if args.model not in (None, TINY_RANDOM):
@@ -141,6 +152,10 @@ def _eager_reference(args, backend, capacity, prompts):
 
 
 def run(args, console: Console) -> int:
+    if args.tp > 1 or args.pp > 1:
+        from .parallel import launch
+
+        return launch.run(args, console)
     backend = get_backend(args.backend)
     where = "GPU (cupy)" if backend.is_gpu else "CPU: numpy reference backend (no GPU in use)"
     console.print(f"[bold]graphburst demo[/bold] on {where}")

@@ -1,0 +1,138 @@
+"""``torchrun --nproc_per_node N -m graphburst demo --model ... --tp N`` (or ``--pp N``).
+
+Every rank runs this: the flags and the model config are checked before any process
+group exists, the group comes up with a timeout, the ranks agree on a config hash, then
+each builds its shard or stage, captures its burst graph and runs the bursts in
+lockstep. Rank 0 prints. Any failure is one line on stderr naming the rank.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import numpy as np
+
+from ..backend import get_backend
+from ..cli_args import FlagError
+from . import dist
+from .dist import Layout
+
+TINY_RANDOM = "tiny-random"
+
+
+def model_configs(args):
+    """(target cfg, draft cfg or None) of the demo's --model/--draft, read without loading weights."""
+    from ..checkpoint import read_config
+    from .models import TINY
+
+    if args.model == TINY_RANDOM:
+        return TINY, None
+    return read_config(args.model), read_config(args.draft)
+
+
+def check_args(args) -> None:
+    """FlagError for a parallel demo that cannot run, before any process group."""
+    layout = Layout(tp=args.tp, pp=args.pp)
+    if args.model is None:
+        raise FlagError("--tp" if args.tp > 1 else "--pp", f"needs --model {TINY_RANDOM} or --model DIR --draft DIR "
+                                                           f"(the stub models are not split)")
+    if args.mode != "graph":
+        raise FlagError("--mode", f"a parallel demo runs graph replay only, got {args.mode!r}")
+    _, world, _ = dist.env_world()
+    flag = "--tp" if args.tp > 1 else "--pp"
+    if world == 1:
+        raise FlagError(flag, f"launch with torchrun --nproc_per_node {layout.world} -m graphburst demo ...")
+    try:
+        cfg, draft_cfg = model_configs(args)
+        dist.check_layout(cfg, layout, world)
+        if draft_cfg is not None and layout.tp > 1 and args.draft_mode == "sharded":
+            dist.check_layout(draft_cfg, Layout(tp=layout.tp))
+    except ValueError as exc:
+        raise FlagError(flag, str(exc)) from None
+
+
+def run(args, console) -> int:
+    import torch
+
+    from .models import TINY, random_pair
+    from .runner import ParallelBurst, ParallelDecoder, build_pair, hash_parts
+
+    layout = Layout(tp=args.tp, pp=args.pp)
+    gpu = get_backend(args.backend).is_gpu
+    ctx = None
+    burst = None
+    ok = False
+    code = 1
+    try:
+        ctx = dist.init(gpu=gpu, timeout_s=args.dist_timeout)
+        from ..backend import Backend
+
+        backend = Backend("cupy", ctx.local_rank) if gpu else Backend("numpy")
+        say = console.print if ctx.rank == 0 else (lambda *a, **k: None)
+        say(f"[bold]graphburst demo[/bold] {layout.name} over {ctx.world} ranks ({ctx.backend}, "
+            f"{'GPU' if gpu else 'CPU numpy reference backend'})")
+        capacity = 64 + args.bursts * args.rounds * (args.k + 1)
+        dtype = getattr(torch, args.dtype)
+        if args.model == TINY_RANDOM:
+            full_t, full_d = random_pair(TINY, batch=1, capacity=capacity, device=ctx.device, dtype=dtype,
+                                         seed=args.seed)
+        else:
+            from ..checkpoint import load_llama
+
+            full_t = load_llama(args.model, batch=1, capacity=capacity, dtype=dtype, device=ctx.device)
+            full_d = load_llama(args.draft, batch=1, capacity=16, dtype=dtype, device=ctx.device)
+        ctx.agree_on("model and flags", *hash_parts(full_t, full_d, layout, k=args.k, m=args.rounds,
+                                                    batch=args.batch, dtype=args.dtype, seed=args.seed))
+        p_min = args.p_min or 0.0
+        target, draft = build_pair(full_t, full_d, ctx, layout, batch=args.batch, capacity=capacity,
+                                   backend=backend, p_min=p_min, draft_mode=args.draft_mode)
+        del full_d
+        vocab = target.vocab
+        rng = np.random.default_rng(args.seed)
+        prompts = [rng.integers(0, vocab, int(rng.integers(1, 33))).tolist() for _ in range(args.batch)]
+        dec = ParallelDecoder(target, draft, ctx, k=args.k, m_rounds=args.rounds)
+        dec.prefill(prompts)
+        burst = ParallelBurst(dec)
+        syncs0 = dec.host_syncs
+        out = [[] for _ in prompts]
+        t0 = time.perf_counter()
+        for _ in range(args.bursts):
+            for b, t in enumerate(burst.run()):
+                out[b] += t.tolist()
+        wall = time.perf_counter() - t0
+        syncs = dec.host_syncs - syncs0
+        acc = dec.accept_counters()
+        all_ok = True
+        if ctx.rank == 0:
+            # The reference: the whole target on this rank alone, re-running every prefix (no collectives).
+            from rich.table import Table
+
+            table = Table(title=f"{args.model} {layout.name}: k={args.k}, M={args.rounds}, {args.bursts} bursts, "
+                                f"draft {'sharded' if layout.tp > 1 and args.draft_mode == 'sharded' else 'replicated'}")
+            for col in ("seq", "committed", "acceptance", "tokens/round", "matches 1-GPU greedy"):
+                table.add_column(col, justify="right")
+            for b in range(args.batch):
+                ok_b = out[b] == full_t.greedy(prompts[b], len(out[b]))
+                all_ok &= ok_b
+                rounds = int(acc[b, 1])
+                table.add_row(str(b), str(len(out[b])), f"{acc[b, 0] / max(1, rounds * args.k):.2f}",
+                              f"{len(out[b]) / max(1, rounds):.2f}", "[green]yes[/green]" if ok_b else "[red]NO[/red]")
+            console.print(table)
+            total = sum(map(len, out))
+            console.print(f"{total} tokens in {wall * 1e3:.1f} ms: {total / wall:,.0f} tokens/s; host syncs: {syncs} "
+                          f"over {args.bursts} bursts ({syncs / args.bursts:.1f} per burst per rank); rank agreement "
+                          f"checked at {dec.check.bursts} drains")
+        code = 0 if all_ok else 1
+        ok = True
+    except Exception as exc:  # noqa: BLE001 - one line naming the rank, then a non-zero exit
+        rank = ctx.rank if ctx is not None else dist.env_world()[0]
+        print(f"graphburst demo: rank {rank}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+    finally:
+        if burst is not None:
+            burst.close()
+        clean = dist.shutdown(ctx, ok=ok)
+        if not clean and ok:
+            print(f"graphburst demo: rank {ctx.rank}: process-group teardown did not finish in time",
+                  file=sys.stderr, flush=True)
+    return code

@@ -1,0 +1,138 @@
+"""The parallel decoder and burst: the single-GPU program on every rank, plus collectives.
+
+Every rank builds a :class:`ParallelDecoder` over its own models and StreamBufs and
+captures one :class:`~graphburst.capture.BurstGraph`; the bursts are SPMD: the same
+program, the same replay count, in lockstep through the collectives inside the graphs.
+One graph replay per burst per GPU, one host sync per burst (the drain's event wait,
+which also covers the rank check's copy).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+
+from ..burst import Call, SpecDecoder
+from ..capture import BurstGraph
+from ..torch_adapter import TorchDraft, TorchTarget
+from .check import RankCheck
+from .dist import Context, Layout, ParallelError
+from .models import self_draft
+from .pp import StageLlama, StageTarget, stage_table
+from .tp import TPLlama
+
+DRAFT_MODES = ("replicated", "sharded")
+
+
+class ParallelDecoder(SpecDecoder):
+    """A :class:`SpecDecoder` whose burst ends with the rank-agreement call.
+
+    A pipeline stage's target (:class:`StageTarget`) gets the stage-local rollback table.
+    """
+
+    def __init__(self, target, draft, ctx: Context, **kw):
+        super().__init__(target, draft, **kw)
+        self.ctx = ctx
+        self._use_stage_table()
+        self.check = RankCheck(ctx, self.bufs, self.backend)
+
+    def _use_stage_table(self) -> None:
+        if isinstance(self.target, StageTarget):
+            with self.stream:
+                self.table = stage_table(self.target, self.draft, self.bufs.pos_ctr)
+
+    def refresh_tables(self) -> None:
+        super().refresh_tables()
+        self._use_stage_table()
+
+    def burst_calls(self) -> list[Call]:
+        return super().burst_calls() + [Call("rank_check", self.check)]
+
+
+class ParallelBurst:
+    """A captured parallel burst: :meth:`run` = one replay and one drain, checked across ranks."""
+
+    def __init__(self, dec: ParallelDecoder):
+        if not isinstance(dec, ParallelDecoder):
+            raise TypeError(f"dec must be a ParallelDecoder, got {type(dec).__name__}")
+        self.dec = dec
+        self.graph = BurstGraph(dec)  # not gapless: one pinned check buffer per rank
+
+    def replay(self) -> None:
+        with self._peer_errors():
+            self.graph.replay()
+
+    def drain(self):
+        with self._peer_errors():
+            tokens = self.graph.drain()
+        self.dec.check.verify(self.dec.bursts)
+        return tokens
+
+    @contextlib.contextmanager
+    def _peer_errors(self):
+        """A collective that fails (a peer died, a timeout) becomes one clear ParallelError."""
+        try:
+            yield
+        except ParallelError:
+            raise
+        except RuntimeError as exc:
+            raise ParallelError(f"rank {self.dec.ctx.rank}: burst {self.dec.bursts + 1} failed in a collective; "
+                                f"another rank probably failed or timed out ({type(exc).__name__}: "
+                                f"{str(exc).splitlines()[0][:300]})") from exc
+
+    def run(self):
+        self.replay()
+        return self.drain()
+
+    def close(self) -> None:
+        """Drop the graphs (they hold NCCL work) before the process group goes."""
+        self.graph._graphs = []
+
+
+def build_pair(full_target, full_draft, ctx: Context, layout: Layout, *, batch: int, capacity: int, backend,
+               p_min: float = 0.0, draft_mode: str = "replicated", dtype=None):
+    """This rank's (target, draft) of a layout, from whole models (read, not kept).
+
+    Parameters
+    ----------
+    full_target, full_draft : graphburst.llama.Llama
+        Identical on every rank (``ctx.agree_on`` checks the config; the weights come
+        from the same checkpoint or seed).
+    layout : Layout
+        ``tp = world`` (sharded target) or ``pp = world`` (stages).
+    draft_mode : {"replicated", "sharded"}
+        Under TP: the whole draft on every rank (no collectives in the chain), or
+        sharded like the target. Under PP the draft is always replicated.
+    """
+    if draft_mode not in DRAFT_MODES:
+        raise ValueError(f"draft_mode must be one of {DRAFT_MODES}, got {draft_mode!r}")
+    kw = {"batch": batch, "capacity": capacity}
+    if layout.tp > 1:
+        t_mod = TPLlama(full_target, ctx, dtype=dtype, **kw)
+        target = TorchTarget(t_mod, backend=backend, **kw)
+    else:
+        t_mod = StageLlama(full_target, ctx, dtype=dtype, **kw)
+        target = StageTarget(t_mod, backend=backend, **kw)
+    if layout.tp > 1 and draft_mode == "sharded":
+        d_mod = TPLlama(full_draft, ctx, dtype=dtype, **kw)
+    else:
+        # A copy with its own KV: the whole draft on this rank, never shared with a caller's decoder.
+        d_mod = self_draft(full_draft, full_draft.cfg.num_hidden_layers, batch=batch, capacity=capacity, dtype=dtype)
+    draft = TorchDraft(d_mod, backend=backend, p_min=p_min, **kw)
+    return target, draft
+
+
+def hash_parts(full_target, full_draft, layout: Layout, **flags) -> tuple:
+    """What every rank must share, for ``ctx.agree_on`` (configs, layout, flags, a weight probe)."""
+    import dataclasses
+
+    def probe(m):  # a few weight values: a different checkpoint or seed changes them
+        w = m.embed_tokens.weight.detach()
+        return [float(x) for x in w.reshape(-1)[:: max(1, w.numel() // 8)][:8].float().cpu()]
+    return (dataclasses.asdict(full_target.cfg), dataclasses.asdict(full_draft.cfg), dataclasses.asdict(layout),
+            flags, probe(full_target), probe(full_draft))
+
+
+def tokens_equal(a, b) -> bool:
+    return len(a) == len(b) and all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(a, b))

@@ -1,0 +1,157 @@
+"""Parallel bursts on CPU: 2 processes (torchrun), gloo, the numpy backend (tests/parallel_worker.py).
+
+TP=2 and PP=2 tokens equal TP=1's on the same fp32 weights over 10 bursts of a ragged
+batch; the stage-local tables; the rank check, with a rank made to diverge; mismatched
+models across ranks; a rank that raises; layouts rejected before any process group.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+import torch.distributed as tdist  # noqa: E402
+
+from graphburst.parallel.dist import Layout, check_layout  # noqa: E402
+from graphburst.parallel.models import TINY  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKER = ROOT / "tests" / "parallel_worker.py"
+pytestmark = pytest.mark.skipif(not tdist.is_available() or not tdist.is_gloo_available(), reason="needs gloo")
+
+
+def launch(scenario: str, out: Path, timeout: float = 90.0):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "GB_TEST_TIMEOUT": "20"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(WORKER),
+           scenario, str(out)]
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) if (out / f"rank{r}.json").exists() else None
+             for r in range(2)]
+    return proc, ranks, time.monotonic() - t0
+
+
+def test_tp2_and_pp2_tokens_equal_tp1_with_stage_local_tables(tmp_path):
+    proc, ranks, _ = launch("tokens", tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for res in ranks:
+        assert res["ref_tokens"] > 200  # 10 bursts of 3 sequences, several tokens per round
+        for name in ("tp2", "tp2_sharded_draft", "pp2"):
+            assert res[name]["equal"], (res["rank"], name)
+            assert res[name]["checks"] == 10  # the rank check ran at every drain
+            assert res[name]["host_syncs"] == 10  # one per burst, the check included
+        stage = res["pp2"]["stage"]
+        r = res["rank"]
+        assert stage["own"] == [2 * r, 2 * r + 2]
+        assert stage["table_is_stage_local"] and stage["table_len"] == 2 + 1 + 1  # own layers, draft, pos_ctr
+        assert stage["absent"] == ([2, 3] if r == 0 else [0, 1])
+        for lengths in stage["own_lengths"]:  # every own layer rolled back to the committed position
+            assert lengths == stage["pos_ctr"]
+        assert res["shutdown_clean"]
+    assert ranks[0]["pp2"]["stage"]["pos_ctr"] == ranks[1]["pp2"]["stage"]["pos_ctr"]
+
+
+def test_a_diverging_rank_fails_the_check_on_every_rank(tmp_path):
+    proc, ranks, _ = launch("diverge", tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for res in ranks:
+        assert res["raised"] is not None
+        assert "rank(s) [1] diverged from rank 0 in burst 3" in res["raised"]
+
+
+def test_mismatched_models_across_ranks_are_rejected_before_model_collectives(tmp_path):
+    proc, ranks, _ = launch("mismatch", tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for res in ranks:
+        assert res["raised"] and "rank(s) [1] disagree with rank 0" in res["raised"]
+
+
+def test_a_rank_that_raises_stops_the_other_with_a_clear_error(tmp_path):
+    proc, ranks, wall = launch("raise", tmp_path, timeout=60)
+    assert proc.returncode != 0
+    assert "rank 1 failed: ValueError: injected failure on rank 1" in proc.stderr
+    assert "rank 0 failed: ParallelError: rank 0: burst 3 failed in a collective" in proc.stderr
+    assert wall < 45  # bounded: no one waits for the group timeout of a hung peer forever
+
+
+@pytest.mark.parametrize("layout, field", [(Layout(tp=3), "num_attention_heads"), (Layout(tp=4), "num_key_value_heads"),
+                                           (Layout(pp=3), "num_hidden_layers")])
+def test_bad_layouts_are_rejected_before_any_process_group(layout, field):
+    with pytest.raises(ValueError, match=field):
+        check_layout(TINY, layout)
+    assert not tdist.is_initialized()
+
+
+def test_world_size_must_match_the_layout():
+    with pytest.raises(ValueError, match="nproc_per_node 2"):
+        check_layout(TINY, Layout(tp=2), world_size=4)
+    with pytest.raises(ValueError, match="not supported yet"):
+        check_layout(TINY, Layout(tp=2, pp=2))
+    cfg = TINY.replace(intermediate_size=129)
+    with pytest.raises(ValueError, match="intermediate_size"):
+        check_layout(cfg, Layout(tp=2))
+
+
+def _demo(*flags, nproc=2, timeout=90):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), "-m",
+           "graphburst", "demo", "--model", "tiny-random", "--backend", "numpy", "--bursts", "2", *flags]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("flag", ["--tp", "--pp"])
+def test_demo_under_torchrun_matches_the_one_process_greedy(flag):
+    proc = _demo(flag, "2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert ("tp2" if flag == "--tp" else "pp2") in proc.stdout
+    assert "NO" not in proc.stdout and proc.stdout.count("yes") == 4
+    assert "1.0 per burst per rank" in proc.stdout
+
+
+def test_demo_rejects_a_layout_the_model_cannot_take_before_any_group():
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("WORLD_SIZE", None)
+    alone = subprocess.run([sys.executable, "-m", "graphburst", "demo", "--model", "tiny-random", "--tp", "2",
+                            "--backend", "numpy"], env=env, capture_output=True, text=True, timeout=60)
+    assert alone.returncode == 2 and "launch with torchrun --nproc_per_node 2" in alone.stderr  # not torchrun
+    assert "Traceback" not in alone.stderr
+    one = subprocess.run([sys.executable, "-m", "graphburst", "demo", "--model", "tiny-random", "--pp", "3",
+                          "--backend", "numpy"], env={**env, "WORLD_SIZE": "3"}, capture_output=True, text=True,
+                         timeout=60)
+    assert one.returncode == 2 and "pp=3 does not divide the model's num_hidden_layers (4)" in one.stderr
+    assert "Traceback" not in one.stderr
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_stage_table_holds_only_the_stages_layers(stage):
+    """In one process, no collective: a stage's decoder rolls back its own target layers,
+    the draft's and pos_ctr, through kv_len_ptr_table_range; a recapture keeps it local."""
+    import torch
+
+    from graphburst.backend import Backend
+    from graphburst.parallel.dist import Context
+    from graphburst.parallel.models import random_pair
+    from graphburst.parallel.runner import ParallelDecoder, build_pair
+
+    cfg = TINY.replace(num_hidden_layers=6)
+    ctx = Context(rank=stage, world=2, local_rank=stage, backend="gloo", device=torch.device("cpu"), timeout_s=5)
+    t, d = random_pair(cfg, batch=1, capacity=16, seed=1)
+    target, draft = build_pair(t, d, ctx, Layout(pp=2), batch=2, capacity=64, backend=Backend("numpy"))
+    dec = ParallelDecoder(target, draft, ctx, k=2, m_rounds=2)
+    own = range(3 * stage, 3 * stage + 3)
+    assert [i for i, ly in enumerate(target.cache.layers) if ly is not None] == list(own)
+    want = [target.cache.layers[i].length for i in own] + [ly.length for ly in draft.cache.layers] + [dec.bufs.pos_ctr]
+    for _ in range(2):
+        assert len(dec.table) == 3 + 1 + 1
+        assert all(a is b for a, b in zip(dec.table.resolve(), want))
+        dec.refresh_tables()
+    # The stage's blocks are the whole model's layers own.start.. (weights copied, not re-drawn).
+    got = target.module.inner.layers[0].mlp.down_proj.weight
+    assert torch.equal(got, t.layers[own.start].mlp.down_proj.weight)
