@@ -31,10 +31,12 @@ from rich.progress import Progress
 
 from ..cli_args import FlagError, int_in, real_in, writable_file
 from .common import label, write_results
-from .real_checks import SAME_KERNEL_ORDER, check_config, fp32_check, reference_logits, sync_all
-from .real_engines import Burst, HFAssisted, TorchLoop
-from .real_models import MODELS, Epsilon, argmax_margins, random_target, weight_bytes
 from .real_report import NOT_RUN, plot, plot_problem, tables, targets
+
+# The torch-dependent modules (real_models, real_engines, real_checks) are imported when
+# the benchmark runs: the CLI imports this module for every command, torch or not.
+MODEL_NAMES = ("tiny", "small", "1b")  # real_models.MODELS
+SAME_KERNEL_ORDER = ("graphburst", "gapless", "vllm", "eager")  # the first present is the correctness reference
 
 ENGINES = ("hf", "eager", "vllm", "graphburst", "gapless", "compile")
 DEFAULT_ENGINES = "hf,eager,vllm,graphburst,gapless"
@@ -56,7 +58,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser("real", help="random-weight Llama models: graphburst vs HF, eager and vllm-style loops")
     p.add_argument("--backend", choices=("auto", "cupy", "numpy"), default="auto")
     p.add_argument("--smoke", action="store_true", help="tiny model, few rounds: every code path in seconds (CI)")
-    p.add_argument("--models", default=None, help=f"comma list of {','.join(MODELS)} (default small,1b)")
+    p.add_argument("--models", default=None, help=f"comma list of {','.join(MODEL_NAMES)} (default small,1b)")
     p.add_argument("--batches", default=None, help="comma list of batch sizes (default 1,4,16)")
     p.add_argument("--accepts", default=None, help="acceptance levels ε is calibrated to (default 0.5,0.8,0.95)")
     p.add_argument("--eps", default=None, help="comma list of ε values to use instead of calibrating")
@@ -106,14 +108,10 @@ def check_args(args) -> None:
                 raise FlagError(flag, f"needs positive values, got {text!r}")
             if flag == "--accepts" and max(values) > 1:
                 raise FlagError(flag, f"acceptance levels are in [0, 1], got {text!r}")
-    try:
-        import torch  # noqa: F401
-    except ImportError:
-        raise FlagError("--backend", "bench real needs PyTorch: pip install 'graphburst[torch]'") from None
     s = settings(args)
-    bad = [m for m in s["models"] if m not in MODELS]
+    bad = [m for m in s["models"] if m not in MODEL_NAMES]
     if bad:
-        raise FlagError("--models", f"unknown model {bad[0]!r} (choose from {','.join(MODELS)})")
+        raise FlagError("--models", f"unknown model {bad[0]!r} (choose from {','.join(MODEL_NAMES)})")
     bad = [e for e in s["engines"] if e not in ENGINES]
     if bad:
         raise FlagError("--engines", f"unknown engine {bad[0]!r} (choose from {','.join(ENGINES)})")
@@ -122,12 +120,18 @@ def check_args(args) -> None:
     for m in [s["m"]] + s["m_sweep"]:
         if s["rounds"] % m:
             raise FlagError("--rounds", f"{s['rounds']} rounds must be a multiple of every M used ({m})")
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        raise FlagError("--backend", "bench real needs PyTorch: pip install 'graphburst[torch]'") from None
 
 
 # ---------------------------------------------------------------------- steps
 
 def calibrate(src, spec, s, prompts_for, eps_ctl) -> tuple[list, list]:
     """ε grid -> measured acceptance (eager loop, B=4), then ε per wanted acceptance by interpolation."""
+    from .real_engines import TorchLoop
+
     loop = TorchLoop(src, draft_layers=spec.draft_layers, batch=CALIBRATION["batch"], k=s["k"])
     grid = []
     for eps in EPS_GRID:
@@ -151,6 +155,8 @@ def calibrate(src, spec, s, prompts_for, eps_ctl) -> tuple[list, list]:
 
 def build_engines(src, spec, s, batch, backend, hf) -> tuple[dict, dict]:
     """Every requested engine for one batch size; (engines, not_run reasons)."""
+    from .real_engines import Burst, TorchLoop
+
     kw = dict(draft_layers=spec.draft_layers, batch=batch, k=s["k"])
     engines, skipped = {}, {}
     for name in s["engines"]:
@@ -163,8 +169,11 @@ def build_engines(src, spec, s, batch, backend, hf) -> tuple[dict, dict]:
         if name == "compile":
             t0 = time.perf_counter()
             try:
-                engines[name] = TorchLoop(src, compile_forward=True, **kw)
-                engines[name].compile_s = time.perf_counter() - t0
+                eng = TorchLoop(src, compile_forward=True, **kw)
+                eng.prefill([[0] * s["prompt_len"]] * batch)  # torch.compile works at the first calls: do them here
+                eng.run(2)
+                eng.compile_s = time.perf_counter() - t0
+                engines[name] = eng
             except Exception as exc:  # noqa: BLE001 - optional engine: recorded, never fatal
                 skipped[name] = f"not run: torch.compile failed: {type(exc).__name__}: {exc}"[:300]
             continue
@@ -177,6 +186,8 @@ def build_engines(src, spec, s, batch, backend, hf) -> tuple[dict, dict]:
 
 def time_config(engines, s, prompts, checked) -> dict:
     """Rotations over the engines; each run freshly prefilled, timed whole, checked against its check run."""
+    from .real_checks import sync_all
+
     names = list(engines)
     ref_tokens = len(checked[next(n for n in SAME_KERNEL_ORDER if n in engines)].tokens[0])
     walls = {n: [] for n in names}
@@ -209,6 +220,8 @@ def x_floor(timed: dict, floor_us) -> None:
 
 def m_sweep(src, spec, s, backend, prompts, ref, floor_us, vllm) -> list:
     """graphburst at B=1 over M: checked against the config's reference tokens, then timed."""
+    from .real_engines import Burst
+
     rows = []
     for m in s["m_sweep"]:
         for gapless in (False, True):
@@ -229,6 +242,10 @@ def m_sweep(src, spec, s, backend, prompts, ref, floor_us, vllm) -> list:
 
 def run(args, console: Console, backend) -> int:
     import torch
+
+    from .real_checks import check_config, fp32_check, reference_logits
+    from .real_engines import Burst, HFAssisted
+    from .real_models import MODELS, Epsilon, argmax_margins, random_target, weight_bytes
 
     s = settings(args)
     cuda = backend.is_gpu

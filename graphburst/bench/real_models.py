@@ -130,6 +130,9 @@ class Epsilon:
         for w, w0 in zip(self.weights, self.initial):
             torch.mul(w0, eps, out=w)
         self.value = float(eps)
+        if self.weights and self.weights[0].is_cuda:
+            # Engines run on other (non-blocking) streams: the new weights must be in place first.
+            torch.cuda.synchronize(self.weights[0].device)
 
 
 @torch.no_grad()
