@@ -76,7 +76,7 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int_in(0, 2**31 - 1), default=0)
     p.add_argument("--json", type=writable_file, default="real_bench.json")
     p.add_argument("--plot", type=writable_file, default=None,
-                   help=f"PNG of tokens/s against acceptance (default {DEFAULT_PLOT} on a GPU, none on the CPU)")
+                   help=f"PNG of tokens/s against acceptance (default {DEFAULT_PLOT} for a full GPU run, else none)")
     p.add_argument("--no-plot", action="store_true")
 
 
@@ -159,6 +159,8 @@ def build_engines(src, spec, s, batch, backend, hf) -> tuple[dict, dict]:
 
     kw = dict(draft_layers=spec.draft_layers, batch=batch, k=s["k"])
     engines, skipped = {}, {}
+    if "compile" not in s["engines"]:
+        skipped["compile"] = NOT_RUN["compile_off"]
     for name in s["engines"]:
         if name == "hf":
             if batch != 1:
@@ -259,7 +261,8 @@ def run(args, console: Console, backend) -> int:
         # (10x slower on a shared 2-core CI machine).
         torch.set_num_threads(1)
     dtype = getattr(torch, s["dtype"])
-    plot_path = None if args.no_plot else (args.plot or (DEFAULT_PLOT if cuda else None))
+    # The docs' PNG is the default only for a full GPU run (a smoke run must not overwrite it).
+    plot_path = None if args.no_plot else (args.plot or (DEFAULT_PLOT if cuda and not args.smoke else None))
     problem = plot_problem() if plot_path else None
     if problem:
         console.print(f"[yellow]plot skipped[/yellow]: {problem}")

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from .common import fmt, new_table
 
-NOT_RUN = {"hf_batch": "not run: HF assisted generation supports batch 1 only"}
+NOT_RUN = {"hf_batch": "not run: HF assisted generation supports batch 1 only",
+           "compile_off": "not run: opt-in (--engines ...,compile): compiling takes minutes per model and batch"}
 ENGINE_ORDER = ("graphburst", "gapless", "vllm", "eager", "compile", "hf")
 LABELS = {"graphburst": "graphburst", "gapless": "graphburst gapless", "vllm": "vllm-style graphs",
           "eager": "eager loop", "compile": "torch.compile", "hf": "HF assisted"}
@@ -92,19 +93,21 @@ def tables(results, title_label) -> list:
                   fmt(info["margins"]["p10"], 4), fmt(info["margins"]["ties"], 3), grid or "given by --eps", fp_txt,
                   fmt(v.get("us"), 1), fmt(v.get("ideal_us"), 1), fmt(v.get("ratio")))
     out.append(t)
-    names = [n for n in ENGINE_ORDER if any(n in c["engines"] or n in c["not_run"] for c in results["configs"])]
+    # Columns for engines that ran somewhere; HF also where it only could not (B > 1).
+    names = [n for n in ENGINE_ORDER if any(n in c["engines"] for c in results["configs"])]
     t = new_table(f"one row per config: tokens/s per engine (k, M as set; medians); {title_label}",
                   ["model", "B", "ε", "acceptance", "floor µs/round", *(f"{LABELS[n]} tok/s" for n in names),
                    "graphburst µs/round", "graphburst x floor", "graphburst / vllm", "graphburst / HF"])
     for cfg in results["configs"]:
-        gb = cfg["engines"].get("graphburst") or next(iter(cfg["engines"].values()))
+        gb = cfg["engines"].get("graphburst") or {}
+        ref = next(cfg["engines"][n] for n in ENGINE_ORDER if n in cfg["engines"])
         cells = []
         for n in names:
             cells.append(fmt(_tps(cfg, n), 0) if n in cfg["engines"] else cfg["not_run"].get(n, "-"))
-        t.add_row(cfg["model"], str(cfg["batch"]), f"{cfg['eps']:.4g}", fmt(gb["acceptance"]), fmt(cfg["floor_us"], 1),
-                  *cells, fmt(gb["us_per_round"], 1), fmt(gb.get("x_floor"), 3),
-                  fmt(_ratio(gb["tokens_per_s"], _tps(cfg, "vllm"))),
-                  fmt(_ratio(gb["tokens_per_s"], _tps(cfg, "hf"))))
+        t.add_row(cfg["model"], str(cfg["batch"]), f"{cfg['eps']:.4g}", fmt(ref["acceptance"]), fmt(cfg["floor_us"], 1),
+                  *cells, fmt(gb.get("us_per_round"), 1), fmt(gb.get("x_floor"), 3),
+                  fmt(_ratio(gb.get("tokens_per_s"), _tps(cfg, "vllm"))),
+                  fmt(_ratio(gb.get("tokens_per_s"), _tps(cfg, "hf"))))
     out.append(t)
     t = new_table(f"every engine, every config; {title_label}",
                   ["model", "B", "ε", "engine", "µs/round", "tokens/s", "x floor", "syncs/token", "acceptance",
