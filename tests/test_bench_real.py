@@ -167,3 +167,23 @@ def test_near_tie_rule():
     with pytest.raises(AssertionError, match="not a near-tie"):
         compare_other("x", [5, 2], [5, 0], [1], oracle, 0.01)
     assert first_divergence([1, 2], [1, 2]) is None and first_divergence([1, 2], [1, 2, 3]) == 2
+
+
+@pytest.mark.gpu
+def test_smoke_on_the_gpu(tmp_path):
+    """The same smoke run on cupy + CUDA torch: real CUDA graphs for vllm-style and graphburst."""
+    from graphburst.backend import cuda_available
+
+    if not cuda_available() or not torch.cuda.is_available():
+        pytest.skip("needs cupy, a CUDA device and CUDA torch")
+    out = tmp_path / "real.json"
+    proc = cli("--smoke", "--backend", "cupy", "--json", str(out), "--no-plot", tmp_path=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["meta"]["backend"] == "cupy"
+    for cfg in res["results"]["configs"]:
+        assert cfg["floor_us"] > 0
+        gb = cfg["engines"]["graphburst"]
+        assert gb["x_floor"] > 0 and gb["graph_us_per_round"] > 0
+        assert cfg["engines"]["vllm"]["correctness"]["rule"] == "identical"
+    assert res["results"]["models"]["tiny"]["verify"]["us"] > 0

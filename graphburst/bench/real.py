@@ -215,9 +215,17 @@ def time_config(engines, s, prompts, checked) -> dict:
     return out
 
 
-def x_floor(timed: dict, floor_us) -> None:
+def x_floor(timed: dict, floor_us, engines=None, prompts=None, rounds=None) -> None:
+    """Add ``x_floor`` and ``over_floor_us`` to every engine; graphburst's graph time per round too."""
+    from .real_engines import Burst
+
     for name, r in timed.items():
-        r["x_floor"] = None if floor_us is None or name == "hf" else r["us_per_round"] / floor_us
+        mine = floor_us is not None and name != "hf"
+        r["x_floor"] = r["us_per_round"] / floor_us if mine else None
+        r["over_floor_us"] = r["us_per_round"] - floor_us if mine else None
+        eng = (engines or {}).get(name)
+        if isinstance(eng, Burst):
+            r["graph_us_per_round"] = eng.graph_us_per_round(prompts, rounds)
 
 
 def m_sweep(src, spec, s, backend, prompts, ref, floor_us, vllm) -> list:
@@ -234,7 +242,7 @@ def m_sweep(src, spec, s, backend, prompts, ref, floor_us, vllm) -> list:
             if checked[name].tokens != ref:
                 raise AssertionError(f"M sweep: {name} with M={m} differs from the reference tokens")
             timed = time_config({name: eng}, s, prompts, checked)
-            x_floor(timed, floor_us)
+            x_floor(timed, floor_us, {name: eng}, prompts, s["rounds"])
             r = dict(m=m, engine=name, **timed[name])
             r["x_vllm"] = None if vllm is None else r["tokens_per_s"] / vllm["tokens_per_s"]
             rows.append(r)
@@ -324,7 +332,7 @@ def run(args, console: Console, backend) -> int:
                     checked, report = check_config(engines, s, prompts,
                                                    lambda p, pre: reference_logits(oracle_model, p, pre), cuda)
                     timed = time_config(engines, s, prompts, checked)
-                    x_floor(timed, floor)
+                    x_floor(timed, floor, engines, prompts, s["rounds"])
                     for name, r in timed.items():
                         r["correctness"] = report[name]
                         if name == "compile":

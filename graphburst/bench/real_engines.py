@@ -251,6 +251,26 @@ class Burst:
         return Run(out, rounds, accepted_drafts(out, rounds), bursts)
 
 
+    def graph_us_per_round(self, prompts: list, rounds: int) -> float | None:
+        """Median device time of one burst graph / M (CUDA events around each replay; None on the CPU).
+
+        Set against the floor, this separates the bookkeeping inside the graph from the
+        host's drain-and-relaunch gap between bursts.
+        """
+        backend = self.dec.backend
+        if not backend.is_gpu:
+            return None
+        self.prefill(prompts)
+        times = []
+        with backend.device():
+            for _ in range(rounds // self.m):
+                events = (backend.xp.cuda.Event(), backend.xp.cuda.Event())
+                self.graph.replay(timing_events=events)
+                self.graph.drain()
+                times.append(backend.xp.cuda.get_elapsed_time(*events) * 1e3)
+        return sorted(times)[len(times) // 2] / self.m
+
+
 class HFAssisted:
     """transformers assisted generation over the same tensors (batch 1 only).
 

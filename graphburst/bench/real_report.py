@@ -93,7 +93,7 @@ def tables(results, title_label) -> list:
                   fmt(info["margins"]["p10"], 4), fmt(info["margins"]["ties"], 3), grid or "given by --eps", fp_txt,
                   fmt(v.get("us"), 1), fmt(v.get("ideal_us"), 1), fmt(v.get("ratio")))
     out.append(t)
-    # Columns for engines that ran somewhere; HF also where it only could not (B > 1).
+    # Columns for engines that ran somewhere (a "not run" reason fills the other cells).
     names = [n for n in ENGINE_ORDER if any(n in c["engines"] for c in results["configs"])]
     t = new_table(f"one row per config: tokens/s per engine (k, M as set; medians); {title_label}",
                   ["model", "B", "ε", "acceptance", "floor µs/round", *(f"{LABELS[n]} tok/s" for n in names),
@@ -110,8 +110,8 @@ def tables(results, title_label) -> list:
                   fmt(_ratio(gb.get("tokens_per_s"), _tps(cfg, "hf"))))
     out.append(t)
     t = new_table(f"every engine, every config; {title_label}",
-                  ["model", "B", "ε", "engine", "µs/round", "tokens/s", "x floor", "syncs/token", "acceptance",
-                   "correctness"])
+                  ["model", "B", "ε", "engine", "µs/round", "tokens/s", "x floor", "µs over floor",
+                   "graph µs/round", "syncs/token", "acceptance", "correctness"])
     for cfg in results["configs"]:
         for n in _ordered(cfg["engines"]):
             r = cfg["engines"][n]
@@ -122,16 +122,17 @@ def tables(results, title_label) -> list:
                 agreed = sum(q["agreed"] for q in c["sequences"])
                 check = f"{c['rule']}: agreed {agreed}/{sum(q['compared'] for q in c['sequences'])}"
             t.add_row(cfg["model"], str(cfg["batch"]), f"{cfg['eps']:.4g}", LABELS[n], fmt(r["us_per_round"], 1),
-                      fmt(r["tokens_per_s"], 0), fmt(r.get("x_floor"), 3), fmt(r["syncs_per_token"], 3),
-                      fmt(r["acceptance"]), check)
+                      fmt(r["tokens_per_s"], 0), fmt(r.get("x_floor"), 3), fmt(r.get("over_floor_us"), 1),
+                      fmt(r.get("graph_us_per_round"), 1), fmt(r["syncs_per_token"], 3), fmt(r["acceptance"]), check)
     out.append(t)
     if results["m_sweep"]:
         t = new_table(f"graphburst over M at B=1; {title_label}",
-                      ["model", "ε", "engine", "M", "µs/round", "tokens/s", "x floor", "syncs/token", "/ vllm"])
+                      ["model", "ε", "engine", "M", "µs/round", "tokens/s", "x floor", "graph µs/round",
+                       "syncs/token", "/ vllm"])
         for r in results["m_sweep"]:
             t.add_row(r["model"], f"{r['eps']:.4g}", LABELS[r["engine"]], str(r["m"]), fmt(r["us_per_round"], 1),
-                      fmt(r["tokens_per_s"], 0), fmt(r.get("x_floor"), 3), fmt(r["syncs_per_token"], 3),
-                      fmt(r["x_vllm"]))
+                      fmt(r["tokens_per_s"], 0), fmt(r.get("x_floor"), 3), fmt(r.get("graph_us_per_round"), 1),
+                      fmt(r["syncs_per_token"], 3), fmt(r["x_vllm"]))
         out.append(t)
     t = new_table(f"targets (B=1); {title_label}", ["model", "ε", "acceptance", "engine", "target", "goal",
                                                      "measured", "verdict"])
