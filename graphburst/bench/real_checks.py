@@ -18,6 +18,7 @@ import warnings
 from .real import SAME_KERNEL_ORDER  # the first present is the reference
 from .real_engines import sync
 from .real_report import first_divergence
+
 FP32_CHECK_TOKENS = 16
 FP32_TOL = 1e-4
 
@@ -60,10 +61,10 @@ def fp32_check(src, spec, s, backend, prompt) -> dict:
     import torch
 
     from ..burst import SpecDecoder
+    from ..llama import Llama
     from ..torch_adapter import TorchDraft, TorchTarget
     from .real_engines import HFAssisted
     from .real_models import instance
-    from ..llama import Llama
 
     dev = next(src.parameters()).device
     full = Llama(src.cfg, batch=1, capacity=src.capacity, dtype=torch.float32, device=dev, kv_slack=src.kv_slack)
@@ -87,7 +88,7 @@ def fp32_check(src, spec, s, backend, prompt) -> dict:
     return res
 
 
-def count_syncs(engine, run_fn, cuda: bool):
+def count_syncs(run_fn, cuda: bool):
     """Run once and count host syncs with torch's sync debug mode (GPU only; else None)."""
     import torch
 
@@ -126,7 +127,7 @@ def check_config(engines, s, prompts, oracle, cuda) -> tuple[dict, dict]:
         if eng.same_kernels:
             continue
         eng.prefill(prompts)
-        run, syncs = count_syncs(eng, lambda e=eng: e.run(rounds, tokens=len(ref[0])), cuda and name == "hf")
+        run, syncs = count_syncs(lambda e=eng: e.run(rounds, tokens=len(ref[0])), cuda and name == "hf")
         run.syncs = syncs if name == "hf" else run.syncs
         runs[name] = run
         per_seq = [compare_other(name, got, want, p, oracle, s["tol"]) for got, want, p in zip(run.tokens, ref,
