@@ -39,7 +39,9 @@ def cli(*args, tmp_path):
 def smoke(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("real")
     out, png = tmp / "real.json", tmp / "real.png"
-    proc = cli("--smoke", "--backend", "numpy", "--json", str(out), "--plot", str(png), tmp_path=tmp)
+    (tmp / "prof").mkdir()
+    proc = cli("--smoke", "--backend", "numpy", "--json", str(out), "--plot", str(png), "--profile", str(tmp / "prof"),
+               tmp_path=tmp)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text()), proc.stdout, png
 
@@ -82,6 +84,10 @@ def test_smoke_models_sweep_targets_and_outputs(smoke):
                                                             for e in ("graphburst", "gapless")}
     assert {t["target"] for t in r["targets"]} >= {"per round / model-only floor", "tokens/s / HF assisted tokens/s"}
     assert "targets (B=1)" in stdout and "every engine, every config" in stdout
+    prof = info["profile"]
+    assert set(prof) == {"hf", "eager", "vllm", "graphburst", "gapless"}
+    for name, p in prof.items():
+        assert Path(p["trace"]).stat().st_size > 0 and p["top"][0]["us_per_round"] > 0, name
     if plot_problem() is None:
         assert png.stat().st_size > 1000 and res["meta"]["plot"] == str(png)
     else:
@@ -90,7 +96,8 @@ def test_smoke_models_sweep_targets_and_outputs(smoke):
 
 @pytest.mark.parametrize("args, flag", [(["--models", "huge"], "--models"), (["--engines", "hf"], "--engines"),
                                         (["--rounds", "5", "--m-sweep", "2"], "--rounds"),
-                                        (["--batches", "1,x"], "--batches"), (["--accepts", "1.5"], "--accepts")])
+                                        (["--batches", "1,x"], "--batches"), (["--accepts", "1.5"], "--accepts"),
+                                        (["--profile", "no/such/dir"], "--profile")])
 def test_bad_flags_are_one_line_exit_2(args, flag, tmp_path):
     proc = cli("--smoke", "--backend", "numpy", *args, tmp_path=tmp_path)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and flag in proc.stderr, proc.stderr

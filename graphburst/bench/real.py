@@ -22,6 +22,7 @@ tiny model, seconds), through the same engines, checks and writers.
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 
@@ -78,6 +79,9 @@ def add_parser(sub) -> None:
     p.add_argument("--plot", type=writable_file, default=None,
                    help=f"PNG of tokens/s against acceptance (default {DEFAULT_PLOT} for a full GPU run, else none)")
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="torch.profiler traces of one B=1 run per engine and model (mid ε) into DIR; top kernels "
+                        "per round in the JSON")
 
 
 def settings(args) -> dict:
@@ -120,6 +124,8 @@ def check_args(args) -> None:
     for m in [s["m"]] + s["m_sweep"]:
         if s["rounds"] % m:
             raise FlagError("--rounds", f"{s['rounds']} rounds must be a multiple of every M used ({m})")
+    if args.profile is not None and not os.path.isdir(args.profile):
+        raise FlagError("--profile", f"{args.profile!r} is not a directory")
     try:
         import torch  # noqa: F401
     except ImportError:
@@ -226,6 +232,19 @@ def x_floor(timed: dict, floor_us, engines=None, prompts=None, rounds=None) -> N
         eng = (engines or {}).get(name)
         if isinstance(eng, Burst):
             r["graph_us_per_round"] = eng.graph_us_per_round(prompts, rounds)
+
+
+def profile_all(engines, prompts, s, tokens, out_dir, tag, cuda) -> dict:
+    """One profiled run per engine; a failure is recorded, never fatal (the figures are already taken)."""
+    from .real_profile import profile_run
+
+    out = {}
+    for name, eng in engines.items():
+        try:
+            out[name] = profile_run(eng, name, prompts, s["rounds"], tokens, out_dir, tag, cuda)
+        except Exception as exc:  # noqa: BLE001 - diagnostics only
+            out[name] = f"not profiled: {type(exc).__name__}: {exc}"[:300]
+    return out
 
 
 def m_sweep(src, spec, s, backend, prompts, ref, floor_us, vllm) -> list:
@@ -339,6 +358,9 @@ def run(args, console: Console, backend) -> int:
                             r["compile_s"] = engines[name].compile_s
                     results["configs"].append(dict(model=mname, batch=batch, eps=level["eps"], want=level["want"],
                                                    floor_us=floor, engines=timed, not_run=skipped))
+                    if batch == 1 and level is mid and args.profile:
+                        info["profile"] = profile_all(engines, prompts, s, len(checked[
+                            next(n for n in SAME_KERNEL_ORDER if n in engines)].tokens[0]), args.profile, mname, cuda)
                     if batch == 1 and level is mid and s["m_sweep"]:
                         ref = checked[next(n for n in SAME_KERNEL_ORDER if n in engines)].tokens
                         results["m_sweep"] += [dict(model=mname, eps=level["eps"], **r) for r in m_sweep(

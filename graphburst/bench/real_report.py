@@ -93,6 +93,15 @@ def tables(results, title_label) -> list:
                   fmt(info["margins"]["p10"], 4), fmt(info["margins"]["ties"], 3), grid or "given by --eps", fp_txt,
                   fmt(v.get("us"), 1), fmt(v.get("ideal_us"), 1), fmt(v.get("ratio")))
     out.append(t)
+    for model, info in results["models"].items():
+        for engine, prof in (info.get("profile") or {}).items():
+            if isinstance(prof, str):
+                continue
+            t = new_table(f"profile: {model}, B=1, {LABELS[engine]}: top kernels per round ({prof['trace']})",
+                          ["kernel", "calls/round", "µs/round"])
+            for row in prof["top"]:
+                t.add_row(row["name"], fmt(row["calls_per_round"], 1), fmt(row["us_per_round"], 1))
+            out.append(t)
     # Columns for engines that ran somewhere (a "not run" reason fills the other cells).
     names = [n for n in ENGINE_ORDER if any(n in c["engines"] for c in results["configs"])]
     t = new_table(f"one row per config: tokens/s per engine (k, M as set; medians); {title_label}",
