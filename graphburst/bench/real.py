@@ -127,9 +127,15 @@ def check_args(args) -> None:
     if args.profile is not None and not os.path.isdir(args.profile):
         raise FlagError("--profile", f"{args.profile!r} is not a directory")
     try:
-        import torch  # noqa: F401
+        import torch
     except ImportError:
         raise FlagError("--backend", "bench real needs PyTorch: pip install 'graphburst[torch]'") from None
+    from ..backend import cuda_available
+
+    if args.backend != "numpy" and cuda_available() and not torch.cuda.is_available():
+        # graphburst would run on the GPU and the models on the CPU: nothing meaningful to time.
+        raise FlagError("--backend", f"{args.backend} picks the GPU but this torch build has no CUDA; "
+                                     "install CUDA torch or use --backend numpy")
 
 
 # ---------------------------------------------------------------------- steps
@@ -278,8 +284,6 @@ def run(args, console: Console, backend) -> int:
 
     s = settings(args)
     cuda = backend.is_gpu
-    if cuda and not torch.cuda.is_available():
-        raise RuntimeError("the cupy backend found a GPU but this torch build has no CUDA; use --backend numpy")
     device = f"cuda:{backend.device_id}" if cuda else "cpu"
     if not cuda:
         # Small ε makes subnormal activations, which x86 handles in microcode (100x slower).
