@@ -194,3 +194,21 @@ def test_smoke_on_the_gpu(tmp_path):
         assert gb["x_floor"] > 0 and gb["graph_us_per_round"] > 0
         assert cfg["engines"]["vllm"]["correctness"]["rule"] == "identical"
     assert res["results"]["models"]["tiny"]["verify"]["us"] > 0
+
+
+def test_check_config_reports_other_kernels_breaking_the_near_tie_rule():
+    from graphburst.bench.real_checks import reference_logits
+    from graphburst.bench.real_engines import HFAssisted
+
+    a, b = tiny(seed=0, batch=1), tiny(seed=1, batch=1)  # HF twin of other weights: a real disagreement
+    Epsilon(a, 2).set(0.3)
+    Epsilon(b, 2).set(0.3)
+    eager = TorchLoop(a, draft_layers=2, batch=1, k=4)
+    engines = {"eager": eager, "hf": HFAssisted(b, draft_layers=2, k=4)}
+    runs, report = check_config(engines, dict(rounds=3, tol=0.01, k=4), [[1, 2, 3, 4]],
+                                lambda p, pre: reference_logits(eager.target, p, pre), cuda=False)
+    assert "not a near-tie" in report["hf"]["failed"] and "hf" not in runs and "eager" in runs
+    engines["hf"] = HFAssisted(a, draft_layers=2, k=4)  # the same weights: it passes
+    runs, report = check_config(engines, dict(rounds=3, tol=0.01, k=4), [[1, 2, 3, 4]],
+                                lambda p, pre: reference_logits(eager.target, p, pre), cuda=False)
+    assert "failed" not in report["hf"] and report["hf"]["sequences"][0]["compared"] == len(runs["eager"].tokens[0])

@@ -11,6 +11,8 @@ short eager run over a grid), then for each batch size and each ε every engine
    divergence that is a near-tie: there the reference model's teacher-forced logits of
    the two tokens differ by at most ``tol * max(1, |top logit|)``. At start-up HF in fp32
    must equal graphburst in fp32 on a short prefix under the same rule with tol 1e-4.
+   A same-kernel mismatch stops the run; an other-kernel failure is reported, that
+   engine is not timed, and the command exits 1 after writing everything else.
 2. **Timing.** Rotations over the engines (so drift hits all alike); each run starts
    from a fresh prefill (untimed) and is timed with ``perf_counter`` around the whole
    run, syncs included; medians. The floor is the round's forwards alone (the
@@ -299,6 +301,7 @@ def run(args, console: Console, backend) -> int:
         console.print(f"[yellow]plot skipped[/yellow]: {problem}")
     capacity = s["prompt_len"] + s["rounds"] * (s["k"] + 1)
     results = dict(models={}, configs=[], m_sweep=[])
+    failures = []  # correctness failures of engines with other kernels (HF, compile): exit status 1
     console.print(f"[bold]graphburst bench real[/bold]: {label(backend)}; torch {torch.__version__} on {device}, "
                   f"{s['dtype']}; models {','.join(s['models'])}; B {s['batches']}; engines {','.join(s['engines'])}")
     levels_n = len(s["eps"]) if s["eps"] else len(s["accepts"])
@@ -331,7 +334,11 @@ def run(args, console: Console, backend) -> int:
                     hf_reason = "not run: transformers is not installed"
             if "hf" in s["engines"] and hf_reason is None:
                 eps_ctl.set(mid["eps"])
-                info["fp32_check"] = dict(eps=mid["eps"], **fp32_check(src, spec, s, backend, prompts_for(1)[0]))
+                try:
+                    info["fp32_check"] = dict(eps=mid["eps"], **fp32_check(src, spec, s, backend, prompts_for(1)[0]))
+                except AssertionError as exc:  # reported, and the exit status says so; the run goes on
+                    info["fp32_check"] = dict(eps=mid["eps"], failed=str(exc))
+                    failures.append(f"{mname}: {exc}")
                 if 1 in s["batches"]:
                     hf = HFAssisted(src, draft_layers=spec.draft_layers, k=s["k"])
             results["models"][mname] = info
@@ -354,14 +361,16 @@ def run(args, console: Console, backend) -> int:
                     prompts = prompts_for(batch)
                     checked, report = check_config(engines, s, prompts,
                                                    lambda p, pre: reference_logits(oracle_model, p, pre), cuda)
-                    timed = time_config(engines, s, prompts, checked)
+                    failed = {n: f"FAILED correctness: {r['failed']}" for n, r in report.items() if "failed" in r}
+                    failures += [f"{mname} B={batch} ε={level['eps']:.4g}: {m}" for m in failed.values()]
+                    timed = time_config({n: e for n, e in engines.items() if n not in failed}, s, prompts, checked)
                     x_floor(timed, floor, engines, prompts, s["rounds"])
                     for name, r in timed.items():
                         r["correctness"] = report[name]
                         if name == "compile":
                             r["compile_s"] = engines[name].compile_s
                     results["configs"].append(dict(model=mname, batch=batch, eps=level["eps"], want=level["want"],
-                                                   floor_us=floor, engines=timed, not_run=skipped))
+                                                   floor_us=floor, engines=timed, not_run={**skipped, **failed}))
                     if batch == 1 and level is mid and args.profile:
                         info["profile"] = profile_all(engines, prompts, s, len(checked[
                             next(n for n in SAME_KERNEL_ORDER if n in engines)].tokens[0]), args.profile, mname, cuda)
@@ -382,5 +391,7 @@ def run(args, console: Console, backend) -> int:
         console.print(f"plot written to {plot_path}")
     write_results(console, args.json, backend=backend, tables=tables(results, label(backend)), results=results,
                   settings=s, device=torch.cuda.get_device_name(device) if cuda else "cpu", torch=torch.__version__,
-                  plot=plotted if plotted else (f"not written: {problem}" if problem else None))
-    return 0
+                  plot=plotted if plotted else (f"not written: {problem}" if problem else None), failures=failures)
+    for line in failures:
+        console.print(f"[red]correctness failure[/red]: {line}")
+    return 1 if failures else 0

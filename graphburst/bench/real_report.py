@@ -86,8 +86,12 @@ def tables(results, title_label) -> list:
     for name, info in results["models"].items():
         grid = ", ".join(f"{g['eps']:g}:{g['acceptance']:.2f}" for g in info["eps_grid"] or [])
         fp = info.get("fp32_check")
-        fp_txt = "-" if fp is None else (f"agreed {fp['agreed']}/{fp['compared']}"
-                                         + ("" if fp["divergence"] is None else " (near-tie)"))
+        if fp is None:
+            fp_txt = "-"
+        elif "failed" in fp:
+            fp_txt = "[red]FAILED[/red] (see the JSON)"
+        else:
+            fp_txt = f"agreed {fp['agreed']}/{fp['compared']}" + ("" if fp["divergence"] is None else " (near-tie)")
         v = info.get("verify") or {}
         t.add_row(name, fmt(info["weight_bytes"] / 1e6, 1), fmt(info["margins"]["median"], 4),
                   fmt(info["margins"]["p10"], 4), fmt(info["margins"]["ties"], 3), grid or "given by --eps", fp_txt,
