@@ -12,7 +12,8 @@ against it), with three differences that a captured burst needs:
 * **Per-sequence lengths.** ``forward`` takes each layer's length ``[B] int32`` (owned by
   graphburst's ``KVCache``, rolled back by its kernel). Token t of sequence b is written
   at row ``length[b] + t`` with one ``index_copy_`` and attends to rows ``<= length[b] + t``
-  through a boolean mask built with tensor ops. The caller advances the lengths.
+  through a boolean mask built with tensor ops, once per forward for all layers that share
+  a length tensor. The caller advances the lengths.
 * **Per-sequence positions.** RoPE reads ``start_pos[b] + t`` (graphburst's ``pos_ctr``),
   so a ragged batch needs no padding.
 
@@ -130,7 +131,11 @@ def rope_tables(cfg: LlamaConfig, n_pos: int, device) -> tuple[torch.Tensor, tor
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [B, T, H, D]`` by ``cos, sin [B, T, D]`` (the rotate-half layout of HF weights)."""
+    """Rotate ``x [B, T, H, D]`` by ``cos, sin [B, T, D]`` (the rotate-half layout of HF weights).
+
+    ``forward`` passes ``cos, sin`` already in ``x``'s dtype (cast once per forward, as HF
+    does), so the casts here are no-ops and launch nothing.
+    """
     cos, sin = cos.unsqueeze(2).to(x.dtype), sin.unsqueeze(2).to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
@@ -145,8 +150,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim, **factory))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()  # normalise in fp32, as HF does, then cast back
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        # Normalise in fp32, as HF does, then cast back. F.rms_norm is HF's
+        # x * rsqrt(mean(x^2) + eps) in one call (one fused kernel on recent CUDA builds
+        # instead of four, which matters at B=1 where every launch is a graph node).
+        h = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * h.to(x.dtype)
 
 
@@ -162,31 +169,58 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(d, self.n_kv * self.head_dim, bias=bias, **factory)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, d, bias=bias, **factory)
 
-    def forward(self, x, cos, sin, kv, length, rows):
+    def forward(self, x, cos, sin, kv, length, rows, index=None):
         """
         Parameters
         ----------
         x : [R, T, hidden]
-        cos, sin : [R, T, head_dim] float32
+        cos, sin : [R, T, head_dim] float32 (or x's dtype)
         kv : [2, B, S, n_kv, head_dim], written at rows ``length + [0, T)``
         length : [R] int32, valid rows before this call
         rows : [R] int64 batch rows of x (all B in a burst, the prefilled slots in prefill)
+        index : (flat [R*T] int64, mask [R, 1, T, S] bool), optional
+            :func:`kv_index` of ``length`` (``Llama.forward`` builds it once for every
+            layer that shares a length tensor); built here when absent.
         """
         r, t, _ = x.shape
-        q = apply_rope(self.q_proj(x).view(r, t, self.n_heads, self.head_dim), cos, sin)
-        k = apply_rope(self.k_proj(x).view(r, t, self.n_kv, self.head_dim), cos, sin)
+        q = self.q_proj(x).view(r, t, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(r, t, self.n_kv, self.head_dim)
+        # One rotation for q and k together (elementwise, so bit-identical to two): fewer launches.
+        qk = apply_rope(torch.cat((q, k), dim=2), cos, sin)  # [R, T, n_heads + n_kv, head_dim]
+        q, k = qk[:, :, : self.n_heads], qk[:, :, self.n_heads:]
         v = self.v_proj(x).view(r, t, self.n_kv, self.head_dim)
-        s = kv.shape[2]
-        at = length.long().unsqueeze(1) + torch.arange(t, device=x.device)  # [R, T] row of each new token
-        # One index_copy_ into the flat [2, B*S, ...] view; the clamp keeps a corrupt length in bounds.
-        flat = (rows.unsqueeze(1) * s + at.clamp(max=s - 1)).reshape(-1)  # [R*T]
+        flat, mask = kv_index(length, rows, t, kv.shape[2]) if index is None else index
+        # One index_copy_ into the flat [2, B*S, ...] view.
         kv.view(2, -1, self.n_kv, self.head_dim).index_copy_(1, flat, torch.stack((k, v)).view(2, r * t, self.n_kv,
                                                                                                self.head_dim))
         keys, vals = (kv[0], kv[1]) if r == kv.shape[1] else (kv[0, rows], kv[1, rows])  # [R, S, n_kv, D]
-        mask = torch.arange(s, device=x.device) <= at.unsqueeze(-1)  # [R, T, S]: only rows already written
         y = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), vals.transpose(1, 2),
-                                           attn_mask=mask.unsqueeze(1), enable_gqa=self.n_kv != self.n_heads)
+                                           attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
         return self.o_proj(y.transpose(1, 2).reshape(r, t, self.n_heads * self.head_dim))
+
+
+def kv_index(length: torch.Tensor, rows: torch.Tensor, t: int, s: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where T new tokens go in a ``[2, B, S, ...]`` KV tensor, and what each may attend to.
+
+    Parameters
+    ----------
+    length : [R] int32, valid rows before the call
+    rows : [R] int64 batch rows
+    t, s : int
+        New tokens per row; rows per sequence in the KV tensor.
+
+    Returns
+    -------
+    flat : [R*T] int64
+        Row of each new token in the flat ``[2, B*S, ...]`` view; clamped so a corrupt
+        length still writes in bounds.
+    mask : [R, 1, T, S] bool
+        Token t of row r sees KV rows ``<= length[r] + t`` (those already written).
+    """
+    at = length.long().unsqueeze(1) + torch.arange(t, device=length.device)  # [R, T] row of each new token
+    flat = (rows.unsqueeze(1) * s + at.clamp(max=s - 1)).reshape(-1)  # [R*T]
+    mask = torch.arange(s, device=length.device) <= at.unsqueeze(-1)  # [R, T, S]
+    return flat, mask.unsqueeze(1)
 
 
 class MLP(nn.Module):
@@ -211,8 +245,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **factory)
         self.mlp = MLP(cfg, **factory)
 
-    def forward(self, x, cos, sin, kv, length, rows):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, length, rows)
+    def forward(self, x, cos, sin, kv, length, rows, index=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, length, rows, index)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -301,10 +335,17 @@ class Llama(nn.Module):
             rows = torch.arange(r, device=tokens.device)
         pos = (start_pos.long().unsqueeze(1) + torch.arange(t, device=tokens.device)).clamp(
             0, self.rope_cos.shape[0] - 1)  # [R, T]
-        cos, sin = self.rope_cos[pos], self.rope_sin[pos]  # [R, T, head_dim]
         x = self.embed_tokens(tokens)
+        # Cast once per forward (HF casts cos/sin to the activations' dtype too), not per layer.
+        cos, sin = self.rope_cos[pos].to(x.dtype), self.rope_sin[pos].to(x.dtype)  # [R, T, head_dim]
+        # KV write rows and attention masks depend only on a layer's length tensor: build
+        # them once per distinct tensor (graphburst's adapter gives every layer the same one).
+        s = self.kv[0].shape[2] if self.kv else 0
+        index = {}
         for layer, kv, length in zip(self.layers, self.kv, lengths):
-            x = layer(x, cos, sin, kv, length, rows)
+            if id(length) not in index:
+                index[id(length)] = kv_index(length, rows, t, s)
+            x = layer(x, cos, sin, kv, length, rows, index[id(length)])
         if logits_at is not None:
             x = x[torch.arange(r, device=x.device), logits_at].unsqueeze(1)  # [R, 1, hidden]
         return F.linear(self.norm(x), self.head_weight()).float()

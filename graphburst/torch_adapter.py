@@ -89,9 +89,16 @@ class _TorchModel(Watched):
         if own is not None and own < capacity:
             raise ValueError(f"capacity {capacity} exceeds the module's own KV capacity {own}")
         storages = list(module.kv_layers())
-        layers = [None if s is None else KVLayer(s, self.backend.zeros((batch,), np.int32)) for s in storages]
+        # One [B] int32 length shared by every KV layer of the module: the adapter moves all
+        # layers together (prefill, +T per forward) and rollback sets every table entry to
+        # the same value, so per-layer copies would only cost one add per layer per forward
+        # and stop the module from building its attention mask once per forward.
+        shared = self.backend.zeros((batch,), np.int32)  # [B] int32
+        layers = [None if s is None else KVLayer(s, shared) for s in storages]
         self.cache = KVCache(layers, batch, capacity, self.backend)  # validates batch, capacity, devices
-        self._lengths = [None if layer is None else as_tensor(layer.length) for layer in self.cache.layers]
+        view = as_tensor(shared)  # one torch object: modules may memoise per-length work by identity
+        self._lengths = [None if layer is None else view for layer in self.cache.layers]
+        self._length = view if any(ln is not None for ln in self._lengths) else None
         self._streams = {}  # stream ptr -> torch ExternalStream, made once per stream
         self._bound: TorchBufs | None = None
         self._settle()
@@ -145,11 +152,10 @@ class _TorchModel(Watched):
         return torch.cuda.stream(ts)
 
     def _forward(self, tokens, start_pos):
-        """All-B forward at each layer's own length, then every length moves by T."""
+        """All-B forward at the shared length, then the length moves by T."""
         logits = self.module(tokens, start_pos, self._lengths, None)
-        for length in self._lengths:
-            if length is not None:
-                length.add_(tokens.shape[1])
+        if self._length is not None:
+            self._length.add_(tokens.shape[1])  # every layer's length (they share it)
         return logits
 
     def _tokens(self, t):
@@ -179,9 +185,8 @@ class _TorchModel(Watched):
             else:
                 logits = self.module(self._tokens(tok_all[rows]), start, lengths, rows)  # [R, P_max, V]
                 logits = logits[torch.arange(rows.numel(), device=rows.device), last]
-            for ln in self._lengths:
-                if ln is not None:
-                    ln[rows] = plen
+            if self._length is not None:
+                self._length[rows] = plen
             if pos_ctr is not None and self._bound is not None and self._bound.source.sampling:
                 self._bound.tgt_logits[rows, 0] = logits.float()  # the decoder samples the first token
             if pos_ctr is not None:

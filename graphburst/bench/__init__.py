@@ -1,4 +1,4 @@
-"""The benchmark wing: ``graphburst bench {latency,serve,capture}``.
+"""The benchmark wing: ``graphburst bench {latency,serve,capture,real}``.
 
 ``add_parser(sub)`` adds the ``bench`` command to the CLI's subparsers and ``run(args,
 console)`` runs the chosen benchmark. Every benchmark builds its models through
@@ -14,14 +14,14 @@ from rich.console import Console
 
 from ..backend import get_backend
 from ..cli_args import check_backend
-from . import capture, latency, serve
+from . import capture, latency, real, serve
 
-BENCHMARKS = {"latency": latency, "serve": serve, "capture": capture}
+BENCHMARKS = {"latency": latency, "serve": serve, "capture": capture, "real": real}
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks: latency of every burst mode, the serving loop, capture costs")
-    kinds = p.add_subparsers(dest="benchmark", required=True, metavar="{latency,serve,capture}")
+    p = sub.add_parser("bench", help="benchmarks: latency of every burst mode, the serving loop, capture costs, real models")
+    kinds = p.add_subparsers(dest="benchmark", required=True, metavar="{latency,serve,capture,real}")
     for module in BENCHMARKS.values():
         module.add_parser(kinds)
 

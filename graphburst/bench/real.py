@@ -1,0 +1,405 @@
+"""``graphburst bench real``: decode latency of random-weight Llama models, per engine.
+
+For each model (``real_models.MODELS``) the acceptance knob ε is calibrated once (a
+short eager run over a grid), then for each batch size and each ε every engine
+(``real_engines``) is built once, **checked, then timed**:
+
+1. **Correctness, before any timing, in every config.** Every engine decodes the same
+   prompts for the same number of rounds. Engines with the same kernels (graphburst,
+   gapless, vllm-style, eager) must produce identical tokens, every one. Engines with
+   other kernels (HF in bf16, torch.compile) must agree up to the end or up to a first
+   divergence that is a near-tie: there the reference model's teacher-forced logits of
+   the two tokens differ by at most ``tol * max(1, |top logit|)``. At start-up HF in fp32
+   must equal graphburst in fp32 on a short prefix under the same rule with tol 1e-4.
+   A same-kernel mismatch stops the run; an other-kernel failure is reported, that
+   engine is not timed, and the command exits 1 after writing everything else.
+2. **Timing.** Rotations over the engines (so drift hits all alike); each run starts
+   from a fresh prefill (untimed) and is timed with ``perf_counter`` around the whole
+   run, syncs included; medians. The floor is the round's forwards alone (the
+   vllm-style graphs replayed back to back, CUDA events), measured in the same run.
+
+Without a GPU it runs on CPU torch with graphburst's numpy backend (``--smoke``: the
+tiny model, seconds), through the same engines, checks and writers.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+import numpy as np
+from rich.console import Console
+from rich.progress import Progress
+
+from ..cli_args import FlagError, int_in, real_in, writable_file
+from .common import label, write_results
+from .real_report import NOT_RUN, plot, plot_problem, tables, targets
+
+# The torch-dependent modules (real_models, real_engines, real_checks) are imported when
+# the benchmark runs: the CLI imports this module for every command, torch or not.
+MODEL_NAMES = ("tiny", "small", "1b")  # real_models.MODELS
+SAME_KERNEL_ORDER = ("graphburst", "gapless", "vllm", "eager")  # the first present is the correctness reference
+
+ENGINES = ("hf", "eager", "vllm", "graphburst", "gapless", "compile")
+DEFAULT_ENGINES = "hf,eager,vllm,graphburst,gapless"
+EPS_GRID = (0.0, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.0)
+CALIBRATION = dict(batch=4, rounds=16)
+SMOKE = dict(models="tiny", batches="1,2", rounds=4, reps=1, m=2, m_sweep="1,2,4", accepts="0.5,0.95")
+DEFAULT_PLOT = "docs/real_models_h200.png"
+
+
+def _ints(text):
+    return [int(x) for x in text.split(",") if x]
+
+
+def _floats(text):
+    return [float(x) for x in text.split(",") if x]
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("real", help="random-weight Llama models: graphburst vs HF, eager and vllm-style loops")
+    p.add_argument("--backend", choices=("auto", "cupy", "numpy"), default="auto")
+    p.add_argument("--smoke", action="store_true", help="tiny model, few rounds: every code path in seconds (CI)")
+    p.add_argument("--models", default=None, help=f"comma list of {','.join(MODEL_NAMES)} (default small,1b)")
+    p.add_argument("--batches", default=None, help="comma list of batch sizes (default 1,4,16)")
+    p.add_argument("--accepts", default=None, help="acceptance levels ε is calibrated to (default 0.5,0.8,0.95)")
+    p.add_argument("--eps", default=None, help="comma list of ε values to use instead of calibrating")
+    p.add_argument("--engines", default=DEFAULT_ENGINES, help=f"comma list of {','.join(ENGINES)}")
+    p.add_argument("-k", type=int_in(1, 16), default=4, help="drafts per round")
+    p.add_argument("-m", type=int_in(1, 64), default=None, help="rounds per burst (default 8)")
+    p.add_argument("--m-sweep", default=None, help="graphburst M values at B=1 (default 1,2,4,8,16)")
+    p.add_argument("--no-m-sweep", action="store_true")
+    p.add_argument("--rounds", type=int_in(1, 4096), default=None, help="rounds per timed run (default 32)")
+    p.add_argument("--reps", type=int_in(1, 100), default=None, help="timed rotations over the engines (default 3)")
+    p.add_argument("--prompt-len", type=int_in(1, 4096), default=16)
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    p.add_argument("--hf-tol", type=real_in(0.0, 1.0), default=0.01,
+                   help="near-tie tolerance for engines with other kernels, relative to max(1, |top logit|)")
+    p.add_argument("--seed", type=int_in(0, 2**31 - 1), default=0)
+    p.add_argument("--json", type=writable_file, default="real_bench.json")
+    p.add_argument("--plot", type=writable_file, default=None,
+                   help=f"PNG of tokens/s against acceptance (default {DEFAULT_PLOT} for a full GPU run, else none)")
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="torch.profiler traces of one B=1 run per engine and model (mid ε) into DIR; top kernels "
+                        "per round in the JSON")
+
+
+def settings(args) -> dict:
+    """The run's settings with defaults (``--smoke`` defaults where not given)."""
+    d = dict(models="small,1b", batches="1,4,16", rounds=32, reps=3, m=8, m_sweep="1,2,4,8,16",
+             accepts="0.5,0.8,0.95")
+    if args.smoke:
+        d.update(SMOKE)
+    pick = lambda name: d[name] if getattr(args, name) is None else getattr(args, name)  # noqa: E731
+    s = dict(models=pick("models").split(","), batches=_ints(pick("batches")), rounds=pick("rounds"),
+             reps=pick("reps"), m=pick("m"), m_sweep=[] if args.no_m_sweep else _ints(pick("m_sweep")),
+             accepts=_floats(pick("accepts")), eps=None if args.eps is None else _floats(args.eps),
+             engines=args.engines.split(","), k=args.k, prompt_len=args.prompt_len, dtype=args.dtype,
+             tol=args.hf_tol, seed=args.seed)
+    return s
+
+
+def check_args(args) -> None:
+    """Every flag checked before any model is built (FlagError names the flag)."""
+    for flag, text, parse in (("--batches", args.batches, _ints), ("--m-sweep", args.m_sweep, _ints),
+                              ("--accepts", args.accepts, _floats), ("--eps", args.eps, _floats)):
+        if text is not None:
+            try:
+                values = parse(text)
+            except ValueError:
+                raise FlagError(flag, f"a comma list of numbers is needed, got {text!r}") from None
+            if not values or min(values) < 0 or (flag in ("--batches", "--m-sweep") and min(values) < 1):
+                raise FlagError(flag, f"needs positive values, got {text!r}")
+            if flag == "--accepts" and max(values) > 1:
+                raise FlagError(flag, f"acceptance levels are in [0, 1], got {text!r}")
+    s = settings(args)
+    bad = [m for m in s["models"] if m not in MODEL_NAMES]
+    if bad:
+        raise FlagError("--models", f"unknown model {bad[0]!r} (choose from {','.join(MODEL_NAMES)})")
+    bad = [e for e in s["engines"] if e not in ENGINES]
+    if bad:
+        raise FlagError("--engines", f"unknown engine {bad[0]!r} (choose from {','.join(ENGINES)})")
+    if not any(e in s["engines"] for e in SAME_KERNEL_ORDER):
+        raise FlagError("--engines", f"needs at least one of {','.join(SAME_KERNEL_ORDER)} as the reference")
+    for m in [s["m"]] + s["m_sweep"]:
+        if s["rounds"] % m:
+            raise FlagError("--rounds", f"{s['rounds']} rounds must be a multiple of every M used ({m})")
+    if args.profile is not None and not os.path.isdir(args.profile):
+        raise FlagError("--profile", f"{args.profile!r} is not a directory")
+    try:
+        import torch
+    except ImportError:
+        raise FlagError("--backend", "bench real needs PyTorch: pip install 'graphburst[torch]'") from None
+    from ..backend import cuda_available
+
+    if args.backend != "numpy" and cuda_available() and not torch.cuda.is_available():
+        # graphburst would run on the GPU and the models on the CPU: nothing meaningful to time.
+        raise FlagError("--backend", f"{args.backend} picks the GPU but this torch build has no CUDA; "
+                                     "install CUDA torch or use --backend numpy")
+
+
+# ---------------------------------------------------------------------- steps
+
+def calibrate(src, spec, s, prompts_for, eps_ctl) -> tuple[list, list]:
+    """ε grid -> measured acceptance (eager loop, B=4), then ε per wanted acceptance by interpolation."""
+    from .real_engines import TorchLoop
+
+    loop = TorchLoop(src, draft_layers=spec.draft_layers, batch=CALIBRATION["batch"], k=s["k"])
+    grid = []
+    for eps in EPS_GRID:
+        eps_ctl.set(eps)
+        loop.prefill(prompts_for(CALIBRATION["batch"]))
+        run = loop.run(CALIBRATION["rounds"])
+        grid.append(dict(eps=eps, acceptance=run.accepted / (run.rounds * s["k"] * CALIBRATION["batch"])))
+    chosen = []
+    for want in s["accepts"]:
+        # Outside the measured range: the grid point nearest to it (the measured acceptance is reported).
+        eps = min(grid, key=lambda g: abs(g["acceptance"] - want))["eps"]
+        for lo, hi in zip(grid, grid[1:]):
+            if lo["acceptance"] >= want >= hi["acceptance"]:
+                span = lo["acceptance"] - hi["acceptance"]
+                f = 0.0 if span == 0 else (lo["acceptance"] - want) / span
+                eps = lo["eps"] + f * (hi["eps"] - lo["eps"])
+                break
+        chosen.append(dict(want=want, eps=eps))
+    return grid, chosen
+
+
+def build_engines(src, spec, s, batch, backend, hf) -> tuple[dict, dict]:
+    """Every requested engine for one batch size; (engines, not_run reasons)."""
+    from .real_engines import Burst, TorchLoop
+
+    kw = dict(draft_layers=spec.draft_layers, batch=batch, k=s["k"])
+    engines, skipped = {}, {}
+    if "compile" not in s["engines"]:
+        skipped["compile"] = NOT_RUN["compile_off"]
+    for name in s["engines"]:
+        if name == "hf":
+            if batch != 1:
+                skipped[name] = NOT_RUN["hf_batch"]
+            elif hf is not None:
+                engines[name] = hf
+            continue
+        if name == "compile":
+            t0 = time.perf_counter()
+            try:
+                eng = TorchLoop(src, compile_forward=True, **kw)
+                eng.prefill([[0] * s["prompt_len"]] * batch)  # torch.compile works at the first calls: do them here
+                eng.run(2)
+                eng.compile_s = time.perf_counter() - t0
+                engines[name] = eng
+            except Exception as exc:  # noqa: BLE001 - optional engine: recorded, never fatal
+                skipped[name] = f"not run: torch.compile failed: {type(exc).__name__}: {exc}"[:300]
+            continue
+        if name in ("eager", "vllm"):
+            engines[name] = TorchLoop(src, graphs=name == "vllm", **kw)
+        else:
+            engines[name] = Burst(src, m=s["m"], backend=backend, gapless=name == "gapless", **kw)
+    return engines, skipped
+
+
+def time_config(engines, s, prompts, checked) -> dict:
+    """Rotations over the engines; each run freshly prefilled, timed whole, checked against its check run."""
+    from .real_checks import sync_all
+
+    names = list(engines)
+    ref_tokens = len(checked[next(n for n in SAME_KERNEL_ORDER if n in engines)].tokens[0])
+    walls = {n: [] for n in names}
+    for rep in range(s["reps"]):
+        for name in names[rep % len(names):] + names[: rep % len(names)]:
+            eng = engines[name]
+            eng.prefill(prompts)
+            sync_all(engines)
+            t0 = time.perf_counter()
+            run = eng.run(s["rounds"], tokens=ref_tokens)
+            wall = time.perf_counter() - t0  # every run ends in a host sync that reads its last tokens
+            if run.tokens != checked[name].tokens:
+                raise AssertionError(f"{name}: timed run {rep} produced other tokens than its checked run")
+            walls[name].append(wall * 1e6)
+    out = {}
+    for name in names:
+        run, wall = checked[name], statistics.median(walls[name])
+        tokens = sum(map(len, run.tokens))
+        out[name] = dict(us_per_round=wall / run.rounds, tokens_per_s=tokens / wall * 1e6, tokens=tokens,
+                         rounds=run.rounds, wall_us=wall, wall_us_all=walls[name],
+                         acceptance=run.accepted / (run.rounds * s["k"] * len(run.tokens)),
+                         syncs_per_token=None if run.syncs is None else run.syncs / tokens)
+    return out
+
+
+def x_floor(timed: dict, floor_us, engines=None, prompts=None, rounds=None) -> None:
+    """Add ``x_floor`` and ``over_floor_us`` to every engine; graphburst's graph time per round too."""
+    from .real_engines import Burst
+
+    for name, r in timed.items():
+        mine = floor_us is not None and name != "hf"
+        r["x_floor"] = r["us_per_round"] / floor_us if mine else None
+        r["over_floor_us"] = r["us_per_round"] - floor_us if mine else None
+        eng = (engines or {}).get(name)
+        if isinstance(eng, Burst):
+            r["graph_us_per_round"] = eng.graph_us_per_round(prompts, rounds)
+
+
+def reference_model(engines):
+    """The bf16 Llama the near-tie rule asks: a same-kernel engine's own target (its KV row 0 is scratch)."""
+    from .real_engines import Burst, TorchLoop
+
+    for eng in engines.values():
+        if isinstance(eng, TorchLoop) and eng.same_kernels:
+            return eng.target
+    return next(e for e in engines.values() if isinstance(e, Burst)).dec.target.module
+
+
+def profile_all(engines, prompts, s, tokens, out_dir, tag, cuda) -> dict:
+    """One profiled run per engine; a failure is recorded, never fatal (the figures are already taken)."""
+    from .real_profile import profile_run
+
+    out = {}
+    for name, eng in engines.items():
+        try:
+            out[name] = profile_run(eng, name, prompts, s["rounds"], tokens, out_dir, tag, cuda)
+        except Exception as exc:  # noqa: BLE001 - diagnostics only
+            out[name] = f"not profiled: {type(exc).__name__}: {exc}"[:300]
+    return out
+
+
+def m_sweep(src, spec, s, backend, prompts, ref, floor_us, vllm) -> list:
+    """graphburst at B=1 over M: checked against the config's reference tokens, then timed."""
+    from .real_engines import Burst
+
+    rows = []
+    for m in s["m_sweep"]:
+        for gapless in (False, True):
+            eng = Burst(src, draft_layers=spec.draft_layers, batch=1, k=s["k"], m=m, backend=backend, gapless=gapless)
+            name = "gapless" if gapless else "graphburst"
+            eng.prefill(prompts)
+            checked = {name: eng.run(s["rounds"])}
+            if checked[name].tokens != ref:
+                raise AssertionError(f"M sweep: {name} with M={m} differs from the reference tokens")
+            timed = time_config({name: eng}, s, prompts, checked)
+            x_floor(timed, floor_us, {name: eng}, prompts, s["rounds"])
+            r = dict(m=m, engine=name, **timed[name])
+            r["x_vllm"] = None if vllm is None else r["tokens_per_s"] / vllm["tokens_per_s"]
+            rows.append(r)
+            del eng
+    return rows
+
+
+def run(args, console: Console, backend) -> int:
+    import torch
+
+    from .real_checks import check_config, fp32_check, reference_logits
+    from .real_engines import HFAssisted
+    from .real_models import MODELS, Epsilon, argmax_margins, random_target, weight_bytes
+
+    s = settings(args)
+    cuda = backend.is_gpu
+    device = f"cuda:{backend.device_id}" if cuda else "cpu"
+    if not cuda:
+        # Small ε makes subnormal activations, which x86 handles in microcode (100x slower).
+        torch.set_flush_denormal(True)
+        # The CPU run is a correctness run of tiny models: intra-op threads only contend
+        # (10x slower on a shared 2-core CI machine).
+        torch.set_num_threads(1)
+    dtype = getattr(torch, s["dtype"])
+    # The docs' PNG is the default only for a full GPU run (a smoke run must not overwrite it).
+    plot_path = None if args.no_plot else (args.plot or (DEFAULT_PLOT if cuda and not args.smoke else None))
+    problem = plot_problem() if plot_path else None
+    if problem:
+        console.print(f"[yellow]plot skipped[/yellow]: {problem}")
+    capacity = s["prompt_len"] + s["rounds"] * (s["k"] + 1)
+    results = dict(models={}, configs=[], m_sweep=[])
+    failures = []  # correctness failures of engines with other kernels (HF, compile): exit status 1
+    console.print(f"[bold]graphburst bench real[/bold]: {label(backend)}; torch {torch.__version__} on {device}, "
+                  f"{s['dtype']}; models {','.join(s['models'])}; B {s['batches']}; engines {','.join(s['engines'])}")
+    levels_n = len(s["eps"]) if s["eps"] else len(s["accepts"])
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("configs", total=len(s["models"]) * (1 + len(s["batches"]) * levels_n))
+        for mi, mname in enumerate(s["models"]):
+            spec = MODELS[mname]
+            rng = np.random.default_rng(s["seed"] + mi)
+            prompt_pool = rng.integers(0, spec.cfg.vocab_size, (max(s["batches"] + [4]), s["prompt_len"])).tolist()
+            prompts_for = lambda b: prompt_pool[:b]  # noqa: E731 - the first b prompts, the same in every config
+            src = random_target(spec, batch=CALIBRATION["batch"], capacity=capacity, kv_slack=s["k"] + 2, dtype=dtype,
+                                device=device, seed=s["seed"])
+            eps_ctl = Epsilon(src, spec.draft_layers)
+            info = dict(spec=spec.note, layers=spec.cfg.num_hidden_layers, draft_layers=spec.draft_layers,
+                        weight_bytes=weight_bytes(src), margins=argmax_margins(
+                            src, torch.tensor(prompts_for(CALIBRATION["batch"]), device=device)))
+            if info["margins"]["median"] <= 0 or info["margins"]["ties"] > 0.25:
+                raise AssertionError(f"{mname}: greedy argmax margins are degenerate: {info['margins']}")
+            if s["eps"]:
+                grid, levels = None, [dict(want=None, eps=e) for e in s["eps"]]
+            else:
+                grid, levels = calibrate(src, spec, s, prompts_for, eps_ctl)
+            info.update(eps_grid=grid, levels=levels)
+            mid = levels[len(levels) // 2]
+            hf, hf_reason = None, None
+            if "hf" in s["engines"]:
+                try:
+                    import transformers  # noqa: F401
+                except ImportError:
+                    hf_reason = "not run: transformers is not installed"
+            if "hf" in s["engines"] and hf_reason is None:
+                eps_ctl.set(mid["eps"])
+                try:
+                    info["fp32_check"] = dict(eps=mid["eps"], **fp32_check(src, spec, s, backend, prompts_for(1)[0]))
+                except AssertionError as exc:  # reported, and the exit status says so; the run goes on
+                    info["fp32_check"] = dict(eps=mid["eps"], failed=str(exc))
+                    failures.append(f"{mname}: {exc}")
+                if 1 in s["batches"]:
+                    hf = HFAssisted(src, draft_layers=spec.draft_layers, k=s["k"])
+            results["models"][mname] = info
+            progress.advance(task)
+            for batch in s["batches"]:
+                engines, skipped = build_engines(src, spec, s, batch, backend, hf)
+                if hf_reason and "hf" in s["engines"]:
+                    skipped["hf"] = hf_reason
+                vllm = engines.get("vllm")
+                floor = vllm.floor_us(10 if cuda else 1) if vllm else None
+                if vllm and batch == 1:
+                    us = vllm.verify_us(20 if cuda else 1)
+                    ideal = info["weight_bytes"] / 4.0e12 * 1e6
+                    info["verify"] = dict(us=us, ideal_us=ideal, ratio=us / ideal, tokens=s["k"] + 1)
+                oracle = reference_model(engines)
+                for level in levels:
+                    eps_ctl.set(level["eps"])
+                    prompts = prompts_for(batch)
+                    checked, report = check_config(engines, s, prompts,
+                                                   lambda p, pre: reference_logits(oracle, p, pre), cuda)
+                    failed = {n: f"FAILED correctness: {r['failed']}" for n, r in report.items() if "failed" in r}
+                    failures += [f"{mname} B={batch} ε={level['eps']:.4g}: {m}" for m in failed.values()]
+                    timed = time_config({n: e for n, e in engines.items() if n not in failed}, s, prompts, checked)
+                    x_floor(timed, floor, engines, prompts, s["rounds"])
+                    for name, r in timed.items():
+                        r["correctness"] = report[name]
+                        if name == "compile":
+                            r["compile_s"] = engines[name].compile_s
+                    results["configs"].append(dict(model=mname, batch=batch, eps=level["eps"], want=level["want"],
+                                                   floor_us=floor, engines=timed, not_run={**skipped, **failed}))
+                    if batch == 1 and level is mid and args.profile:
+                        info["profile"] = profile_all(engines, prompts, s, len(checked[
+                            next(n for n in SAME_KERNEL_ORDER if n in engines)].tokens[0]), args.profile, mname, cuda)
+                    if batch == 1 and level is mid and s["m_sweep"]:
+                        ref = checked[next(n for n in SAME_KERNEL_ORDER if n in engines)].tokens
+                        results["m_sweep"] += [dict(model=mname, eps=level["eps"], **r) for r in m_sweep(
+                            src, spec, s, backend, prompts, ref, floor, timed.get("vllm"))]
+                    progress.advance(task)
+                del engines
+                if cuda:
+                    torch.cuda.empty_cache()
+            del hf, src, eps_ctl
+    results["targets"] = targets(results)
+    plotted = None
+    if plot_path and not problem:
+        plot(results, plot_path, label(backend))
+        plotted = plot_path
+        console.print(f"plot written to {plot_path}")
+    write_results(console, args.json, backend=backend, tables=tables(results, label(backend)), results=results,
+                  settings=s, device=torch.cuda.get_device_name(device) if cuda else "cpu", torch=torch.__version__,
+                  plot=plotted if plotted else (f"not written: {problem}" if problem else None), failures=failures)
+    for line in failures:
+        console.print(f"[red]correctness failure[/red]: {line}")
+    return 1 if failures else 0

@@ -1,0 +1,155 @@
+"""The correctness rules of ``graphburst bench real``, applied before anything is timed.
+
+* Engines with the same kernels as graphburst (gapless, vllm-style, eager) must produce
+  **identical** tokens: every token of every sequence.
+* Engines with other kernels (HF in bf16, torch.compile) must agree with graphburst up
+  to the end, or up to a first divergence that is a **near-tie**: there, the reference
+  model's teacher-forced logits of the two tokens (graphburst's own Llama, same dtype)
+  differ by at most ``tol * max(1, |top logit|)``. Tokens after a divergence are not
+  compared (the continuations differ from there on); the agreed prefix is reported.
+* At start-up, HF in fp32 must equal graphburst in fp32 (eager bursts, the same weights
+  upcast) on a short prefix, under the same rule with ``FP32_TOL``.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+from .real import SAME_KERNEL_ORDER  # the first present is the reference
+from .real_engines import sync
+from .real_report import first_divergence
+
+FP32_CHECK_TOKENS = 16
+FP32_TOL = 1e-4
+
+
+def reference_logits(model, prompt: list, prefix: list):
+    """``[V] float32``: ``model``'s teacher-forced logits after prompt + prefix (writes its KV row 0)."""
+    import torch
+
+    dev = model.kv[0].device
+    ids = torch.tensor([prompt + prefix], dtype=torch.int64, device=dev)
+    zero = torch.zeros(1, dtype=torch.int32, device=dev)
+    last = torch.tensor([ids.shape[1] - 1], device=dev)
+    with torch.no_grad():
+        return model(ids, zero, [zero] * len(model.layers), torch.arange(1, device=dev), logits_at=last)[0, 0].float()
+
+
+def near_tie(logits, a: int, b: int, tol: float) -> dict:
+    """Is the choice between tokens a and b within ``tol * max(1, |top|)`` on these logits?"""
+    gap = abs(float(logits[a]) - float(logits[b]))
+    allowed = tol * max(1.0, abs(float(logits.max())))
+    return dict(gap=gap, allowed=allowed, ok=gap <= allowed)
+
+
+def compare_other(name, tokens, ref, prompt, oracle, tol) -> dict:
+    """The near-tie rule for one sequence of an engine with other kernels (raises AssertionError)."""
+    n = min(len(tokens), len(ref))
+    at = first_divergence(tokens[:n], ref[:n])
+    out = dict(compared=n, agreed=n if at is None else at, divergence=None)
+    if at is not None:
+        tie = near_tie(oracle(prompt, ref[:at]), tokens[at], ref[at], tol)
+        out["divergence"] = dict(at=at, theirs=tokens[at], ours=ref[at], **tie)
+        if not tie["ok"]:
+            raise AssertionError(f"{name}: token {at} is {tokens[at]}, graphburst's is {ref[at]}, and the reference "
+                                 f"logits differ by {tie['gap']:.4f} > {tie['allowed']:.4f}: not a near-tie")
+    return out
+
+
+def fp32_check(src, spec, s, backend, prompt) -> dict:
+    """HF fp32 against graphburst fp32 (eager bursts) on a short prefix, same weights upcast."""
+    import torch
+
+    from ..burst import SpecDecoder
+    from ..llama import Llama
+    from ..torch_adapter import TorchDraft, TorchTarget
+    from .real_engines import HFAssisted
+    from .real_models import instance
+
+    dev = next(src.parameters()).device
+    full = Llama(src.cfg, batch=1, capacity=src.capacity, dtype=torch.float32, device=dev, kv_slack=src.kv_slack)
+    with torch.no_grad():
+        for (_, dst), (_, p) in zip(full.named_parameters(), src.named_parameters()):
+            dst.copy_(p)
+    draft = instance(full, layers=spec.draft_layers)
+    dec = SpecDecoder(TorchTarget(full, batch=1, capacity=full.capacity, backend=backend),
+                      TorchDraft(draft, batch=1, capacity=full.capacity, backend=backend), k=s["k"], m_rounds=1)
+    dec.prefill([prompt], max_new_tokens=FP32_CHECK_TOKENS)
+    ours = []
+    while len(ours) < FP32_CHECK_TOKENS:
+        ours += dec.run_burst()[0].tolist()
+    hf = HFAssisted(full, draft_layers=spec.draft_layers, k=s["k"])
+    hf.prefill([prompt])
+    theirs = hf.target.generate(hf.prompt, attention_mask=torch.ones_like(hf.prompt), do_sample=False,
+                                max_new_tokens=FP32_CHECK_TOKENS)[0, len(prompt):].tolist()
+    res = compare_other("HF fp32 vs graphburst fp32", theirs, ours, prompt,
+                        lambda p, pre: reference_logits(full, p, pre), FP32_TOL)
+    del dec, hf, full, draft
+    return res
+
+
+def count_syncs(run_fn, cuda: bool):
+    """Run once and count host syncs with torch's sync debug mode (GPU only; else None)."""
+    import torch
+
+    if not cuda:
+        return run_fn(), None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode(1)
+        try:
+            run = run_fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return run, sum("synchroniz" in str(w.message) for w in caught)
+
+
+def check_config(engines, s, prompts, oracle, cuda) -> tuple[dict, dict]:
+    """Run every engine once (also the warm-up) and apply the correctness rules; (runs, report).
+
+    A same-kernel engine that differs raises AssertionError: graphburst itself would be
+    wrong. An engine with other kernels that breaks the near-tie rule is reported with
+    ``failed`` (and left out of ``runs``, so it is never timed) and the command exits 1
+    after writing everything else: HF's numerics must not cost the rest of a GPU run.
+    """
+    rounds = s["rounds"]
+    runs, report = {}, {}
+    ref_name = next(n for n in SAME_KERNEL_ORDER if n in engines)
+    for name, eng in engines.items():
+        if not eng.same_kernels:
+            continue
+        eng.prefill(prompts)
+        runs[name] = eng.run(rounds)
+        sync_all(engines)
+    ref = runs[ref_name].tokens
+    for name, run in runs.items():
+        for b, (got, want) in enumerate(zip(run.tokens, ref)):
+            if got != want:
+                at = first_divergence(got, want)
+                raise AssertionError(f"{name} differs from {ref_name} (same kernels) in sequence {b} at token {at} "
+                                     f"of {len(want)}: {got[at:at + 4]} vs {want[at:at + 4]}")
+        report[name] = dict(rule="identical", reference=ref_name, tokens=sum(map(len, run.tokens)))
+    for name, eng in engines.items():
+        if eng.same_kernels:
+            continue
+        eng.prefill(prompts)
+        run, syncs = count_syncs(lambda e=eng: e.run(rounds, tokens=len(ref[0])), cuda and name == "hf")
+        run.syncs = syncs if name == "hf" else run.syncs
+        runs[name] = run
+        report[name] = dict(rule=f"near-tie, tol {s['tol']}", reference=ref_name)
+        try:
+            report[name]["sequences"] = [compare_other(name, got, want, p, oracle, s["tol"])
+                                         for got, want, p in zip(run.tokens, ref, prompts)]
+        except AssertionError as exc:
+            report[name]["failed"] = str(exc)
+            del runs[name]
+    return runs, report
+
+
+def sync_all(engines) -> None:
+    for eng in engines.values():
+        dev = getattr(eng, "device", None)
+        if dev is not None:
+            sync(dev)
+
+
