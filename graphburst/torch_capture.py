@@ -36,8 +36,17 @@ def stream_pair(backend, stream=None):
     device = torch.device("cuda", backend.device_id)
     if stream is None:
         ts = torch.cuda.Stream(device=device)
-        return backend.xp.cuda.ExternalStream(ts.cuda_stream, backend.device_id), ts
+        return _cupy_view(backend, ts), ts
     return stream, torch.cuda.ExternalStream(stream.ptr, device=device)
+
+
+def _cupy_view(backend, ts):
+    """CuPy's handle on a torch stream: ``Stream.from_external`` (the CUDA stream protocol)
+    where CuPy has it, else the older ``ExternalStream`` over the raw handle."""
+    from_external = getattr(backend.xp.cuda.Stream, "from_external", None)
+    if from_external is not None and hasattr(ts, "__cuda_stream__"):
+        return from_external(ts)
+    return backend.xp.cuda.ExternalStream(ts.cuda_stream, backend.device_id)
 
 
 class TorchGraph:
@@ -114,9 +123,13 @@ class TorchCapturer:
 
 
 def _end_quietly(graph) -> None:
-    # Ending the capture returns the stream (and torch's allocator) to normal use; the
-    # half-built graph, or the error saying it was invalidated, is discarded.
-    try:
-        graph.capture_end()
-    except Exception:  # noqa: BLE001 - the original capture error is the one to report
-        pass
+    # Ending the capture returns the stream to normal use; the half-built graph, or the
+    # error saying it was invalidated, is discarded. An invalidated capture makes torch's
+    # capture_end raise before it releases the RNG generators' capture state, and every
+    # later random op then fails ("Offset increment outside graph capture"), so reset()
+    # drops that state (and the graph) too.
+    for step in (graph.capture_end, graph.reset):
+        try:
+            step()
+        except Exception:  # noqa: BLE001 - the original capture error is the one to report
+            pass

@@ -74,3 +74,14 @@ def test_check_greedy_rejects_a_wrong_token():
     outs[1][3] = (outs[1][3] + 1) % 32000
     with pytest.raises(AssertionError, match="sequence 1 differs"):
         check_greedy("bad", prompts, outs)
+
+
+def test_sampling_cost_on_a_llama_pair_runs_on_cpu(tmp_path):
+    """``bench latency --sampling --sampling-model tiny``: the real-model sampling comparison's code path."""
+    out = tmp_path / "s.json"
+    res = subprocess.run([sys.executable, "-m", "graphburst.cli", "bench", "latency", "--backend", "numpy",
+                          "--sampling", "--sampling-model", "tiny", "--json", str(out)], capture_output=True,
+                         text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
+    assert res.returncode == 0, res.stderr
+    rows = json.loads(out.read_text())["results"]
+    assert rows[0]["config"]["model"] == "tiny" and rows[0]["result"]["greedy_round_us"] > 0

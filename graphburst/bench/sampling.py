@@ -108,3 +108,60 @@ def run_stub(backend, *, reps: int, bursts: int, label: str):
                       fmt(x["sampling_round_us"]), f"{x['overhead']:+.1%}", fmt(x["greedy_tokens_per_round"]),
                       fmt(x["sampling_tokens_per_round"]))
     return results, table
+
+
+def run_llama(backend, model: str, *, reps: int, bursts: int, label: str, eps: float = 0.1):
+    """The same comparison on a random-weight Llama pair of ``bench real``'s shapes (bf16 on a GPU).
+
+    The draft is the target's first layers over the same weights; later layers' residual
+    outputs are scaled by ``eps`` so the draft agrees often (acceptance as in ``bench real``).
+    Before timing, the greedy graph's tokens must equal an eager per-round-sync run of a
+    fresh pair (same kernels, so bit-identical) on the same prompts.
+    """
+    import torch
+
+    from ..torch_adapter import TorchDraft, TorchTarget
+    from .real_models import MODELS, Epsilon, instance, random_target
+
+    spec = MODELS[model]
+    dtype = torch.bfloat16 if backend.is_gpu else torch.float32
+    device = f"cuda:{backend.device_id}" if backend.is_gpu else "cpu"
+    shapes = SHAPES if backend.is_gpu else SHAPES[:1]
+    results = []
+    for shape in shapes:
+        k, m, batch = shape["k"], shape["m"], shape["batch"]
+        prompts = [[(7 * b + 3 * i) % spec.cfg.vocab_size for i in range(16)] for b in range(batch)]
+        capacity = capacity_needed(len(prompts[0]), k, m, reps * bursts)
+        src = random_target(spec, batch=batch, capacity=capacity, kv_slack=k + 2, dtype=dtype, device=device)
+        Epsilon(src, spec.draft_layers).set(eps)
+
+        def make_pair():
+            target = TorchTarget(instance(src), batch=batch, capacity=capacity, backend=backend)
+            draft = TorchDraft(instance(src, layers=spec.draft_layers), batch=batch, capacity=capacity,
+                               backend=backend)
+            return target, draft
+
+        def reference(p, outs):
+            target, draft = make_pair()
+            dec = SpecDecoder(target, draft, k=k, m_rounds=m)
+            dec.prefill(p)
+            want = [[] for _ in p]
+            for _ in range(WARM_BURSTS):
+                for b, t in enumerate(dec.run_burst(mode="per_round_sync")):
+                    want[b] += t.tolist()
+            if want != outs:
+                raise AssertionError(f"{model} B={batch}: greedy graph tokens differ from an eager run")
+
+        res = sampling_cost(make_pair, prompts, k=k, m=m, bursts=bursts, reps=reps, reference=reference)
+        results.append(dict(config=dict(shape, model=model, eps=eps, dtype=str(dtype)), result=res))
+        del src
+    table = new_table(f"sampling (T=1, filters off) against greedy, {model} Llama pair (random {dtype}, ε={eps}), "
+                      f"graph replay; µs per round, medians. {label}",
+                      ["k", "M", "B", "greedy µs/round", "sampling µs/round", "overhead", "greedy tokens/round",
+                       "sampling tokens/round"])
+    for r in results:
+        c, x = r["config"], r["result"]
+        table.add_row(str(c["k"]), str(c["m"]), str(c["batch"]), fmt(x["greedy_round_us"]),
+                      fmt(x["sampling_round_us"]), f"{x['overhead']:+.1%}", fmt(x["greedy_tokens_per_round"]),
+                      fmt(x["sampling_tokens_per_round"]))
+    return results, table
