@@ -116,20 +116,25 @@ class TorchCapturer:
                 for call in program:
                     call(stream)
             except Exception as exc:  # noqa: BLE001 - re-raised by on_error with the node's name
-                _end_quietly(graph)
+                _end_quietly(graph, self.torch_stream.device)
                 on_error(call, exc)
             graph.capture_end()
         return TorchGraph(graph, self.torch_stream)
 
 
-def _end_quietly(graph) -> None:
+def _end_quietly(graph, device) -> None:
     # Ending the capture returns the stream to normal use; the half-built graph, or the
     # error saying it was invalidated, is discarded. An invalidated capture makes torch's
-    # capture_end raise before it releases the RNG generators' capture state, and every
-    # later random op then fails ("Offset increment outside graph capture"), so reset()
-    # drops that state (and the graph) too.
+    # capture_end raise before it ends the RNG generator's capture (capture_epilogue),
+    # and every later random op then fails ("Offset increment outside graph capture
+    # encountered unexpectedly"). A fresh clone of the generator's state (same seed and
+    # offset, not capturing) put back with graphsafe_set_state repairs that.
+    import torch
+
     for step in (graph.capture_end, graph.reset):
         try:
             step()
         except Exception:  # noqa: BLE001 - the original capture error is the one to report
             pass
+    gen = torch.cuda.default_generators[torch.device(device).index]
+    gen.graphsafe_set_state(gen.clone_state())

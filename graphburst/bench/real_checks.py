@@ -1,7 +1,12 @@
 """The correctness rules of ``graphburst bench real``, applied before anything is timed.
 
 * Engines with the same kernels as graphburst (gapless, vllm-style, eager) must produce
-  **identical** tokens: every token of every sequence.
+  **identical** tokens on every sequence's common prefix (one run's tokens a prefix of
+  the other's). Each emits the target's greedy tokens, but in bf16 a forward captured
+  in a graph and the same forward run eagerly may round differently (cuBLAS picks its
+  algorithm per workspace), so a draft can be accepted one token more or less in a round
+  and the same number of rounds can end a few tokens apart. Seen on the H200: eager 154
+  tokens, graphburst 157, the first 154 identical.
 * Engines with other kernels (HF in bf16, torch.compile) must agree with graphburst up
   to the end, or up to a first divergence that is a **near-tie**: there, the reference
   model's teacher-forced logits of the two tokens (graphburst's own Llama, same dtype)
@@ -17,7 +22,7 @@ import warnings
 
 from .real import SAME_KERNEL_ORDER  # the first present is the reference
 from .real_engines import sync
-from .real_report import first_divergence
+from .real_report import SAME_KERNEL_RULE, first_divergence
 
 FP32_CHECK_TOKENS = 16
 FP32_TOL = 1e-4
@@ -123,12 +128,16 @@ def check_config(engines, s, prompts, oracle, cuda) -> tuple[dict, dict]:
         sync_all(engines)
     ref = runs[ref_name].tokens
     for name, run in runs.items():
+        common = 0
         for b, (got, want) in enumerate(zip(run.tokens, ref)):
-            if got != want:
+            n = min(len(got), len(want))
+            if got[:n] != want[:n]:
                 at = first_divergence(got, want)
                 raise AssertionError(f"{name} differs from {ref_name} (same kernels) in sequence {b} at token {at} "
-                                     f"of {len(want)}: {got[at:at + 4]} vs {want[at:at + 4]}")
-        report[name] = dict(rule="identical", reference=ref_name, tokens=sum(map(len, run.tokens)))
+                                     f"of {n}: {got[at:at + 4]} vs {want[at:at + 4]}")
+            common += n
+        report[name] = dict(rule=SAME_KERNEL_RULE, reference=ref_name, tokens=sum(map(len, run.tokens)),
+                            common_prefix_tokens=common)
     for name, eng in engines.items():
         if eng.same_kernels:
             continue

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from .common import fmt, new_table
 
+SAME_KERNEL_RULE = "identical common prefix"  # same-kernel engines: one run a prefix of the other
+
 NOT_RUN = {"hf_batch": "not run: HF assisted generation supports batch 1 only",
            "compile_off": "not run: opt-in (--engines ...,compile): compiling takes minutes per model and batch"}
 ENGINE_ORDER = ("graphburst", "gapless", "vllm", "eager", "compile", "hf")
@@ -129,8 +131,8 @@ def tables(results, title_label) -> list:
         for n in _ordered(cfg["engines"]):
             r = cfg["engines"][n]
             c = r["correctness"]
-            if c["rule"] == "identical":
-                check = f"identical to {c['reference']}"
+            if c["rule"] == SAME_KERNEL_RULE:
+                check = f"identical to {c['reference']} ({c['common_prefix_tokens']} tokens in common)"
             else:
                 agreed = sum(q["agreed"] for q in c["sequences"])
                 check = f"{c['rule']}: agreed {agreed}/{sum(q['compared'] for q in c['sequences'])}"
