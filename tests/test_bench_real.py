@@ -194,7 +194,7 @@ def test_smoke_on_the_gpu(tmp_path):
         assert cfg["floor_us"] > 0
         gb = cfg["engines"]["graphburst"]
         assert gb["x_floor"] > 0 and gb["graph_us_per_round"] > 0
-        assert cfg["engines"]["vllm"]["correctness"]["rule"] == "identical"
+        assert cfg["engines"]["vllm"]["correctness"]["rule"] == SAME_KERNEL_RULE
     assert res["results"]["models"]["tiny"]["verify"]["us"] > 0
 
 
