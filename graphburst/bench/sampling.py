@@ -99,7 +99,12 @@ def run_stub(backend, *, reps: int, bursts: int, label: str):
                             k=shape["k"], m=shape["m"], bursts=bursts, reps=reps,
                             reference=lambda p, o: check_greedy("greedy graph", p, o))
         results.append(dict(config=shape, result=res))
-    table = new_table(f"sampling (T=1, filters off) against greedy, stub pair, graph replay; µs per round, medians. "
+    return results, _table("stub pair", results, label)
+
+
+def _table(pair: str, results: list, label: str):
+    """One rich row per shape: greedy and sampling µs per round, the overhead, tokens per round."""
+    table = new_table(f"sampling (T=1, filters off) against greedy, {pair}, graph replay; µs per round, medians. "
                       f"{label}", ["k", "M", "B", "greedy µs/round", "sampling µs/round", "overhead",
                                    "greedy tokens/round", "sampling tokens/round"])
     for r in results:
@@ -107,7 +112,7 @@ def run_stub(backend, *, reps: int, bursts: int, label: str):
         table.add_row(str(c["k"]), str(c["m"]), str(c["batch"]), fmt(x["greedy_round_us"]),
                       fmt(x["sampling_round_us"]), f"{x['overhead']:+.1%}", fmt(x["greedy_tokens_per_round"]),
                       fmt(x["sampling_tokens_per_round"]))
-    return results, table
+    return table
 
 
 def run_llama(backend, model: str, *, reps: int, bursts: int, label: str, eps: float = 0.1):
@@ -155,13 +160,4 @@ def run_llama(backend, model: str, *, reps: int, bursts: int, label: str, eps: f
         res = sampling_cost(make_pair, prompts, k=k, m=m, bursts=bursts, reps=reps, reference=reference)
         results.append(dict(config=dict(shape, model=model, eps=eps, dtype=str(dtype)), result=res))
         del src
-    table = new_table(f"sampling (T=1, filters off) against greedy, {model} Llama pair (random {dtype}, ε={eps}), "
-                      f"graph replay; µs per round, medians. {label}",
-                      ["k", "M", "B", "greedy µs/round", "sampling µs/round", "overhead", "greedy tokens/round",
-                       "sampling tokens/round"])
-    for r in results:
-        c, x = r["config"], r["result"]
-        table.add_row(str(c["k"]), str(c["m"]), str(c["batch"]), fmt(x["greedy_round_us"]),
-                      fmt(x["sampling_round_us"]), f"{x['overhead']:+.1%}", fmt(x["greedy_tokens_per_round"]),
-                      fmt(x["sampling_tokens_per_round"]))
-    return results, table
+    return results, _table(f"{model} Llama pair (random {dtype}, ε={eps})", results, label)
