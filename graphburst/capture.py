@@ -49,6 +49,7 @@ def _warm_up(device_id: int) -> None:
     bufs = StreamBufs(1, 1, 1, backend)  # budget 0: the scratch round commits nothing
     table = PtrTable([bufs.pos_ctr], backend)  # [1] uint64: rollback writes pos_ctr only
     stream = backend.new_stream()
+    backend.order_after_current(stream)  # the scratch buffers were zero-filled on the current stream
     ops = backend.ops
     calls = [seed_call(ops, bufs, reset_ring=True), assemble_call(ops, bufs), *separate_tail_calls(ops, bufs, table),
              epilogue_call(ops, bufs, table)]
@@ -128,11 +129,14 @@ def _warm_up_models(dec: SpecDecoder) -> None:
     arrays += [layer.length for m in (dec.target, dec.draft) for layer in m.cache.layers if layer is not None]
     with dec.backend.device(), stream:
         saved = [a.copy() for a in arrays]
-    for call in dec.burst_calls():
-        call(stream)
-    with dec.backend.device(), stream:
-        for a, s in zip(arrays, saved):
-            a[...] = s
+        bufs.budget[...] = 0  # nothing commits: each round writes at most k + 2 rows past a length
+    try:
+        for call in dec.burst_calls():
+            call(stream)
+    finally:
+        with dec.backend.device(), stream:
+            for a, s in zip(arrays, saved):
+                a[...] = s
     stream.synchronize()
 
 
@@ -260,8 +264,11 @@ class BurstGraph:
             if self._torch is not None:
                 _warm_up_models(self.dec)
         getters, holders = self._baked_buffers()
-        self.guard = AddressGuard(getters, holders, self.backend.address)
-        self._graphs = [self._capture_one(slot) for slot in range(self.n_slots)]
+        guard = AddressGuard(getters, holders, self.backend.address)
+        graphs = [self._capture_one(slot) for slot in range(self.n_slots)]
+        # Only a complete capture replaces the old graphs and their guard: after a failed
+        # recapture the old guard still reports what refresh_tables() moved.
+        self.guard, self._graphs = guard, graphs
         self.captures += 1
 
     def recapture(self) -> None:

@@ -26,23 +26,6 @@ from .serve import Request, RequestState, ServeLoop
 STATS_PERIOD_S = 0.05  # loop.stats() snapshots for /metrics, at most this often
 
 
-def finish_reason(state: RequestState) -> str:
-    """``"eos" | "length" | "cancelled" | "error"`` for a finished request.
-
-    The hardening branch adds ``state.finish_reason``; until it lands the reason is worked
-    out from the request. This is the one place to swap when it does.
-    """
-    reason = getattr(state, "finish_reason", None)
-    if reason is not None:
-        return reason
-    if state.cancelled:
-        return "cancelled"
-    eos = state.request.eos
-    if eos is not None and state.tokens and state.tokens[-1] == eos:
-        return "eos"
-    return "length"
-
-
 @dataclasses.dataclass
 class Update:
     """What one burst did for one request, sent to its asyncio queue.
@@ -112,7 +95,10 @@ class EngineThread(threading.Thread):
             self._cond.notify()
 
     def cancel(self, tickets: list[Ticket]) -> None:
+        """After this returns no update but the final ``cancelled`` one reaches these tickets."""
         with self._cond:
+            for t in tickets:
+                t.cancelled = True  # read by _dispatch on the event loop: drops updates already scheduled
             self._inbox.extend(("cancel", t) for t in tickets)
             self._cond.notify()
 
@@ -131,8 +117,16 @@ class EngineThread(threading.Thread):
 
     def run(self) -> None:
         # The CUDA current device is per thread: make the loop's device current here too.
-        with self.loop.dec.backend.device():
-            self._serve()
+        try:
+            with self.loop.dec.backend.device():
+                self._serve()
+        except Exception as exc:  # noqa: BLE001 - a dead engine must fail its requests, not hang them
+            traceback.print_exc()
+            self.failed = self.failed or f"{type(exc).__name__}: {exc}"
+            updates: list = []
+            for t in list(self._live.values()):
+                self._close(t, "error", updates, error=self.failed)
+            self._publish(updates)
 
     def _serve(self) -> None:
         while True:
@@ -156,8 +150,9 @@ class EngineThread(threading.Thread):
                 except Exception as exc:  # noqa: BLE001 - a dead engine must fail its requests, not hang them
                     traceback.print_exc()
                     self.failed = f"{type(exc).__name__}: {exc}"
-                    for t in list(self._live.values()):
-                        self._close(t, "error", updates, error=self.failed)
+                    for t in list(self._live.values()):  # tokens already produced still reach the client
+                        new = t.state.tokens_since(t.sent) if t.state is not None else []
+                        self._close(t, "error", updates, error=self.failed, tokens=new)
             self._collect(updates)
             self._publish(updates)
 
@@ -189,7 +184,6 @@ class EngineThread(threading.Thread):
             ticket.admitted = True
             with self._cond:
                 self.waiting -= 1
-        ticket.cancelled = reason == "cancelled"
         self._live.pop(id(ticket), None)
         acc = (state.accepted, state.rounds) if state is not None else (0, 0)
         updates.append((ticket, Update(ticket.index, tokens or [], time.perf_counter(), reason, error, *acc)))
@@ -216,9 +210,8 @@ class EngineThread(threading.Thread):
             when = last if new and last is not None else time.perf_counter()
             if state.done:
                 self._live.pop(id(ticket))
-                reason = finish_reason(state)
-                error = getattr(state, "error", None)
-                updates.append((ticket, Update(ticket.index, new, when, reason, error, state.accepted, state.rounds)))
+                updates.append((ticket, Update(ticket.index, new, when, state.finish_reason, state.error,
+                                               state.accepted, state.rounds)))
             else:
                 updates.append((ticket, Update(ticket.index, new, when)))
         if admitted:
@@ -240,4 +233,6 @@ class EngineThread(threading.Thread):
 def _dispatch(updates: list) -> None:
     """Runs on the event loop: hand each update to its request's sink."""
     for ticket, update in updates:
+        if ticket.cancelled and update.reason != "cancelled":
+            continue  # cancelled by its handler: nothing but the final "cancelled" update reaches it
         ticket.sink(ticket, update)

@@ -55,7 +55,10 @@ def load_tokenizer(model_dir: str):
     path = os.path.join(model_dir, "tokenizer.json")
     if not os.path.isfile(path):
         raise ValueError(f"--tokenizer {model_dir!r}: no tokenizer.json there")
-    return Tokenizer.from_file(path)
+    try:
+        return Tokenizer.from_file(path)
+    except Exception as exc:  # noqa: BLE001 - the tokenizers library raises plain Exception for a bad file
+        raise ValueError(f"--tokenizer {model_dir!r}: cannot load tokenizer.json: {exc}") from exc
 
 
 class _Detokenizer:
@@ -163,6 +166,8 @@ class Server:
         tickets = [Ticket(Request(prompt=p, max_new_tokens=comp.max_tokens, eos=stops[0] if stops else None,
                                   id=f"{cid}-{i}", **comp.sampling), i, lambda t, u: self._on_update(t, u, queue),
                           frozenset(stops[1:]), arrived=arrived) for i, p in enumerate(comp.prompts)]
+        if self.draining:  # SIGTERM arrived while the body was being read: refuse, never cut it off
+            return self._error(api.APIError("the server is shutting down", status=503, type="service_unavailable"))
         self.metrics.prompt_tokens.inc(sum(map(len, comp.prompts)))
         self.live += 1
         self.engine.submit(tickets)
@@ -270,10 +275,6 @@ def run(args, console) -> int:
     """Entry point of ``graphburst serve --http``; CLI errors are one stderr line and exit 2."""
     try:
         host, port = parse_address(args.http)
-        if args.max_queue < 1:
-            raise ValueError(f"--max-queue must be >= 1, got {args.max_queue}")
-        if args.drain_timeout < 0:
-            raise ValueError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
         tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
         backend = get_backend(args.backend)
         loop = build_loop(args, backend)

@@ -15,8 +15,10 @@ import numbers
 import time
 
 from .sampling_params import check_sampling
+from .validate import check_prompt
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_TEXT_CHARS_PER_TOKEN = 64  # text longer than this x capacity cannot fit a slot: refused before tokenizing
 
 # graphburst's finish reasons -> the OpenAI field. "abort" follows vLLM for requests the
 # server cancelled (shutdown); "error" for a request the engine could not finish.
@@ -50,37 +52,46 @@ def _is_int(x) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
-def _tokens(name: str, value, vocab: int) -> list:
-    if not value:
-        raise APIError(f"{name} must not be empty", param="prompt")
-    for i, t in enumerate(value):
-        if not _is_int(t):
-            raise APIError(f"{name}[{i}] must be an int token id, got {t!r}", param="prompt")
-        if not 0 <= t < vocab:
-            raise APIError(f"{name}[{i}] = {t} is outside the vocabulary [0, {vocab})", param="prompt")
-    return [int(t) for t in value]
+def _tokens(name: str, value, vocab: int, capacity: int) -> list:
+    """One prompt through the library's own check (``validate.check_prompt``), as a 400."""
+    if isinstance(value, list) and len(value) >= capacity:  # before the per-token loop
+        raise APIError(f"{name} holds {len(value)} tokens; a slot holds {capacity} with the new ones",
+                       param="prompt")
+    try:
+        return check_prompt(name, value, vocab).tolist()
+    except (TypeError, ValueError) as exc:
+        raise APIError(str(exc), param="prompt") from exc
 
 
-def _prompts(value, vocab: int, tokenizer) -> list:
-    """``prompt`` as a list of token-id lists; text needs a tokenizer."""
+def _prompts(value, vocab: int, tokenizer, *, max_prompts: int, capacity: int) -> list:
+    """``prompt`` as a list of token-id lists; text needs a tokenizer.
+
+    Counts and lengths are checked before any per-token work, so an oversized body that
+    will be refused costs the event loop almost nothing.
+    """
     def text(i, s):
         if tokenizer is None:
             raise APIError(f"prompt{i} is text ({s[:40]!r}) but the server has no tokenizer (start it with "
                            "--tokenizer DIR); send token ids", param="prompt")
-        return _tokens(f"prompt{i} (tokenized)", tokenizer.encode(s).ids, vocab)
+        if len(s) > MAX_TEXT_CHARS_PER_TOKEN * capacity:  # a token is rarely longer than this many characters
+            raise APIError(f"prompt{i} holds {len(s)} characters, more than a slot of {capacity} tokens could take",
+                           param="prompt")
+        return _tokens(f"prompt{i} (tokenized)", tokenizer.encode(s).ids, vocab, capacity)
 
     if isinstance(value, str):
         return [text("", value)]
     if not isinstance(value, list) or not value:
         raise APIError(f"prompt must be a token-id list, a list of them, or text; got {value!r:.60}", param="prompt")
     if not any(isinstance(t, (list, str)) for t in value):  # one prompt of token ids
-        return [_tokens("prompt", value, vocab)]
+        return [_tokens("prompt", value, vocab, capacity)]
+    if len(value) > max_prompts:
+        raise APIError(f"prompt holds {len(value)} prompts; at most {max_prompts} per request", param="prompt")
     out = []
     for i, p in enumerate(value):
         if isinstance(p, str):
             out.append(text(f"[{i}]", p))
         elif isinstance(p, list):
-            out.append(_tokens(f"prompt[{i}]", p, vocab))
+            out.append(_tokens(f"prompt[{i}]", p, vocab, capacity))
         else:
             raise APIError(f"prompt[{i}] must be an int token id, a token-id list or text, got {p!r:.60}",
                            param="prompt")
@@ -113,9 +124,7 @@ def parse_completion(body, *, model: str, vocab: int, capacity: int, tokenizer=N
                        status=404, type="not_found_error")
     if "prompt" not in body:
         raise APIError("missing field prompt", param="prompt")
-    prompts = _prompts(body["prompt"], vocab, tokenizer)
-    if len(prompts) > max_prompts:
-        raise APIError(f"prompt holds {len(prompts)} prompts; at most {max_prompts} per request", param="prompt")
+    prompts = _prompts(body["prompt"], vocab, tokenizer, max_prompts=max_prompts, capacity=capacity)
 
     max_tokens = body.get("max_tokens")
     max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens

@@ -59,6 +59,8 @@ def check_sampling(temperature=GREEDY_TEMPERATURE, top_k=TOP_K_OFF, top_p=TOP_P_
     temperature = _real("temperature", temperature)
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if not np.isfinite(np.float32(temperature)):
+        raise ValueError(f"temperature must fit float32 (<= {float(np.finfo(np.float32).max):.3g}), got {temperature}")
     if 0 < temperature and not np.float32(temperature) >= np.finfo(np.float32).tiny:
         # float32 (and the device's flush to zero of subnormals) would silently turn this
         # into greedy decoding.
@@ -69,8 +71,8 @@ def check_sampling(temperature=GREEDY_TEMPERATURE, top_k=TOP_K_OFF, top_p=TOP_P_
     if top_k > np.iinfo(np.int32).max:
         raise ValueError(f"top_k must be <= {np.iinfo(np.int32).max}, got {top_k}")
     top_p = _real("top_p", top_p)
-    if not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if not 0.0 < top_p <= 1.0 or not np.float32(top_p) > 0:  # float32 must not round it to 0 either
+        raise ValueError(f"top_p must be in (0, 1] (and not round to 0 in float32), got {top_p}")
     seed = _int("seed", seed)
     if not 0 <= seed < SEED_LIMIT:
         raise ValueError(f"seed must be in [0, 2**64), got {seed}")

@@ -75,8 +75,9 @@ def add_parser(sub) -> None:
     h = p.add_argument_group("HTTP server (--http)")
     h.add_argument("--http", nargs="?", const="127.0.0.1:8000", default=None, metavar="[HOST:]PORT",
                    help="serve the OpenAI completions API over HTTP instead of JSONL (default 127.0.0.1:8000)")
-    h.add_argument("--max-queue", type=int, default=256, help="waiting requests before 429")
-    h.add_argument("--drain-timeout", type=float, default=10.0, help="seconds to finish requests on SIGTERM")
+    h.add_argument("--max-queue", type=int_in(1, 1_000_000), default=256, help="waiting requests before 429")
+    h.add_argument("--drain-timeout", type=real_in(0.0, 3600.0), default=10.0,
+                   help="seconds to finish requests on SIGTERM")
     h.add_argument("--tokenizer", default=None, metavar="DIR", help="model dir with tokenizer.json (text I/O)")
     h.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default graphburst-stub, or the --model directory's name)")

@@ -88,6 +88,9 @@ class _TorchModel(Watched):
         own = getattr(module, "capacity", None)
         if own is not None and own < capacity:
             raise ValueError(f"capacity {capacity} exceeds the module's own KV capacity {own}")
+        own_batch = getattr(module, "batch", None)
+        if own_batch is not None and own_batch < batch:
+            raise ValueError(f"batch {batch} exceeds the module's own KV batch {own_batch}")
         storages = list(module.kv_layers())
         # One [B] int32 length shared by every KV layer of the module: the adapter moves all
         # layers together (prefill, +T per forward) and rollback sets every table entry to

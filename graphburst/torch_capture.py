@@ -115,10 +115,10 @@ class TorchCapturer:
             try:
                 for call in program:
                     call(stream)
+                graph.capture_end()  # an invalidated capture raises here, and is reported the same way
             except Exception as exc:  # noqa: BLE001 - re-raised by on_error with the node's name
                 _end_quietly(graph, self.torch_stream.device)
                 on_error(call, exc)
-            graph.capture_end()
         return TorchGraph(graph, self.torch_stream)
 
 

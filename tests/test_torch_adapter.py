@@ -219,3 +219,11 @@ def test_graphburst_imports_without_torch():
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert "pip install 'graphburst[torch]'" in out.stdout
+
+
+def test_batch_past_the_modules_own_is_refused():
+    from graphburst.checkpoint import tiny_random_pair
+
+    target, _ = tiny_random_pair(batch=2, capacity=32, backend="numpy")
+    with pytest.raises(ValueError, match="batch 3 exceeds the module's own KV batch 2"):
+        TorchTarget(target.module, batch=3, capacity=32, backend="numpy")

@@ -314,7 +314,8 @@ def run(args, console: Console, backend) -> int:
     problem = plot_problem() if plot_path else None
     if problem:
         console.print(f"[yellow]plot skipped[/yellow]: {problem}")
-    capacity = s["prompt_len"] + s["rounds"] * (s["k"] + 1)
+    # Every engine decodes --rounds rounds; the start-up calibration runs its own number.
+    capacity = s["prompt_len"] + max(s["rounds"], CALIBRATION["rounds"]) * (s["k"] + 1)
     results = dict(models={}, configs=[], m_sweep=[])
     failures = []  # correctness failures of engines with other kernels (HF, compile): exit status 1
     console.print(f"[bold]graphburst bench real[/bold]: {label(backend)}; torch {torch.__version__} on {device}, "
