@@ -71,8 +71,10 @@ def check_sampling(temperature=GREEDY_TEMPERATURE, top_k=TOP_K_OFF, top_p=TOP_P_
     if top_k > np.iinfo(np.int32).max:
         raise ValueError(f"top_k must be <= {np.iinfo(np.int32).max}, got {top_k}")
     top_p = _real("top_p", top_p)
-    if not 0.0 < top_p <= 1.0 or not np.float32(top_p) > 0:  # float32 must not round it to 0 either
-        raise ValueError(f"top_p must be in (0, 1] (and not round to 0 in float32), got {top_p}")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if not np.float32(top_p) > 0:  # the kernels read float32: it must not round to 0
+        raise ValueError(f"top_p must not round to 0 in float32, got {top_p}")
     seed = _int("seed", seed)
     if not 0 <= seed < SEED_LIMIT:
         raise ValueError(f"seed must be in [0, 2**64), got {seed}")
