@@ -123,9 +123,19 @@ class _TorchModel(Watched):
         return self.cache.capacity
 
     def bind(self, bufs: StreamBufs) -> None:
-        """Make the torch views of ``bufs`` (SpecDecoder calls this once, outside capture)."""
+        """Make the torch views of ``bufs`` (SpecDecoder calls this once, outside capture).
+
+        Raises
+        ------
+        ValueError
+            If the model is already bound to another decoder's buffers: two live decoders
+            over one adapter would share its KV cache and lengths and corrupt each other.
+        """
         if not isinstance(bufs, StreamBufs):
             raise TypeError(f"bufs must be a StreamBufs, got {type(bufs).__name__}")
+        if self._bound is not None and self._bound.source is not bufs:
+            raise ValueError(f"this {type(self).__name__} is already bound to another decoder's buffers; "
+                             f"build one adapter (and KV cache) per decoder")
         slack = getattr(self.module, "kv_slack", None)
         if slack is not None and slack < bufs.k + 2:
             raise ValueError(f"the module's kv_slack {slack} must be >= k + 2 = {bufs.k + 2}: a chain started at "
@@ -135,7 +145,9 @@ class _TorchModel(Watched):
 
     def _views(self, bufs: StreamBufs) -> TorchBufs:
         if self._bound is None or self._bound.source is not bufs:
-            self.bind(bufs)  # eager fallback; a capture path must bind first (DLPack cannot run inside one)
+            # Binding here would sync, and DLPack cannot run inside a capture: the decoder binds.
+            raise ValueError(f"{type(self).__name__} was called with buffers it is not bound to; "
+                             f"SpecDecoder binds its models at construction")
         return self._bound
 
     def graph_buffers(self) -> dict:

@@ -188,6 +188,18 @@ def test_kv_slack_too_small_for_k_is_refused():
         SpecDecoder(target, draft, k=7, m_rounds=1)
 
 
+def test_an_adapter_serves_one_decoder():
+    # A second decoder over the same adapters would share their KV caches and lengths.
+    target, draft = make_pair(1, 64, Backend("numpy"), p_min=0.0)
+    dec = SpecDecoder(target, draft, k=4, m_rounds=1)
+    with pytest.raises(ValueError, match="TorchTarget is already bound to another decoder's buffers"):
+        SpecDecoder(target, draft, k=4, m_rounds=1)
+    with pytest.raises(ValueError, match="TorchDraft was called with buffers it is not bound to"):
+        draft.draft_step(StreamBufs(1, 4, 1, "numpy"), 0, None)
+    dec.prefill([[1, 2, 3]])
+    assert dec.run_burst(mode="per_round_sync")[0].size > 0  # the first decoder still runs
+
+
 @pytest.mark.parametrize("gapless", [False, True])
 @pytest.mark.gpu
 @requires_gpu
