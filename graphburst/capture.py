@@ -23,7 +23,7 @@ from .buffers import BurstTokens, PtrTable, StreamBufs, split_out_block, split_r
 from .burst import Call, SpecDecoder, assemble_call, epilogue_call, seed_call, separate_tail_calls
 from .guard import AddressGuard, StaleGraphError
 from .protocol import hook
-from .torch_capture import TorchCapturer, capture_api
+from .torch_capture import TorchCapturer, capture_api, graph_node_count
 
 CAPTURE_MODES = ("global", "thread_local")
 __all__ = ["BurstGraph", "CaptureError", "StaleGraphError", "CAPTURE_MODES"]
@@ -352,15 +352,7 @@ class BurstGraph:
             return None
         if self._torch is not None:
             return self._graphs[0].node_count()
-        try:
-            from cuda.bindings import runtime as cudart
-        except ImportError:
-            return None
-        handle = cudart.cudaGraph_t(init_value=int(self._graphs[0].graph))
-        err, _, count = cudart.cudaGraphGetNodes(handle, 0)
-        if err != cudart.cudaError_t.cudaSuccess:
-            raise RuntimeError(f"cudaGraphGetNodes failed: {err}")
-        return int(count)
+        return graph_node_count(self._graphs[0].graph)
 
     def info(self) -> dict:
         """Counts a user checks before adopting the graph."""

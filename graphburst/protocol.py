@@ -105,6 +105,7 @@ Optional hooks (defaults in brackets)
 from __future__ import annotations
 
 from .buffers import KVCache, StreamBufs
+from .validate import check_int
 
 CAPTURE_APIS = ("cupy", "torch")
 COMMON_MEMBERS = ("vocab", "cache", "prefill")
@@ -193,9 +194,7 @@ def _missing(model, role: str, members, base) -> None:
             raise TypeError(f"{role}.{name} must be callable, got {type(value).__name__}")
     if not isinstance(model.cache, KVCache):
         raise TypeError(f"{role}.cache must be a KVCache, got {type(model.cache).__name__}")
-    vocab = model.vocab
-    if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 2:
-        raise ValueError(f"{role}.vocab must be an int >= 2, got {vocab!r}")
+    check_int(f"{role}.vocab", model.vocab, minimum=2)
     api = hook(model, "capture_api")
     if api not in CAPTURE_APIS:
         raise ValueError(f"{role}.capture_api must be one of {CAPTURE_APIS}, got {api!r}")

@@ -49,6 +49,21 @@ def _cupy_view(backend, ts):
     return backend.xp.cuda.ExternalStream(ts.cuda_stream, backend.device_id)
 
 
+def graph_node_count(handle: int) -> int | None:
+    """Nodes of the CUDA graph ``handle`` (a ``cudaGraph_t`` as an int), through cuda.bindings.
+
+    Returns None when cuda.bindings is not installed (the count is informational).
+    """
+    try:
+        from cuda.bindings import runtime as cudart
+    except ImportError:
+        return None
+    err, _, count = cudart.cudaGraphGetNodes(cudart.cudaGraph_t(init_value=int(handle)), 0)
+    if err != cudart.cudaError_t.cudaSuccess:
+        raise RuntimeError(f"cudaGraphGetNodes failed: {err}")
+    return int(count)
+
+
 class TorchGraph:
     """A captured burst as a ``torch.cuda.CUDAGraph``, with a CuPy graph's face.
 
@@ -75,15 +90,7 @@ class TorchGraph:
 
     def node_count(self) -> int | None:
         """Nodes of the captured graph, read back through cuda.bindings (None if unavailable)."""
-        try:
-            from cuda.bindings import runtime as cudart
-        except ImportError:
-            return None
-        handle = cudart.cudaGraph_t(init_value=int(self.graph.raw_cuda_graph()))
-        err, _, count = cudart.cudaGraphGetNodes(handle, 0)
-        if err != cudart.cudaError_t.cudaSuccess:
-            raise RuntimeError(f"cudaGraphGetNodes failed: {err}")
-        return int(count)
+        return graph_node_count(self.graph.raw_cuda_graph())
 
 
 class TorchCapturer:

@@ -48,6 +48,17 @@ def test_check_pair_rejects_disagreeing_vocab_batch_and_bad_capture_api():
         SpecDecoder(t, d, k=2, m_rounds=1)
 
 
+@pytest.mark.parametrize("vocab,exc,msg", [(1, ValueError, "draft.vocab must be >= 2, got 1"),
+                                            (50.0, TypeError, "draft.vocab must be an int, got float"),
+                                            (True, TypeError, "draft.vocab must be an int, got bool")])
+def test_check_pair_names_a_bad_vocab(vocab, exc, msg):
+    target, draft = stub_pair(1, 50, 1, 1, 16, backend="numpy")
+    duck = _Without(draft, None)
+    duck.vocab = vocab
+    with pytest.raises(exc, match=msg):
+        SpecDecoder(target, duck, k=2, m_rounds=1)
+
+
 def test_duck_typed_model_gets_the_default_hooks_and_bind_is_called():
     target, draft = stub_pair(1, 50, 1, 1, 16, backend="numpy")
     duck = _Without(draft, None)
