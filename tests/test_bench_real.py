@@ -237,3 +237,13 @@ def test_same_kernel_runs_may_end_a_few_tokens_apart_but_never_disagree():
     bad = {"graphburst": Fixed([[1, 2, 3, 4]]), "eager": Fixed([[1, 2, 5]])}
     with pytest.raises(AssertionError, match="eager differs from graphburst"):
         check_config(bad, settings, [[0]], None, cuda=False)
+
+
+def test_m_sweep_rule_is_the_common_prefix_rule():
+    """The M sweep checks each M's tokens with the same-kernel rule (bf16 runs may end apart)."""
+    from graphburst.bench.real_checks import check_common_prefix
+
+    assert check_common_prefix("M sweep: graphburst with M=4", [[1, 2, 3], [7]], [[1, 2], [7, 8]], "ref") == 3
+    with pytest.raises(AssertionError, match="M sweep: gapless with M=2 differs from ref .same kernels. in sequence 1 "
+                                             "at token 1"):
+        check_common_prefix("M sweep: gapless with M=2", [[1, 2], [7, 9]], [[1, 2], [7, 8]], "ref")
