@@ -37,9 +37,9 @@ import sys
 import time
 
 from ..serve import Request, ServeLoop
-from .check import RankDivergence
 from .dist import Context, Layout, ParallelError
-from .runner import CheckedGraph, ParallelDecoder
+
+# .runner and .check import torch: imported where used, so `serve --tp` flag errors stay fast.
 
 #: header of a plan: [kind, payload bytes, *fingerprint] int64
 PLAN, STOP = 0, 1
@@ -138,10 +138,14 @@ class LockstepLoop(ServeLoop):
 
     # ------------------------------------------------------------------ ServeLoop hooks
 
-    def _make_decoder(self, target, draft, **kw) -> ParallelDecoder:
+    def _make_decoder(self, target, draft, **kw):
+        from .runner import ParallelDecoder
+
         return ParallelDecoder(target, draft, self.ctx, **kw)
 
-    def _make_graph(self, *, gapless: bool) -> CheckedGraph:
+    def _make_graph(self, *, gapless: bool):
+        from .runner import CheckedGraph
+
         return CheckedGraph(self.dec, gapless=gapless, drain_timeout_s=self._drain_timeout_s)
 
     def _recover(self, exc: Exception) -> int:
@@ -215,6 +219,8 @@ class LockstepLoop(ServeLoop):
 
     def follow(self) -> None:
         """Apply rank 0's plans and step, until its stop plan; then :meth:`finish`."""
+        from .check import RankDivergence
+
         while True:
             kind, ops, theirs = self.channel.receive()
             ours = self.fingerprint()
