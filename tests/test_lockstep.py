@@ -37,26 +37,27 @@ def _env() -> dict:
     return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
 
 
-def _torchrun(*flags, **kw) -> subprocess.Popen:
+def _torchrun(*flags, env=None, **kw) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *SERVE, *flags]
-    return subprocess.Popen(cmd, env=_env(), text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
+    return subprocess.Popen(cmd, env=env or _env(), text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
 
 
-@functools.lru_cache(maxsize=1)
-def _whole_target():
+@functools.lru_cache(maxsize=2)
+def _whole_target(device: str):
     from graphburst.parallel.models import TINY, random_pair
 
-    return random_pair(TINY, batch=1, capacity=128, seed=0)[0]
+    # On the device kind the server ran on: weights are drawn by that device's generator.
+    return random_pair(TINY, batch=1, capacity=128, seed=0, device=device)[0]
 
 
-def _reference(prompt, n, eos=None) -> list[int]:
+def _reference(prompt, n, eos=None, device="cpu") -> list[int]:
     """The single-process greedy tokens of the same weights (``serve --tp``'s tiny-random: seed 0)."""
     import torch
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a tiny model: threads only contend (CI has 2 cores)
     try:
-        out = _whole_target().greedy(prompt, n)
+        out = _whole_target(device).greedy(prompt, n)
     finally:
         torch.set_num_threads(threads)
     return out[: out.index(eos) + 1] if eos in out else out
@@ -113,12 +114,14 @@ def _rank_pids(torchrun_pid: int) -> dict:
     return ranks
 
 
-def test_http_tp2_serves_concurrent_requests_outlives_idle_and_stops_cleanly(stop="rank0"):
-    """(``stop="torchrun"``, SIGTERM to torchrun itself, runs on the GPUs: tests/test_lockstep_gpu.py.)"""
+def _http_session(*flags, stop: str, idle_s: float, env=None, device="cpu") -> str:
+    """Serve 3 concurrent requests over 2 slots, idle ``idle_s``, serve one more, stop; check tokens.
+
+    Returns the servers' stderr (the caller checks the exit code it needs first)."""
     import httpx
 
-    proc = _torchrun("--http", "127.0.0.1:0", "--dist-timeout", "3")  # heartbeat every 0.75 s
-    timer = threading.Timer(120, proc.kill)
+    proc = _torchrun("--http", "127.0.0.1:0", *flags, env=env or _env())
+    timer = threading.Timer(240, proc.kill)  # bounded, whatever happens
     timer.start()
     try:
         url = None
@@ -142,25 +145,48 @@ def test_http_tp2_serves_concurrent_requests_outlives_idle_and_stops_cleanly(sto
             t.start()
         for t in threads:
             t.join()
-        time.sleep(4.5)  # idle for longer than the group timeout: the followers live on heartbeats
+        time.sleep(idle_s)  # the followers live on heartbeats meanwhile
         ask("p1")
         if stop == "rank0":
             os.kill(_rank_pids(proc.pid)[0], signal.SIGTERM)
         else:  # torchrun forwards SIGTERM to both ranks
             proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=60)
+        _, err = proc.communicate(timeout=60)
     finally:
         timer.cancel()
     for name, (prompt, n) in prompts.items():
-        assert got[name]["token_ids"] == _reference(prompt, n), name
+        assert got[name]["token_ids"] == _reference(prompt, n, device=device), name
         assert got[name]["finish_reason"] == "length"
     if stop == "rank0":
         assert proc.returncode == 0, err[-3000:]
-    # (torchrun itself exits 1 on its own SIGTERM; the ranks' lines below say they stopped cleanly)
+    # (torchrun itself exits 1 on its own SIGTERM; the ranks' summary lines say they stopped cleanly)
     assert not re.search(r"graphburst serve: rank \d: \w+(Error|Divergence)", err), err[-3000:]
     _assert_lockstep(err, min_bursts=3)
-    steps = _summaries(err)[0][0]
-    assert steps > _summaries(err)[0][1]  # heartbeat steps while idle
+    assert _summaries(err)[0][0] > _summaries(err)[0][1]  # heartbeat steps while idle
+    return err
+
+
+def test_http_tp2_serves_concurrent_requests_outlives_idle_and_stops_cleanly():
+    """Idle for longer than the group timeout; SIGTERM on rank 0 stops both ranks with exit 0.
+    (SIGTERM to torchrun itself: the GPU test below.)"""
+    _http_session("--dist-timeout", "3", stop="rank0", idle_s=4.5)  # a heartbeat every 0.75 s
+
+
+def _two_gpus() -> bool:
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.device_count() >= 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _two_gpus(), reason="needs 2 CUDA devices (nvidia-h200-x2)")
+@pytest.mark.parametrize("stop", ["rank0", "torchrun"])
+def test_gpu_http_tp2_serves_with_nccl_in_the_graph(stop):
+    """nvidia-h200-x2: the same session on 2 GPUs (cupy backend, NCCL inside the captured bursts, fp32)."""
+    env = {**_env(), "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+    err = _http_session("--backend", "cupy", "--dist-timeout", "30", "--dtype", "float32", stop=stop, idle_s=3.0,
+                        env=env, device="cuda:0")
+    assert "numpy reference backend" not in err
 
 
 def test_serve_tp_flag_errors_are_one_line_before_any_group():
