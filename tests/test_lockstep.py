@@ -77,10 +77,12 @@ def _assert_lockstep(stderr: str, min_bursts: int) -> None:
 
 
 def test_jsonl_tp2_matches_greedy_and_serves_a_mid_run_admission_on_both_ranks():
-    proc = _torchrun("--requests", "-", "--output", "-", "--dist-timeout", "20", stdin=subprocess.PIPE)
+    proc = _torchrun("--requests", "-", "--output", "-", "--dist-timeout", "20", "--sampling", stdin=subprocess.PIPE)
     lines = {"long": {"id": "long", "prompt": [5, 17, 300, 2], "max_new_tokens": 90},
              "short": {"id": "short", "prompt": [7], "max_new_tokens": 6},
-             "late": {"id": "late", "prompt": [250, 3, 3, 80, 9], "max_new_tokens": 10, "eos": 7}}
+             "late": {"id": "late", "prompt": [250, 3, 3, 80, 9], "max_new_tokens": 10, "eos": 7},
+             # no seed: rank 0 draws one, and the plan must carry it (else the rank check fails)
+             "sampled": {"id": "sampled", "prompt": [9, 9], "max_new_tokens": 8, "temperature": 0.9}}
     timer = threading.Timer(120, proc.kill)  # bounded, whatever happens
     timer.start()
     try:
@@ -89,7 +91,8 @@ def test_jsonl_tp2_matches_greedy_and_serves_a_mid_run_admission_on_both_ranks()
             proc.stdin.write(json.dumps(lines[name]) + "\n")
         proc.stdin.flush()
         records.append(json.loads(proc.stdout.readline()))  # "short" is done, "long" still runs
-        proc.stdin.write(json.dumps(lines["late"]) + "\n")  # admitted at a boundary mid-run, on rank 0
+        for name in ("late", "sampled"):  # admitted at boundaries mid-run, on rank 0
+            proc.stdin.write(json.dumps(lines[name]) + "\n")
         proc.stdin.close()
         out, err = proc.stdout.read(), proc.stderr.read()
         proc.wait()
@@ -97,9 +100,13 @@ def test_jsonl_tp2_matches_greedy_and_serves_a_mid_run_admission_on_both_ranks()
         timer.cancel()
     assert proc.returncode == 0, err[-3000:]
     records += [json.loads(line) for line in out.splitlines() if line.strip()]
-    order = [r["id"] for r in records]
+    order = [r["id"] for r in records if r["id"] != "sampled"]
     assert order == ["short", "late", "long"], order  # "late" joined while "long" was running
+    sampled = next(r for r in records if r["id"] == "sampled")
+    assert len(sampled["tokens"]) == 8 and "seed" in sampled
     for rec in records:
+        if rec["id"] == "sampled":
+            continue
         req = lines[rec["id"]]
         assert rec["tokens"] == _reference(req["prompt"], req["max_new_tokens"], req.get("eos")), rec["id"]
     _assert_lockstep(err, min_bursts=10)

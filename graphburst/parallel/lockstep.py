@@ -154,8 +154,13 @@ class LockstepLoop(ServeLoop):
         # collective timed out) cannot be recovered in lockstep: it stops the loop.
         if isinstance(exc, (ValueError, TypeError)) and not isinstance(exc, ParallelError):
             return super()._recover(exc)
+        self._fail(exc)
+
+    def _fail(self, exc: Exception):
+        """Stop for good: record why, tell rank 0's server (``on_fatal``), raise a ParallelError."""
+        first = self.fatal is None
         self.fatal = self.fatal or f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-        if self.on_fatal is not None:
+        if first and self.on_fatal is not None:
             self.on_fatal()
         if isinstance(exc, ParallelError):
             raise exc
@@ -191,8 +196,13 @@ class LockstepLoop(ServeLoop):
         return quiet
 
     def step(self) -> int:
+        if self.fatal is not None:
+            raise ParallelError(f"rank {self.ctx.rank}: the lockstep loop stopped: {self.fatal}")
         if self.leader:
-            self._send(PLAN)
+            try:
+                self._send(PLAN)
+            except ParallelError as exc:  # a follower is gone: nothing can run any more
+                self._fail(exc)
         self.steps += 1
         delivered = super().step()
         self._after_step = self.fingerprint()
