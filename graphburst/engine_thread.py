@@ -132,7 +132,9 @@ class EngineThread(threading.Thread):
         while True:
             with self._cond:
                 while not self._inbox and not self._stopping and (self.loop.idle or self.failed):
-                    self._cond.wait()  # idle (or dead): sleep until a handler writes the inbox
+                    # idle (or dead): sleep until a handler writes the inbox; a --tp rank 0
+                    # (parallel/lockstep.py) wakes every heartbeat_s to keep its followers' wait alive
+                    self._cond.wait(getattr(self.loop, "heartbeat_s", None))
                 ops = list(self._inbox)
                 self._inbox.clear()
                 stopping = self._stopping

@@ -271,13 +271,16 @@ async def _serve(args, loop: ServeLoop, host: str, port: int, tokenizer) -> int:
     return 0
 
 
-def run(args, console) -> int:
-    """Entry point of ``graphburst serve --http``; CLI errors are one stderr line and exit 2."""
+def run(args, console, loop: ServeLoop | None = None) -> int:
+    """Entry point of ``graphburst serve --http``; CLI errors are one stderr line and exit 2.
+
+    ``loop``: one built by the caller (rank 0 of ``--tp``: graphburst/parallel/lockstep.py).
+    """
     try:
         host, port = parse_address(args.http)
         tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
-        backend = get_backend(args.backend)
-        loop = build_loop(args, backend)
+        backend = get_backend(args.backend) if loop is None else loop.dec.backend
+        loop = build_loop(args, backend) if loop is None else loop
     except (ValueError, TypeError, RuntimeError, OSError, ImportError) as exc:
         print(f"graphburst serve: {exc}", file=sys.stderr)
         return 2

@@ -210,10 +210,10 @@ class ServeLoop:
         if engine not in ENGINE_MODES:
             raise ValueError(f"engine must be one of {ENGINE_MODES}, got {engine!r}")
         self.sampling = bool(sampling)
-        self.dec = SpecDecoder(target, draft, k=k, m_rounds=m_rounds, sampling=self.sampling)
+        self.dec = self._make_decoder(target, draft, k=k, m_rounds=m_rounds, sampling=self.sampling)
         self.engine = engine
         self.pipelined = bool(pipelined) and engine == "graph"
-        self.graph = BurstGraph(self.dec, gapless=self.pipelined) if engine == "graph" else None
+        self.graph = self._make_graph(gapless=self.pipelined) if engine == "graph" else None
         self._in_flight: collections.deque = collections.deque()  # timing events per burst in flight
         self._launched = 0
         self.vocab = target.vocab
@@ -235,6 +235,15 @@ class ServeLoop:
         self.started = time.perf_counter()
         self._lock = None
         self._event_pairs = None
+
+    # Hooks for graphburst.parallel.lockstep (tensor-parallel serving): its loop builds a
+    # ParallelDecoder and a CheckedGraph here; everything else in the loop is unchanged.
+
+    def _make_decoder(self, target, draft, **kw) -> SpecDecoder:
+        return SpecDecoder(target, draft, **kw)
+
+    def _make_graph(self, *, gapless: bool) -> BurstGraph:
+        return BurstGraph(self.dec, gapless=gapless)
 
     # ------------------------------------------------------------------ requests
 

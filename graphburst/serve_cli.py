@@ -81,6 +81,12 @@ def add_parser(sub) -> None:
     h.add_argument("--tokenizer", default=None, metavar="DIR", help="model dir with tokenizer.json (text I/O)")
     h.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default graphburst-stub, or the --model directory's name)")
+    # --- tensor-parallel serving (graphburst/parallel/lockstep.py, docs/parallel.md) ---
+    t = p.add_argument_group("tensor-parallel serving (torchrun --nproc_per_node N -m graphburst serve --tp N)")
+    t.add_argument("--tp", type=int_in(1, 64), default=1,
+                   help="tensor-parallel ranks: rank 0 serves, every rank steps in lockstep (--model only)")
+    t.add_argument("--dist-timeout", type=real_in(1.0, 3600.0), default=60.0,
+                   help="seconds before a collective, a plan broadcast or a drain gives up on another rank")
 
 
 def check_args(args) -> None:
@@ -91,6 +97,10 @@ def check_args(args) -> None:
     draft has no agreement probability or emulated cost).
     """
     check_backend(args.backend)
+    if args.tp > 1:  # tensor-parallel serving (graphburst/parallel/lockstep.py)
+        from .parallel import lockstep
+
+        lockstep.check_args(args)
     if same_file(args.requests, args.output):
         raise FlagError("--output", f"{args.output!r} is the --requests file; writing there would empty it")
     if args.model is None:
@@ -226,17 +236,22 @@ def _view(loop: ServeLoop) -> Table:
     return table
 
 
-def run(args, console: Console) -> int:
+def run(args, console: Console, loop: ServeLoop | None = None) -> int:
+    """Serve JSONL or HTTP; ``loop``: one built by the caller (rank 0 of ``--tp``, parallel/lockstep.py)."""
+    if args.tp > 1 and loop is None:  # every rank of a tensor-parallel server; rank 0 comes back here
+        from .parallel import lockstep
+
+        return lockstep.run(args, console)
     if args.http:  # --- HTTP mode: aiohttp and prometheus_client come with the [serve] extra ---
         try:
             from . import http_server
         except ImportError as exc:
             print(f"graphburst serve --http: {exc}; install graphburst[serve]", file=sys.stderr)
             return 2
-        return http_server.run(args, console)
-    backend = get_backend(args.backend)
+        return http_server.run(args, console, loop=loop)
     try:
-        loop = build_loop(args, backend)
+        backend = get_backend(args.backend) if loop is None else loop.dec.backend
+        loop = build_loop(args, backend) if loop is None else loop
     except (ValueError, TypeError, RuntimeError, OSError, ImportError) as exc:
         print(f"graphburst serve: {_error_text(exc)}", file=sys.stderr)
         return 2
@@ -271,9 +286,11 @@ def run(args, console: Console) -> int:
     try:
         while True:
             block = loop.idle  # nothing to serve: wait for the next line
+            # (a --tp rank 0 wakes every heartbeat_s to keep its followers' plan wait alive)
+            wait = getattr(loop, "heartbeat_s", None) if block else None
             while not eof:
                 try:
-                    item = lines.get(block=block)
+                    item = lines.get(block=block, timeout=wait)
                 except queue.Empty:
                     break
                 block = False

@@ -31,8 +31,12 @@ step() {  # step NAME LIMIT_S CMD...: run CMD under min(LIMIT_S, time left); log
 nvidia-smi --query-gpu=index,name,memory.total --format=csv > "$OUT/gpus.txt" 2>&1
 TR="$PY -m torch.distributed.run --standalone --nproc_per_node 2"
 
-# 1. GPU tests: TP=2 / PP=2 == TP=1 over 50 bursts, rank check, a raising rank (each test launches torchrun).
+# 1. GPU tests: TP=2 / PP=2 == TP=1 over 50 bursts, rank check, a raising rank, a rank dying mid-graph
+#    (bounded drain wait); each test launches torchrun.
 step pytest_gpu 200 $PY -m pytest -q -m gpu tests/test_parallel_gpu.py -p no:cacheprovider
+# 1b. Tensor-parallel serving: HTTP over torchrun --tp 2 (rank 0 serves, lockstep), stopped by SIGTERM
+#     on rank 0 and on torchrun; tokens equal the one-GPU greedy reference.
+step pytest_lockstep_gpu 150 $PY -m pytest -q -m gpu tests/test_lockstep.py -p no:cacheprovider
 # 2. The demos, the way a user launches them.
 step demo_tp2 60 $TR -m graphburst demo --model tiny-random --tp 2
 step demo_pp2 60 $TR -m graphburst demo --model tiny-random --pp 2
@@ -45,6 +49,6 @@ for layout in tp1 tp2s tp2 pp2; do
 done
 step bench_report 30 $PY -m graphburst.parallel.bench report --out "$OUT" --shape $SHAPE
 
-tail -n 3 "$OUT/pytest_gpu.log" >> "$SUMMARY" 2>/dev/null
+tail -n 3 "$OUT/pytest_gpu.log" "$OUT/pytest_lockstep_gpu.log" >> "$SUMMARY" 2>/dev/null
 echo "total $(( $(date +%s) - START )) s" | tee -a "$SUMMARY"
 cat "$OUT/bench_report.log" 2>/dev/null

@@ -48,18 +48,24 @@ def reference(ctx, seed: int) -> list[list[int]]:
     return out
 
 
-def parallel(ctx, layout: Layout, seed: int, draft_mode="replicated", diverge_at=None, raise_at=None):
+def parallel(ctx, layout: Layout, seed: int, draft_mode="replicated", diverge_at=None, raise_at=None, die_at=None,
+             drain_timeout_s=None):
     t, d = random_pair(CFG, batch=1, capacity=16, seed=seed, device=ctx.device)
     ctx.agree_on("model and flags", *hash_parts(t, d, layout, k=K, m=M, batch=BATCH))
     target, draft = build_pair(t, d, ctx, layout, batch=BATCH, capacity=CAP, backend=backend_of(ctx),
                                draft_mode=draft_mode)
     dec = ParallelDecoder(target, draft, ctx, k=K, m_rounds=M)
     dec.prefill(PROMPTS)
-    burst = ParallelBurst(dec)
+    burst = ParallelBurst(dec, drain_timeout_s=drain_timeout_s)
     out = [[] for _ in PROMPTS]
     for i in range(BURSTS):
         if raise_at == i and ctx.rank == 1:
             raise ValueError("injected failure on rank 1")
+        if die_at == i and ctx.rank == 1:
+            # Dies without a word and exits 0, so torchrun does not stop rank 0: rank 0's next
+            # graph replay waits in its collectives for a peer that is gone.
+            print("rank 1: dying before burst", i + 1, file=sys.stderr, flush=True)
+            os._exit(0)
         if diverge_at == i and ctx.rank == 1:
             dec.bufs.pend[0] = (dec.bufs.pend[0] + 1) % CFG.vocab_size  # this rank's next round starts elsewhere
         for b, toks in enumerate(burst.run()):
@@ -114,6 +120,8 @@ def main(scenario: str, out_dir: str) -> int:
                 result["raised"] = str(exc)
         elif scenario == "raise":
             parallel(ctx, Layout(tp=2), seed=3, raise_at=2)
+        elif scenario == "die":
+            parallel(ctx, Layout(tp=2), seed=3, die_at=2, drain_timeout_s=float(os.environ["GB_TEST_DRAIN_TIMEOUT"]))
         else:
             raise ValueError(f"unknown scenario {scenario!r}")
         ok = True

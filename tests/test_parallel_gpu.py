@@ -33,10 +33,10 @@ def _two_gpus() -> bool:
 needs_two = pytest.mark.skipif(not _two_gpus(), reason="needs 2 CUDA devices (nvidia-h200-x2)")
 
 
-def launch(scenario: str, out: Path, bursts: int = 50, timeout: float = 150.0):
+def launch(scenario: str, out: Path, bursts: int = 50, timeout: float = 150.0, **extra):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "GB_TEST_GPU": "1", "GB_TEST_BURSTS": str(bursts),
            "GB_TEST_TIMEOUT": "60", "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-           "NVSHMEM_DISABLE_NVLS": "1"}
+           "NVSHMEM_DISABLE_NVLS": "1", **extra}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(WORKER),
            scenario, str(out)]
     t0 = time.monotonic()
@@ -77,3 +77,16 @@ def test_gpu_raising_rank_stops_the_other(tmp_path):
     assert proc.returncode != 0
     assert "rank 1 failed: ValueError: injected failure on rank 1" in proc.stderr
     assert wall < 100  # torchrun stops the survivor; the NCCL watchdog bounds it otherwise (60 s)
+
+
+@needs_two
+def test_gpu_peer_dying_mid_graph_bounds_the_drain_wait(tmp_path):
+    """Rank 1 exits (code 0, so torchrun leaves rank 0 alone) before burst 3; rank 0 replays burst 3,
+    whose NCCL collectives wait forever inside the graph (no watchdog sees them); the drain's
+    bounded wait raises ParallelError after GB_TEST_DRAIN_TIMEOUT and rank 0 exits 1."""
+    proc, _, wall = launch("die", tmp_path, bursts=6, timeout=120, GB_TEST_TIMEOUT="20", GB_TEST_DRAIN_TIMEOUT="5")
+    assert proc.returncode != 0
+    assert "rank 1: dying before burst 3" in proc.stderr
+    assert ("rank 0 failed: ParallelError: rank 0: burst 3 (waiting at drain for its graph) did not finish within "
+            "5 s") in proc.stderr, proc.stderr[-4000:]
+    assert wall < 60  # 5 s of waiting, then a teardown that skips the device sync

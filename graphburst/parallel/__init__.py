@@ -7,4 +7,5 @@
 * :mod:`.check`: the in-graph rank-agreement checksum, compared at drain.
 * :mod:`.runner`: the parallel decoder and burst (one replay per burst per GPU).
 * :mod:`.launch`: ``torchrun ... -m graphburst demo --tp/--pp``.
+* :mod:`.lockstep`: ``torchrun ... -m graphburst serve --tp N``: rank 0 serves, the ranks step in lockstep.
 """

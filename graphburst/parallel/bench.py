@@ -25,6 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .dist import config_hash
+
 LAYOUTS = {"tp1": (1, 1, "replicated"), "tp2": (2, 1, "replicated"), "tp2s": (2, 1, "sharded"),
            "pp2": (1, 2, "replicated")}
 MODEL_CALLS = ("draft_step", "verify")  # the model-only floor keeps these calls of a round
@@ -122,13 +124,17 @@ class Run:
                 toks[b] += t.tolist()
         if hasattr(run, "close"):
             run.close()
-        path = out_dir / f"check_tokens_{a.shape}.json"
+        # Keyed by everything that decides the tokens, so a tp1 run of other flags (or on
+        # the other device kind: fp32 sums differ) is never taken as the reference.
+        key = {"shape": a.shape, "seed": a.seed, "eps": a.eps, "k": a.k, "rounds": a.rounds, "batch": batch,
+               "bursts": bursts, "dtype": "float32", "device": "gpu" if self.gpu else "cpu"}
+        path = out_dir / f"check_tokens_{a.shape}_{config_hash(key):016x}.json"
         if self.name == "tp1":
-            path.write_text(json.dumps(toks))
+            path.write_text(json.dumps({"key": key, "tokens": toks}))
             return {"tokens": sum(map(len, toks)), "equal_tp1": True}
         if not path.exists():
-            raise RuntimeError(f"{path} missing: run the tp1 layout first")
-        ref = json.loads(path.read_text())
+            raise RuntimeError(f"{path} missing: run the tp1 layout first with the same flags ({key})")
+        ref = json.loads(path.read_text())["tokens"]
         return {"tokens": sum(map(len, toks)), "equal_tp1": toks == ref,
                 "first_mismatch_seq": next((b for b in range(batch) if toks[b] != ref[b]), None)}
 

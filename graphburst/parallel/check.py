@@ -4,7 +4,9 @@ At the end of every burst, inside the graph, each rank folds its replicated book
 (the ring and accept counters, ``pos_ctr``, ``pend``, ``budget``) into one int64
 checksum, all-gathers every rank's checksum into ``[world] int64``, and copies that
 vector into pinned host memory with one small copy node. It rides along with the
-burst's ring copy: the drain's single event wait covers both. At drain every rank
+burst's ring copy: the drain's single event wait covers both. A gapless graph pair
+(serving keeps two bursts in flight) copies into one pinned vector per graph, so burst
+n+1's copy never lands while burst n's vector is read. At drain every rank
 compares the vector; any difference raises :class:`RankDivergence` on every rank,
 naming the burst and the ranks that differ from rank 0.
 """
@@ -22,6 +24,7 @@ from .dist import Context, ParallelError
 #: buffers folded into the checksum: everything the replicated epilogue writes and the host reads
 CHECKED = ("pos_ctr", "pend", "budget")
 _MIX = 0x9E3779B1  # odd multiplier: the weight of element i is (i + 1) * _MIX mod 2**31
+MAX_SLOTS = 2  # a BurstGraph captures at most two graphs (gapless), each with its own host vector
 
 
 class RankDivergence(ParallelError):
@@ -50,17 +53,15 @@ class RankCheck:
         self._flat = torch.zeros(n, dtype=torch.int64, device=dev)  # [n] int64 staging
         self._sum = torch.zeros(1, dtype=torch.int64, device=dev)  # [1] int64 own checksum
         self._all = torch.zeros((ctx.world, 1), dtype=torch.int64, device=dev)  # [world, 1] every rank's
-        self.host = _pinned(backend, ctx.world)  # [world] int64, filled by the graph's copy node
+        # [MAX_SLOTS][world] int64: graph slot s's copy node fills hosts[s]
+        self.hosts = [_pinned(backend, ctx.world) for _ in range(MAX_SLOTS)]
         if backend.is_gpu:  # made on torch's default stream: finish before the decoder's stream reads them
             torch.cuda.synchronize(dev)
         self.bursts = 0
         self._stream = None  # torch's view of the burst stream, made on first eager use
 
-    def graph_buffers(self) -> dict:
-        return {"check.flat": self._flat, "check.sum": self._sum, "check.all": self._all}
-
-    def __call__(self, stream) -> None:
-        """Enqueue checksum, all-gather and host copy (captured into the burst graph)."""
+    def __call__(self, stream, slot: int = 0) -> None:
+        """Enqueue checksum, all-gather and the copy into ``hosts[slot]`` (captured into graph ``slot``)."""
         with self._on(stream):
             at = 0
             for v in self._views:
@@ -68,7 +69,7 @@ class RankCheck:
                 at += v.numel()
             torch.sum(self._flat * self._weights, dim=0, keepdim=True, out=self._sum)
             self.ctx.all_gather_into(self._all, self._sum)
-        _copy_to_host(self.backend, self.host, self._all, stream)
+        _copy_to_host(self.backend, self.hosts[slot], self._all, stream)
 
     def _on(self, stream):
         """torch on the burst's stream: already so inside a torch capture, not in the eager warm-up."""
@@ -78,10 +79,10 @@ class RankCheck:
             self._stream = torch.cuda.ExternalStream(stream.ptr, device=self.ctx.device)
         return torch.cuda.stream(self._stream)
 
-    def verify(self, burst: int | None = None) -> None:
-        """Compare the copied checksums (after the drain's wait); raise on divergence."""
+    def verify(self, burst: int | None = None, slot: int = 0) -> None:
+        """Compare graph ``slot``'s copied checksums (after the drain's wait); raise on divergence."""
         self.bursts += 1
-        sums = self.host.copy()
+        sums = self.hosts[slot].copy()
         bad = [r for r in range(len(sums)) if sums[r] != sums[0]]
         if bad:
             which = self.bursts if burst is None else burst

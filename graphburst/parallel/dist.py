@@ -20,11 +20,15 @@ import hashlib
 import json
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 
 #: Set in every launcher: NVLink SHARP / multicast stay off (the device README requires it).
 NCCL_SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 DEFAULT_TIMEOUT_S = 60.0
+#: bounded event wait: spin (yielding the GIL) this long, then sleep in growing steps up to POLL_MAX_S
+POLL_SPIN_S = 1e-3
+POLL_MAX_S = 2e-4
 
 
 class ParallelError(RuntimeError):
@@ -236,7 +240,9 @@ def shutdown(ctx: Context | None, *, ok: bool = True) -> bool:
     if ctx is None or not dist.is_initialized():
         return True
     try:
-        if ctx.is_gpu:
+        if ctx.is_gpu and ok:
+            # Not when this rank failed: a graph-replayed collective whose peer died never
+            # finishes, and neither would this synchronize.
             torch.cuda.synchronize(ctx.device)
         if ok:
             dist.barrier()  # bounded by the group's timeout
@@ -253,3 +259,37 @@ def shutdown(ctx: Context | None, *, ok: bool = True) -> bool:
     # A daemon thread: if NCCL's teardown hangs, it does not keep the interpreter alive.
     threading.Thread(target=destroy, name="graphburst-destroy-pg", daemon=True).start()
     return done.wait(ctx.timeout_s / 4) and ok
+
+
+def wait_until(done, timeout_s: float, what: str) -> None:
+    """Wait until ``done()`` is true, at most ``timeout_s`` seconds; else ParallelError.
+
+    Replaces a blocking ``event.synchronize()`` where the work before the event holds
+    collectives replayed from a CUDA graph: the NCCL watchdog does not watch those, so a
+    rank whose peer died mid-graph would block forever. Polling spins for
+    :data:`POLL_SPIN_S` (a burst that is nearly done costs no sleep latency), then sleeps
+    in steps growing to :data:`POLL_MAX_S`.
+
+    Parameters
+    ----------
+    done : callable () -> bool
+        For a CuPy event, ``lambda: event.done`` (``cudaEventQuery``, no sync).
+    timeout_s : float
+    what : str
+        Names the rank and what it waited for, in the error message.
+    """
+    if done():
+        return
+    start = time.monotonic()
+    pause = 1e-5
+    while not done():
+        waited = time.monotonic() - start
+        if waited > timeout_s:
+            raise ParallelError(f"{what} did not finish within {timeout_s:g} s; another rank probably died "
+                                f"mid-graph (collectives replayed from a CUDA graph are not watched by the NCCL "
+                                f"watchdog)")
+        if waited < POLL_SPIN_S:
+            time.sleep(0)  # yield the GIL to the server's threads, no timer latency
+        else:
+            time.sleep(pause)
+            pause = min(2 * pause, POLL_MAX_S)

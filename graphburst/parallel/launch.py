@@ -129,7 +129,7 @@ def run(args, console) -> int:
         rank = ctx.rank if ctx is not None else dist.env_world()[0]
         print(f"graphburst demo: rank {rank}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
     finally:
-        if burst is not None:
+        if burst is not None and ok:  # after a failure a hung collective may hold the graphs: leave them
             burst.close()
         clean = dist.shutdown(ctx, ok=ok)
         if not clean and ok:

@@ -10,14 +10,13 @@ which also covers the rank check's copy).
 from __future__ import annotations
 
 import contextlib
-
-import numpy as np
+import functools
 
 from ..burst import Call, SpecDecoder
 from ..capture import BurstGraph
 from ..torch_adapter import TorchDraft, TorchTarget
 from .check import RankCheck
-from .dist import Context, Layout, ParallelError
+from .dist import Context, Layout, ParallelError, wait_until
 from .models import self_draft
 from .pp import StageLlama, StageTarget, stage_table
 from .tp import TPLlama
@@ -50,36 +49,66 @@ class ParallelDecoder(SpecDecoder):
         return super().burst_calls() + [Call("rank_check", self.check)]
 
 
+class CheckedGraph(BurstGraph):
+    """The :class:`BurstGraph` of a :class:`ParallelDecoder`: bounded drain, rank check verified.
+
+    Each captured graph (two with ``gapless``) ends its rank check with a copy into its
+    own pinned vector (``RankCheck.hosts[slot]``). :meth:`drain` waits for the burst's
+    event by polling it for at most ``drain_timeout_s`` (:func:`dist.wait_until`: a peer
+    that died mid-graph leaves the replayed collectives waiting forever, unseen by the
+    NCCL watchdog), then drains and compares the ranks' checksums.
+
+    Parameters
+    ----------
+    dec : ParallelDecoder
+    gapless : bool
+        As :class:`BurstGraph` (the serving loop keeps two bursts in flight).
+    drain_timeout_s : float, optional
+        Default: the group's timeout (``--dist-timeout``).
+    """
+
+    def __init__(self, dec: ParallelDecoder, *, gapless: bool = False, drain_timeout_s: float | None = None):
+        if not isinstance(dec, ParallelDecoder):
+            raise TypeError(f"dec must be a ParallelDecoder, got {type(dec).__name__}")
+        timeout = dec.ctx.timeout_s if drain_timeout_s is None else drain_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ValueError(f"drain_timeout_s must be a number > 0, got {drain_timeout_s!r}")
+        self.drain_timeout_s = float(timeout)
+        super().__init__(dec, gapless=gapless)
+
+    def _program(self, slot: int) -> list[Call]:
+        program = super()._program(slot)
+        check = self.dec.check
+        # The check call of graph ``slot`` copies into that slot's own host vector.
+        return [Call(c.name, functools.partial(check, slot=slot)) if c.name == "rank_check" else c for c in program]
+
+    def drain(self):
+        if self._pending and self.backend.is_gpu:
+            event = self._events[self._pending[0]]
+            wait_until(lambda: event.done, self.drain_timeout_s,
+                       f"rank {self.dec.ctx.rank}: burst {self.dec.bursts + 1} (waiting at drain for its graph)")
+        slot = self._pending[0] if self._pending else 0
+        tokens = super().drain()
+        self.dec.check.verify(self.dec.bursts, slot=slot)
+        return tokens
+
+
 class ParallelBurst:
     """A captured parallel burst: :meth:`run` = one replay and one drain, checked across ranks."""
 
-    def __init__(self, dec: ParallelDecoder):
+    def __init__(self, dec: ParallelDecoder, *, drain_timeout_s: float | None = None):
         if not isinstance(dec, ParallelDecoder):
             raise TypeError(f"dec must be a ParallelDecoder, got {type(dec).__name__}")
         self.dec = dec
-        self.graph = BurstGraph(dec)  # not gapless: one pinned check buffer per rank
+        self.graph = CheckedGraph(dec, drain_timeout_s=drain_timeout_s)
 
     def replay(self) -> None:
-        with self._peer_errors():
+        with peer_errors(self.dec):
             self.graph.replay()
 
     def drain(self):
-        with self._peer_errors():
-            tokens = self.graph.drain()
-        self.dec.check.verify(self.dec.bursts)
-        return tokens
-
-    @contextlib.contextmanager
-    def _peer_errors(self):
-        """A collective that fails (a peer died, a timeout) becomes one clear ParallelError."""
-        try:
-            yield
-        except ParallelError:
-            raise
-        except RuntimeError as exc:
-            raise ParallelError(f"rank {self.dec.ctx.rank}: burst {self.dec.bursts + 1} failed in a collective; "
-                                f"another rank probably failed or timed out ({type(exc).__name__}: "
-                                f"{str(exc).splitlines()[0][:300]})") from exc
+        with peer_errors(self.dec):
+            return self.graph.drain()
 
     def run(self):
         self.replay()
@@ -87,11 +116,33 @@ class ParallelBurst:
 
     def close(self) -> None:
         """Drop the graphs (they hold NCCL work) before the process group goes."""
-        self.graph._graphs = []
+        drop_graphs(self.graph)
+
+
+def drop_graphs(graph: BurstGraph) -> None:
+    """Release a graph's captured executables (they hold NCCL work) before the process group goes.
+
+    Only after a clean run: with a collective still hung on the device, freeing the
+    graph's memory pool could wait on it.
+    """
+    graph._graphs = []
+
+
+@contextlib.contextmanager
+def peer_errors(dec: ParallelDecoder):
+    """A collective that fails (a peer died, a timeout) becomes one clear ParallelError."""
+    try:
+        yield
+    except ParallelError:
+        raise
+    except RuntimeError as exc:
+        raise ParallelError(f"rank {dec.ctx.rank}: burst {dec.bursts + 1} failed in a collective; "
+                            f"another rank probably failed or timed out ({type(exc).__name__}: "
+                            f"{str(exc).splitlines()[0][:300]})") from exc
 
 
 def build_pair(full_target, full_draft, ctx: Context, layout: Layout, *, batch: int, capacity: int, backend,
-               p_min: float = 0.0, draft_mode: str = "replicated", dtype=None):
+               p_min: float = 0.0, draft_mode: str = "replicated"):
     """This rank's (target, draft) of a layout, from whole models (read, not kept).
 
     Parameters
@@ -109,16 +160,16 @@ def build_pair(full_target, full_draft, ctx: Context, layout: Layout, *, batch: 
         raise ValueError(f"draft_mode must be one of {DRAFT_MODES}, got {draft_mode!r}")
     kw = {"batch": batch, "capacity": capacity}
     if layout.tp > 1:
-        t_mod = TPLlama(full_target, ctx, dtype=dtype, **kw)
+        t_mod = TPLlama(full_target, ctx, **kw)
         target = TorchTarget(t_mod, backend=backend, **kw)
     else:
-        t_mod = StageLlama(full_target, ctx, dtype=dtype, **kw)
+        t_mod = StageLlama(full_target, ctx, **kw)
         target = StageTarget(t_mod, backend=backend, **kw)
     if layout.tp > 1 and draft_mode == "sharded":
-        d_mod = TPLlama(full_draft, ctx, dtype=dtype, **kw)
+        d_mod = TPLlama(full_draft, ctx, **kw)
     else:
         # A copy with its own KV: the whole draft on this rank, never shared with a caller's decoder.
-        d_mod = self_draft(full_draft, full_draft.cfg.num_hidden_layers, batch=batch, capacity=capacity, dtype=dtype)
+        d_mod = self_draft(full_draft, full_draft.cfg.num_hidden_layers, batch=batch, capacity=capacity)
     draft = TorchDraft(d_mod, backend=backend, p_min=p_min, **kw)
     return target, draft
 
@@ -133,6 +184,3 @@ def hash_parts(full_target, full_draft, layout: Layout, **flags) -> tuple:
     return (dataclasses.asdict(full_target.cfg), dataclasses.asdict(full_draft.cfg), dataclasses.asdict(layout),
             flags, probe(full_target), probe(full_draft))
 
-
-def tokens_equal(a, b) -> bool:
-    return len(a) == len(b) and all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(a, b))

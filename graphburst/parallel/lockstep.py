@@ -1,0 +1,369 @@
+"""Tensor-parallel serving: rank 0 serves, every rank steps the same ServeLoop in lockstep.
+
+``torchrun --nproc_per_node 2 -m graphburst serve --tp 2 --model ... [--http ...]``
+
+Every rank builds the same :class:`LockstepLoop` (a :class:`~graphburst.serve.ServeLoop`
+over a :class:`~.runner.ParallelDecoder` and a :class:`~.runner.CheckedGraph`). Only rank
+0 has requests: the HTTP server or the JSONL reader submits and cancels there. The loop's
+device work (which slots are admitted with which prompts, when bursts are launched and
+drained) is a deterministic function of its submit/cancel history and of the drained
+tokens, which the collectives make identical on every rank. So rank 0 records its
+submits and cancels in order and, at the start of every ``step()``, broadcasts them to
+the other ranks as the step's **plan**; each follower applies the plan to its own loop
+and takes the same step. Per step, one broadcast of a small int64 header over a
+host-side gloo group (the common case: no new request), plus one broadcast of the ops'
+JSON when there are some; no device sync.
+
+The header also carries rank 0's schedule fingerprint (bursts drained, bursts in flight,
+active slots, queued requests, tokens delivered) as of its previous step; a follower
+whose own differs raises :class:`~.check.RankDivergence` before any collective of the
+step. The in-graph rank check compares the burst state at every drain, as in the demo.
+
+An idle rank 0 still sends an empty plan every ``heartbeat_s`` (a quarter of the group
+timeout, at most 1 s), so a follower waiting for the next plan never hits the group
+timeout, and a dead rank 0 is noticed within that timeout. Shutdown: rank 0's server
+stops (SIGTERM/SIGINT, or the end of the JSONL input), then rank 0 sends a stop plan;
+every rank drains the bursts still in flight, tears the group down and exits 0.
+Followers ignore SIGTERM/SIGINT (torchrun forwards its own to every rank) and leave on
+rank 0's stop.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import signal
+import sys
+import time
+
+from ..serve import Request, ServeLoop
+from .dist import Context, Layout, ParallelError
+
+# .runner and .check import torch: imported where used, so `serve --tp` flag errors stay fast.
+
+#: header of a plan: [kind, payload bytes, *fingerprint] int64
+PLAN, STOP = 0, 1
+HEADER_LEN = 7
+MAX_HEARTBEAT_S = 1.0
+WIRE_FIELDS = ("id", "prompt", "max_new_tokens", "eos", "options", "temperature", "top_k", "top_p", "seed")
+
+
+class PlanChannel:
+    """Rank 0's per-step plan to the other ranks, over a gloo group of its own (host memory only).
+
+    Parameters
+    ----------
+    ctx : Context
+    timeout_s : float, optional
+        Of the gloo group (a follower waits this long for a plan); default ``ctx.timeout_s``.
+    """
+
+    def __init__(self, ctx: Context, timeout_s: float | None = None):
+        import torch.distributed as dist
+
+        self.ctx = ctx
+        self.timeout_s = float(ctx.timeout_s if timeout_s is None else timeout_s)
+        self.heartbeat_s = min(MAX_HEARTBEAT_S, self.timeout_s / 4)
+        # Every rank calls new_group (a collective); plans never share a queue with model collectives.
+        self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.timeout_s))
+        self.sent = 0
+
+    def _bcast(self, tensor) -> None:
+        import torch.distributed as dist
+
+        try:
+            dist.broadcast(tensor, src=0, group=self.group)
+        except RuntimeError as exc:
+            who = "rank 0 probably failed or stopped sending" if self.ctx.rank else "a follower probably failed"
+            raise ParallelError(f"rank {self.ctx.rank}: the lockstep plan broadcast failed; {who} "
+                                f"({str(exc).splitlines()[0][:300]})") from exc
+
+    def send(self, kind: int, ops: list, fingerprint: tuple) -> None:
+        """Rank 0: one header broadcast, plus the ops' JSON when there are any."""
+        import torch
+
+        payload = json.dumps(ops).encode() if ops else b""
+        self._bcast(torch.tensor([kind, len(payload), *fingerprint], dtype=torch.int64))
+        if payload:
+            self._bcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+        self.sent += 1
+
+    def receive(self) -> tuple[int, list, tuple]:
+        """A follower: ``(kind, ops, rank 0's fingerprint)``."""
+        import torch
+
+        header = torch.zeros(HEADER_LEN, dtype=torch.int64)
+        self._bcast(header)
+        kind, n, *fingerprint = header.tolist()
+        ops = []
+        if n:
+            buf = torch.empty(n, dtype=torch.uint8)
+            self._bcast(buf)
+            ops = json.loads(buf.numpy().tobytes())
+        return kind, ops, tuple(fingerprint)
+
+
+class LockstepLoop(ServeLoop):
+    """A ServeLoop on one rank of a tensor-parallel group; rank 0 leads, the others follow.
+
+    Parameters
+    ----------
+    target, draft : this rank's models (:func:`.runner.build_pair`)
+    ctx : Context
+    channel : PlanChannel
+    drain_timeout_s : float, optional
+        Bound of the drain's event wait (:class:`CheckedGraph`); default the group timeout.
+    **kw
+        As :class:`ServeLoop` (``k``, ``m_rounds``, ``pipelined``, ``sampling``); the
+        engine is always ``"graph"``.
+    """
+
+    def __init__(self, target, draft, ctx: Context, channel: PlanChannel, *, drain_timeout_s: float | None = None,
+                 **kw):
+        self.ctx, self.channel = ctx, channel
+        self._drain_timeout_s = drain_timeout_s
+        self._ops: list = []  # rank 0: submits and cancels since the last plan, in order
+        self._last_sent = time.monotonic()
+        self.steps = 0
+        self.fatal: str | None = None  # why the loop stopped for good (a peer failed)
+        self.on_fatal = None  # rank 0: called once, on the engine thread, when ``fatal`` is set
+        super().__init__(target, draft, engine="graph", **kw)
+        self._after_step = self.fingerprint()  # rank 0: sent with the next plan
+        #: drivers of an idle loop call step() at least this often (rank 0 only)
+        self.heartbeat_s = channel.heartbeat_s if ctx.rank == 0 else None
+
+    @property
+    def leader(self) -> bool:
+        return self.ctx.rank == 0
+
+    # ------------------------------------------------------------------ ServeLoop hooks
+
+    def _make_decoder(self, target, draft, **kw):
+        from .runner import ParallelDecoder
+
+        return ParallelDecoder(target, draft, self.ctx, **kw)
+
+    def _make_graph(self, *, gapless: bool):
+        from .runner import CheckedGraph
+
+        return CheckedGraph(self.dec, gapless=gapless, drain_timeout_s=self._drain_timeout_s)
+
+    def _recover(self, exc: Exception) -> int:
+        # A bad request (ValueError: CapacityError, a refused prefill) fails the same way on
+        # every rank, so every rank recovers the same way. Anything else (a peer died, a
+        # collective timed out) cannot be recovered in lockstep: it stops the loop.
+        if isinstance(exc, (ValueError, TypeError)) and not isinstance(exc, ParallelError):
+            return super()._recover(exc)
+        self._fail(exc)
+
+    def _fail(self, exc: Exception):
+        """Stop for good: record why, tell rank 0's server (``on_fatal``), raise a ParallelError."""
+        first = self.fatal is None
+        self.fatal = self.fatal or f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        if first and self.on_fatal is not None:
+            self.on_fatal()
+        if isinstance(exc, ParallelError):
+            raise exc
+        raise ParallelError(f"rank {self.ctx.rank}: serving step failed: {self.fatal}") from exc
+
+    # ------------------------------------------------------------------ rank 0
+
+    def submit(self, req: Request, *, line: int | None = None):
+        state = super().submit(req, line=line)
+        if self.leader:
+            try:
+                wire = _wire(state)
+                json.dumps(wire)
+            except (TypeError, ValueError) as exc:  # cannot reach the other ranks: refused like a bad field
+                self.queue.remove(state)
+                self._retire(state)
+                raise ValueError(f"options must be JSON values under --tp (they are sent to every rank): "
+                                 f"{exc}") from None
+            self._ops.append(["submit", wire])
+        return state
+
+    def cancel(self, state) -> None:
+        if self.leader and not state.done:
+            self._ops.append(["cancel", state.request.id])
+        super().cancel(state)
+
+    @property
+    def idle(self) -> bool:
+        """As ServeLoop's, but False on rank 0 when a heartbeat is due (the driver then steps)."""
+        quiet = super().idle
+        if quiet and self.leader and time.monotonic() - self._last_sent >= self.heartbeat_s:
+            return False
+        return quiet
+
+    def step(self) -> int:
+        if self.fatal is not None:
+            raise ParallelError(f"rank {self.ctx.rank}: the lockstep loop stopped: {self.fatal}")
+        if self.leader:
+            try:
+                self._send(PLAN)
+            except ParallelError as exc:  # a follower is gone: nothing can run any more
+                self._fail(exc)
+        self.steps += 1
+        delivered = super().step()
+        self._after_step = self.fingerprint()
+        return delivered
+
+    def _send(self, kind: int) -> None:
+        # The fingerprint as of the end of the last step: a follower compares it before applying these ops.
+        ops, self._ops = self._ops, []
+        self.channel.send(kind, ops, self._after_step)
+        self._last_sent = time.monotonic()
+
+    def fingerprint(self) -> tuple:
+        """What every rank's schedule must agree on between steps."""
+        return (self.bursts, len(self._in_flight), self.active, len(self.queue), self.tokens_out)
+
+    def finish(self) -> None:
+        """Rank 0: send the stop plan; every rank: drain the bursts still in flight (their checks included)."""
+        if self.leader:
+            self._send(STOP)
+        while self._in_flight:
+            self._drain_raw()
+
+    # ------------------------------------------------------------------ the other ranks
+
+    def follow(self) -> None:
+        """Apply rank 0's plans and step, until its stop plan; then :meth:`finish`."""
+        from .check import RankDivergence
+
+        while True:
+            kind, ops, theirs = self.channel.receive()
+            ours = self.fingerprint()
+            if theirs != ours:
+                raise RankDivergence(f"rank {self.ctx.rank}: lockstep schedule diverged from rank 0 before step "
+                                     f"{self.steps + 1}: (bursts, in flight, active, queued, tokens) = {ours}, "
+                                     f"rank 0 has {theirs}")
+            if kind == STOP:
+                break
+            for op, arg in ops:
+                if op == "submit":
+                    super().submit(Request(**arg))
+                elif op == "cancel":
+                    state = self._live_ids.get(arg)
+                    if state is None:
+                        raise RankDivergence(f"rank {self.ctx.rank}: rank 0 cancelled request {arg!r}, which is "
+                                             f"not in flight here")
+                    super().cancel(state)
+                else:
+                    raise ParallelError(f"rank {self.ctx.rank}: unknown plan op {op!r} from rank 0")
+            self.step()
+        self.finish()
+
+    def summary(self) -> str:
+        s = self.stats()
+        return (f"rank {self.ctx.rank}: {self.steps} steps, {s['bursts']} bursts, {s['tokens']} tokens, rank check "
+                f"at {self.dec.check.bursts} drains")
+
+
+def _wire(state) -> dict:
+    """A submitted request as rank 0 sends it: ids and the drawn sampling seed filled in."""
+    req = state.request
+    wire = {f: getattr(req, f) for f in WIRE_FIELDS}
+    wire["prompt"] = [int(t) for t in req.prompt]
+    if state.sampling is not None and state.sampling.temperature > 0:
+        wire["seed"] = state.sampling.seed  # drawn at random on rank 0 when the request had none
+    return wire
+
+
+# ---------------------------------------------------------------------- the CLI
+
+
+def check_args(args) -> None:
+    """FlagError for ``serve --tp N`` that cannot run, before any process group."""
+    from ..cli_args import FlagError
+    from . import dist
+    from .launch import TINY_RANDOM
+
+    if args.model is None:
+        raise FlagError("--tp", f"needs --model {TINY_RANDOM} or --model DIR --draft DIR (the stub models are not "
+                                f"split)")
+    if args.engine != "graph":
+        raise FlagError("--engine", f"serving with --tp runs the graph engine only, got {args.engine!r}")
+    _, world, _ = dist.env_world()
+    if world == 1:
+        raise FlagError("--tp", f"launch with torchrun --nproc_per_node {args.tp} -m graphburst serve ...")
+    try:
+        from ..checkpoint import read_config
+        from .models import TINY
+
+        cfg = TINY if args.model == TINY_RANDOM else read_config(args.model)
+        dist.check_layout(cfg, Layout(tp=args.tp), world)
+    except (ValueError, OSError) as exc:
+        raise FlagError("--tp", str(exc)) from None
+
+
+def build(args, ctx: Context, backend) -> LockstepLoop:
+    """This rank's models and loop, after the ranks agreed on the model and flags."""
+    import torch
+
+    from .models import TINY, random_pair
+    from .runner import build_pair, hash_parts
+
+    layout = Layout(tp=args.tp)
+    dtype = getattr(torch, args.dtype or "float32")
+    if args.model == "tiny-random":
+        full_t, full_d = random_pair(TINY, batch=1, capacity=16, device=ctx.device, dtype=dtype, seed=0)
+    else:
+        from ..checkpoint import load_llama
+
+        full_t = load_llama(args.model, batch=1, capacity=16, dtype=dtype, device=ctx.device)
+        full_d = load_llama(args.draft, batch=1, capacity=16, dtype=dtype, device=ctx.device)
+    flags = {f: getattr(args, f, None) for f in ("k", "rounds", "batch", "capacity", "dtype", "p_min", "sampling",
+                                                  "no_pipeline")}
+    ctx.agree_on("model and flags", *hash_parts(full_t, full_d, layout, **flags))
+    target, draft = build_pair(full_t, full_d, ctx, layout, batch=args.batch, capacity=args.capacity,
+                               backend=backend, p_min=args.p_min or 0.0)
+    del full_t, full_d
+    return LockstepLoop(target, draft, ctx, PlanChannel(ctx), k=args.k, m_rounds=args.rounds,
+                        pipelined=not args.no_pipeline, sampling=getattr(args, "sampling", False))
+
+
+def run(args, console) -> int:
+    """``serve --tp N`` on every rank: rank 0 serves (JSONL or HTTP), the others follow."""
+    from .. import serve_cli
+    from ..backend import Backend, get_backend
+    from . import dist
+    from .runner import drop_graphs
+
+    gpu = get_backend(args.backend).is_gpu
+    ctx = loop = None
+    ok = False
+    code = 1
+    try:
+        ctx = dist.init(gpu=gpu, timeout_s=args.dist_timeout)
+        backend = Backend("cupy", ctx.local_rank) if gpu else Backend("numpy")
+        loop = build(args, ctx, backend)
+        if loop.leader:
+            if args.http:
+                # A peer that fails stops the server the way SIGTERM does; the exit code says it failed.
+                loop.on_fatal = lambda: signal.raise_signal(signal.SIGTERM)
+            code = serve_cli.run(args, console, loop=loop)
+            if loop.fatal is None:
+                loop.finish()
+            else:
+                print(f"graphburst serve: rank 0: stopped: {loop.fatal}", file=sys.stderr, flush=True)
+                code = 1
+        else:
+            for sig in (signal.SIGTERM, signal.SIGINT):  # leave on rank 0's stop plan, not on torchrun's signal
+                signal.signal(sig, signal.SIG_IGN)
+            loop.follow()
+            code = 0
+        print(f"graphburst serve: {loop.summary()}", file=sys.stderr, flush=True)
+        ok = loop.fatal is None
+    except Exception as exc:  # noqa: BLE001 - one line naming the rank, then a non-zero exit
+        rank = ctx.rank if ctx is not None else dist.env_world()[0]
+        print(f"graphburst serve: rank {rank}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        code = 1
+    finally:
+        if ok and loop is not None and loop.graph is not None:
+            drop_graphs(loop.graph)
+        clean = dist.shutdown(ctx, ok=ok)
+        if ok and not clean:
+            print(f"graphburst serve: rank {ctx.rank}: process-group teardown did not finish in time",
+                  file=sys.stderr, flush=True)
+    return code
