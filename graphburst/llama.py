@@ -17,6 +17,24 @@ against it), with three differences that a captured burst needs:
 * **Per-sequence positions.** RoPE reads ``start_pos[b] + t`` (graphburst's ``pos_ctr``),
   so a ragged batch needs no padding.
 
+Every launch is a graph node and at batch 1 a layer's non-GEMM work is launch-bound, so
+a layer is written to issue few kernels (``tests/test_llama_ops.py`` bounds the count):
+
+* **Fused projections.** ``qkv_proj`` holds HF's ``q_proj``, ``k_proj``, ``v_proj`` rows
+  stacked, ``gate_up_proj`` holds ``gate_proj`` then ``up_proj``: one GEMM each, split by
+  views. :meth:`Llama.hf_tensors` names the HF parts as views of the fused parameters
+  (checkpoint loading, tensor-parallel sharding and the transformers twin use it).
+* **RoPE in two kernels, over q, k and v at once.** One broadcast multiply by a 2x2
+  rotation per frequency, built once per forward, and one sum over the input half
+  (:func:`rope_rotation`); v heads get the identity, so the output holds rotated q, k
+  and v side by side and one ``index_copy_`` writes K and V. Each output element is
+  the sum of the same two rounded products HF's ``x*cos + rotate_half(x)*sin`` adds, so
+  it is bit-identical in fp32 (and rounds as HF does in bf16).
+* **One norm kernel.** ``F.rms_norm`` with the weight (fp32 math inside the fused CUDA
+  kernel) instead of upcast, normalise, downcast and multiply.
+* **An additive mask built once per forward** in the activations' dtype: SDPA would turn
+  a boolean mask into the same ``0 / -inf`` tensor on every call.
+
 Nothing in ``forward`` reads a tensor's value on the host, so it can be captured.
 """
 
@@ -133,12 +151,54 @@ def rope_tables(cfg: LlamaConfig, n_pos: int, device) -> tuple[torch.Tensor, tor
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x [B, T, H, D]`` by ``cos, sin [B, T, D]`` (the rotate-half layout of HF weights).
 
-    ``forward`` passes ``cos, sin`` already in ``x``'s dtype (cast once per forward, as HF
-    does), so the casts here are no-ops and launch nothing.
+    The plain formula, kept as the reference :func:`rope_rotation` is tested against.
     """
     cos, sin = cos.unsqueeze(2).to(x.dtype), sin.unsqueeze(2).to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def rope_rotation(cos: torch.Tensor, sin: torch.Tensor, n_rot: int, n_pass: int) -> torch.Tensor:
+    """The per-head 2x2 rotations that :func:`rotate` applies.
+
+    With ``x = [h0, h1]`` (the two halves of a head), HF's rotate-half RoPE is
+    ``out[j] = sum_i h_i * m[i, j]`` with ``m = [[c, s], [-s, c]]``, where ``c, s`` are
+    the first halves of ``cos, sin`` (both halves hold the same frequencies).
+
+    Parameters
+    ----------
+    cos, sin : [R, T, head_dim], in the activations' dtype
+    n_rot, n_pass : int
+        Heads to rotate (q and k), then heads to pass through (v: the identity).
+
+    Returns
+    -------
+    [R, T, n_rot + n_pass, 2, 2, head_dim / 2], contiguous
+    """
+    half = cos.shape[-1] // 2
+    c, s = cos[..., :half], sin[..., :half]  # [R, T, D/2]
+    rot = torch.stack((c, s, -s, c), dim=2).unsqueeze(2)  # [R, T, 1, 4, D/2]
+    one, zero = torch.ones_like(c), torch.zeros_like(c)
+    keep = torch.stack((one, zero, zero, one), dim=2).unsqueeze(2)  # [R, T, 1, 4, D/2]
+    r, t = c.shape[:2]
+    m = torch.cat((rot.expand(r, t, n_rot, 4, half), keep.expand(r, t, n_pass, 4, half)), dim=2)
+    return m.view(r, t, n_rot + n_pass, 2, 2, half)
+
+
+def rotate(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """``x [R, T, NH, D]`` (last dim contiguous) rotated by ``m`` from :func:`rope_rotation`; two kernels.
+
+    The multiply rounds each product as HF's does; the sum adds the two products of one
+    output element (a sum of two is exact-order: a + b), so fp32 results are bit-identical
+    to :func:`apply_rope`.
+
+    Returns
+    -------
+    [R, T, NH, D] contiguous
+    """
+    r, t, nh, d = x.shape
+    prod = x.view(r, t, nh, 2, 1, d // 2) * m  # [R, T, NH, 2 (in half), 2 (out half), D/2]
+    return prod.sum(dim=3).view(r, t, nh, d)
 
 
 # ---------------------------------------------------------------------- layers
@@ -150,11 +210,29 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim, **factory))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32, as HF does, then cast back. F.rms_norm is HF's
-        # x * rsqrt(mean(x^2) + eps) in one call (one fused kernel on recent CUDA builds
-        # instead of four, which matters at B=1 where every launch is a graph node).
-        h = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return self.weight * h.to(x.dtype)
+        # HF's weight * x * rsqrt(mean(x^2) + eps), normalised in fp32: one fused kernel on
+        # CUDA (fp32 math inside, so bf16 input needs no cast kernels). In fp32 it is the
+        # same products as HF's; in bf16 the fused kernel rounds once where HF rounds twice.
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+class FusedLinear(nn.Linear):
+    """Several projections of one input as one GEMM: output rows are ``parts`` in order.
+
+    Parameters
+    ----------
+    d_in : int
+    parts : dict
+        HF projection name -> its output rows (``{"q_proj": H*D, "k_proj": ..., ...}``).
+    """
+
+    def __init__(self, d_in: int, parts: dict[str, int], bias: bool, **factory):
+        super().__init__(d_in, sum(parts.values()), bias=bias, **factory)
+        self.parts = dict(parts)
+
+    def split(self, t: torch.Tensor, dim: int = 0) -> dict[str, torch.Tensor]:
+        """``t`` (the weight, the bias, or an output along ``dim=-1``) cut into its named parts (views)."""
+        return dict(zip(self.parts, t.split(list(self.parts.values()), dim=dim)))
 
 
 class Attention(nn.Module):
@@ -163,43 +241,42 @@ class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig, **factory):
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        d, bias = cfg.hidden_size, cfg.attention_bias
-        self.q_proj = nn.Linear(d, self.n_heads * self.head_dim, bias=bias, **factory)
-        self.k_proj = nn.Linear(d, self.n_kv * self.head_dim, bias=bias, **factory)
-        self.v_proj = nn.Linear(d, self.n_kv * self.head_dim, bias=bias, **factory)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, d, bias=bias, **factory)
+        d, bias, hd = cfg.hidden_size, cfg.attention_bias, cfg.head_dim
+        self.qkv_proj = FusedLinear(d, {"q_proj": self.n_heads * hd, "k_proj": self.n_kv * hd,
+                                        "v_proj": self.n_kv * hd}, bias, **factory)
+        self.o_proj = nn.Linear(self.n_heads * hd, d, bias=bias, **factory)
 
     def forward(self, x, cos, sin, kv, length, rows, index=None):
         """
         Parameters
         ----------
         x : [R, T, hidden]
-        cos, sin : [R, T, head_dim] float32 (or x's dtype)
+        cos, sin : [R, T, head_dim] float32 (or x's dtype); unused when ``index`` is given
         kv : [2, B, S, n_kv, head_dim], written at rows ``length + [0, T)``
         length : [R] int32, valid rows before this call
         rows : [R] int64 batch rows of x (all B in a burst, the prefilled slots in prefill)
-        index : (flat [R*T] int64, mask [R, 1, T, S] bool), optional
-            :func:`kv_index` of ``length`` (``Llama.forward`` builds it once for every
-            layer that shares a length tensor); built here when absent.
+        index : (flat [R*T] int64, mask [R, 1, T, S], rotation), optional
+            :func:`kv_index` of ``length`` in x's dtype and :func:`rope_rotation` of
+            ``cos, sin`` (``Llama.forward`` builds them once per forward); built here when absent.
         """
         r, t, _ = x.shape
-        q = self.q_proj(x).view(r, t, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(r, t, self.n_kv, self.head_dim)
-        # One rotation for q and k together (elementwise, so bit-identical to two): fewer launches.
-        qk = apply_rope(torch.cat((q, k), dim=2), cos, sin)  # [R, T, n_heads + n_kv, head_dim]
-        q, k = qk[:, :, : self.n_heads], qk[:, :, self.n_heads:]
-        v = self.v_proj(x).view(r, t, self.n_kv, self.head_dim)
-        flat, mask = kv_index(length, rows, t, kv.shape[2]) if index is None else index
-        # One index_copy_ into the flat [2, B*S, ...] view.
-        kv.view(2, -1, self.n_kv, self.head_dim).index_copy_(1, flat, torch.stack((k, v)).view(2, r * t, self.n_kv,
-                                                                                               self.head_dim))
+        h, kvh, hd = self.n_heads, self.n_kv, self.head_dim
+        if index is None:
+            index = (*kv_index(length, rows, t, kv.shape[2], x.dtype),
+                     rope_rotation(cos.to(x.dtype), sin.to(x.dtype), h + kvh, kvh))
+        flat, mask, rot = index
+        # One GEMM for q, k, v; one rotation for all three (v by the identity): [R, T, H + 2 KV, D].
+        qkv = rotate(self.qkv_proj(x).view(r, t, h + 2 * kvh, hd), rot)
+        # K and V sit side by side: one index_copy_ of the [2, R*T, KV, D] view into the flat cache.
+        kv.view(2, -1, kvh, hd).index_copy_(1, flat, qkv[:, :, h:].reshape(r * t, 2, kvh, hd).transpose(0, 1))
         keys, vals = (kv[0], kv[1]) if r == kv.shape[1] else (kv[0, rows], kv[1, rows])  # [R, S, n_kv, D]
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), vals.transpose(1, 2),
-                                           attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
-        return self.o_proj(y.transpose(1, 2).reshape(r, t, self.n_heads * self.head_dim))
+        y = F.scaled_dot_product_attention(qkv[:, :, :h].transpose(1, 2), keys.transpose(1, 2), vals.transpose(1, 2),
+                                           attn_mask=mask, enable_gqa=kvh != h)
+        return self.o_proj(y.transpose(1, 2).reshape(r, t, h * hd))
 
 
-def kv_index(length: torch.Tensor, rows: torch.Tensor, t: int, s: int) -> tuple[torch.Tensor, torch.Tensor]:
+def kv_index(length: torch.Tensor, rows: torch.Tensor, t: int, s: int,
+             dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """Where T new tokens go in a ``[2, B, S, ...]`` KV tensor, and what each may attend to.
 
     Parameters
@@ -208,33 +285,37 @@ def kv_index(length: torch.Tensor, rows: torch.Tensor, t: int, s: int) -> tuple[
     rows : [R] int64 batch rows
     t, s : int
         New tokens per row; rows per sequence in the KV tensor.
+    dtype : torch.dtype
+        Of the mask: the attention's query dtype.
 
     Returns
     -------
     flat : [R*T] int64
         Row of each new token in the flat ``[2, B*S, ...]`` view; clamped so a corrupt
         length still writes in bounds.
-    mask : [R, 1, T, S] bool
-        Token t of row r sees KV rows ``<= length[r] + t`` (those already written).
+    mask : [R, 1, T, S] ``dtype``
+        0 where token t of row r sees KV row s (``s <= length[r] + t``, rows already
+        written), -inf elsewhere: the additive mask SDPA makes of a boolean one.
     """
     at = length.long().unsqueeze(1) + torch.arange(t, device=length.device)  # [R, T] row of each new token
     flat = (rows.unsqueeze(1) * s + at.clamp(max=s - 1)).reshape(-1)  # [R*T]
-    mask = torch.arange(s, device=length.device) <= at.unsqueeze(-1)  # [R, T, S]
+    hidden = torch.arange(s, device=length.device) > at.unsqueeze(-1)  # [R, T, S]
+    mask = torch.zeros(hidden.shape, dtype=dtype, device=length.device).masked_fill_(hidden, float("-inf"))
     return flat, mask.unsqueeze(1)
 
 
 class MLP(nn.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``, gate and up as one GEMM."""
 
     def __init__(self, cfg: LlamaConfig, **factory):
         super().__init__()
         d, f, bias = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
-        self.gate_proj = nn.Linear(d, f, bias=bias, **factory)
-        self.up_proj = nn.Linear(d, f, bias=bias, **factory)
+        self.gate_up_proj = FusedLinear(d, {"gate_proj": f, "up_proj": f}, bias, **factory)
         self.down_proj = nn.Linear(f, d, bias=bias, **factory)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Block(nn.Module):
@@ -299,14 +380,33 @@ class Llama(nn.Module):
     def head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
+    def hf_tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor under its HF name (without ``model.``), fused projections cut into their parts.
+
+        The values are detached views of this model's parameters, in HF's order (``q_proj``,
+        ``k_proj``, ``v_proj``, ``o_proj``, ...): copying into one writes the parameter.
+        """
+        out = {}
+        for prefix, mod in self.named_modules():
+            for kind, p in mod.named_parameters(recurse=False):
+                if isinstance(mod, FusedLinear):
+                    owner = prefix.rpartition(".")[0]
+                    out.update({f"{owner}.{part}.{kind}": v for part, v in mod.split(p.detach()).items()})
+                else:
+                    out[f"{prefix}.{kind}" if prefix else kind] = p.detach()
+        return out
+
     @torch.no_grad()
     def init_random_(self, seed: int = 0, std: float = 0.02) -> Llama:
-        """Fill every weight from a seeded normal (norm weights 1), for tests and demos."""
+        """Fill every weight from a seeded normal (norm weights 1), for tests and demos.
+
+        Drawn per HF tensor, so the weights do not depend on which projections are fused.
+        """
         gen = torch.Generator().manual_seed(seed)
-        for name, p in self.named_parameters():
-            host = torch.ones(p.shape) if name.endswith("layernorm.weight") or name == "norm.weight" \
-                else torch.randn(p.shape, generator=gen) * std
-            p.copy_(host)
+        for name, t in self.hf_tensors().items():
+            host = torch.ones(t.shape) if name.endswith("layernorm.weight") or name == "norm.weight" \
+                else torch.randn(t.shape, generator=gen) * std
+            t.copy_(host)
         return self
 
     #: forward takes ``logits_at``: prefill then computes the head at one position per row only.
@@ -338,13 +438,16 @@ class Llama(nn.Module):
         x = self.embed_tokens(tokens)
         # Cast once per forward (HF casts cos/sin to the activations' dtype too), not per layer.
         cos, sin = self.rope_cos[pos].to(x.dtype), self.rope_sin[pos].to(x.dtype)  # [R, T, head_dim]
-        # KV write rows and attention masks depend only on a layer's length tensor: build
-        # them once per distinct tensor (graphburst's adapter gives every layer the same one).
+        # RoPE rotations depend only on the positions, KV write rows and masks only on a
+        # layer's length tensor: build them once per forward (per distinct length tensor;
+        # graphburst's adapter gives every layer the same one), not once per layer.
+        a = self.layers[0].self_attn if len(self.layers) else None
+        rot = rope_rotation(cos, sin, a.n_heads + a.n_kv, a.n_kv) if a is not None else None
         s = self.kv[0].shape[2] if self.kv else 0
         index = {}
         for layer, kv, length in zip(self.layers, self.kv, lengths):
             if id(length) not in index:
-                index[id(length)] = kv_index(length, rows, t, s)
+                index[id(length)] = (*kv_index(length, rows, t, s, x.dtype), rot)
             x = layer(x, cos, sin, kv, length, rows, index[id(length)])
         if logits_at is not None:
             x = x[torch.arange(r, device=x.device), logits_at].unsqueeze(1)  # [R, 1, hidden]
