@@ -280,11 +280,18 @@ class FusedLinear(nn.Linear):
 
 
 class Attention(nn.Module):
-    """Grouped-query attention over a static per-layer KV tensor."""
+    """Grouped-query attention over a static per-layer KV tensor.
 
-    def __init__(self, cfg: LlamaConfig, **factory):
+    ``fold_gqa``: run it as attention over the KV heads with each group's query heads
+    folded into the query length (q ``[R, KV, T*G, D]`` against K/V ``[R, KV, S, D]``,
+    the mask repeated per head of a group), so no backend needs a GQA path or a KV
+    repeat. Free of copies at T = 1; at T > 1, q and the output are each copied once.
+    """
+
+    def __init__(self, cfg: LlamaConfig, fold_gqa: bool = False, **factory):
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.fold = bool(fold_gqa) and self.n_kv != self.n_heads
         d, bias, hd = cfg.hidden_size, cfg.attention_bias, cfg.head_dim
         self.qkv_proj = FusedLinear(d, {"q_proj": self.n_heads * hd, "k_proj": self.n_kv * hd,
                                         "v_proj": self.n_kv * hd}, bias, **factory)
@@ -299,14 +306,16 @@ class Attention(nn.Module):
         kv : [2, B, S, n_kv, head_dim], written at rows ``length + [0, T)``
         length : [R] int32, valid rows before this call
         rows : [R] int64 batch rows of x (all B in a burst, the prefilled slots in prefill)
-        index : (flat [R*T] int64, mask [R, 1, T, S], rotation), optional
-            :func:`kv_index` of ``length`` in x's dtype and :func:`rope_rotation` of
-            ``cos, sin`` (``Llama.forward`` builds them once per forward); built here when absent.
+        index : (flat [R*T] int64, mask [R, 1, T, S] or [R, 1, T*G, S] when folded, rotation), optional
+            :func:`kv_index` of ``length`` in x's dtype (through :func:`fold_mask` when
+            ``self.fold``) and :func:`rope_rotation` of ``cos, sin`` (``Llama.forward``
+            builds them once per forward); built here when absent.
         """
         r, t, _ = x.shape
         h, kvh, hd = self.n_heads, self.n_kv, self.head_dim
         if index is None:
-            index = (*kv_index(length, rows, t, kv.shape[2], x.dtype),
+            flat, mask = kv_index(length, rows, t, kv.shape[2], x.dtype)
+            index = (flat, fold_mask(mask, h // kvh) if self.fold else mask,
                      rope_rotation(cos.to(x.dtype), sin.to(x.dtype), h + kvh, kvh))
         flat, mask, rot = index
         # One GEMM for q, k, v; one rotation for all three (v by the identity): [R, T, H + 2 KV, D].
@@ -314,9 +323,16 @@ class Attention(nn.Module):
         # K and V sit side by side: one index_copy_ of the [2, R*T, KV, D] view into the flat cache.
         kv.view(2, -1, kvh, hd).index_copy_(1, flat, qkv[:, :, h:].reshape(r * t, 2, kvh, hd).transpose(0, 1))
         keys, vals = (kv[0], kv[1]) if r == kv.shape[1] else (kv[0, rows], kv[1, rows])  # [R, S, n_kv, D]
-        y = F.scaled_dot_product_attention(qkv[:, :, :h].transpose(1, 2), keys.transpose(1, 2), vals.transpose(1, 2),
-                                           attn_mask=mask, enable_gqa=kvh != h)
-        return self.o_proj(y.transpose(1, 2).reshape(r, t, h * hd))
+        q = qkv[:, :, :h]  # [R, T, H, D]
+        if self.fold:  # query head kv*G + g reads KV head kv (HF's repeat_kv order); rows ordered (t, g)
+            g = h // kvh
+            q = q.reshape(r, t, kvh, g, hd).transpose(1, 2).reshape(r, kvh, t * g, hd)  # [R, KV, T*G, D]
+            y = F.scaled_dot_product_attention(q, keys.transpose(1, 2), vals.transpose(1, 2), attn_mask=mask)
+            y = y.view(r, kvh, t, g, hd).transpose(1, 2)  # [R, T, KV, G, D]
+        else:
+            y = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), vals.transpose(1, 2),
+                                               attn_mask=mask, enable_gqa=kvh != h).transpose(1, 2)  # [R, T, H, D]
+        return self.o_proj(y.reshape(r, t, h * hd))
 
 
 def kv_index(length: torch.Tensor, rows: torch.Tensor, t: int, s: int,
@@ -348,6 +364,12 @@ def kv_index(length: torch.Tensor, rows: torch.Tensor, t: int, s: int,
     return flat, mask.unsqueeze(1)
 
 
+def fold_mask(mask: torch.Tensor, g: int) -> torch.Tensor:
+    """``[R, 1, T, S]`` -> ``[R, 1, T*g, S]``: each token's row once per query head of a group, rows (t, g)."""
+    r, _, t, s = mask.shape
+    return mask.unsqueeze(3).expand(r, 1, t, g, s).reshape(r, 1, t * g, s)
+
+
 class MLP(nn.Module):
     """SwiGLU: ``down(silu(gate(x)) * up(x))``, gate and up as one GEMM."""
 
@@ -363,10 +385,10 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: LlamaConfig, **factory):
+    def __init__(self, cfg: LlamaConfig, fold_gqa: bool = False, **factory):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **factory)
-        self.self_attn = Attention(cfg, **factory)
+        self.self_attn = Attention(cfg, fold_gqa, **factory)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **factory)
         self.mlp = MLP(cfg, **factory)
 
@@ -394,16 +416,19 @@ class Llama(nn.Module):
     kv_slack : int
         Extra KV rows past ``capacity`` (see the module docstring), at least k + 2;
         rounded up so the row count is a multiple of 16.
+    fold_gqa : bool
+        Attention over KV heads with the query groups folded into the query length
+        (see :class:`Attention`); the same function, other SDPA shapes.
     """
 
     def __init__(self, cfg: LlamaConfig, *, batch: int, capacity: int, dtype=torch.float32, device="cpu",
-                 kv_slack: int = DEFAULT_KV_SLACK):
+                 kv_slack: int = DEFAULT_KV_SLACK, fold_gqa: bool = False):
         super().__init__()
         self.cfg, self.batch, self.capacity = cfg, batch, capacity
         self.vocab = cfg.vocab_size
         meta = {"device": "meta", "dtype": dtype}  # no init work; to_empty() places the storage
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, **meta)
-        self.layers = nn.ModuleList(Block(cfg, **meta) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(Block(cfg, fold_gqa, **meta) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **meta)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False,
                                                                       **meta)
@@ -453,6 +478,44 @@ class Llama(nn.Module):
             t.copy_(host)
         return self
 
+    def layer_inputs(self, start_pos: torch.Tensor, lengths, rows: torch.Tensor, t: int, dtype) -> list[tuple]:
+        """What every layer's attention needs, built once per forward instead of once per layer.
+
+        RoPE rotations depend only on the positions; KV write rows and masks only on a
+        layer's length tensor, so layers sharing one (graphburst's adapter gives every
+        layer the same) share them. A layer stack outside :meth:`forward` (a pipeline
+        stage) passes these as each ``Block``'s ``index``.
+
+        Parameters
+        ----------
+        start_pos : [R] int32 or int64
+        lengths : sequence of [R] int32, one per layer of this model
+        rows : [R] int64
+        t : int
+        dtype : torch.dtype
+            The activations'.
+
+        Returns
+        -------
+        list of (flat, mask, rotation), one per layer (see :class:`Attention`)
+        """
+        if not len(self.layers):
+            return []
+        attn = self.layers[0].self_attn
+        pos = (start_pos.long().unsqueeze(1) + torch.arange(t, device=start_pos.device)).clamp(
+            0, self.rope_cos.shape[0] - 1)  # [R, T]
+        # Cast once per forward, as HF casts cos/sin to the activations' dtype.
+        cos, sin = self.rope_cos[pos].to(dtype), self.rope_sin[pos].to(dtype)  # [R, T, head_dim]
+        rot = rope_rotation(cos, sin, attn.n_heads + attn.n_kv, attn.n_kv)
+        s = self.kv[0].shape[2]
+        shared, out = {}, []
+        for length in lengths:
+            if id(length) not in shared:
+                flat, mask = kv_index(length, rows, t, s, dtype)
+                shared[id(length)] = (flat, fold_mask(mask, attn.n_heads // attn.n_kv) if attn.fold else mask, rot)
+            out.append(shared[id(length)])
+        return out
+
     #: forward takes ``logits_at``: prefill then computes the head at one position per row only.
     accepts_logits_at = True
 
@@ -477,22 +540,10 @@ class Llama(nn.Module):
         r, t = tokens.shape
         if rows is None:
             rows = torch.arange(r, device=tokens.device)
-        pos = (start_pos.long().unsqueeze(1) + torch.arange(t, device=tokens.device)).clamp(
-            0, self.rope_cos.shape[0] - 1)  # [R, T]
         x = self.embed_tokens(tokens)
-        # Cast once per forward (HF casts cos/sin to the activations' dtype too), not per layer.
-        cos, sin = self.rope_cos[pos].to(x.dtype), self.rope_sin[pos].to(x.dtype)  # [R, T, head_dim]
-        # RoPE rotations depend only on the positions, KV write rows and masks only on a
-        # layer's length tensor: build them once per forward (per distinct length tensor;
-        # graphburst's adapter gives every layer the same one), not once per layer.
-        a = self.layers[0].self_attn if len(self.layers) else None
-        rot = rope_rotation(cos, sin, a.n_heads + a.n_kv, a.n_kv) if a is not None else None
-        s = self.kv[0].shape[2] if self.kv else 0
-        index = {}
-        for layer, kv, length in zip(self.layers, self.kv, lengths):
-            if id(length) not in index:
-                index[id(length)] = (*kv_index(length, rows, t, s, x.dtype), rot)
-            x = layer(x, cos, sin, kv, length, rows, index[id(length)])
+        for layer, kv, length, index in zip(self.layers, self.kv, lengths,
+                                            self.layer_inputs(start_pos, lengths, rows, t, x.dtype)):
+            x = layer(x, None, None, kv, length, rows, index)
         if logits_at is not None:
             x = x[torch.arange(r, device=x.device), logits_at].unsqueeze(1)  # [R, 1, hidden]
         return F.linear(self.norm(x), self.head_weight()).float()

@@ -55,9 +55,9 @@ class Dispatched(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def forward_ops(layers: int, dtype, batch: int, t: int) -> tuple[Counter, Counter]:
+def forward_ops(layers: int, dtype, batch: int, t: int, cfg=CFG, **kw) -> tuple[Counter, Counter]:
     """(launching, dispatched) op counts of one captured-shape forward (all B rows, per-layer lengths)."""
-    model = Llama(CFG.replace(num_hidden_layers=layers), batch=batch, capacity=64, dtype=dtype).init_random_(0)
+    model = Llama(cfg.replace(num_hidden_layers=layers), batch=batch, capacity=64, dtype=dtype, **kw).init_random_(0)
     tokens = torch.randint(0, CFG.vocab_size, (batch, t), generator=torch.Generator().manual_seed(0))
     start = torch.arange(3, 3 + batch, dtype=torch.int32)
     lengths = [start] * layers
@@ -72,8 +72,8 @@ def forward_ops(layers: int, dtype, batch: int, t: int) -> tuple[Counter, Counte
     return top, d.ops
 
 
-def per_layer(dtype, batch, t) -> tuple[Counter, Counter]:
-    one, two = forward_ops(1, dtype, batch, t), forward_ops(2, dtype, batch, t)
+def per_layer(dtype, batch, t, **kw) -> tuple[Counter, Counter]:
+    one, two = forward_ops(1, dtype, batch, t, **kw), forward_ops(2, dtype, batch, t, **kw)
     return two[0] - one[0], two[1] - one[1]
 
 
@@ -144,3 +144,24 @@ def test_hf_tensors_are_views_named_as_transformers_names_them():
     h, kv = 4 * 16, 2 * 16
     assert torch.all(qkv.bias[h:h + kv] == 7.0) and not torch.any(qkv.bias[:h] == 7.0)
     assert model.layers[1].mlp.gate_up_proj.weight[128, 0] == 5.0
+
+
+def test_folded_gqa_is_the_same_function_and_copy_free_at_t1():
+    """``fold_gqa``: the same logits (other SDPA shapes, so up to rounding) and KV, and no copies at T = 1."""
+    cfg = CFG.replace(num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=8)
+    plain = Llama(cfg, batch=3, capacity=64).init_random_(4)
+    fold = Llama(cfg, batch=3, capacity=64, fold_gqa=True).init_random_(4)
+    gen = torch.Generator().manual_seed(4)
+    zero = torch.zeros(3, dtype=torch.int32)
+    start = torch.tensor([20, 13, 6], dtype=torch.int32)
+    with torch.no_grad():
+        for tokens, at in [(torch.randint(0, 512, (3, 20), generator=gen), zero),
+                           (torch.randint(0, 512, (3, 5), generator=gen), start),
+                           (torch.randint(0, 512, (3, 1), generator=gen), start)]:
+            want, got = plain(tokens, at, [at] * 2), fold(tokens, at, [at] * 2)
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+            assert torch.equal(got.argmax(-1), want.argmax(-1))
+            assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(plain.kv, fold.kv))
+    launching, dispatched = per_layer(torch.float32, 3, 1, cfg=cfg, fold_gqa=True)
+    assert not FORBIDDEN & set(dispatched), dict(dispatched)
+    assert sum(launching.values()) <= MAX_LAUNCHING_OPS_PER_LAYER, dict(launching)

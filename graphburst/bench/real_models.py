@@ -58,9 +58,11 @@ MODELS = {
 
 
 @torch.no_grad()
-def random_target(spec: ModelSpec, *, batch: int, capacity: int, kv_slack: int, dtype, device, seed: int = 0) -> Llama:
-    """The target with seeded random weights drawn on ``device`` (fast even for 1B)."""
-    model = Llama(spec.cfg, batch=batch, capacity=capacity, dtype=dtype, device=device, kv_slack=kv_slack)
+def random_target(spec: ModelSpec, *, batch: int, capacity: int, kv_slack: int, dtype, device, seed: int = 0,
+                  fold_gqa: bool = False) -> Llama:
+    """The target with seeded random weights drawn on ``device`` (fast even for 1B); ``fold_gqa`` as in :class:`Llama`."""
+    model = Llama(spec.cfg, batch=batch, capacity=capacity, dtype=dtype, device=device, kv_slack=kv_slack,
+                  fold_gqa=fold_gqa)
     gen = torch.Generator(device=device).manual_seed(seed)
     for name, p in model.hf_tensors().items():  # per HF tensor: the same draws as before q/k/v and gate/up fused
         if name.endswith("layernorm.weight") or name == "norm.weight":
