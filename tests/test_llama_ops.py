@@ -27,6 +27,8 @@ from transformers import LlamaForCausalLM
 
 from graphburst.llama import Llama, LlamaConfig, apply_rope, rope_rotation, rope_tables, rotate
 
+from conftest import requires_gpu
+
 torch.set_num_threads(1)
 
 #: per layer: 2 rms_norm, 4 linear (qkv, o, gate_up, down), 2 RoPE (mul, sum), 1 index_copy_,
@@ -165,3 +167,44 @@ def test_folded_gqa_is_the_same_function_and_copy_free_at_t1():
     launching, dispatched = per_layer(torch.float32, 3, 1, cfg=cfg, fold_gqa=True)
     assert not FORBIDDEN & set(dispatched), dict(dispatched)
     assert sum(launching.values()) <= MAX_LAUNCHING_OPS_PER_LAYER, dict(launching)
+
+
+# ---------------------------------------------------------------------- GPU (H200)
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("fold", [False, True], ids=["gqa", "fold"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("t", [5, 1])
+def test_gpu_forward_captures_and_replays_bit_identically(dtype, fold, t):
+    """A forward captures (torch.cuda.graph) and replays what eager computes; RoPE on CUDA equals rotate_half."""
+    dev = "cuda"
+    cfg = CFG.replace(num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=16,
+                      hidden_size=128, intermediate_size=256)
+    model = Llama(cfg, batch=3, capacity=64, dtype=dtype, device=dev, fold_gqa=fold).init_random_(2)
+    gen = torch.Generator().manual_seed(2)
+    tokens = torch.randint(0, cfg.vocab_size, (3, t), generator=gen).to(dev)
+    start = torch.tensor([20, 13, 6], dtype=torch.int32, device=dev)
+    with torch.no_grad():
+        eager = model(tokens, start, [start] * 2)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            model(tokens, start, [start] * 2)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = model(tokens, start, [start] * 2)
+        graph.replay()
+        first = out.clone()
+        graph.replay()
+        torch.cuda.synchronize()
+    assert torch.equal(out, first)  # a replay is deterministic
+    # cuBLAS may pick another algorithm under capture (another workspace): equal up to rounding.
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out, eager, atol=tol, rtol=tol)
+    cos, sin = rope_tables(cfg, 64, dev)
+    pos = torch.randint(0, 64, (3, t), generator=gen).to(dev)
+    c, s = cos[pos].to(dtype), sin[pos].to(dtype)
+    x = torch.randn(3, t, 12, 16, generator=gen).to(dev, dtype)
+    assert torch.equal(rotate(x, rope_rotation(c, s, 10, 2))[:, :, :10], apply_rope(x[:, :, :10], c, s))
