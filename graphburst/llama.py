@@ -1,7 +1,8 @@
 """A Llama-architecture model in PyTorch, written to run inside a burst graph.
 
-Read top to bottom: the config, RoPE (with the ``llama3`` scaling), RMSNorm, attention
-with a static KV cache, the SwiGLU MLP, the decoder block, the model. It computes what
+Read top to bottom: RMSNorm, attention with a static KV cache, the SwiGLU MLP, the
+decoder block, the model (the config is in ``llama_config.py``, RoPE with the ``llama3``
+scaling in ``rope.py``; both re-exported here). It computes what
 ``transformers.LlamaForCausalLM`` computes (the tests check logits and greedy tokens
 against it), with three differences that a captured burst needs:
 
@@ -40,209 +41,17 @@ Nothing in ``forward`` reads a tensor's value on the host, so it can be captured
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field, fields
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .constants import MAX_K
+from .llama_config import LLAMA3_KEYS, ROPE_TYPES, LlamaConfig  # noqa: F401 (re-exported)
+from .rope import apply_rope, rope_inv_freq, rope_rotation, rope_tables, rotate  # noqa: F401 (re-exported)
 
 #: rows past ``capacity`` in every KV tensor: a chain of up to MAX_K drafts plus the
 #: draft's extra append, started at the last valid row, stays in bounds.
 DEFAULT_KV_SLACK = MAX_K + 2
-ROPE_TYPES = ("default", "llama3")
-LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_real(v) -> bool:
-    """A JSON number (bool is not one; NaN and inf fail every range check after it)."""
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-@dataclass(frozen=True)
-class LlamaConfig:
-    """The Hugging Face ``LlamaConfig`` fields this model uses (same names)."""
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    rope_scaling: dict | None = field(default=None)  # {"rope_type": "llama3", *LLAMA3_KEYS} or None
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False
-    mlp_bias: bool = False
-
-    @classmethod
-    def from_hf(cls, cfg: dict) -> LlamaConfig:
-        """Read a ``config.json`` dict (transformers 4 ``rope_theta``/``rope_scaling`` or 5 ``rope_parameters``).
-
-        Raises
-        ------
-        ValueError
-            Naming the key that is missing or holds an unsupported value.
-        """
-        if cfg.get("model_type", "llama") != "llama":
-            raise ValueError(f"config.json: model_type must be 'llama', got {cfg.get('model_type')!r}")
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"config.json: hidden_act must be 'silu', got {cfg.get('hidden_act')!r}")
-        required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
-        for key in required:
-            if not _is_int(cfg.get(key)) or cfg[key] < 1:
-                raise ValueError(f"config.json: {key} must be a positive int, got {cfg.get(key)!r}")
-        heads = cfg["num_attention_heads"]
-        kv_heads = cfg.get("num_key_value_heads")
-        if kv_heads is None:
-            kv_heads = heads  # HF's default: multi-head attention
-        elif not _is_int(kv_heads) or kv_heads < 1:
-            raise ValueError(f"config.json: num_key_value_heads must be a positive int, got {kv_heads!r}")
-        if heads % kv_heads:
-            raise ValueError(f"config.json: num_attention_heads {heads} is not a multiple of "
-                             f"num_key_value_heads {kv_heads}")
-        head_dim = cfg.get("head_dim")
-        if head_dim is None:
-            if cfg["hidden_size"] % heads:
-                raise ValueError(f"config.json: hidden_size {cfg['hidden_size']} is not a multiple of "
-                                 f"num_attention_heads {heads} (and head_dim is absent)")
-            head_dim = cfg["hidden_size"] // heads
-        elif not _is_int(head_dim) or head_dim < 2 or head_dim % 2:
-            raise ValueError(f"config.json: head_dim must be a positive even int (RoPE rotates half-heads), "
-                             f"got {head_dim!r}")
-        if head_dim % 2:
-            raise ValueError(f"config.json: head_dim hidden_size / num_attention_heads = {head_dim} is odd "
-                             f"(RoPE rotates half-heads)")
-        eps = cfg.get("rms_norm_eps", 1e-6)
-        if not _is_real(eps) or not 0 < eps < 1:
-            raise ValueError(f"config.json: rms_norm_eps must be a number in (0, 1), got {eps!r}")
-        rope = cfg.get("rope_parameters")  # transformers >= 5
-        if rope is not None and not isinstance(rope, dict):
-            raise ValueError(f"config.json: rope_parameters must be an object, got {rope!r}")
-        rope = dict(rope or {})
-        theta = rope.pop("rope_theta", cfg.get("rope_theta", 10000.0))
-        if not _is_real(theta) or not theta > 0:
-            raise ValueError(f"config.json: rope_theta must be a positive number, got {theta!r}")
-        scaling = rope or cfg.get("rope_scaling")
-        if scaling is not None and not isinstance(scaling, dict):
-            raise ValueError(f"config.json: rope_scaling must be an object or null, got {scaling!r}")
-        if scaling:
-            rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-            if rope_type not in ROPE_TYPES:
-                raise ValueError(f"config.json: rope type {rope_type!r} is not supported (supported: {ROPE_TYPES})")
-            if rope_type == "default":
-                scaling = None
-            else:
-                missing = [k for k in LLAMA3_KEYS if k not in scaling]
-                if missing:
-                    raise ValueError(f"config.json: llama3 rope scaling lacks {missing[0]!r}")
-                for k in LLAMA3_KEYS:
-                    if not _is_real(scaling[k]) or not scaling[k] > 0:
-                        raise ValueError(f"config.json: llama3 rope scaling {k} must be a positive number, "
-                                         f"got {scaling[k]!r}")
-                if not scaling["high_freq_factor"] > scaling["low_freq_factor"]:
-                    raise ValueError(f"config.json: llama3 rope scaling high_freq_factor {scaling['high_freq_factor']!r} "
-                                     f"must exceed low_freq_factor {scaling['low_freq_factor']!r}")
-                scaling = {"rope_type": "llama3", **{k: scaling[k] for k in LLAMA3_KEYS}}
-        for key in ("tie_word_embeddings", "attention_bias", "mlp_bias"):
-            if not isinstance(cfg.get(key, False), bool):
-                raise ValueError(f"config.json: {key} must be true or false, got {cfg[key]!r}")
-        return cls(vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
-                   intermediate_size=cfg["intermediate_size"], num_hidden_layers=cfg["num_hidden_layers"],
-                   num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
-                   rms_norm_eps=float(eps), rope_theta=float(theta), rope_scaling=scaling,
-                   tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                   attention_bias=bool(cfg.get("attention_bias", False)), mlp_bias=bool(cfg.get("mlp_bias", False)))
-
-    def replace(self, **changes) -> LlamaConfig:
-        return LlamaConfig(**{f.name: changes.get(f.name, getattr(self, f.name)) for f in fields(self)})
-
-
-# ---------------------------------------------------------------------- RoPE
-
-def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
-    """``[head_dim / 2] float32`` inverse frequencies, with the llama3 scaling when configured."""
-    d = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-    if cfg.rope_scaling is None:
-        return inv
-    s = cfg.rope_scaling
-    factor, low, high, old = (float(s[k]) for k in LLAMA3_KEYS)
-    # Long wavelengths are slowed by `factor`, short ones kept, the band between blended.
-    wavelen = 2 * math.pi / inv
-    scaled = torch.where(wavelen > old / low, inv / factor, inv)
-    smooth = (old / wavelen - low) / (high - low)
-    blended = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = ~(wavelen < old / high) & ~(wavelen > old / low)
-    return torch.where(medium, blended, scaled)
-
-
-def rope_tables(cfg: LlamaConfig, n_pos: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``cos, sin`` of shape ``[n_pos, head_dim] float32`` for positions 0..n_pos-1."""
-    freqs = torch.outer(torch.arange(n_pos, dtype=torch.float32), rope_inv_freq(cfg))
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(device), emb.sin().to(device)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [B, T, H, D]`` by ``cos, sin [B, T, D]`` (the rotate-half layout of HF weights).
-
-    The plain formula, kept as the reference :func:`rope_rotation` is tested against.
-    """
-    cos, sin = cos.unsqueeze(2).to(x.dtype), sin.unsqueeze(2).to(x.dtype)
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
-
-
-def rope_rotation(cos: torch.Tensor, sin: torch.Tensor, n_rot: int, n_pass: int) -> torch.Tensor:
-    """The per-head 2x2 rotations that :func:`rotate` applies.
-
-    With ``x = [h0, h1]`` (the two halves of a head), HF's rotate-half RoPE is
-    ``out[j] = sum_i h_i * m[i, j]`` with ``m = [[c, s], [-s, c]]``, where ``c, s`` are
-    the first halves of ``cos, sin`` (both halves hold the same frequencies).
-
-    Parameters
-    ----------
-    cos, sin : [R, T, head_dim], in the activations' dtype
-    n_rot, n_pass : int
-        Heads to rotate (q and k), then heads to pass through (v: the identity).
-
-    Returns
-    -------
-    [R, T, n_rot + n_pass, 2, 2, head_dim / 2], contiguous
-    """
-    half = cos.shape[-1] // 2
-    c, s = cos[..., :half], sin[..., :half]  # [R, T, D/2]
-    rot = torch.stack((c, s, -s, c), dim=2).unsqueeze(2)  # [R, T, 1, 4, D/2]
-    one, zero = torch.ones_like(c), torch.zeros_like(c)
-    keep = torch.stack((one, zero, zero, one), dim=2).unsqueeze(2)  # [R, T, 1, 4, D/2]
-    r, t = c.shape[:2]
-    m = torch.cat((rot.expand(r, t, n_rot, 4, half), keep.expand(r, t, n_pass, 4, half)), dim=2)
-    return m.view(r, t, n_rot + n_pass, 2, 2, half)
-
-
-def rotate(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """``x [R, T, NH, D]`` (last dim contiguous) rotated by ``m`` from :func:`rope_rotation`; two kernels.
-
-    The multiply rounds each product as HF's does; the sum adds the two products of one
-    output element (a sum of two is exact-order: a + b), so fp32 results are bit-identical
-    to :func:`apply_rope`.
-
-    Returns
-    -------
-    [R, T, NH, D] contiguous
-    """
-    r, t, nh, d = x.shape
-    prod = x.view(r, t, nh, 2, 1, d // 2) * m  # [R, T, NH, 2 (in half), 2 (out half), D/2]
-    return prod.sum(dim=3).view(r, t, nh, d)
 
 
 # ---------------------------------------------------------------------- layers
