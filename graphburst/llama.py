@@ -261,17 +261,19 @@ class Llama(nn.Module):
     def hf_tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor under its HF name (without ``model.``), fused projections cut into their parts.
 
-        The values are detached views of this model's parameters, in HF's order (``q_proj``,
-        ``k_proj``, ``v_proj``, ``o_proj``, ...): copying into one writes the parameter.
+        The values are detached views of this model's parameters (copying into one writes
+        the parameter), in module order with a fused projection's parts in its row order
+        (``q_proj``, ``k_proj``, ``v_proj``; each weight, then bias).
         """
         out = {}
         for prefix, mod in self.named_modules():
-            for kind, p in mod.named_parameters(recurse=False):
-                if isinstance(mod, FusedLinear):
-                    owner = prefix.rpartition(".")[0]
-                    out.update({f"{owner}.{part}.{kind}": v for part, v in mod.split(p.detach()).items()})
-                else:
-                    out[f"{prefix}.{kind}" if prefix else kind] = p.detach()
+            own = {kind: p.detach() for kind, p in mod.named_parameters(recurse=False)}  # weight, then bias
+            if isinstance(mod, FusedLinear):
+                owner = prefix.rpartition(".")[0]
+                cut = {kind: mod.split(p) for kind, p in own.items()}
+                out.update({f"{owner}.{part}.{kind}": cut[kind][part] for part in mod.parts for kind in cut})
+            else:
+                out.update({f"{prefix}.{kind}" if prefix else kind: p for kind, p in own.items()})
         return out
 
     @torch.no_grad()

@@ -137,8 +137,9 @@ def test_hf_tensors_are_views_named_as_transformers_names_them():
     want = {k: tuple(v.shape) for k, v in LlamaForCausalLM(cfg).state_dict().items()}
     model = Llama(LlamaConfig.from_hf(cfg.to_dict()), batch=1, capacity=8).init_random_(0)
     parts = model.hf_tensors()
-    assert {("lm_head." + n[8:] if n.startswith("lm_head.") else "model." + n): tuple(t.shape)
-            for n, t in parts.items()} == want
+    ours = {("lm_head." + n[8:] if n.startswith("lm_head.") else "model." + n): tuple(t.shape)
+            for n, t in parts.items()}
+    assert ours == want
     qkv = model.layers[1].self_attn.qkv_proj
     with torch.no_grad():
         parts["layers.1.self_attn.k_proj.bias"].fill_(7.0)
