@@ -13,6 +13,7 @@ from pathlib import Path
 
 from .backend import Backend, get_backend
 from .torch_adapter import TorchDraft, TorchTarget, _torch
+from .validate import check_int
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -21,7 +22,7 @@ HF_PREFIX = "model."  # HF nests everything but lm_head under LlamaForCausalLM.m
 
 
 def hf_name(name: str) -> str:
-    """HF parameter name of one of :class:`Llama`'s (``layers.0.mlp.up_proj.weight`` -> ``model.layers.0...``)."""
+    """HF name of one of :meth:`Llama.hf_tensors` (``layers.0.mlp.up_proj.weight`` -> ``model.layers.0...``)."""
     return name if name.startswith("lm_head.") else HF_PREFIX + name
 
 
@@ -79,17 +80,22 @@ def load_llama(model_dir, *, batch: int, capacity: int, dtype="float32", device=
     Raises
     ------
     ValueError
-        Naming the missing config key, the missing tensor or the one whose shape differs.
+        Naming the missing config key, the missing tensor or the one whose shape differs,
+        or a batch or capacity below 1.
+    TypeError
+        When batch or capacity is not an int.
     """
     from safetensors import safe_open
 
     from .llama import Llama
 
     torch = _torch()
+    batch, capacity = check_int("batch", batch), check_int("capacity", capacity)
     cfg = read_config(model_dir)
     model = Llama(cfg, batch=batch, capacity=capacity, dtype=torch_dtype(dtype), device=device, **kw)
     files = tensor_files(model_dir)
-    wanted = {hf_name(n): p for n, p in model.named_parameters()}
+    # HF's separate q/k/v and gate/up tensors are views into the fused parameters: copied in place.
+    wanted = {hf_name(n): t for n, t in model.hf_tensors().items()}
     by_file: dict[Path, list[str]] = {}
     for name in wanted:
         if name not in files:
@@ -156,6 +162,7 @@ def tiny_random_pair(*, batch: int, capacity: int, backend: Backend | str = "aut
     from .llama import Llama, LlamaConfig
 
     torch = _torch()
+    batch, capacity = check_int("batch", batch), check_int("capacity", capacity)
     backend = get_backend(backend)
     device = _device_of(backend, device)
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,

@@ -1,7 +1,8 @@
 """A Llama-architecture model in PyTorch, written to run inside a burst graph.
 
-Read top to bottom: the config, RoPE (with the ``llama3`` scaling), RMSNorm, attention
-with a static KV cache, the SwiGLU MLP, the decoder block, the model. It computes what
+Read top to bottom: RMSNorm, attention with a static KV cache, the SwiGLU MLP, the
+decoder block, the model (the config is in ``llama_config.py``, RoPE with the ``llama3``
+scaling in ``rope.py``; both re-exported here). It computes what
 ``transformers.LlamaForCausalLM`` computes (the tests check logits and greedy tokens
 against it), with three differences that a captured burst needs:
 
@@ -17,128 +18,40 @@ against it), with three differences that a captured burst needs:
 * **Per-sequence positions.** RoPE reads ``start_pos[b] + t`` (graphburst's ``pos_ctr``),
   so a ragged batch needs no padding.
 
+Every launch is a graph node and at batch 1 a layer's non-GEMM work is launch-bound, so
+a layer is written to issue few kernels (``tests/test_llama_ops.py`` bounds the count):
+
+* **Fused projections.** ``qkv_proj`` holds HF's ``q_proj``, ``k_proj``, ``v_proj`` rows
+  stacked, ``gate_up_proj`` holds ``gate_proj`` then ``up_proj``: one GEMM each, split by
+  views. :meth:`Llama.hf_tensors` names the HF parts as views of the fused parameters
+  (checkpoint loading, tensor-parallel sharding and the transformers twin use it).
+* **RoPE in two kernels, over q, k and v at once.** One broadcast multiply by a 2x2
+  rotation per frequency, built once per forward, and one sum over the input half
+  (:func:`rope_rotation`); v heads get the identity, so the output holds rotated q, k
+  and v side by side and one ``index_copy_`` writes K and V. Each output element is
+  the sum of the same two rounded products HF's ``x*cos + rotate_half(x)*sin`` adds, so
+  it is bit-identical in fp32 (and rounds as HF does in bf16).
+* **One norm kernel.** ``F.rms_norm`` with the weight (fp32 math inside the fused CUDA
+  kernel) instead of upcast, normalise, downcast and multiply.
+* **An additive mask built once per forward** in the activations' dtype: SDPA would turn
+  a boolean mask into the same ``0 / -inf`` tensor on every call.
+
 Nothing in ``forward`` reads a tensor's value on the host, so it can be captured.
 """
 
 from __future__ import annotations
-
-import math
-from dataclasses import dataclass, field, fields
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .constants import MAX_K
+from .llama_config import LLAMA3_KEYS, ROPE_TYPES, LlamaConfig  # noqa: F401 (re-exported)
+from .rope import apply_rope, rope_inv_freq, rope_rotation, rope_tables, rotate  # noqa: F401 (re-exported)
 
 #: rows past ``capacity`` in every KV tensor: a chain of up to MAX_K drafts plus the
 #: draft's extra append, started at the last valid row, stays in bounds.
 DEFAULT_KV_SLACK = MAX_K + 2
-ROPE_TYPES = ("default", "llama3")
-LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-
-
-@dataclass(frozen=True)
-class LlamaConfig:
-    """The Hugging Face ``LlamaConfig`` fields this model uses (same names)."""
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    rope_scaling: dict | None = field(default=None)  # {"rope_type": "llama3", *LLAMA3_KEYS} or None
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False
-    mlp_bias: bool = False
-
-    @classmethod
-    def from_hf(cls, cfg: dict) -> LlamaConfig:
-        """Read a ``config.json`` dict (transformers 4 ``rope_theta``/``rope_scaling`` or 5 ``rope_parameters``).
-
-        Raises
-        ------
-        ValueError
-            Naming the key that is missing or holds an unsupported value.
-        """
-        if cfg.get("model_type", "llama") != "llama":
-            raise ValueError(f"config.json: model_type must be 'llama', got {cfg.get('model_type')!r}")
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"config.json: hidden_act must be 'silu', got {cfg.get('hidden_act')!r}")
-        required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
-        for key in required:
-            if not isinstance(cfg.get(key), int) or isinstance(cfg.get(key), bool) or cfg[key] < 1:
-                raise ValueError(f"config.json: {key} must be a positive int, got {cfg.get(key)!r}")
-        heads = cfg["num_attention_heads"]
-        kv_heads = cfg.get("num_key_value_heads") or heads
-        if heads % kv_heads:
-            raise ValueError(f"config.json: num_attention_heads {heads} is not a multiple of "
-                             f"num_key_value_heads {kv_heads}")
-        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-        rope = dict(cfg.get("rope_parameters") or {})  # transformers >= 5
-        theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
-        scaling = rope or cfg.get("rope_scaling")
-        if scaling:
-            rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-            if rope_type not in ROPE_TYPES:
-                raise ValueError(f"config.json: rope type {rope_type!r} is not supported (supported: {ROPE_TYPES})")
-            if rope_type == "default":
-                scaling = None
-            else:
-                missing = [k for k in LLAMA3_KEYS if k not in scaling]
-                if missing:
-                    raise ValueError(f"config.json: llama3 rope scaling lacks {missing[0]!r}")
-                scaling = {"rope_type": "llama3", **{k: scaling[k] for k in LLAMA3_KEYS}}
-        return cls(vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
-                   intermediate_size=cfg["intermediate_size"], num_hidden_layers=cfg["num_hidden_layers"],
-                   num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
-                   rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
-                   tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                   attention_bias=bool(cfg.get("attention_bias", False)), mlp_bias=bool(cfg.get("mlp_bias", False)))
-
-    def replace(self, **changes) -> LlamaConfig:
-        return LlamaConfig(**{f.name: changes.get(f.name, getattr(self, f.name)) for f in fields(self)})
-
-
-# ---------------------------------------------------------------------- RoPE
-
-def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
-    """``[head_dim / 2] float32`` inverse frequencies, with the llama3 scaling when configured."""
-    d = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-    if cfg.rope_scaling is None:
-        return inv
-    s = cfg.rope_scaling
-    factor, low, high, old = (float(s[k]) for k in LLAMA3_KEYS)
-    # Long wavelengths are slowed by `factor`, short ones kept, the band between blended.
-    wavelen = 2 * math.pi / inv
-    scaled = torch.where(wavelen > old / low, inv / factor, inv)
-    smooth = (old / wavelen - low) / (high - low)
-    blended = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = ~(wavelen < old / high) & ~(wavelen > old / low)
-    return torch.where(medium, blended, scaled)
-
-
-def rope_tables(cfg: LlamaConfig, n_pos: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``cos, sin`` of shape ``[n_pos, head_dim] float32`` for positions 0..n_pos-1."""
-    freqs = torch.outer(torch.arange(n_pos, dtype=torch.float32), rope_inv_freq(cfg))
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(device), emb.sin().to(device)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [B, T, H, D]`` by ``cos, sin [B, T, D]`` (the rotate-half layout of HF weights).
-
-    ``forward`` passes ``cos, sin`` already in ``x``'s dtype (cast once per forward, as HF
-    does), so the casts here are no-ops and launch nothing.
-    """
-    cos, sin = cos.unsqueeze(2).to(x.dtype), sin.unsqueeze(2).to(x.dtype)
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
 # ---------------------------------------------------------------------- layers
@@ -150,56 +63,89 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim, **factory))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32, as HF does, then cast back. F.rms_norm is HF's
-        # x * rsqrt(mean(x^2) + eps) in one call (one fused kernel on recent CUDA builds
-        # instead of four, which matters at B=1 where every launch is a graph node).
-        h = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return self.weight * h.to(x.dtype)
+        # HF's weight * x * rsqrt(mean(x^2) + eps), normalised in fp32: one fused kernel on
+        # CUDA (fp32 math inside, so bf16 input needs no cast kernels). In fp32 it is the
+        # same products as HF's; in bf16 the fused kernel rounds once where HF rounds twice.
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+class FusedLinear(nn.Linear):
+    """Several projections of one input as one GEMM: output rows are ``parts`` in order.
+
+    Parameters
+    ----------
+    d_in : int
+    parts : dict
+        HF projection name -> its output rows (``{"q_proj": H*D, "k_proj": ..., ...}``).
+    """
+
+    def __init__(self, d_in: int, parts: dict[str, int], bias: bool, **factory):
+        super().__init__(d_in, sum(parts.values()), bias=bias, **factory)
+        self.parts = dict(parts)
+
+    def split(self, t: torch.Tensor, dim: int = 0) -> dict[str, torch.Tensor]:
+        """``t`` (the weight, the bias, or an output along ``dim=-1``) cut into its named parts (views)."""
+        return dict(zip(self.parts, t.split(list(self.parts.values()), dim=dim)))
 
 
 class Attention(nn.Module):
-    """Grouped-query attention over a static per-layer KV tensor."""
+    """Grouped-query attention over a static per-layer KV tensor.
 
-    def __init__(self, cfg: LlamaConfig, **factory):
+    ``fold_gqa``: run it as attention over the KV heads with each group's query heads
+    folded into the query length (q ``[R, KV, T*G, D]`` against K/V ``[R, KV, S, D]``,
+    the mask repeated per head of a group), so no backend needs a GQA path or a KV
+    repeat. Free of copies at T = 1; at T > 1, q and the output are each copied once.
+    """
+
+    def __init__(self, cfg: LlamaConfig, fold_gqa: bool = False, **factory):
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        d, bias = cfg.hidden_size, cfg.attention_bias
-        self.q_proj = nn.Linear(d, self.n_heads * self.head_dim, bias=bias, **factory)
-        self.k_proj = nn.Linear(d, self.n_kv * self.head_dim, bias=bias, **factory)
-        self.v_proj = nn.Linear(d, self.n_kv * self.head_dim, bias=bias, **factory)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, d, bias=bias, **factory)
+        self.fold = bool(fold_gqa) and self.n_kv != self.n_heads
+        d, bias, hd = cfg.hidden_size, cfg.attention_bias, cfg.head_dim
+        self.qkv_proj = FusedLinear(d, {"q_proj": self.n_heads * hd, "k_proj": self.n_kv * hd,
+                                        "v_proj": self.n_kv * hd}, bias, **factory)
+        self.o_proj = nn.Linear(self.n_heads * hd, d, bias=bias, **factory)
 
     def forward(self, x, cos, sin, kv, length, rows, index=None):
         """
         Parameters
         ----------
         x : [R, T, hidden]
-        cos, sin : [R, T, head_dim] float32 (or x's dtype)
+        cos, sin : [R, T, head_dim] float32 (or x's dtype); unused when ``index`` is given
         kv : [2, B, S, n_kv, head_dim], written at rows ``length + [0, T)``
         length : [R] int32, valid rows before this call
         rows : [R] int64 batch rows of x (all B in a burst, the prefilled slots in prefill)
-        index : (flat [R*T] int64, mask [R, 1, T, S] bool), optional
-            :func:`kv_index` of ``length`` (``Llama.forward`` builds it once for every
-            layer that shares a length tensor); built here when absent.
+        index : (flat [R*T] int64, mask [R, 1, T, S] or [R, 1, T*G, S] when folded, rotation), optional
+            :func:`kv_index` of ``length`` in x's dtype (through :func:`fold_mask` when
+            ``self.fold``) and :func:`rope_rotation` of ``cos, sin`` (``Llama.forward``
+            builds them once per forward); built here when absent.
         """
         r, t, _ = x.shape
-        q = self.q_proj(x).view(r, t, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(r, t, self.n_kv, self.head_dim)
-        # One rotation for q and k together (elementwise, so bit-identical to two): fewer launches.
-        qk = apply_rope(torch.cat((q, k), dim=2), cos, sin)  # [R, T, n_heads + n_kv, head_dim]
-        q, k = qk[:, :, : self.n_heads], qk[:, :, self.n_heads:]
-        v = self.v_proj(x).view(r, t, self.n_kv, self.head_dim)
-        flat, mask = kv_index(length, rows, t, kv.shape[2]) if index is None else index
-        # One index_copy_ into the flat [2, B*S, ...] view.
-        kv.view(2, -1, self.n_kv, self.head_dim).index_copy_(1, flat, torch.stack((k, v)).view(2, r * t, self.n_kv,
-                                                                                               self.head_dim))
+        h, kvh, hd = self.n_heads, self.n_kv, self.head_dim
+        if index is None:
+            flat, mask = kv_index(length, rows, t, kv.shape[2], x.dtype)
+            index = (flat, fold_mask(mask, h // kvh) if self.fold else mask,
+                     rope_rotation(cos.to(x.dtype), sin.to(x.dtype), h + kvh, kvh))
+        flat, mask, rot = index
+        # One GEMM for q, k, v; one rotation for all three (v by the identity): [R, T, H + 2 KV, D].
+        qkv = rotate(self.qkv_proj(x).view(r, t, h + 2 * kvh, hd), rot)
+        # K and V sit side by side: one index_copy_ of the [2, R*T, KV, D] view into the flat cache.
+        kv.view(2, -1, kvh, hd).index_copy_(1, flat, qkv[:, :, h:].reshape(r * t, 2, kvh, hd).transpose(0, 1))
         keys, vals = (kv[0], kv[1]) if r == kv.shape[1] else (kv[0, rows], kv[1, rows])  # [R, S, n_kv, D]
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), vals.transpose(1, 2),
-                                           attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
-        return self.o_proj(y.transpose(1, 2).reshape(r, t, self.n_heads * self.head_dim))
+        q = qkv[:, :, :h]  # [R, T, H, D]
+        if self.fold:  # query head kv*G + g reads KV head kv (HF's repeat_kv order); rows ordered (t, g)
+            g = h // kvh
+            q = q.reshape(r, t, kvh, g, hd).transpose(1, 2).reshape(r, kvh, t * g, hd)  # [R, KV, T*G, D]
+            y = F.scaled_dot_product_attention(q, keys.transpose(1, 2), vals.transpose(1, 2), attn_mask=mask)
+            y = y.view(r, kvh, t, g, hd).transpose(1, 2)  # [R, T, KV, G, D]
+        else:
+            y = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), vals.transpose(1, 2),
+                                               attn_mask=mask, enable_gqa=kvh != h).transpose(1, 2)  # [R, T, H, D]
+        return self.o_proj(y.reshape(r, t, h * hd))
 
 
-def kv_index(length: torch.Tensor, rows: torch.Tensor, t: int, s: int) -> tuple[torch.Tensor, torch.Tensor]:
+def kv_index(length: torch.Tensor, rows: torch.Tensor, t: int, s: int,
+             dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """Where T new tokens go in a ``[2, B, S, ...]`` KV tensor, and what each may attend to.
 
     Parameters
@@ -208,40 +154,50 @@ def kv_index(length: torch.Tensor, rows: torch.Tensor, t: int, s: int) -> tuple[
     rows : [R] int64 batch rows
     t, s : int
         New tokens per row; rows per sequence in the KV tensor.
+    dtype : torch.dtype
+        Of the mask: the attention's query dtype.
 
     Returns
     -------
     flat : [R*T] int64
         Row of each new token in the flat ``[2, B*S, ...]`` view; clamped so a corrupt
         length still writes in bounds.
-    mask : [R, 1, T, S] bool
-        Token t of row r sees KV rows ``<= length[r] + t`` (those already written).
+    mask : [R, 1, T, S] ``dtype``
+        0 where token t of row r sees KV row s (``s <= length[r] + t``, rows already
+        written), -inf elsewhere: the additive mask SDPA makes of a boolean one.
     """
     at = length.long().unsqueeze(1) + torch.arange(t, device=length.device)  # [R, T] row of each new token
     flat = (rows.unsqueeze(1) * s + at.clamp(max=s - 1)).reshape(-1)  # [R*T]
-    mask = torch.arange(s, device=length.device) <= at.unsqueeze(-1)  # [R, T, S]
+    hidden = torch.arange(s, device=length.device) > at.unsqueeze(-1)  # [R, T, S]
+    mask = torch.zeros(hidden.shape, dtype=dtype, device=length.device).masked_fill_(hidden, float("-inf"))
     return flat, mask.unsqueeze(1)
 
 
+def fold_mask(mask: torch.Tensor, g: int) -> torch.Tensor:
+    """``[R, 1, T, S]`` -> ``[R, 1, T*g, S]``: each token's row once per query head of a group, rows (t, g)."""
+    r, _, t, s = mask.shape
+    return mask.unsqueeze(3).expand(r, 1, t, g, s).reshape(r, 1, t * g, s)
+
+
 class MLP(nn.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``, gate and up as one GEMM."""
 
     def __init__(self, cfg: LlamaConfig, **factory):
         super().__init__()
         d, f, bias = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
-        self.gate_proj = nn.Linear(d, f, bias=bias, **factory)
-        self.up_proj = nn.Linear(d, f, bias=bias, **factory)
+        self.gate_up_proj = FusedLinear(d, {"gate_proj": f, "up_proj": f}, bias, **factory)
         self.down_proj = nn.Linear(f, d, bias=bias, **factory)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: LlamaConfig, **factory):
+    def __init__(self, cfg: LlamaConfig, fold_gqa: bool = False, **factory):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **factory)
-        self.self_attn = Attention(cfg, **factory)
+        self.self_attn = Attention(cfg, fold_gqa, **factory)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **factory)
         self.mlp = MLP(cfg, **factory)
 
@@ -269,16 +225,19 @@ class Llama(nn.Module):
     kv_slack : int
         Extra KV rows past ``capacity`` (see the module docstring), at least k + 2;
         rounded up so the row count is a multiple of 16.
+    fold_gqa : bool
+        Attention over KV heads with the query groups folded into the query length
+        (see :class:`Attention`); the same function, other SDPA shapes.
     """
 
     def __init__(self, cfg: LlamaConfig, *, batch: int, capacity: int, dtype=torch.float32, device="cpu",
-                 kv_slack: int = DEFAULT_KV_SLACK):
+                 kv_slack: int = DEFAULT_KV_SLACK, fold_gqa: bool = False):
         super().__init__()
         self.cfg, self.batch, self.capacity = cfg, batch, capacity
         self.vocab = cfg.vocab_size
         meta = {"device": "meta", "dtype": dtype}  # no init work; to_empty() places the storage
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, **meta)
-        self.layers = nn.ModuleList(Block(cfg, **meta) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(Block(cfg, fold_gqa, **meta) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **meta)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False,
                                                                       **meta)
@@ -299,15 +258,74 @@ class Llama(nn.Module):
     def head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
+    def hf_tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor under its HF name (without ``model.``), fused projections cut into their parts.
+
+        The values are detached views of this model's parameters (copying into one writes
+        the parameter), in module order with a fused projection's parts in its row order
+        (``q_proj``, ``k_proj``, ``v_proj``; each weight, then bias).
+        """
+        out = {}
+        for prefix, mod in self.named_modules():
+            own = {kind: p.detach() for kind, p in mod.named_parameters(recurse=False)}  # weight, then bias
+            if isinstance(mod, FusedLinear):
+                owner = prefix.rpartition(".")[0]
+                cut = {kind: mod.split(p) for kind, p in own.items()}
+                out.update({f"{owner}.{part}.{kind}": cut[kind][part] for part in mod.parts for kind in cut})
+            else:
+                out.update({f"{prefix}.{kind}" if prefix else kind: p for kind, p in own.items()})
+        return out
+
     @torch.no_grad()
     def init_random_(self, seed: int = 0, std: float = 0.02) -> Llama:
-        """Fill every weight from a seeded normal (norm weights 1), for tests and demos."""
+        """Fill every weight from a seeded normal (norm weights 1), for tests and demos.
+
+        Drawn per HF tensor, so the weights do not depend on which projections are fused.
+        """
         gen = torch.Generator().manual_seed(seed)
-        for name, p in self.named_parameters():
-            host = torch.ones(p.shape) if name.endswith("layernorm.weight") or name == "norm.weight" \
-                else torch.randn(p.shape, generator=gen) * std
-            p.copy_(host)
+        for name, t in self.hf_tensors().items():
+            host = torch.ones(t.shape) if name.endswith("layernorm.weight") or name == "norm.weight" \
+                else torch.randn(t.shape, generator=gen) * std
+            t.copy_(host)
         return self
+
+    def layer_inputs(self, start_pos: torch.Tensor, lengths, rows: torch.Tensor, t: int, dtype) -> list[tuple]:
+        """What every layer's attention needs, built once per forward instead of once per layer.
+
+        RoPE rotations depend only on the positions; KV write rows and masks only on a
+        layer's length tensor, so layers sharing one (graphburst's adapter gives every
+        layer the same) share them. A layer stack outside :meth:`forward` (a pipeline
+        stage) passes these as each ``Block``'s ``index``.
+
+        Parameters
+        ----------
+        start_pos : [R] int32 or int64
+        lengths : sequence of [R] int32, one per layer of this model
+        rows : [R] int64
+        t : int
+        dtype : torch.dtype
+            The activations'.
+
+        Returns
+        -------
+        list of (flat, mask, rotation), one per layer (see :class:`Attention`)
+        """
+        if not len(self.layers):
+            return []
+        attn = self.layers[0].self_attn
+        pos = (start_pos.long().unsqueeze(1) + torch.arange(t, device=start_pos.device)).clamp(
+            0, self.rope_cos.shape[0] - 1)  # [R, T]
+        # Cast once per forward, as HF casts cos/sin to the activations' dtype.
+        cos, sin = self.rope_cos[pos].to(dtype), self.rope_sin[pos].to(dtype)  # [R, T, head_dim]
+        rot = rope_rotation(cos, sin, attn.n_heads + attn.n_kv, attn.n_kv)
+        s = self.kv[0].shape[2]
+        shared, out = {}, []
+        for length in lengths:
+            if id(length) not in shared:
+                flat, mask = kv_index(length, rows, t, s, dtype)
+                shared[id(length)] = (flat, fold_mask(mask, attn.n_heads // attn.n_kv) if attn.fold else mask, rot)
+            out.append(shared[id(length)])
+        return out
 
     #: forward takes ``logits_at``: prefill then computes the head at one position per row only.
     accepts_logits_at = True
@@ -333,19 +351,10 @@ class Llama(nn.Module):
         r, t = tokens.shape
         if rows is None:
             rows = torch.arange(r, device=tokens.device)
-        pos = (start_pos.long().unsqueeze(1) + torch.arange(t, device=tokens.device)).clamp(
-            0, self.rope_cos.shape[0] - 1)  # [R, T]
         x = self.embed_tokens(tokens)
-        # Cast once per forward (HF casts cos/sin to the activations' dtype too), not per layer.
-        cos, sin = self.rope_cos[pos].to(x.dtype), self.rope_sin[pos].to(x.dtype)  # [R, T, head_dim]
-        # KV write rows and attention masks depend only on a layer's length tensor: build
-        # them once per distinct tensor (graphburst's adapter gives every layer the same one).
-        s = self.kv[0].shape[2] if self.kv else 0
-        index = {}
-        for layer, kv, length in zip(self.layers, self.kv, lengths):
-            if id(length) not in index:
-                index[id(length)] = kv_index(length, rows, t, s)
-            x = layer(x, cos, sin, kv, length, rows, index[id(length)])
+        for layer, kv, length, index in zip(self.layers, self.kv, lengths,
+                                            self.layer_inputs(start_pos, lengths, rows, t, x.dtype)):
+            x = layer(x, None, None, kv, length, rows, index)
         if logits_at is not None:
             x = x[torch.arange(r, device=x.device), logits_at].unsqueeze(1)  # [R, 1, hidden]
         return F.linear(self.norm(x), self.head_weight()).float()

@@ -1,9 +1,11 @@
 """Where a Llama forward's time goes on the GPU: kernel count, the top kernels by device
 time, and graph-replay time against the sum of kernel times (the launch gaps).
 
-    PYTHONPATH=. python3 scripts/profile_forward.py --shape 1b 8b --batch 1 16
+    PYTHONPATH=. python3 scripts/profile_forward.py --shape 1b 8b --batch 1 16 --attention gqa fold
 
-One verify-shaped forward (T = k + 1) and one draft-shaped forward (T = 1) per shape.
+One verify-shaped forward (T = k + 1) and one draft-shaped forward (T = 1) per shape and
+attention layout (``gqa``: SDPA with ``enable_gqa``; ``fold``: ``Llama(fold_gqa=True)``,
+the query groups folded into the query length).
 """
 
 from __future__ import annotations
@@ -55,42 +57,42 @@ def main(argv=None):
     ap.add_argument("--capacity", type=int, default=512)
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--attention", nargs="+", choices=("gqa", "fold"), default=["gqa"])
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     out = []
-    for name in a.shape:
+    for name, b, attn in [(n, b, at) for n in a.shape for b in a.batch for at in a.attention]:
         cfg = shape(name)
-        for b in a.batch:
-            model = random_target(type("S", (), {"cfg": cfg})(), batch=b, capacity=a.capacity, kv_slack=a.k + 2,
-                                  dtype=torch.bfloat16, device="cuda")
-            lengths = [torch.full((b,), a.capacity // 2, dtype=torch.int32, device="cuda")] * cfg.num_hidden_layers
-            pos = torch.full((b,), a.capacity // 2, dtype=torch.int32, device="cuda")
-            wbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-            for t in (a.k + 1, 1):
-                tok = torch.randint(0, cfg.vocab_size, (b, t), device="cuda")
-                fn = lambda: model(tok, pos, lengths)  # noqa: E731
-                with torch.no_grad():
-                    g_us = graph_time(fn)
-                    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                        fn()
-                        torch.cuda.synchronize()
-                per = defaultdict(lambda: [0, 0.0])
-                n = 0
-                for ev in prof.events():
-                    if ev.device_type == torch.autograd.DeviceType.CUDA:
-                        n += 1
-                        per[ev.name][0] += 1
-                        per[ev.name][1] += ev.device_time
-                k_us = sum(v[1] for v in per.values())
-                rows = sorted(per.items(), key=lambda kv: -kv[1][1])[: a.top]
-                rec = {"shape": name, "batch": b, "T": t, "graph_us": round(g_us, 1), "kernel_sum_us": round(k_us, 1),
-                       "kernels": n, "per_layer": round(n / cfg.num_hidden_layers, 1),
-                       "bw_floor_us": round(wbytes / 4.8e12 * 1e6, 1),
-                       "top": [(nm[:90], c, round(us, 1)) for nm, (c, us) in rows]}
-                out.append(rec)
-                print(json.dumps(rec, indent=1), flush=True)
-            del model
-            torch.cuda.empty_cache()
+        model = random_target(type("S", (), {"cfg": cfg})(), batch=b, capacity=a.capacity, kv_slack=a.k + 2,
+                              dtype=torch.bfloat16, device="cuda", fold_gqa=attn == "fold")
+        lengths = [torch.full((b,), a.capacity // 2, dtype=torch.int32, device="cuda")] * cfg.num_hidden_layers
+        pos = torch.full((b,), a.capacity // 2, dtype=torch.int32, device="cuda")
+        wbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        for t in (a.k + 1, 1):
+            tok = torch.randint(0, cfg.vocab_size, (b, t), device="cuda")
+            fn = lambda: model(tok, pos, lengths)  # noqa: E731
+            with torch.no_grad():
+                g_us = graph_time(fn)
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    fn()
+                    torch.cuda.synchronize()
+            per = defaultdict(lambda: [0, 0.0])
+            n = 0
+            for ev in prof.events():
+                if ev.device_type == torch.autograd.DeviceType.CUDA:
+                    n += 1
+                    per[ev.name][0] += 1
+                    per[ev.name][1] += ev.device_time
+            k_us = sum(v[1] for v in per.values())
+            rows = sorted(per.items(), key=lambda kv: -kv[1][1])[: a.top]
+            rec = {"shape": name, "batch": b, "T": t, "attention": attn, "graph_us": round(g_us, 1),
+                   "kernel_sum_us": round(k_us, 1), "kernels": n, "per_layer": round(n / cfg.num_hidden_layers, 1),
+                   "bw_floor_us": round(wbytes / 4.8e12 * 1e6, 1),
+                   "top": [(nm[:90], c, round(us, 1)) for nm, (c, us) in rows]}
+            out.append(rec)
+            print(json.dumps(rec, indent=1), flush=True)
+        del model
+        torch.cuda.empty_cache()
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)

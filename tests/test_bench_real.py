@@ -141,8 +141,9 @@ def test_hf_twin_shares_tensors_and_matches_logits():
     target = tiny()
     Epsilon(target, TINY.draft_layers).set(0.3)
     hf = hf_twin(target)
-    ptrs = {p.data_ptr() for p in target.parameters()}
+    ptrs = {t.data_ptr() for t in target.hf_tensors().values()}  # q/k/v, gate/up: views into the fused weights
     assert all(p.data_ptr() in ptrs for p in hf.parameters())
+    assert all(p.untyped_storage().data_ptr() in {q.data_ptr() for q in target.parameters()} for p in hf.parameters())
     tokens = torch.randint(0, TINY.cfg.vocab_size, (2, 9))
     torch.testing.assert_close(forward(target, tokens), hf(tokens).logits.float(), rtol=1e-5, atol=1e-5)
 

@@ -58,11 +58,13 @@ MODELS = {
 
 
 @torch.no_grad()
-def random_target(spec: ModelSpec, *, batch: int, capacity: int, kv_slack: int, dtype, device, seed: int = 0) -> Llama:
-    """The target with seeded random weights drawn on ``device`` (fast even for 1B)."""
-    model = Llama(spec.cfg, batch=batch, capacity=capacity, dtype=dtype, device=device, kv_slack=kv_slack)
+def random_target(spec: ModelSpec, *, batch: int, capacity: int, kv_slack: int, dtype, device, seed: int = 0,
+                  fold_gqa: bool = False) -> Llama:
+    """The target with seeded random weights drawn on ``device`` (fast even for 1B); ``fold_gqa`` as in :class:`Llama`."""
+    model = Llama(spec.cfg, batch=batch, capacity=capacity, dtype=dtype, device=device, kv_slack=kv_slack,
+                  fold_gqa=fold_gqa)
     gen = torch.Generator(device=device).manual_seed(seed)
-    for name, p in model.named_parameters():
+    for name, p in model.hf_tensors().items():  # per HF tensor: the same draws as before q/k/v and gate/up fused
         if name.endswith("layernorm.weight") or name == "norm.weight":
             p.fill_(1.0)
         else:
@@ -171,9 +173,10 @@ def hf_config(cfg: LlamaConfig, layers: int):
 def hf_twin(src: Llama, *, layers: int | None = None):
     """A ``transformers.LlamaForCausalLM`` whose parameters ARE ``src``'s (first ``layers`` blocks).
 
-    Built on the meta device, then every parameter is assigned ``src``'s tensor, and the
-    rotary embedding (a computed buffer, fp32 as in ``from_pretrained``) is rebuilt on
-    ``src``'s device.
+    Built on the meta device, then every parameter is assigned ``src``'s tensor (HF's
+    separate q/k/v and gate/up are views into ``src``'s fused ones, from
+    :meth:`Llama.hf_tensors`), and the rotary embedding (a computed buffer, fp32 as in
+    ``from_pretrained``) is rebuilt on ``src``'s device.
 
     Raises
     ------
@@ -188,7 +191,7 @@ def hf_twin(src: Llama, *, layers: int | None = None):
     with torch.device("meta"):
         hf = LlamaForCausalLM(cfg)
     ours = {("lm_head." + name[len("lm_head."):] if name.startswith("lm_head.") else "model." + name): p
-            for name, p in src.named_parameters() if not name.startswith("layers.") or int(name.split(".")[1]) < n}
+            for name, p in src.hf_tensors().items() if not name.startswith("layers.") or int(name.split(".")[1]) < n}
     if cfg.tie_word_embeddings:
         ours.pop("lm_head.weight", None)
     hf.load_state_dict(ours, strict=False, assign=True)
@@ -199,7 +202,7 @@ def hf_twin(src: Llama, *, layers: int | None = None):
     hf.eval()
     for name, t in [*hf.named_parameters(), *hf.named_buffers()]:
         assert not t.is_meta, f"HF twin: {name} was not set"
-    mine = {p.data_ptr() for p in src.parameters()}
+    mine = {t.data_ptr() for t in src.hf_tensors().values()}  # parameters and the views into fused ones
     assert all(p.data_ptr() in mine for p in hf.parameters()), "HF twin copied a parameter instead of sharing it"
     gc = hf.generation_config
     gc.eos_token_id = gc.bos_token_id = gc.pad_token_id = None  # never stop early on a random model

@@ -28,7 +28,8 @@ def random_llama(cfg: LlamaConfig, *, batch: int, capacity: int, device="cpu", d
     """A Llama with seeded normal weights (norms 1); layers from ``keep_layers`` on get scaled residual outputs."""
     model = Llama(cfg, batch=batch, capacity=capacity, dtype=dtype, device=device)
     dev = torch.device(device)
-    for i, (name, p) in enumerate(model.named_parameters()):
+    # Per HF tensor (fused projections in their parts), so the weights do not depend on the fusing.
+    for i, (name, p) in enumerate(model.hf_tensors().items()):
         if name.endswith("norm.weight"):
             p.fill_(1.0)
             continue

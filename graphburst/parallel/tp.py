@@ -5,6 +5,9 @@ Per layer, rank r of ``world`` holds
 * ``q_proj``/``k_proj``/``v_proj``: rows of query heads ``[r*H/w, (r+1)*H/w)`` and KV heads
   ``[r*KV/w, ...)`` (column-parallel; a query head's KV group stays on its rank),
 * ``gate_proj``/``up_proj``: rows ``[r*F/w, (r+1)*F/w)`` (column-parallel),
+* each cut per HF component, then stacked into the rank's fused ``qkv_proj`` and
+  ``gate_up_proj`` (:meth:`Llama.hf_tensors` names the parts of both models), so a
+  rank's fused GEMM is ``[q_r; k_r; v_r]``, not a slice of the full fused weight,
 * ``o_proj``/``down_proj``: the matching input columns (row-parallel), each followed by
   one all-reduce (a forward hook: ``graphburst.llama`` itself is unchanged),
 * the KV cache of its own KV heads only.
@@ -68,10 +71,10 @@ class TPLlama(nn.Module):
         self.batch, self.capacity, self.kv_slack = batch, capacity, self.inner.kv_slack
         self.v_local = -(-cfg.vocab_size // w)  # head rows per rank; the last rank's tail is zero padding
         self.inner.lm_head = nn.Linear(cfg.hidden_size, self.v_local, bias=False, device=ctx.device, dtype=dtype)
-        src = dict(full.named_parameters())
+        src = full.hf_tensors()
         with torch.no_grad():
-            for name, p in self.inner.named_parameters():
-                p.copy_(self._shard(name, src, full, r, w))
+            for name, part in self.inner.hf_tensors().items():  # views into the fused local parameters
+                part.copy_(self._shard(name, src, full, r, w))
         for block in self.inner.layers:  # row-parallel outputs: one all-reduce each
             block.self_attn.o_proj.register_forward_hook(self._reduce)
             block.mlp.down_proj.register_forward_hook(self._reduce)

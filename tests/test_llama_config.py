@@ -1,0 +1,85 @@
+"""LlamaConfig.from_hf: every malformed key is a ValueError naming the key and the value.
+
+Before these checks, several of them surfaced later as a TypeError, AttributeError or
+RuntimeError from inside the model's construction, naming neither.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from transformers import LlamaConfig as HFConfig
+
+from graphburst.checkpoint import load_llama, tiny_random_pair
+from graphburst.llama import LlamaConfig
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 16}
+
+
+def base() -> dict:
+    """A config.json as transformers writes it (its own serialisation, not ours)."""
+    return HFConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2).to_dict()
+
+
+def test_transformers_configs_are_read():
+    cfg = LlamaConfig.from_hf(base())
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (4, 2, 16)
+    llama3 = LlamaConfig.from_hf(HFConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                          num_attention_heads=4, rope_scaling=LLAMA3).to_dict())
+    assert llama3.rope_scaling["rope_type"] == "llama3" and llama3.num_key_value_heads == 4
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"num_key_value_heads": "2"}, "num_key_value_heads must be a positive int, got '2'"),
+    ({"num_key_value_heads": 2.0}, "num_key_value_heads must be a positive int, got 2.0"),
+    ({"num_key_value_heads": 0}, "num_key_value_heads must be a positive int, got 0"),
+    ({"num_key_value_heads": True}, "num_key_value_heads must be a positive int, got True"),
+    ({"num_key_value_heads": 3}, "num_attention_heads 4 is not a multiple of num_key_value_heads 3"),
+    ({"head_dim": 15}, "head_dim must be a positive even int .* got 15"),
+    ({"head_dim": 16.0}, "head_dim must be a positive even int .* got 16.0"),
+    ({"head_dim": "16"}, "head_dim must be a positive even int .* got '16'"),
+    ({"head_dim": None, "hidden_size": 66}, "hidden_size 66 is not a multiple of num_attention_heads 4"),
+    ({"head_dim": None, "hidden_size": 68}, "hidden_size / num_attention_heads = 17 is odd"),
+    ({"rope_scaling": "llama3"}, "rope_scaling must be an object or null, got 'llama3'"),
+    ({"rope_scaling": [1, 2]}, "rope_scaling must be an object or null"),
+    ({"rope_parameters": "x"}, "rope_parameters must be an object, got 'x'"),
+    ({"rope_scaling": {**LLAMA3, "factor": "8"}}, "llama3 rope scaling factor must be a positive number, got '8'"),
+    ({"rope_scaling": {**LLAMA3, "high_freq_factor": 1.0}}, "high_freq_factor 1.0 must exceed low_freq_factor"),
+    ({"rms_norm_eps": "1e-6"}, "rms_norm_eps must be a number in \\(0, 1\\), got '1e-6'"),
+    ({"rms_norm_eps": None}, "rms_norm_eps must be a number in \\(0, 1\\), got None"),
+    ({"rms_norm_eps": -1e-6}, "rms_norm_eps must be a number in \\(0, 1\\)"),
+    ({"rope_theta": "big"}, "rope_theta must be a positive number, got 'big'"),
+    ({"rope_theta": 0}, "rope_theta must be a positive number, got 0"),
+    ({"tie_word_embeddings": "false"}, "tie_word_embeddings must be true or false, got 'false'"),
+    ({"hidden_size": 64.0}, "hidden_size must be a positive int, got 64.0"),
+])
+def test_malformed_config_is_a_value_error_naming_the_key(change, message):
+    cfg = base()
+    cfg.pop("rope_parameters", None)  # transformers 5 writes theta here; the cases set the v4 keys
+    cfg.update(change)
+    with pytest.raises(ValueError, match=message):
+        LlamaConfig.from_hf(cfg)
+
+
+def test_a_malformed_checkpoint_config_fails_before_any_tensor_is_read(tmp_path):
+    cfg = base()
+    cfg["head_dim"] = 15
+    (tmp_path / "config.json").write_text(json.dumps(cfg))  # no weights at all: the config is checked first
+    with pytest.raises(ValueError, match="head_dim must be a positive even int"):
+        load_llama(tmp_path, batch=1, capacity=8)
+
+
+@pytest.mark.parametrize("field,value,error", [
+    ("batch", 0, ValueError), ("batch", 1.5, TypeError), ("capacity", "64", TypeError), ("capacity", -1, ValueError),
+])
+def test_loaders_check_batch_and_capacity(tmp_path, field, value, error):
+    HFConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+             num_attention_heads=4).save_pretrained(tmp_path)  # config only: the check comes first
+    sizes = {"batch": 1, "capacity": 8, field: value}
+    with pytest.raises(error, match=field):
+        load_llama(tmp_path, **sizes)
+    with pytest.raises(error, match=field):
+        tiny_random_pair(backend="numpy", **sizes)
