@@ -68,10 +68,10 @@ class StageLlama(nn.Module):
         r, t = x.shape[:2]
         if rows is None:
             rows = torch.arange(r, device=x.device)
-        pos = (start_pos.long().unsqueeze(1) + torch.arange(t, device=x.device)).clamp(0, inner.rope_cos.shape[0] - 1)
-        cos, sin = inner.rope_cos[pos], inner.rope_sin[pos]  # [R, T, head_dim]
-        for i, layer in enumerate(inner.layers):
-            x = layer(x, cos, sin, inner.kv[i], lengths[self.own.start + i], rows)
+        own = [lengths[self.own.start + i] for i in range(len(inner.layers))]
+        # Rotations, KV rows and masks once per forward for the whole stage, as Llama.forward does.
+        for i, (layer, index) in enumerate(zip(inner.layers, inner.layer_inputs(start_pos, own, rows, t, x.dtype))):
+            x = layer(x, None, None, inner.kv[i], own[i], rows, index)
         return x
 
     def head(self, x):
