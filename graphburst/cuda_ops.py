@@ -15,6 +15,7 @@ import cupy
 import numpy as np
 
 from .constants import MAX_LAYER_THREADS, SAMPLE_THREADS, THREADS_PER_BLOCK
+from .sampling_scratch import n_tiles
 
 KERNEL_SOURCE = Path(__file__).with_name("kernels.cu")
 KERNEL_NAMES = (
@@ -30,9 +31,13 @@ KERNEL_NAMES = (
     "stub_verify",
     "stub_draft_append",
     "stub_logits",
-    "spec_probs_from_logits",
-    "spec_sample_draft",
-    "spec_accept_sample",
+    "spec_probs_select",
+    "spec_probs_tiles",
+    "spec_probs_normalize",
+    "spec_race_tiles",
+    "spec_race_pick",
+    "spec_accept_tiles",
+    "spec_accept_pick",
 )
 _i32 = np.int32
 _i64 = np.int64
@@ -195,8 +200,12 @@ def stub_logits(pred, pos, logits, *, pos_offset, salt, spread, peak, step=None,
 
 
 # ----------------------------------------------------------------------------- sampling
-# One block of SAMPLE_THREADS per vocabulary row; the block size is part of the bit-exact
-# contract with sampling_ref.py (it fixes the summation order), so it is not tunable here.
+# One block of SAMPLE_THREADS per (tile of SAMPLE_TILE tokens, row): several blocks per row.
+# Threads and tile size are part of the bit-exact contract with sampling_ref.py (they fix
+# the summation order), so they are not tunable here. ``scratch`` is the decoder's
+# StreamBufs (or a sampling_scratch.SampleScratch): per-tile partials at fixed addresses.
+
+_PICK_THREADS = 32  # the pick kernels are one warp per row
 
 
 def _step_arg(step, n_rows):
@@ -204,8 +213,41 @@ def _step_arg(step, n_rows):
     return (_i32(-1), n_rows) if step is None else (_i32(step), 1)
 
 
-def probs_from_logits(logits, temperature, top_k, top_p, probs, *, step=None, stream):
+def _scratch_rows(scratch, batch, rows, vocab) -> int:
+    """Scratch rows per sequence (S), after checking the scratch fits the call."""
+    s_rows, nt = scratch.tile_key.shape[1], scratch.tile_key.shape[2]
+    assert scratch.tile_key.shape[0] >= batch and s_rows >= rows and nt == n_tiles(vocab), \
+        (scratch.tile_key.shape, batch, rows, vocab)
+    return s_rows
+
+
+def _probs_launches(logits, temperature, top_k, top_p, probs, scratch, step, stream, race):
+    """select -> tiles -> normalize, with the draft race when ``race`` = (seed, pos, tok, prob)."""
+    batch, n_rows, vocab = logits.shape
+    step_arg, grid_y = _step_arg(step, n_rows)
+    s_rows = _scratch_rows(scratch, batch, n_rows, vocab)
+    nt = n_tiles(vocab)
+    block = (SAMPLE_THREADS,)
+    select_grid = (batch, grid_y)
+    tile_grid = (batch * nt, grid_y)
+    seed, pos, tok, prob = race if race is not None else (np.uint64(0),) * 4
+    flag = _i32(race is not None)
+    head = (_i32(n_rows), _i32(vocab), step_arg, _i32(s_rows))
+    _launch("spec_probs_select", select_grid, block, head + (logits, temperature, top_k, top_p, scratch.sel_thr),
+            stream)
+    _launch("spec_probs_tiles", tile_grid, block, head + (flag, logits, temperature, scratch.sel_thr, seed, pos, probs,
+                                                          scratch.tile_key, scratch.tile_sum, scratch.race_key,
+                                                          scratch.race_w), stream)
+    _launch("spec_probs_normalize", tile_grid, block, head + (flag, temperature, scratch.tile_key, scratch.tile_sum,
+                                                              scratch.race_key, scratch.race_w, probs, tok, prob),
+            stream)
+
+
+def probs_from_logits(logits, temperature, top_k, top_p, probs, scratch=None, *, step=None, stream):
     """Temperature, top-k and top-p: logits -> normalized probabilities (see sampling_ref).
+
+    Three launches: ``spec_probs_select`` (grid (B, rows), returns at once without
+    filters), ``spec_probs_tiles`` and ``spec_probs_normalize`` (grid (B * n_tiles, rows)).
 
     Parameters
     ----------
@@ -214,19 +256,39 @@ def probs_from_logits(logits, temperature, top_k, top_p, probs, *, step=None, st
     top_k : [B] int32 (0: off)
     top_p : [B] float32 (1: off)
     probs : [B, T, V] float32, written; may be ``logits`` (in place)
+    scratch : StreamBufs or SampleScratch with at least T rows
     step : int or None
         Only row ``step`` of each sequence; None: all T rows.
     """
-    batch, n_rows, vocab = logits.shape
-    step_arg, grid_y = _step_arg(step, n_rows)
-    grid = (batch, grid_y)
-    block = (SAMPLE_THREADS,)
-    args = (_i32(n_rows), _i32(vocab), step_arg, logits, temperature, top_k, top_p, probs)
-    _launch("spec_probs_from_logits", grid, block, args, stream)
+    _probs_launches(logits, temperature, top_k, top_p, probs, scratch, step, stream, None)
 
 
-def sample_draft(q, seed, pos, draft_tok, draft_prob, *, step=None, stream):
-    """Sample draft row t of each sequence (the token at ``pos + t + 1``) from q.
+def draft_probs_sample(logits, temperature, top_k, top_p, seed, pos, probs, draft_tok, draft_prob, scratch=None, *,
+                       step=None, stream):
+    """Draft rows' probabilities and the draft's proposal from them, in three launches.
+
+    Parameters
+    ----------
+    logits : [B, k, V] float32
+    temperature, top_k, top_p : [B] (as :func:`probs_from_logits`)
+    seed : [B] uint64
+    pos : [B] int32, position of ``vtok[b, 0]`` (row t proposes the token at pos + t + 1)
+    probs : [B, k, V] float32, written; may be ``logits``
+    draft_tok : [B, k] int32, written
+    draft_prob : [B, k] float32, written (the drawn token's probability)
+    scratch : StreamBufs or SampleScratch with at least k rows
+    step : int or None
+        Only draft row ``step``; None: all k rows.
+    """
+    _probs_launches(logits, temperature, top_k, top_p, probs, scratch, step, stream,
+                    (seed, pos, draft_tok, draft_prob))
+
+
+def sample_draft(q, seed, pos, draft_tok, draft_prob, scratch=None, *, step=None, stream):
+    """Sample draft row t of each sequence (the token at ``pos + t + 1``) from given q.
+
+    Two launches: ``spec_race_tiles`` (grid (B * n_tiles, rows)) and ``spec_race_pick``
+    (one warp per (b, row)).
 
     Parameters
     ----------
@@ -235,19 +297,26 @@ def sample_draft(q, seed, pos, draft_tok, draft_prob, *, step=None, stream):
     pos : [B] int32, position of ``vtok[b, 0]``
     draft_tok : [B, k] int32, written
     draft_prob : [B, k] float32, written (q of the drawn token)
+    scratch : StreamBufs or SampleScratch with at least k rows
     step : int or None
         Only draft row ``step``; None: all k rows.
     """
     batch, k, vocab = q.shape
     step_arg, grid_y = _step_arg(step, k)
-    grid = (batch, grid_y)
-    block = (SAMPLE_THREADS,)
-    args = (_i32(k), _i32(vocab), step_arg, q, seed, pos, draft_tok, draft_prob)
-    _launch("spec_sample_draft", grid, block, args, stream)
+    s_rows = _scratch_rows(scratch, batch, k, vocab)
+    head = (_i32(k), _i32(vocab), step_arg, _i32(s_rows))
+    tile_grid = (batch * n_tiles(vocab), grid_y)
+    _launch("spec_race_tiles", tile_grid, (SAMPLE_THREADS,), head + (q, seed, pos, scratch.race_key, scratch.race_w),
+            stream)
+    _launch("spec_race_pick", (batch, grid_y), (_PICK_THREADS,),
+            head + (scratch.race_key, scratch.race_w, draft_tok, draft_prob), stream)
 
 
-def accept_sample(vtok, p, q, brk, seed, pos, n_acc, last_pred, *, stream):
+def accept_sample(vtok, p, q, brk, seed, pos, n_acc, last_pred, scratch=None, *, stream):
     """Lossless speculative sampling; outputs mean what :func:`accept_greedy`'s do.
+
+    Two launches: ``spec_accept_tiles`` (grid (B * n_tiles,)) races the replacement or
+    bonus token per tile, ``spec_accept_pick`` (one warp per sequence) combines.
 
     Parameters
     ----------
@@ -259,9 +328,12 @@ def accept_sample(vtok, p, q, brk, seed, pos, n_acc, last_pred, *, stream):
     pos : [B] int32, position of ``vtok[b, 0]``
     n_acc : [B] int32, written (accepted drafts)
     last_pred : [B] int32, written (replacement or bonus token)
+    scratch : StreamBufs or SampleScratch (one row is enough)
     """
     batch, k1 = vtok.shape
-    grid = (batch,)
-    block = (SAMPLE_THREADS,)
-    args = (_i32(k1 - 1), _i32(p.shape[2]), vtok, p, q, brk, seed, pos, n_acc, last_pred)
-    _launch("spec_accept_sample", grid, block, args, stream)
+    vocab = p.shape[2]
+    s_rows = _scratch_rows(scratch, batch, 1, vocab)
+    args = (_i32(k1 - 1), _i32(vocab), _i32(s_rows), vtok, p, q, brk, seed, pos)
+    _launch("spec_accept_tiles", (batch * n_tiles(vocab),), (SAMPLE_THREADS,),
+            args + (scratch.race_key, scratch.race_w), stream)
+    _launch("spec_accept_pick", (batch,), (_PICK_THREADS,), args + (scratch.race_key, n_acc, last_pred), stream)
