@@ -465,3 +465,48 @@ def test_race_words_of_single_elements_match_the_row_layout(rng):
     ctr = np.array([pos[1] & 0xFFFFFFFF, constants.DRAW_DRAFT, 7 // 4, 0], np.uint32)
     key = np.array([int(seed[1]) & 0xFFFFFFFF, int(seed[1]) >> 32], np.uint32)
     assert rows[1, 7] == sp.philox4x32_10(ctr, key)[7 % 4]
+
+
+# ------------------------------------------------------------------ the fused draft step
+
+
+def fused_draft(logits, temp, top_k=0, top_p=1.0, seed=None, pos=None):
+    b, k, _ = logits.shape
+    seed = np.arange(b, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15) if seed is None else seed
+    pos = np.arange(b, dtype=np.int32) * 13 if pos is None else pos
+    q = np.full_like(logits, np.nan)
+    tok, prob = np.full((b, k), -9, np.int32), np.full((b, k), np.nan, F32)
+    sr.draft_probs_sample(logits, np.full(b, temp, F32), np.full(b, top_k, np.int32), np.full(b, top_p, F32), seed,
+                          pos, q, tok, prob)
+    return q, tok, prob, seed, pos
+
+
+@pytest.mark.parametrize("vocab", [19, 5000])
+def test_fused_draft_step_is_a_race_over_its_probabilities(vocab):
+    """q equals probs_from_logits bit for bit, draft_prob = q[token], and the token equals a
+    float64 race over q with the same exponentials (the fused race rescales tile winners
+    in float32, so a near-tie may differ: at most 1 row in 500)."""
+    rng = np.random.default_rng(vocab)
+    logits = (rng.normal(size=(500, 2, vocab)) * 2).astype(F32)
+    q, tok, prob, seed, pos = fused_draft(logits, 0.8, top_p=0.97)
+    assert np.array_equal(q, probs(logits, 0.8, top_p=0.97))
+    assert np.array_equal(prob, np.take_along_axis(q, tok[..., None], axis=2)[..., 0]) and np.all(prob > 0)
+    agree = 0
+    for t in range(2):
+        words = sp.race_words(seed, pos.astype(np.int64) + t + 1, constants.DRAW_DRAFT, -(-vocab // 4) * 4)
+        e = sp.expo(words)[:, :vocab].astype(np.float64)
+        key = np.where(q[:, t] > 0, q[:, t] / e, -1.0)
+        agree += int(np.sum(np.argmax(key, axis=1) == tok[:, t]))
+    assert agree >= 2 * 500 - 1
+
+
+def test_fused_draft_step_greedy_and_distribution():
+    logits = np.array([[[1, 3, 3, 2]]] * 2, F32)
+    q, tok, prob, *_ = fused_draft(logits, 0.0)
+    assert tok.tolist() == [[1], [1]] and prob.tolist() == [[1], [1]] and q[0, 0].tolist() == [0, 1, 0, 0]
+    # Temperature 1 over a small vocabulary: the proposals follow q (chi-square).
+    n = 40_000
+    row = np.log(np.array([0.4, 0.3, 0.2, 0.1, 1e-9], np.float64)).astype(F32)
+    q, tok, *_ = fused_draft(np.tile(row, (n, 1, 1)), 1.0)
+    pval, info = st.goodness_of_fit(tok[:, 0], q[0, 0])
+    assert pval > st.ALPHA, info
