@@ -1265,24 +1265,33 @@ extern "C" __global__ void spec_race_pick(int n_rows, int vocab, int step, int s
 
 // The accepted prefix n of sequence b: for i < n_valid = clamp(brk[b, 0], 0, k), in order,
 // draft x = vtok[b, 1 + i] is accepted iff 0 <= x < V and u_i * q[b, i, x] < p[b, i, x]
-// (u_i: draw GB_DRAW_ACCEPT at pos[b] + i + 1).
+// (u_i: draw GB_DRAW_ACCEPT at pos[b] + i + 1); n = the run of accepts before the first
+// failure. Called by a whole warp: lane l tests draft base + l, a ballot finds the run.
 __device__ int gb_accept_prefix(int b, int k, int vocab, int n_valid, const int* vtok, const float* p, const float* q,
                                 u64 seed, int pos) {
     const int* v = vtok + (long long)b * (k + 1);
-    int n = 0;
-    for (; n < n_valid; ++n) {
-        int x = v[n + 1];
-        if (x < 0 || x >= vocab) break;
-        float u = gb_uniform(seed, pos + n + 1, GB_DRAW_ACCEPT);
-        float px = p[((long long)b * (k + 1) + n) * vocab + x];
-        float qx = q[((long long)b * k + n) * vocab + x];
-        if (!(__fmul_rn(u, qx) < px)) break;
+    int lane = threadIdx.x & 31, n = 0;
+    for (int base = 0; base < n_valid; base += 32) {
+        int i = base + lane;
+        bool ok = false;
+        if (i < n_valid) {
+            int x = v[i + 1];
+            if (x >= 0 && x < vocab) {
+                float u = gb_uniform(seed, pos + i + 1, GB_DRAW_ACCEPT);
+                float px = p[((long long)b * (k + 1) + i) * vocab + x];
+                float qx = q[((long long)b * k + i) * vocab + x];
+                ok = __fmul_rn(u, qx) < px;
+            }
+        }
+        unsigned fail = ~__ballot_sync(0xffffffffu, ok);
+        if (fail) return n + __ffs((int)fail) - 1;
+        n += 32;
     }
     return n;
 }
 
 // Threads: one block of GB_SAMPLE_THREADS per (tile, sequence b) on blockIdx.x = b * n_tiles
-// + tile. Every block finds the accepted prefix n (gb_accept_prefix; thread 0, shared) and
+// + tile. Every block finds the accepted prefix n (gb_accept_prefix; warp 0, shared) and
 // races its tile of row n with E from draw GB_DRAW_RESAMPLE at position pos[b] + n + 1:
 // slot 0 over the residual max(0, p_n - q_n) (only when n < n_valid), slot 1 over p_n;
 // winners into race_key[b, 0, slot, t] (0: none), their weights into race_w.
@@ -1301,7 +1310,10 @@ extern "C" __global__ void spec_accept_tiles(int k, int vocab, int s_rows,
     u64 my_seed = seed[b];
     int my_pos = pos[b];
     int n_valid = min(max(brk[2 * b], 0), k);
-    if (threadIdx.x == 0) sm.i0 = gb_accept_prefix(b, k, vocab, n_valid, vtok, p, q, my_seed, my_pos);
+    if (threadIdx.x < 32) {
+        int n = gb_accept_prefix(b, k, vocab, n_valid, vtok, p, q, my_seed, my_pos);
+        if (threadIdx.x == 0) sm.i0 = n;
+    }
     __syncthreads();
     int n = sm.i0;
     bool residual = n < n_valid;
@@ -1361,8 +1373,8 @@ extern "C" __global__ void spec_accept_pick(int k, int vocab, int s_rows,
     }
     key_r = gb_warp_max_u64(key_r);
     key_p = gb_warp_max_u64(key_p);
+    int n = gb_accept_prefix(b, k, vocab, n_valid, vtok, p, q, seed[b], pos[b]);
     if (threadIdx.x == 0) {
-        int n = gb_accept_prefix(b, k, vocab, n_valid, vtok, p, q, seed[b], pos[b]);
         u64 key = n < n_valid && key_r ? key_r : key_p;
         n_acc[b] = n;
         last_pred[b] = key ? (int)(~(u32)key) : GB_PLACEHOLDER_TOKEN;

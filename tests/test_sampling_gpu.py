@@ -87,7 +87,7 @@ def scratch(batch, rows, vocab):
 
     s = SampleScratch(batch, rows, vocab, cp)
     for name in ("sel_thr", "tile_key", "race_key"):
-        getattr(s, name).fill(0xFFFFFFFFFFFFFFF0)
+        getattr(s, name).fill(np.uint64(0xFFFFFFFFFFFFFFF0))
     for name in ("tile_sum", "race_w"):
         getattr(s, name).fill(cp.nan)
     return s

@@ -225,10 +225,12 @@ def _kernel_ops(backend, batch: int, vocab: int, k: int) -> dict:
     n_acc, last = xp.zeros(batch, np.int32), xp.zeros(batch, np.int32)  # [B]
     sc = SampleScratch(batch, k + 1, vocab, xp)
     stream = backend.new_stream()
+    backend.order_after_current(stream)  # the buffers above were filled on the current stream
     # Real inputs for the accept: p and q from the logits, drafts sampled from q.
     ops.probs_from_logits(tgt_logits, ones, zeros_i, ones, p, sc, stream=stream)
     ops.draft_probs_sample(drf_logits, ones, zeros_i, ones, seed, pos, q, draft_tok, draft_prob, sc, stream=stream)
-    vtok[:, 1:] = draft_tok
+    with stream:
+        vtok[:, 1:] = draft_tok
     stream.synchronize()
     return {
         "draft_probs_sample (1 draft row)": lambda s: ops.draft_probs_sample(
