@@ -221,26 +221,170 @@ def _scratch_rows(scratch, batch, rows, vocab) -> int:
     return s_rows
 
 
-def _probs_launches(logits, temperature, top_k, top_p, probs, scratch, step, stream, race):
-    """select -> tiles -> normalize, with the draft race when ``race`` = (seed, pos, tok, prob)."""
+def _tile_grid(batch, vocab, step, n_rows):
+    """(kernel step argument, grid) of a per-(tile, row) kernel: x = b * n_tiles + tile, y = row."""
+    step_arg, grid_y = _step_arg(step, n_rows)
+    return step_arg, (batch * n_tiles(vocab), grid_y)
+
+
+def probs_select(logits, temperature, top_k, top_p, scratch, *, step=None, stream):
+    """``spec_probs_select``: ``scratch.sel_thr[b, r]`` <- the smallest order key top-k/top-p keep.
+
+    Returns at once (thr 0) for rows without filters. Grid (B, rows), SAMPLE_THREADS threads.
+
+    Parameters
+    ----------
+    logits : [B, T, V] float32
+    temperature, top_p : [B] float32
+    top_k : [B] int32
+    scratch : StreamBufs or SampleScratch
+    step : int or None
+    """
     batch, n_rows, vocab = logits.shape
     step_arg, grid_y = _step_arg(step, n_rows)
     s_rows = _scratch_rows(scratch, batch, n_rows, vocab)
-    nt = n_tiles(vocab)
+    grid = (batch, grid_y)
     block = (SAMPLE_THREADS,)
-    select_grid = (batch, grid_y)
-    tile_grid = (batch * nt, grid_y)
-    seed, pos, tok, prob = race if race is not None else (np.uint64(0),) * 4
-    flag = _i32(race is not None)
-    head = (_i32(n_rows), _i32(vocab), step_arg, _i32(s_rows))
-    _launch("spec_probs_select", select_grid, block, head + (logits, temperature, top_k, top_p, scratch.sel_thr),
-            stream)
-    _launch("spec_probs_tiles", tile_grid, block, head + (flag, logits, temperature, scratch.sel_thr, seed, pos, probs,
-                                                          scratch.tile_key, scratch.tile_sum, scratch.race_key,
-                                                          scratch.race_w), stream)
-    _launch("spec_probs_normalize", tile_grid, block, head + (flag, temperature, scratch.tile_key, scratch.tile_sum,
-                                                              scratch.race_key, scratch.race_w, probs, tok, prob),
-            stream)
+    args = (_i32(n_rows), _i32(vocab), step_arg, _i32(s_rows), logits, temperature, top_k, top_p, scratch.sel_thr)
+    _launch("spec_probs_select", grid, block, args, stream)
+
+
+def probs_tiles(logits, temperature, probs, scratch, race=None, *, step=None, stream):
+    """``spec_probs_tiles``: e relative to each tile's maximum into ``probs``, tile max keys and
+    sums (and the draft race's tile winners when ``race`` = (seed [B], pos [B])) into scratch.
+
+    Grid (B * n_tiles, rows), SAMPLE_THREADS threads. Reads ``scratch.sel_thr``.
+
+    Parameters
+    ----------
+    logits : [B, T, V] float32
+    temperature : [B] float32
+    probs : [B, T, V] float32, written (may be ``logits``)
+    scratch : StreamBufs or SampleScratch
+    race : (seed [B] uint64, pos [B] int32) or None
+    step : int or None
+    """
+    batch, n_rows, vocab = logits.shape
+    step_arg, grid = _tile_grid(batch, vocab, step, n_rows)
+    s_rows = _scratch_rows(scratch, batch, n_rows, vocab)
+    block = (SAMPLE_THREADS,)
+    seed, pos = race if race is not None else (np.uint64(0), np.uint64(0))
+    args = (_i32(n_rows), _i32(vocab), step_arg, _i32(s_rows), _i32(race is not None), logits, temperature,
+            scratch.sel_thr, seed, pos, probs, scratch.tile_key, scratch.tile_sum, scratch.race_key, scratch.race_w)
+    _launch("spec_probs_tiles", grid, block, args, stream)
+
+
+def probs_normalize(temperature, probs, scratch, draft=None, *, step=None, stream):
+    """``spec_probs_normalize``: ``probs`` <- e * s_t / total (one-hot at temperature <= 0); with
+    ``draft`` = (draft_tok [B, T], draft_prob [B, T]) also the draft's token from the race.
+
+    Grid (B * n_tiles, rows), SAMPLE_THREADS threads, after :func:`probs_tiles`.
+
+    Parameters
+    ----------
+    temperature : [B] float32
+    probs : [B, T, V] float32, normalised in place
+    scratch : StreamBufs or SampleScratch
+    draft : (draft_tok, draft_prob) or None
+    step : int or None
+    """
+    batch, n_rows, vocab = probs.shape
+    step_arg, grid = _tile_grid(batch, vocab, step, n_rows)
+    s_rows = _scratch_rows(scratch, batch, n_rows, vocab)
+    block = (SAMPLE_THREADS,)
+    tok, prob = draft if draft is not None else (np.uint64(0), np.uint64(0))
+    args = (_i32(n_rows), _i32(vocab), step_arg, _i32(s_rows), _i32(draft is not None), temperature,
+            scratch.tile_key, scratch.tile_sum, scratch.race_key, scratch.race_w, probs, tok, prob)
+    _launch("spec_probs_normalize", grid, block, args, stream)
+
+
+def race_tiles(q, seed, pos, scratch, *, step=None, stream):
+    """``spec_race_tiles``: each tile's race winner over q (draw DRAW_DRAFT) into scratch.
+
+    Grid (B * n_tiles, rows), SAMPLE_THREADS threads.
+
+    Parameters
+    ----------
+    q : [B, T, V] float32
+    seed : [B] uint64
+    pos : [B] int32
+    scratch : StreamBufs or SampleScratch
+    step : int or None
+    """
+    batch, n_rows, vocab = q.shape
+    step_arg, grid = _tile_grid(batch, vocab, step, n_rows)
+    s_rows = _scratch_rows(scratch, batch, n_rows, vocab)
+    block = (SAMPLE_THREADS,)
+    args = (_i32(n_rows), _i32(vocab), step_arg, _i32(s_rows), q, seed, pos, scratch.race_key, scratch.race_w)
+    _launch("spec_race_tiles", grid, block, args, stream)
+
+
+def race_pick(vocab, scratch, draft_tok, draft_prob, *, step=None, stream):
+    """``spec_race_pick``: the race winner of each (b, row) from the tile winners.
+
+    Grid (B, rows), one warp.
+
+    Parameters
+    ----------
+    vocab : int
+    scratch : StreamBufs or SampleScratch
+    draft_tok : [B, T] int32, written
+    draft_prob : [B, T] float32, written
+    step : int or None
+    """
+    batch, n_rows = draft_tok.shape
+    step_arg, grid_y = _step_arg(step, n_rows)
+    s_rows = _scratch_rows(scratch, batch, n_rows, vocab)
+    grid = (batch, grid_y)
+    block = (_PICK_THREADS,)
+    args = (_i32(n_rows), _i32(vocab), step_arg, _i32(s_rows), scratch.race_key, scratch.race_w, draft_tok,
+            draft_prob)
+    _launch("spec_race_pick", grid, block, args, stream)
+
+
+def accept_tiles(vtok, p, q, brk, seed, pos, scratch, *, stream):
+    """``spec_accept_tiles``: the accepted prefix, then each tile's residual and bonus race.
+
+    Grid (B * n_tiles,), SAMPLE_THREADS threads.
+
+    Parameters
+    ----------
+    vtok : [B, K1] int32
+    p : [B, K1, V] float32
+    q : [B, k, V] float32
+    brk : [B, 2] int32
+    seed : [B] uint64
+    pos : [B] int32
+    scratch : StreamBufs or SampleScratch
+    """
+    batch, k1 = vtok.shape
+    vocab = p.shape[2]
+    s_rows = _scratch_rows(scratch, batch, 1, vocab)
+    grid = (batch * n_tiles(vocab),)
+    block = (SAMPLE_THREADS,)
+    args = (_i32(k1 - 1), _i32(vocab), _i32(s_rows), vtok, p, q, brk, seed, pos, scratch.race_key, scratch.race_w)
+    _launch("spec_accept_tiles", grid, block, args, stream)
+
+
+def accept_pick(vtok, p, q, brk, seed, pos, n_acc, last_pred, scratch, *, stream):
+    """``spec_accept_pick``: n_acc and last_pred from the tiles' race winners. Grid (B,), one warp.
+
+    Parameters
+    ----------
+    vtok, p, q, brk, seed, pos : as :func:`accept_tiles`
+    n_acc, last_pred : [B] int32, written
+    scratch : StreamBufs or SampleScratch
+    """
+    batch, k1 = vtok.shape
+    vocab = p.shape[2]
+    s_rows = _scratch_rows(scratch, batch, 1, vocab)
+    grid = (batch,)
+    block = (_PICK_THREADS,)
+    args = (_i32(k1 - 1), _i32(vocab), _i32(s_rows), vtok, p, q, brk, seed, pos, scratch.race_key, n_acc, last_pred)
+    _launch("spec_accept_pick", grid, block, args, stream)
+
+
+# Ops: the kernels composed, with the numpy twins' signatures.
 
 
 def probs_from_logits(logits, temperature, top_k, top_p, probs, scratch=None, *, step=None, stream):
@@ -260,7 +404,9 @@ def probs_from_logits(logits, temperature, top_k, top_p, probs, scratch=None, *,
     step : int or None
         Only row ``step`` of each sequence; None: all T rows.
     """
-    _probs_launches(logits, temperature, top_k, top_p, probs, scratch, step, stream, None)
+    probs_select(logits, temperature, top_k, top_p, scratch, step=step, stream=stream)
+    probs_tiles(logits, temperature, probs, scratch, step=step, stream=stream)
+    probs_normalize(temperature, probs, scratch, step=step, stream=stream)
 
 
 def draft_probs_sample(logits, temperature, top_k, top_p, seed, pos, probs, draft_tok, draft_prob, scratch=None, *,
@@ -280,8 +426,9 @@ def draft_probs_sample(logits, temperature, top_k, top_p, seed, pos, probs, draf
     step : int or None
         Only draft row ``step``; None: all k rows.
     """
-    _probs_launches(logits, temperature, top_k, top_p, probs, scratch, step, stream,
-                    (seed, pos, draft_tok, draft_prob))
+    probs_select(logits, temperature, top_k, top_p, scratch, step=step, stream=stream)
+    probs_tiles(logits, temperature, probs, scratch, (seed, pos), step=step, stream=stream)
+    probs_normalize(temperature, probs, scratch, (draft_tok, draft_prob), step=step, stream=stream)
 
 
 def sample_draft(q, seed, pos, draft_tok, draft_prob, scratch=None, *, step=None, stream):
@@ -301,15 +448,8 @@ def sample_draft(q, seed, pos, draft_tok, draft_prob, scratch=None, *, step=None
     step : int or None
         Only draft row ``step``; None: all k rows.
     """
-    batch, k, vocab = q.shape
-    step_arg, grid_y = _step_arg(step, k)
-    s_rows = _scratch_rows(scratch, batch, k, vocab)
-    head = (_i32(k), _i32(vocab), step_arg, _i32(s_rows))
-    tile_grid = (batch * n_tiles(vocab), grid_y)
-    _launch("spec_race_tiles", tile_grid, (SAMPLE_THREADS,), head + (q, seed, pos, scratch.race_key, scratch.race_w),
-            stream)
-    _launch("spec_race_pick", (batch, grid_y), (_PICK_THREADS,),
-            head + (scratch.race_key, scratch.race_w, draft_tok, draft_prob), stream)
+    race_tiles(q, seed, pos, scratch, step=step, stream=stream)
+    race_pick(q.shape[2], scratch, draft_tok, draft_prob, step=step, stream=stream)
 
 
 def accept_sample(vtok, p, q, brk, seed, pos, n_acc, last_pred, scratch=None, *, stream):
@@ -330,10 +470,5 @@ def accept_sample(vtok, p, q, brk, seed, pos, n_acc, last_pred, scratch=None, *,
     last_pred : [B] int32, written (replacement or bonus token)
     scratch : StreamBufs or SampleScratch (one row is enough)
     """
-    batch, k1 = vtok.shape
-    vocab = p.shape[2]
-    s_rows = _scratch_rows(scratch, batch, 1, vocab)
-    args = (_i32(k1 - 1), _i32(vocab), _i32(s_rows), vtok, p, q, brk, seed, pos)
-    _launch("spec_accept_tiles", (batch * n_tiles(vocab),), (SAMPLE_THREADS,),
-            args + (scratch.race_key, scratch.race_w), stream)
-    _launch("spec_accept_pick", (batch,), (_PICK_THREADS,), args + (scratch.race_key, n_acc, last_pred), stream)
+    accept_tiles(vtok, p, q, brk, seed, pos, scratch, stream=stream)
+    accept_pick(vtok, p, q, brk, seed, pos, n_acc, last_pred, scratch, stream=stream)

@@ -232,7 +232,25 @@ def _kernel_ops(backend, batch: int, vocab: int, k: int) -> dict:
     with stream:
         vtok[:, 1:] = draft_tok
     stream.synchronize()
+    kernels = {}
+    if backend.is_gpu:  # each kernel alone; the numpy twins are per op, not per kernel
+        kernels = {
+            "kernel spec_probs_select (verify rows, filters off)": lambda s: ops.probs_select(
+                tgt_logits, ones, zeros_i, ones, sc, stream=s),
+            "kernel spec_probs_select (verify rows, top_k=50 top_p=0.9)": lambda s: ops.probs_select(
+                tgt_logits, ones, top_k, top_p, sc, stream=s),
+            "kernel spec_probs_tiles (verify rows)": lambda s: ops.probs_tiles(tgt_logits, ones, p, sc, stream=s),
+            "kernel spec_probs_normalize (verify rows)": lambda s: ops.probs_normalize(ones, p, sc, stream=s),
+            "kernel spec_probs_tiles (1 draft row, race)": lambda s: ops.probs_tiles(
+                drf_logits, ones, q, sc, (seed, pos), step=0, stream=s),
+            "kernel spec_probs_normalize (1 draft row, pick)": lambda s: ops.probs_normalize(
+                ones, q, sc, (draft_tok, draft_prob), step=0, stream=s),
+            "kernel spec_accept_tiles": lambda s: ops.accept_tiles(vtok, p, q, brk, seed, pos, sc, stream=s),
+            "kernel spec_accept_pick": lambda s: ops.accept_pick(vtok, p, q, brk, seed, pos, n_acc, last, sc,
+                                                                 stream=s),
+        }
     return {
+        **kernels,
         "draft_probs_sample (1 draft row)": lambda s: ops.draft_probs_sample(
             drf_logits, ones, zeros_i, ones, seed, pos, q, draft_tok, draft_prob, sc, step=0, stream=s),
         "probs_from_logits (k+1 verify rows)": lambda s: ops.probs_from_logits(
@@ -246,8 +264,8 @@ def _kernel_ops(backend, batch: int, vocab: int, k: int) -> dict:
 
 
 def run_kernels(backend, *, reps: int, label: str, console):
-    """Each sampling op alone (k = 4) at vocab 32000 and 128256, B = 1 and 16 (numpy: 32000,
-    B = 1), one printed line per op plus the round's sampling total
+    """Each sampling kernel (GPU) and op alone (k = 4) at vocab 32000 and 128256, B = 1 and 16
+    (numpy: ops only, 32000, B = 1), one printed line each plus the round's sampling total
     (k x draft_probs_sample + probs_from_logits + accept_sample, filters off)."""
     vocabs = KERNEL_VOCABS if backend.is_gpu else KERNEL_VOCABS[:1]
     batches = KERNEL_BATCHES if backend.is_gpu else KERNEL_BATCHES[:1]
