@@ -1090,7 +1090,10 @@ __device__ __forceinline__ void gb_row_combine(const u64* tkey, const float* tsu
     total = 0.0f;
     if (!(temp > 0.0f)) return;
     float lm = gb_key_logit(max_key), acc = 0.0f;
-    for (int t = lane; t < nt; t += 32) acc = __fadd_rn(acc, __fmul_rn(tsum[t], gb_scaled_exp(gb_key_logit(tkey[t]), lm, temp)));
+    for (int t = lane; t < nt; t += 32) {
+        float s_t = gb_scaled_exp(gb_key_logit(tkey[t]), lm, temp);
+        acc = __fadd_rn(acc, __fmul_rn(tsum[t], s_t));
+    }
     total = gb_warp_sum(acc);
 }
 

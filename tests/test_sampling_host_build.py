@@ -44,19 +44,30 @@ static inline float __uint2float_rn(u32 x) { return (float)x; }
 """
 
 MAIN = r"""
+static u32 hex32() { unsigned long long x; std::scanf("%llx", &x); return (u32)x; }
+static float f32() { return __uint_as_float(hex32()); }
+
 int main() {
     char mode[16];
-    unsigned long long a, b, c, d, e, f;
     while (std::scanf("%15s", mode) == 1) {
-        if (!std::strcmp(mode, "expo")) { std::scanf("%llx", &a); std::printf("%08x\n", __float_as_uint(gb_expo((u32)a))); }
-        else if (!std::strcmp(mode, "exp")) { std::scanf("%llx", &a); std::printf("%08x\n", __float_as_uint(gb_exp_neg(__uint_as_float((u32)a)))); }
-        else if (!std::strcmp(mode, "log")) { std::scanf("%llx", &a); std::printf("%08x\n", __float_as_uint(gb_neg_log1m(__uint_as_float((u32)a)))); }
-        else if (!std::strcmp(mode, "key")) { std::scanf("%llx %llx", &a, &b); u64 k = gb_order_key(__uint_as_float((u32)a), (int)b); std::printf("%016llx %08x\n", k, __float_as_uint(gb_key_logit(k))); }
-        else if (!std::strcmp(mode, "race")) { std::scanf("%llx %llx", &a, &b); std::printf("%016llx\n", gb_race_key(__uint_as_float((u32)a), (int)b)); }
-        else if (!std::strcmp(mode, "philox")) {
-            std::scanf("%llx %llx %llx %llx %llx %llx", &a, &b, &c, &d, &e, &f);
-            u32 w[4] = {(u32)a, (u32)b, (u32)c, (u32)d};
-            gb_philox4x32_10(w, (u32)e, (u32)f);
+        if (!std::strcmp(mode, "expo")) {
+            std::printf("%08x\n", __float_as_uint(gb_expo(hex32())));
+        } else if (!std::strcmp(mode, "exp")) {
+            std::printf("%08x\n", __float_as_uint(gb_exp_neg(f32())));
+        } else if (!std::strcmp(mode, "log")) {
+            std::printf("%08x\n", __float_as_uint(gb_neg_log1m(f32())));
+        } else if (!std::strcmp(mode, "key")) {
+            float x = f32();
+            u64 k = gb_order_key(x, (int)hex32());
+            std::printf("%016llx %08x\n", k, __float_as_uint(gb_key_logit(k)));
+        } else if (!std::strcmp(mode, "race")) {
+            float r = f32();
+            std::printf("%016llx\n", gb_race_key(r, (int)hex32()));
+        } else if (!std::strcmp(mode, "philox")) {
+            u32 w[4];
+            for (int j = 0; j < 4; ++j) w[j] = hex32();
+            u32 k0 = hex32(), k1 = hex32();
+            gb_philox4x32_10(w, k0, k1);
             std::printf("%08x %08x %08x %08x\n", w[0], w[1], w[2], w[3]);
         }
     }
