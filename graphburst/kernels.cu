@@ -853,6 +853,7 @@ __device__ __forceinline__ void gb_load4(const float* row, int i0, int vocab, bo
         x[2] = v.z;
         x[3] = v.w;
     } else {
+#pragma unroll
         for (int c = 0; c < 4; ++c) x[c] = i0 + c < vocab ? row[i0 + c] : pad;
     }
 }
@@ -861,12 +862,13 @@ __device__ __forceinline__ void gb_store4(float* row, int i0, int vocab, bool al
     if (aligned && i0 + 3 < vocab) {
         *reinterpret_cast<float4*>(row + i0) = make_float4(x[0], x[1], x[2], x[3]);
     } else {
+#pragma unroll
         for (int c = 0; c < 4; ++c)
             if (i0 + c < vocab) row[i0 + c] = x[c];
     }
 }
 
-__device__ __forceinline__ bool gb_aligned16(const float* p) { return (reinterpret_cast<size_t>(p) & 15u) == 0; }
+__device__ __forceinline__ bool gb_aligned16(const float* p) { return (reinterpret_cast<u64>(p) & 15ull) == 0ull; }
 
 __device__ __forceinline__ int gb_n_tiles(int vocab) { return (vocab + GB_SAMPLE_TILE - 1) / GB_SAMPLE_TILE; }
 
@@ -1026,9 +1028,11 @@ extern "C" __global__ void spec_probs_tiles(int n_rows, int vocab, int step, int
     bool aligned = gb_aligned16(row) && gb_aligned16(out);
     float l[GB_SAMPLE_NVEC][4];
     u64 best = 0;
+#pragma unroll
     for (int j = 0; j < GB_SAMPLE_NVEC; ++j) {
         int i0 = gb_vec_base(tile, j);
         gb_load4(row, i0, vocab, aligned, l[j], 0.0f);
+#pragma unroll
         for (int c = 0; c < 4; ++c)
             if (i0 + c < vocab) best = gb_max_u64(best, gb_order_key(l[j][c], i0 + c));
     }
@@ -1045,9 +1049,11 @@ extern "C" __global__ void spec_probs_tiles(int n_rows, int vocab, int step, int
     int my_pos = race ? pos[b] + r + 1 : 0;
     float sum = 0.0f, pay = 0.0f;
     u64 rkey = 0;
+#pragma unroll
     for (int j = 0; j < GB_SAMPLE_NVEC; ++j) {
         int i0 = gb_vec_base(tile, j);
         float e[4];
+#pragma unroll
         for (int c = 0; c < 4; ++c) {
             bool kept = i0 + c < vocab && gb_order_key(l[j][c], i0 + c) >= thr;
             e[c] = kept ? gb_scaled_exp(l[j][c], m_t, temp) : 0.0f;
@@ -1056,7 +1062,8 @@ extern "C" __global__ void spec_probs_tiles(int n_rows, int vocab, int step, int
         if (race && i0 < vocab) {
             float ex[4];
             gb_race_expo4(my_seed, my_pos, GB_DRAW_DRAFT, i0 / GB_SAMPLE_VEC, ex);
-            for (int c = 0; c < 4; ++c) {
+    #pragma unroll
+        for (int c = 0; c < 4; ++c) {
                 u64 key = e[c] > 0.0f ? gb_race_key(__fdiv_rn(e[c], ex[c]), i0 + c) : 0ull;
                 if (key > rkey) {
                     rkey = key;
