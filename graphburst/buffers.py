@@ -12,6 +12,7 @@ import numpy as np
 
 from .backend import Backend, get_backend
 from .guard import Watched
+from .sampling_scratch import SCRATCH_LAYOUT
 from .constants import ABSENT_LAYER, MAX_K, MAX_TABLE_ENTRIES, NO_EOS, PLACEHOLDER_TOKEN, RING_COUNT_SLOT, \
     SAMPLE_MAX_VOCAB, TOP_P_OFF
 from .validate import check_array, check_int
@@ -61,6 +62,7 @@ class StreamBufs(Watched):
         "top_k": (lambda b, k, m, v: (b,), np.int32),  # per slot; TOP_K_OFF = 0 keeps every token
         "top_p": (lambda b, k, m, v: (b,), np.float32),  # per slot; TOP_P_OFF = 1 keeps every token
         "seed": (lambda b, k, m, v: (b,), np.uint64),  # per slot Philox key
+        **SCRATCH_LAYOUT,  # the sampling kernels' per-tile partials (sampling_scratch.py)
     }
 
     _watched = frozenset(LAYOUT) | frozenset(SAMPLING_LAYOUT) | {"out_block"}

@@ -17,7 +17,8 @@ THREADS_PER_BLOCK = 128  # one-thread-per-sequence kernels
 MAX_LAYER_THREADS = 256  # stub models: threads per block striding over layers
 
 # Sampling (kernels.cu "Sampling" section; sampling_ref.py is its numpy twin)
-SAMPLE_THREADS = 256  # threads per vocabulary row; fixes the summation order the reference mirrors
+SAMPLE_THREADS = 256  # threads per sampling block; with SAMPLE_TILE it fixes the summation order the twins mirror
+SAMPLE_TILE = 2048  # vocabulary elements per sampling block (several blocks per row)
 SAMPLE_MAX_VOCAB = 1 << 20  # keeps a row's top-p mass (2**32 per token at most) exact in a double
 DRAW_DRAFT = 0  # Philox counter word 1: the draft's proposal for a position
 DRAW_ACCEPT = 1  # the uniform of the accept test for a position

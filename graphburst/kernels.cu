@@ -605,45 +605,71 @@ extern "C" __global__ void stub_logits(int n_rows, int vocab, int step,
 // Sampling: speculative rejection sampling (Leviathan et al. 2023; Chen et al. 2023)
 // =====================================================================================
 //
-// Contract with the numpy twin in sampling_ref.py, which reproduces every output bit:
-//   * Randomness is Philox4x32-10 keyed by the request seed (key = [lo32, hi32]) with
-//     counter [absolute position of the token being decided, draw index, 0, 0]; a uniform
-//     is (word0 >> 8) * 2^-24, exact in float32. No generator state exists anywhere, so a
-//     replay needs nothing from the host and a row's tokens do not depend on its batch slot.
-//   * One block of GB_SAMPLE_THREADS threads per vocabulary row. Thread t owns the chunk
-//     [t*C, min((t+1)*C, V)), C = ceil(V / GB_SAMPLE_THREADS). A row sum adds each chunk left
-//     to right, scans the chunk sums inside each warp (Kogge-Stone), scans the warp totals
-//     (Kogge-Stone in warp 0) and adds the exclusive warp prefix. Float ops are explicit
-//     _rn intrinsics, so nvcc cannot contract them into FMAs; there are no float atomics.
-//   * exp is gb_exp_neg (float * + rint only), so numpy gets the same bits.
+// Contract with the numpy twins (sampling_prims.py, sampling_ref.py), which reproduce every
+// output bit:
+//   * Rows are cut into tiles of GB_SAMPLE_TILE elements, one block of GB_SAMPLE_THREADS per
+//     (row, tile): several blocks per row, whatever the batch. Thread t of a tile owns the
+//     float4s j = 0 .. GB_SAMPLE_NVEC-1 at tile offset (j * GB_SAMPLE_THREADS + t) * 4, so a
+//     warp reads 512 consecutive bytes per access. The tile size, not the grid, fixes every
+//     float reduction order: a thread adds its elements in order (j outer, lane inner), a
+//     warp reduces by xor butterfly, the warp totals by the same halving tree; tile values
+//     are combined by one warp (lane l adds tiles l, l + 32, ... then the butterfly).
+//     Integer and (value, index) reductions are order-free. Float ops are explicit _rn
+//     intrinsics (no FMA contraction); there are no float atomics.
+//   * Probabilities in two passes: spec_probs_tiles writes e_i = exp((l_i - m_t) / T)
+//     relative to its tile's maximum m_t plus the tile's sum; spec_probs_normalize combines
+//     the tiles, s_t = exp((m_t - max) / T), total = sum_t sum_t * s_t, and writes
+//     p_i = e_i * s_t / total. exp is gb_exp_neg (float * + rint only), computed once per
+//     element. Top-k/top-p run in spec_probs_select (one block per row, a radix select),
+//     which returns at once for the rows without filters, the common case.
+//   * Sampling is an exponential race: token = argmax_i w_i / E_i over w_i > 0, ties to the
+//     lower index, E_i = -log(1 - v_i) exponential from Philox4x32-10 keyed by the request
+//     seed (key = [lo32, hi32]), counter [position, draw, i / 4, 0], word i % 4. The winner
+//     is distributed as w / sum(w) with no normalisation and no scan, and an argmax of
+//     (value, index) keys is the same under any parallel split. The draft's race runs on
+//     e_i inside spec_probs_tiles; its tile winners are rescaled by s_t when combined.
+//   * The accept uniforms stay gb_uniform: counter [position, GB_DRAW_ACCEPT, 0, 0], word 0.
 //   * Flush to zero: cuda_ops builds this module through cupy.RawModule, and CuPy appends
 //     -ftz=true to every NVRTC compile. So every float op here, the _rn intrinsics and the
 //     comparisons (setp.ftz) included, reads a subnormal input as a signed zero and flushes
-//     a subnormal result (e.g. p = e / total for a tiny e is 0, a subnormal logit ranks as
-//     +0, a subnormal weight is no weight). sampling_ref.ftz models exactly that. The nvcc
-//     build in CI has no -ftz=true: it checks syntax only, its numerics are not the contract.
+//     a subnormal result. sampling_prims.ftz models exactly that. The nvcc build in CI has
+//     no -ftz=true: it checks syntax only, its numerics are not the contract.
 //   * Order for top-k/top-p/argmax: the 64-bit key (orderable logit bits << 32 | ~index),
 //     i.e. larger logit first and the lower index first among equal logits; every key is
 //     distinct, so top-k keeps exactly k tokens. Top-p uses integer masses
 //     floor(e * 2^32) (e = exp((l - max) / T) <= 1), so its cut is exact and order-free.
+//   * Scratch (sel_thr, tile_key, tile_sum, race_key, race_w) is the decoder's, at fixed
+//     addresses, indexed [b, row < S, ...] with S its rows per sequence; every cell a kernel
+//     reads was written earlier in the same call, so stale contents never matter.
 
 #define GB_SAMPLE_THREADS 256
 #define GB_SAMPLE_WARPS (GB_SAMPLE_THREADS / 32)
+#define GB_SAMPLE_TILE 2048
+#define GB_SAMPLE_VEC 4
+#define GB_SAMPLE_NVEC (GB_SAMPLE_TILE / (GB_SAMPLE_VEC * GB_SAMPLE_THREADS))
 static_assert(GB_SAMPLE_THREADS == 256, "radix select gives each thread one 8-bit digit bin");
+static_assert(GB_SAMPLE_NVEC * GB_SAMPLE_VEC * GB_SAMPLE_THREADS == GB_SAMPLE_TILE, "whole float4s per thread");
 #define GB_DRAW_DRAFT 0u
 #define GB_DRAW_ACCEPT 1u
 #define GB_DRAW_RESAMPLE 2u
+#define GB_RACE_SLOTS 2  // race partials per scratch row: [0] draft / residual, [1] bonus p
 
-struct GbSampleSmem {
-    float scan[GB_SAMPLE_THREADS];  // inclusive chunk-sum scan
-    float warp_f[GB_SAMPLE_WARPS];
+struct GbSelectSmem {
     u64 warp_u[GB_SAMPLE_WARPS];
-    int warp_i[GB_SAMPLE_WARPS];
-    u64 hist_w[256];                // radix select: weight per digit
-    u32 hist_c[256];                // radix select: elements per digit
+    u64 hist_w[256];  // radix select: weight per digit
+    u32 hist_c[256];  // radix select: elements per digit
     u64 sel_prefix, sel_remaining;
-    int sel_state;                  // 0 = continue, 1 = done, 2 = no digit found
-    int pick;
+    int sel_state;    // 0 = continue, 1 = done, 2 = no digit found
+};
+
+struct GbTileSmem {
+    u64 warp_u[GB_SAMPLE_WARPS];
+    u64 warp_r[GB_SAMPLE_WARPS];
+    float warp_f[GB_SAMPLE_WARPS];
+    float warp_w[GB_SAMPLE_WARPS];
+    float f0, f1;
+    u64 u0;
+    int i0;
 };
 
 // Philox4x32-10 (Salmon et al., SC'11), in place on the 4-word counter.
@@ -689,6 +715,52 @@ __device__ __forceinline__ float gb_exp_neg(float x) {
     return __fmul_rn(r, __int_as_float(((int)n + 127) << 23));
 }
 
+// -log(1 - v) for 0 < v < 1 (relative error ~1e-7). v < 1/4: log1p(f) with f = -v exactly,
+// so E keeps full relative precision as v -> 0. Otherwise u = 1 - v = m * 2^e with m in
+// [3/4, 3/2] and f = m - 1 (exact). log1p(f) = 2 atanh(s), s = f / (2 + f), |s| <= 1/5,
+// by its series to z^5, z = s^2. For v >= 2^-32 every intermediate is a normal float.
+__device__ __forceinline__ float gb_neg_log1m(float v) {
+    float f, e;
+    if (v < 0.25f) {
+        f = -v;
+        e = 0.0f;
+    } else {
+        float u = __fsub_rn(1.0f, v);
+        u32 bits = __float_as_uint(u);
+        int ex = (int)((bits >> 23) & 0xffu) - 127;
+        float m = __uint_as_float((bits & 0x7fffffu) | 0x3f800000u);
+        if (m > 1.5f) {
+            m = __fmul_rn(m, 0.5f);
+            ex += 1;
+        }
+        f = __fsub_rn(m, 1.0f);
+        e = (float)ex;
+    }
+    float s = __fdiv_rn(f, __fadd_rn(2.0f, f));
+    float z = __fmul_rn(s, s);
+    float r = 0x1.745d18p-4f;                          // 1/11
+    r = __fadd_rn(__fmul_rn(r, z), 0x1.c71c72p-4f);    // 1/9
+    r = __fadd_rn(__fmul_rn(r, z), 0x1.24924ap-3f);    // 1/7
+    r = __fadd_rn(__fmul_rn(r, z), 0x1.99999ap-3f);    // 1/5
+    r = __fadd_rn(__fmul_rn(r, z), 0x1.555556p-2f);    // 1/3
+    r = __fadd_rn(__fmul_rn(r, z), 1.0f);
+    float lg = __fmul_rn(__fmul_rn(2.0f, s), r);
+    return -__fadd_rn(__fmul_rn(e, 0x1.62e430p-1f), lg);
+}
+
+// Standard exponential from one Philox word: v = (word | 1) * 2^-32, capped below 1.
+__device__ __forceinline__ float gb_expo(u32 word) {
+    float v = __fmul_rn(__uint2float_rn(word | 1u), 0x1p-32f);
+    return gb_neg_log1m(fminf(v, 0x1.fffffep-1f));
+}
+
+// The four race variates of elements 4g .. 4g+3 of a row (g = i / 4).
+__device__ __forceinline__ void gb_race_expo4(u64 seed, int pos, u32 draw, int g, float out[4]) {
+    u32 c[4] = {(u32)pos, draw, (u32)g, 0u};
+    gb_philox4x32_10(c, (u32)seed, (u32)(seed >> 32));
+    for (int w = 0; w < 4; ++w) out[w] = gb_expo(c[w]);
+}
+
 // Order key of a logit: larger logit -> larger key, then lower index -> larger key.
 __device__ __forceinline__ u64 gb_order_key(float x, int i) {
     u32 b = x == 0.0f ? 0u : __float_as_uint(x);  // -0 ranks as +0
@@ -696,143 +768,125 @@ __device__ __forceinline__ u64 gb_order_key(float x, int i) {
     return ((u64)b << 32) | (u64)(~(u32)i);
 }
 
-__device__ __forceinline__ int gb_chunk_len(int vocab) {
-    return (vocab + GB_SAMPLE_THREADS - 1) / GB_SAMPLE_THREADS;
+// The logit of an order key (a flushed or negative zero comes back as +0).
+__device__ __forceinline__ float gb_key_logit(u64 key) {
+    u32 hb = (u32)(key >> 32);
+    return __uint_as_float((hb & 0x80000000u) ? (hb & 0x7fffffffu) : ~hb);
 }
 
-// Order-free block reductions (max/min/sum of integers): any association gives one result.
-__device__ __forceinline__ u64 gb_block_max_u64(u64 v, GbSampleSmem& sm) {
+// Race key of a candidate: r >= 0 bits (orderable as unsigned) << 32 | ~index; 0 = none.
+__device__ __forceinline__ u64 gb_race_key(float r, int i) {
+    return ((u64)__float_as_uint(r) << 32) | (u64)(~(u32)i);
+}
+
+__device__ __forceinline__ u64 gb_max_u64(u64 a, u64 b) { return a > b ? a : b; }
+
+__device__ __forceinline__ u64 gb_warp_max_u64(u64 v) {
+    for (int o = 16; o > 0; o >>= 1) v = gb_max_u64(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Warp max of a key carrying a float payload (keys distinct unless both 0).
+__device__ __forceinline__ void gb_warp_max_pay(u64& key, float& pay) {
     for (int o = 16; o > 0; o >>= 1) {
-        u64 w = __shfl_xor_sync(0xffffffffu, v, o);
-        v = w > v ? w : v;
+        u64 k2 = __shfl_xor_sync(0xffffffffu, key, o);
+        float p2 = __shfl_xor_sync(0xffffffffu, pay, o);
+        if (k2 > key) {
+            key = k2;
+            pay = p2;
+        }
     }
+}
+
+__device__ __forceinline__ float gb_warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Block max of a u64 (order-free); every thread gets the result.
+__device__ __forceinline__ u64 gb_tile_max_u64(u64 v, u64* warp_u) {
+    v = gb_warp_max_u64(v);
     __syncthreads();
-    if ((threadIdx.x & 31) == 0) sm.warp_u[threadIdx.x >> 5] = v;
+    if ((threadIdx.x & 31) == 0) warp_u[threadIdx.x >> 5] = v;
     __syncthreads();
-    u64 r = sm.warp_u[0];
-    for (int w = 1; w < GB_SAMPLE_WARPS; ++w) r = sm.warp_u[w] > r ? sm.warp_u[w] : r;
+    u64 r = warp_u[0];
+    for (int w = 1; w < GB_SAMPLE_WARPS; ++w) r = gb_max_u64(r, warp_u[w]);
     return r;
 }
 
-__device__ __forceinline__ u64 gb_block_sum_u64(u64 v, GbSampleSmem& sm) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+// Block max of a race key with its weight, and the block sum of per-thread float sums in
+// the fixed tree (warp butterfly, then the warp totals halved the same way). Thread 0 gets
+// the results in key, pay, sum.
+__device__ __forceinline__ void gb_tile_reduce(u64& key, float& pay, float& sum, GbTileSmem& sm) {
+    gb_warp_max_pay(key, pay);
+    sum = gb_warp_sum(sum);
     __syncthreads();
-    if ((threadIdx.x & 31) == 0) sm.warp_u[threadIdx.x >> 5] = v;
-    __syncthreads();
-    u64 r = 0;
-    for (int w = 0; w < GB_SAMPLE_WARPS; ++w) r += sm.warp_u[w];
-    return r;
-}
-
-// max when want_max, else min.
-__device__ __forceinline__ int gb_block_minmax_i(int v, bool want_max, GbSampleSmem& sm) {
-    for (int o = 16; o > 0; o >>= 1) {
-        int w = __shfl_xor_sync(0xffffffffu, v, o);
-        v = want_max ? max(v, w) : min(v, w);
-    }
-    __syncthreads();
-    if ((threadIdx.x & 31) == 0) sm.warp_i[threadIdx.x >> 5] = v;
-    __syncthreads();
-    int r = sm.warp_i[0];
-    for (int w = 1; w < GB_SAMPLE_WARPS; ++w) r = want_max ? max(r, sm.warp_i[w]) : min(r, sm.warp_i[w]);
-    return r;
-}
-
-// Inclusive scan of the per-thread chunk sums in the fixed order described above; fills
-// sm.scan and returns the row total sm.scan[GB_SAMPLE_THREADS - 1].
-__device__ __forceinline__ float gb_block_scan(float v, GbSampleSmem& sm) {
-    const unsigned full = 0xffffffffu;
     int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
-    for (int d = 1; d < 32; d <<= 1) {
-        float o = __shfl_up_sync(full, v, d);
-        if (lane >= d) v = __fadd_rn(v, o);
+    if (lane == 0) {
+        sm.warp_r[w] = key;
+        sm.warp_w[w] = pay;
+        sm.warp_f[w] = sum;
     }
-    __syncthreads();
-    if (lane == 31) sm.warp_f[w] = v;
     __syncthreads();
     if (w == 0) {
-        float t = lane < GB_SAMPLE_WARPS ? sm.warp_f[lane] : 0.0f;
-        for (int d = 1; d < GB_SAMPLE_WARPS; d <<= 1) {
-            float o = __shfl_up_sync(full, t, d);
-            if (lane >= d) t = __fadd_rn(t, o);
-        }
-        float excl = __shfl_up_sync(full, t, 1);  // inclusive total of the previous warp
-        if (lane > 0 && lane < GB_SAMPLE_WARPS) sm.warp_f[lane] = excl;
+        u64 k = lane < GB_SAMPLE_WARPS ? sm.warp_r[lane] : 0ull;
+        float p = lane < GB_SAMPLE_WARPS ? sm.warp_w[lane] : 0.0f;
+        float s = lane < GB_SAMPLE_WARPS ? sm.warp_f[lane] : 0.0f;
+        gb_warp_max_pay(k, p);
+        for (int o = GB_SAMPLE_WARPS / 2; o > 0; o >>= 1) s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, o));
+        key = k;
+        pay = p;
+        sum = s;
     }
-    __syncthreads();
-    if (w > 0) v = __fadd_rn(sm.warp_f[w], v);
-    sm.scan[threadIdx.x] = v;
-    __syncthreads();
-    return sm.scan[GB_SAMPLE_THREADS - 1];
 }
 
-// Weight functors for gb_sample_row: a probability row, or the residual max(0, p - q).
-struct GbRowWeight {
-    const float* p;
-    __device__ float operator()(int i) const { return p[i]; }
-};
-struct GbResidualWeight {
-    const float* p;
-    const float* q;
-    __device__ float operator()(int i) const {
-        float d = __fsub_rn(p[i], q[i]);
-        return d > 0.0f ? d : 0.0f;
-    }
-};
-
-// Inverse-CDF draw from non-negative weights: with W the row total and target = u * W,
-// thread t* = the lowest t with scan[t] > target walks its chunk from scan[t* - 1] and
-// picks the first index whose running sum exceeds target. Rounding fallbacks: the last
-// positive index of that chunk, else of the row. Returns -1 when no weight is positive.
-template <typename Weight>
-__device__ int gb_sample_row(const Weight& wt, int vocab, float u, GbSampleSmem& sm) {
-    int c_len = gb_chunk_len(vocab);
-    int lo = threadIdx.x * c_len, hi = min(vocab, lo + c_len);
-    float acc = 0.0f;
-    int last = -1;
-    for (int i = lo; i < hi; ++i) {
-        float w = wt(i);
-        acc = __fadd_rn(acc, w);
-        if (w > 0.0f) last = i;
-    }
-    float total = gb_block_scan(acc, sm);
-    int last_pos = gb_block_minmax_i(last, true, sm);
-    if (!(total > 0.0f) || last_pos < 0) return -1;
-    float target = __fmul_rn(u, total);
-    int first = gb_block_minmax_i(sm.scan[threadIdx.x] > target ? (int)threadIdx.x : GB_SAMPLE_THREADS, false, sm);
-    if (first == GB_SAMPLE_THREADS) return last_pos;
-    if ((int)threadIdx.x == first) {
-        float run = first > 0 ? sm.scan[first - 1] : 0.0f;
-        int pick = -1, last_c = -1;
-        for (int i = lo; i < hi; ++i) {
-            float w = wt(i);
-            run = __fadd_rn(run, w);
-            if (w > 0.0f) last_c = i;
-            if (run > target) {
-                pick = i;
-                break;
-            }
-        }
-        sm.pick = pick >= 0 ? pick : (last_c >= 0 ? last_c : last_pos);
-    }
-    __syncthreads();
-    return sm.pick;
+// A thread's float4 j of a tile: element base = tile start + (j * THREADS + tid) * 4.
+__device__ __forceinline__ int gb_vec_base(int tile, int j) {
+    return tile * GB_SAMPLE_TILE + (j * GB_SAMPLE_THREADS + (int)threadIdx.x) * GB_SAMPLE_VEC;
 }
 
-// e_i = exp((l_i - l_max) / T) of a logit row.
-__device__ __forceinline__ float gb_scaled_exp(float l, float l_max, float temp) {
-    return gb_exp_neg(__fdiv_rn(__fsub_rn(l, l_max), temp));
+__device__ __forceinline__ void gb_load4(const float* row, int i0, int vocab, bool aligned, float x[4], float pad) {
+    if (aligned && i0 + 3 < vocab) {
+        float4 v = *reinterpret_cast<const float4*>(row + i0);
+        x[0] = v.x;
+        x[1] = v.y;
+        x[2] = v.z;
+        x[3] = v.w;
+    } else {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) x[c] = i0 + c < vocab ? row[i0 + c] : pad;
+    }
 }
+
+__device__ __forceinline__ void gb_store4(float* row, int i0, int vocab, bool aligned, const float x[4]) {
+    if (aligned && i0 + 3 < vocab) {
+        *reinterpret_cast<float4*>(row + i0) = make_float4(x[0], x[1], x[2], x[3]);
+    } else {
+#pragma unroll
+        for (int c = 0; c < 4; ++c)
+            if (i0 + c < vocab) row[i0 + c] = x[c];
+    }
+}
+
+__device__ __forceinline__ bool gb_aligned16(const float* p) { return (reinterpret_cast<u64>(p) & 15ull) == 0ull; }
+
+__device__ __forceinline__ int gb_n_tiles(int vocab) { return (vocab + GB_SAMPLE_TILE - 1) / GB_SAMPLE_TILE; }
+
+// e_i = exp((l_i - ref) / T) of a logit row.
+__device__ __forceinline__ float gb_scaled_exp(float l, float ref, float temp) {
+    return gb_exp_neg(__fdiv_rn(__fsub_rn(l, ref), temp));
+}
+
+// ------------------------------------------------------------------ top-k / top-p select
 
 // Radix select over order keys, 8 bits per pass from the top: the largest threshold c with
 // sum{weight_i : key_i >= c, key_i >= floor_key} >= need, weight = 1 (by_mass = false: the
 // need-th largest key) or floor(e_i * 2^32) (by_mass = true). A pass stops early once the
 // chosen digit holds one element (or, counting, exactly the elements still needed), with
 // the lower bits of the threshold left 0. Returns 0 (keep all) if the need is never met.
+// Integer histograms: the strided (coalesced) walk gives the same result in any order.
 __device__ u64 gb_radix_select(const float* row, int vocab, float l_max, float temp, u64 floor_key, u64 need,
-                               bool by_mass, GbSampleSmem& sm) {
-    int c_len = gb_chunk_len(vocab);
-    int lo = threadIdx.x * c_len, hi = min(vocab, lo + c_len);
+                               bool by_mass, GbSelectSmem& sm) {
     int t = threadIdx.x;  // also the digit this thread scans
     int lane = t & 31, w = t >> 5;
     if (t == 0) {
@@ -847,7 +901,7 @@ __device__ u64 gb_radix_select(const float* row, int vocab, float l_max, float t
         sm.hist_c[t] = 0;
         __syncthreads();
         u64 prefix = sm.sel_prefix;
-        for (int i = lo; i < hi; ++i) {
+        for (int i = t; i < vocab; i += GB_SAMPLE_THREADS) {
             float l = row[i];
             u64 key = gb_order_key(l, i);
             if (key < floor_key || (key & mask) != prefix) continue;
@@ -886,138 +940,453 @@ __device__ u64 gb_radix_select(const float* row, int vocab, float l_max, float t
     return state == 2 ? 0ull : thr;
 }
 
-// Threads: one block of GB_SAMPLE_THREADS per (sequence b, row t): t = step, or every row
-// (gridDim.y = T) when step < 0. logits and probs may alias (in place): each element is
-// written only by the thread that last reads it, after every read of the row.
-// temperature <= 0 (or NaN): one-hot at the argmax (lowest index on ties). Otherwise
-// top-k (0 or >= V = off) keeps the k largest order keys, then top-p (>= 1 or NaN = off)
-// keeps the shortest run of the rest, in key order, whose integer mass reaches
-// max(1, ceil(top_p * total mass)) (double arithmetic); probs = kept e_i / row sum.
-// Logits must be finite or -inf with at least one finite value per row; V <= 2^20.
-extern "C" __global__ void spec_probs_from_logits(int n_rows, int vocab, int step,
-                                                  const float* logits,                   // [B, T, V]
-                                                  const float* __restrict__ temperature,  // [B]
-                                                  const int* __restrict__ top_k,          // [B]
-                                                  const float* __restrict__ top_p,        // [B]
-                                                  float* probs) {                         // [B, T, V]
-    __shared__ GbSampleSmem sm;
+__device__ __forceinline__ u64 gb_block_sum_u64(u64 v, u64* warp_u) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) warp_u[threadIdx.x >> 5] = v;
+    __syncthreads();
+    u64 r = 0;
+    for (int w = 0; w < GB_SAMPLE_WARPS; ++w) r += warp_u[w];
+    return r;
+}
+
+// Threads: one block of GB_SAMPLE_THREADS per (sequence b = blockIdx.x, row r): r = step,
+// or every row (gridDim.y = T) when step < 0. sel_thr[b, r] <- the smallest order key kept
+// by top-k (0 or >= V = off) then top-p (>= 1 or NaN = off): top-p keeps the shortest run of
+// the top-k survivors, in key order, whose integer mass reaches max(1, ceil(top_p * total
+// mass)) (double arithmetic). 0 (keep all) for a row without filters or at temperature
+// <= 0, without reading the row.
+extern "C" __global__ void spec_probs_select(int n_rows, int vocab, int step, int s_rows,
+                                             const float* __restrict__ logits,       // [B, T, V]
+                                             const float* __restrict__ temperature,  // [B]
+                                             const int* __restrict__ top_k,          // [B]
+                                             const float* __restrict__ top_p,        // [B]
+                                             u64* __restrict__ sel_thr) {            // [B, S]
+    __shared__ GbSelectSmem sm;
     int b = blockIdx.x;
     int r = step >= 0 ? step : (int)blockIdx.y;
-    long long base = ((long long)b * n_rows + r) * vocab;
-    const float* row = logits + base;
-    float* out = probs + base;
-    int c_len = gb_chunk_len(vocab);
-    int lo = threadIdx.x * c_len, hi = min(vocab, lo + c_len);
     float temp = temperature[b];
     int kk = top_k[b];
     float tp = top_p[b];
-
-    u64 best = 0;
-    for (int i = lo; i < hi; ++i) {
-        u64 key = gb_order_key(row[i], i);
-        best = key > best ? key : best;
-    }
-    best = gb_block_max_u64(best, sm);
-    int amax = (int)(~(u32)best);
-    float l_max = row[amax];
-    __syncthreads();  // every thread has read row[amax] before any write below
-    if (!(temp > 0.0f)) {
-        for (int i = lo; i < hi; ++i) out[i] = i == amax ? 1.0f : 0.0f;
+    bool k_on = kk > 0 && kk < vocab, p_on = tp < 1.0f;
+    u64* out = sel_thr + (long long)b * s_rows + r;
+    if (!(temp > 0.0f) || !(k_on || p_on)) {  // uniform per block: no barrier is skipped by half
+        if (threadIdx.x == 0) *out = 0ull;
         return;
     }
+    const float* row = logits + ((long long)b * n_rows + r) * vocab;
+    u64 best = 0;
+    for (int i = threadIdx.x; i < vocab; i += GB_SAMPLE_THREADS) best = gb_max_u64(best, gb_order_key(row[i], i));
+    best = gb_tile_max_u64(best, sm.warp_u);
+    float l_max = gb_key_logit(best);
     u64 thr = 0;
-    if (kk > 0 && kk < vocab) thr = gb_radix_select(row, vocab, l_max, temp, 0ull, (u64)kk, false, sm);
-    if (tp < 1.0f) {
+    if (k_on) thr = gb_radix_select(row, vocab, l_max, temp, 0ull, (u64)kk, false, sm);
+    if (p_on) {
         u64 mass = 0;
-        for (int i = lo; i < hi; ++i) {
+        for (int i = threadIdx.x; i < vocab; i += GB_SAMPLE_THREADS) {
             float l = row[i];
             if (gb_order_key(l, i) >= thr)
                 mass += (u64)__float2ull_rz(__fmul_rn(gb_scaled_exp(l, l_max, temp), 0x1p32f));
         }
-        mass = gb_block_sum_u64(mass, sm);
+        mass = gb_block_sum_u64(mass, sm.warp_u);
         double want = ceil(__dmul_rn((double)tp, (double)mass));
         u64 need = want < 1.0 ? 1ull : (u64)want;
         u64 thr_p = gb_radix_select(row, vocab, l_max, temp, thr, need, true, sm);
-        thr = thr_p > thr ? thr_p : thr;
+        thr = gb_max_u64(thr_p, thr);
     }
-    float acc = 0.0f;
-    for (int i = lo; i < hi; ++i) {
-        float l = row[i];
-        if (gb_order_key(l, i) >= thr) acc = __fadd_rn(acc, gb_scaled_exp(l, l_max, temp));
-    }
-    float total = gb_block_scan(acc, sm);  // ends in a barrier: all reads of row are done
-    for (int i = lo; i < hi; ++i) {
-        float l = row[i];
-        out[i] = gb_order_key(l, i) >= thr ? __fdiv_rn(gb_scaled_exp(l, l_max, temp), total) : 0.0f;
-    }
+    if (threadIdx.x == 0) *out = thr;
 }
 
-// Threads: one block of GB_SAMPLE_THREADS per (sequence b, draft row t): t = step, or every
-// row (gridDim.y = k) when step < 0. Row t proposes the token at absolute position
-// pos[b] + t + 1 (pos = position of vtok[b, 0]) from q[b, t] with draw GB_DRAW_DRAFT.
-// draft_tok[b, t] <- token (PLACEHOLDER if q has no positive entry); draft_prob <- its q.
-extern "C" __global__ void spec_sample_draft(int k, int vocab, int step,
-                                             const float* __restrict__ q,       // [B, k, V]
-                                             const u64* __restrict__ seed,      // [B]
-                                             const int* __restrict__ pos,       // [B]
-                                             int* __restrict__ draft_tok,       // [B, k]
-                                             float* __restrict__ draft_prob) {  // [B, k]
-    __shared__ GbSampleSmem sm;
-    int b = blockIdx.x;
-    int t = step >= 0 ? step : (int)blockIdx.y;
-    const float* row = q + ((long long)b * k + t) * vocab;
-    float u = gb_uniform(seed[b], pos[b] + t + 1, GB_DRAW_DRAFT);
-    int tok = gb_sample_row(GbRowWeight{row}, vocab, u, sm);
+// ------------------------------------------------------------------ probabilities (+ draft race)
+
+// Threads: one block of GB_SAMPLE_THREADS per (tile, sequence b) on blockIdx.x = b * n_tiles
+// + tile, and row r on y (r = step, or every row when step < 0). Reads logits, writes, in
+// place, e_i = exp((l_i - m_t) / T) for kept tokens (order key >= sel_thr[b, r]) and 0 for
+// the others, with m_t the logit of the tile's largest order key; tile_key[b, r, t] <- that
+// key, tile_sum[b, r, t] <- the tile's sum of e. Temperature <= 0 (or NaN): only tile_key
+// (spec_probs_normalize writes the one-hot). race != 0 (draft rows): also the tile's race
+// winner over e_i / E_i (E from draw GB_DRAW_DRAFT at position pos[b] + r + 1) into
+// race_key[b, r, 0, t] (0: none) and its e into race_w[b, r, 0, t].
+extern "C" __global__ void spec_probs_tiles(int n_rows, int vocab, int step, int s_rows, int race,
+                                            const float* logits,                    // [B, T, V]
+                                            const float* __restrict__ temperature,  // [B]
+                                            const u64* __restrict__ sel_thr,        // [B, S]
+                                            const u64* __restrict__ seed,           // [B] (race only)
+                                            const int* __restrict__ pos,            // [B] (race only)
+                                            float* probs,                           // [B, T, V]
+                                            u64* __restrict__ tile_key,             // [B, S, n_tiles]
+                                            float* __restrict__ tile_sum,           // [B, S, n_tiles]
+                                            u64* __restrict__ race_key,             // [B, S, 2, n_tiles]
+                                            float* __restrict__ race_w) {           // [B, S, 2, n_tiles]
+    __shared__ GbTileSmem sm;
+    int nt = gb_n_tiles(vocab);
+    int b = blockIdx.x / nt, tile = blockIdx.x % nt;
+    int r = step >= 0 ? step : (int)blockIdx.y;
+    long long base = ((long long)b * n_rows + r) * vocab;
+    const float* row = logits + base;
+    float* out = probs + base;
+    bool aligned = gb_aligned16(row) && gb_aligned16(out);
+    float l[GB_SAMPLE_NVEC][4];
+    u64 best = 0;
+#pragma unroll
+    for (int j = 0; j < GB_SAMPLE_NVEC; ++j) {
+        int i0 = gb_vec_base(tile, j);
+        gb_load4(row, i0, vocab, aligned, l[j], 0.0f);
+#pragma unroll
+        for (int c = 0; c < 4; ++c)
+            if (i0 + c < vocab) best = gb_max_u64(best, gb_order_key(l[j][c], i0 + c));
+    }
+    best = gb_tile_max_u64(best, sm.warp_u);  // ends with every read of the tile done
+    long long cell = ((long long)b * s_rows + r) * nt + tile;
+    float temp = temperature[b];
+    if (!(temp > 0.0f)) {
+        if (threadIdx.x == 0) tile_key[cell] = best;
+        return;
+    }
+    float m_t = gb_key_logit(best);
+    u64 thr = sel_thr[(long long)b * s_rows + r];
+    u64 my_seed = race ? seed[b] : 0ull;
+    int my_pos = race ? pos[b] + r + 1 : 0;
+    float sum = 0.0f, pay = 0.0f;
+    u64 rkey = 0;
+#pragma unroll
+    for (int j = 0; j < GB_SAMPLE_NVEC; ++j) {
+        int i0 = gb_vec_base(tile, j);
+        float e[4];
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            bool kept = i0 + c < vocab && gb_order_key(l[j][c], i0 + c) >= thr;
+            e[c] = kept ? gb_scaled_exp(l[j][c], m_t, temp) : 0.0f;
+            sum = __fadd_rn(sum, e[c]);
+        }
+        if (race && i0 < vocab) {
+            float ex[4];
+            gb_race_expo4(my_seed, my_pos, GB_DRAW_DRAFT, i0 / GB_SAMPLE_VEC, ex);
+    #pragma unroll
+        for (int c = 0; c < 4; ++c) {
+                u64 key = e[c] > 0.0f ? gb_race_key(__fdiv_rn(e[c], ex[c]), i0 + c) : 0ull;
+                if (key > rkey) {
+                    rkey = key;
+                    pay = e[c];
+                }
+            }
+        }
+        gb_store4(out, i0, vocab, aligned, e);
+    }
+    gb_tile_reduce(rkey, pay, sum, sm);
     if (threadIdx.x == 0) {
-        draft_tok[(long long)b * k + t] = tok >= 0 ? tok : GB_PLACEHOLDER_TOKEN;
-        draft_prob[(long long)b * k + t] = tok >= 0 ? row[tok] : 0.0f;
+        tile_key[cell] = best;
+        tile_sum[cell] = sum;
+        if (race) {
+            long long rc = ((long long)b * s_rows + r) * GB_RACE_SLOTS * nt + tile;
+            race_key[rc] = rkey;
+            race_w[rc] = pay;
+        }
     }
 }
 
-// Threads: one block of GB_SAMPLE_THREADS per sequence.
-// Lossless speculative sampling with the outputs of spec_accept_greedy_dc: for
-// i < n_valid = clamp(brk[b, 0], 0, k), in order, draft x = vtok[b, 1 + i] is accepted iff
-// 0 <= x < V and u_i * q[b, i, x] < p[b, i, x] (u_i: draw GB_DRAW_ACCEPT at pos[b] + i + 1);
-// n_acc[b] <- n, the accepted prefix. last_pred[b] <- a token for position pos[b] + n + 1
-// (draw GB_DRAW_RESAMPLE): from norm(max(0, p_n - q_n)) after a rejection (from p_n when
-// that residual is all zero), else (n == n_valid, the break or all k accepted) from p_n.
-extern "C" __global__ void spec_accept_sample(int k, int vocab,
-                                              const int* __restrict__ vtok,   // [B, K1]
-                                              const float* __restrict__ p,    // [B, K1, V]
-                                              const float* __restrict__ q,    // [B, k, V]
-                                              const int* __restrict__ brk,    // [B, 2]
-                                              const u64* __restrict__ seed,   // [B]
-                                              const int* __restrict__ pos,    // [B]
-                                              int* __restrict__ n_acc,        // [B]
-                                              int* __restrict__ last_pred) {  // [B]
-    __shared__ GbSampleSmem sm;
-    __shared__ int s_n;
+// One warp: the row's maximum order key, and (temperature > 0) each tile's scale
+// s_t = exp((m_t - max) / T) and total = sum_t tile_sum[t] * s_t, lane l adding tiles
+// l, l + 32, ... then the butterfly. Every lane gets max_key and total.
+__device__ __forceinline__ void gb_row_combine(const u64* tkey, const float* tsum, int nt, float temp, u64& max_key,
+                                               float& total) {
+    int lane = threadIdx.x & 31;
+    u64 m = 0;
+    for (int t = lane; t < nt; t += 32) m = gb_max_u64(m, tkey[t]);
+    max_key = gb_warp_max_u64(m);
+    total = 0.0f;
+    if (!(temp > 0.0f)) return;
+    float lm = gb_key_logit(max_key), acc = 0.0f;
+    for (int t = lane; t < nt; t += 32) {
+        float s_t = gb_scaled_exp(gb_key_logit(tkey[t]), lm, temp);
+        acc = __fadd_rn(acc, __fmul_rn(tsum[t], s_t));
+    }
+    total = gb_warp_sum(acc);
+}
+
+// Threads: as spec_probs_tiles, after it. probs_i <- e_i * s_t / total (see gb_row_combine);
+// temperature <= 0: one-hot at the row's argmax (lowest index on ties). race != 0: the
+// tile-0 block also picks the draft token, the largest (r_t * s_t, index) over the tiles'
+// race winners: draft_tok[b, r] <- it (the argmax at temperature <= 0; PLACEHOLDER if no
+// tile has a candidate), draft_prob[b, r] <- its probability as written to probs.
+extern "C" __global__ void spec_probs_normalize(int n_rows, int vocab, int step, int s_rows, int race,
+                                                const float* __restrict__ temperature,  // [B]
+                                                const u64* __restrict__ tile_key,       // [B, S, n_tiles]
+                                                const float* __restrict__ tile_sum,     // [B, S, n_tiles]
+                                                const u64* __restrict__ race_key,       // [B, S, 2, n_tiles]
+                                                const float* __restrict__ race_w,       // [B, S, 2, n_tiles]
+                                                float* probs,                           // [B, T, V]
+                                                int* __restrict__ draft_tok,            // [B, n_rows] (race only)
+                                                float* __restrict__ draft_prob) {       // [B, n_rows] (race only)
+    __shared__ GbTileSmem sm;
+    int nt = gb_n_tiles(vocab);
+    int b = blockIdx.x / nt, tile = blockIdx.x % nt;
+    int r = step >= 0 ? step : (int)blockIdx.y;
+    float temp = temperature[b];
+    long long srow = (long long)b * s_rows + r;
+    const u64* tkey = tile_key + srow * nt;
+    const float* tsum = tile_sum + srow * nt;
+    if (threadIdx.x < 32) {
+        u64 max_key;
+        float total;
+        gb_row_combine(tkey, tsum, nt, temp, max_key, total);
+        bool greedy = !(temp > 0.0f);
+        if (threadIdx.x == 0) {
+            sm.u0 = max_key;
+            sm.f0 = total;
+            sm.f1 = greedy ? 0.0f : gb_scaled_exp(gb_key_logit(tkey[tile]), gb_key_logit(max_key), temp);
+        }
+        if (race && tile == 0) {
+            int lane = threadIdx.x;
+            u64 best = 0;
+            float pay = 0.0f;
+            if (!greedy) {
+                const u64* rk = race_key + srow * GB_RACE_SLOTS * nt;
+                const float* rw = race_w + srow * GB_RACE_SLOTS * nt;
+                float lm = gb_key_logit(max_key);
+                for (int t = lane; t < nt; t += 32) {
+                    if (rk[t] == 0ull) continue;
+                    float s = gb_scaled_exp(gb_key_logit(tkey[t]), lm, temp);
+                    u64 key = gb_race_key(__fmul_rn(__uint_as_float((u32)(rk[t] >> 32)), s), (int)(~(u32)rk[t]));
+                    if (key > best) {
+                        best = key;
+                        pay = __fmul_rn(rw[t], s);
+                    }
+                }
+                gb_warp_max_pay(best, pay);
+            }
+            if (lane == 0) {
+                long long o = (long long)b * n_rows + r;
+                if (greedy) {
+                    draft_tok[o] = (int)(~(u32)max_key);
+                    draft_prob[o] = 1.0f;
+                } else {
+                    draft_tok[o] = best ? (int)(~(u32)best) : GB_PLACEHOLDER_TOKEN;
+                    draft_prob[o] = best ? __fdiv_rn(pay, total) : 0.0f;
+                }
+            }
+        }
+    }
+    __syncthreads();
+    u64 max_key = sm.u0;
+    float total = sm.f0, s = sm.f1;
+    bool greedy = !(temp > 0.0f);
+    int amax = (int)(~(u32)max_key);
+    float* out = probs + ((long long)b * n_rows + r) * vocab;
+    bool aligned = gb_aligned16(out);
+    for (int j = 0; j < GB_SAMPLE_NVEC; ++j) {
+        int i0 = gb_vec_base(tile, j);
+        if (i0 >= vocab) break;
+        float x[4];
+        if (greedy) {
+            for (int c = 0; c < 4; ++c) x[c] = i0 + c == amax ? 1.0f : 0.0f;
+        } else {
+            gb_load4(out, i0, vocab, aligned, x, 0.0f);
+            for (int c = 0; c < 4; ++c) x[c] = __fdiv_rn(__fmul_rn(x[c], s), total);
+        }
+        gb_store4(out, i0, vocab, aligned, x);
+    }
+}
+
+// ------------------------------------------------------------------ races over given weights
+
+// Race weight of a probability row, or of the residual max(0, p - q).
+__device__ __forceinline__ float gb_residual(float p, float q) {
+    float d = __fsub_rn(p, q);
+    return d > 0.0f ? d : 0.0f;
+}
+
+// Fold four weights and their variates into a running race (key, weight of the winner).
+__device__ __forceinline__ void gb_race4(const float w[4], const float ex[4], int i0, int vocab, u64& key,
+                                         float& pay) {
+    for (int c = 0; c < 4; ++c) {
+        if (i0 + c >= vocab || !(w[c] > 0.0f)) continue;
+        u64 k = gb_race_key(__fdiv_rn(w[c], ex[c]), i0 + c);
+        if (k > key) {
+            key = k;
+            pay = w[c];
+        }
+    }
+}
+
+// Threads: as spec_probs_tiles (blockIdx.x = b * n_tiles + tile, row r on y). The tile's race
+// winner over q_i / E_i (q_i > 0; E from draw GB_DRAW_DRAFT at position pos[b] + r + 1) into
+// race_key[b, r, 0, t] (0: none) and its q into race_w[b, r, 0, t].
+extern "C" __global__ void spec_race_tiles(int n_rows, int vocab, int step, int s_rows,
+                                           const float* __restrict__ q,     // [B, T, V]
+                                           const u64* __restrict__ seed,    // [B]
+                                           const int* __restrict__ pos,     // [B]
+                                           u64* __restrict__ race_key,      // [B, S, 2, n_tiles]
+                                           float* __restrict__ race_w) {    // [B, S, 2, n_tiles]
+    __shared__ GbTileSmem sm;
+    int nt = gb_n_tiles(vocab);
+    int b = blockIdx.x / nt, tile = blockIdx.x % nt;
+    int r = step >= 0 ? step : (int)blockIdx.y;
+    const float* row = q + ((long long)b * n_rows + r) * vocab;
+    bool aligned = gb_aligned16(row);
+    u64 my_seed = seed[b];
+    int my_pos = pos[b] + r + 1;
+    u64 key = 0;
+    float pay = 0.0f, unused = 0.0f;
+    for (int j = 0; j < GB_SAMPLE_NVEC; ++j) {
+        int i0 = gb_vec_base(tile, j);
+        if (i0 >= vocab) break;
+        float w[4], ex[4];
+        gb_load4(row, i0, vocab, aligned, w, 0.0f);
+        gb_race_expo4(my_seed, my_pos, GB_DRAW_DRAFT, i0 / GB_SAMPLE_VEC, ex);
+        gb_race4(w, ex, i0, vocab, key, pay);
+    }
+    gb_tile_reduce(key, pay, unused, sm);
+    if (threadIdx.x == 0) {
+        long long rc = ((long long)b * s_rows + r) * GB_RACE_SLOTS * nt + tile;
+        race_key[rc] = key;
+        race_w[rc] = pay;
+    }
+}
+
+// Threads: one warp per (sequence b = blockIdx.x, row r on y), after spec_race_tiles.
+// draft_tok[b, r] <- the race winner (PLACEHOLDER without a candidate), draft_prob <- its q.
+extern "C" __global__ void spec_race_pick(int n_rows, int vocab, int step, int s_rows,
+                                          const u64* __restrict__ race_key,  // [B, S, 2, n_tiles]
+                                          const float* __restrict__ race_w,  // [B, S, 2, n_tiles]
+                                          int* __restrict__ draft_tok,       // [B, T]
+                                          float* __restrict__ draft_prob) {  // [B, T]
+    int nt = gb_n_tiles(vocab);
     int b = blockIdx.x;
+    int r = step >= 0 ? step : (int)blockIdx.y;
+    long long rc = ((long long)b * s_rows + r) * GB_RACE_SLOTS * nt;
+    u64 key = 0;
+    float pay = 0.0f;
+    for (int t = threadIdx.x; t < nt; t += 32) {
+        if (race_key[rc + t] > key) {
+            key = race_key[rc + t];
+            pay = race_w[rc + t];
+        }
+    }
+    gb_warp_max_pay(key, pay);
+    if (threadIdx.x == 0) {
+        long long o = (long long)b * n_rows + r;
+        draft_tok[o] = key ? (int)(~(u32)key) : GB_PLACEHOLDER_TOKEN;
+        draft_prob[o] = key ? pay : 0.0f;
+    }
+}
+
+// ------------------------------------------------------------------ accept
+
+// The accepted prefix n of sequence b: for i < n_valid = clamp(brk[b, 0], 0, k), in order,
+// draft x = vtok[b, 1 + i] is accepted iff 0 <= x < V and u_i * q[b, i, x] < p[b, i, x]
+// (u_i: draw GB_DRAW_ACCEPT at pos[b] + i + 1); n = the run of accepts before the first
+// failure. Called by a whole warp: lane l tests draft base + l, a ballot finds the run.
+__device__ int gb_accept_prefix(int b, int k, int vocab, int n_valid, const int* vtok, const float* p, const float* q,
+                                u64 seed, int pos) {
+    const int* v = vtok + (long long)b * (k + 1);
+    int lane = threadIdx.x & 31, n = 0;
+    for (int base = 0; base < n_valid; base += 32) {
+        int i = base + lane;
+        bool ok = false;
+        if (i < n_valid) {
+            int x = v[i + 1];
+            if (x >= 0 && x < vocab) {
+                float u = gb_uniform(seed, pos + i + 1, GB_DRAW_ACCEPT);
+                float px = p[((long long)b * (k + 1) + i) * vocab + x];
+                float qx = q[((long long)b * k + i) * vocab + x];
+                ok = __fmul_rn(u, qx) < px;
+            }
+        }
+        unsigned fail = ~__ballot_sync(0xffffffffu, ok);
+        if (fail) return n + __ffs((int)fail) - 1;
+        n += 32;
+    }
+    return n;
+}
+
+// Threads: one block of GB_SAMPLE_THREADS per (tile, sequence b) on blockIdx.x = b * n_tiles
+// + tile. Every block finds the accepted prefix n (gb_accept_prefix; warp 0, shared) and
+// races its tile of row n with E from draw GB_DRAW_RESAMPLE at position pos[b] + n + 1:
+// slot 0 over the residual max(0, p_n - q_n) (only when n < n_valid), slot 1 over p_n;
+// winners into race_key[b, 0, slot, t] (0: none), their weights into race_w.
+extern "C" __global__ void spec_accept_tiles(int k, int vocab, int s_rows,
+                                             const int* __restrict__ vtok,  // [B, K1]
+                                             const float* __restrict__ p,   // [B, K1, V]
+                                             const float* __restrict__ q,   // [B, k, V]
+                                             const int* __restrict__ brk,   // [B, 2]
+                                             const u64* __restrict__ seed,  // [B]
+                                             const int* __restrict__ pos,   // [B]
+                                             u64* __restrict__ race_key,    // [B, S, 2, n_tiles]
+                                             float* __restrict__ race_w) {  // [B, S, 2, n_tiles]
+    __shared__ GbTileSmem sm;
+    int nt = gb_n_tiles(vocab);
+    int b = blockIdx.x / nt, tile = blockIdx.x % nt;
     u64 my_seed = seed[b];
     int my_pos = pos[b];
     int n_valid = min(max(brk[2 * b], 0), k);
-    if (threadIdx.x == 0) {
-        const int* v = vtok + (long long)b * (k + 1);
-        int n = 0;
-        for (; n < n_valid; ++n) {
-            int x = v[n + 1];
-            if (x < 0 || x >= vocab) break;
-            float u = gb_uniform(my_seed, my_pos + n + 1, GB_DRAW_ACCEPT);
-            float px = p[((long long)b * (k + 1) + n) * vocab + x];
-            float qx = q[((long long)b * k + n) * vocab + x];
-            if (!(__fmul_rn(u, qx) < px)) break;
-        }
-        s_n = n;
+    if (threadIdx.x < 32) {
+        int n = gb_accept_prefix(b, k, vocab, n_valid, vtok, p, q, my_seed, my_pos);
+        if (threadIdx.x == 0) sm.i0 = n;
     }
     __syncthreads();
-    int n = s_n;
+    int n = sm.i0;
+    bool residual = n < n_valid;
     const float* p_row = p + ((long long)b * (k + 1) + n) * vocab;
-    float u = gb_uniform(my_seed, my_pos + n + 1, GB_DRAW_RESAMPLE);
-    int tok = -1;
-    if (n < n_valid) tok = gb_sample_row(GbResidualWeight{p_row, q + ((long long)b * k + n) * vocab}, vocab, u, sm);
-    if (tok < 0) tok = gb_sample_row(GbRowWeight{p_row}, vocab, u, sm);
+    const float* q_row = q + ((long long)b * k + (residual ? n : 0)) * vocab;
+    bool aligned = gb_aligned16(p_row) && gb_aligned16(q_row);
+    u64 key_r = 0, key_p = 0;
+    float pay_r = 0.0f, pay_p = 0.0f, unused = 0.0f;
+    for (int j = 0; j < GB_SAMPLE_NVEC; ++j) {
+        int i0 = gb_vec_base(tile, j);
+        if (i0 >= vocab) break;
+        float pv[4], ex[4];
+        gb_load4(p_row, i0, vocab, aligned, pv, 0.0f);
+        gb_race_expo4(my_seed, my_pos + n + 1, GB_DRAW_RESAMPLE, i0 / GB_SAMPLE_VEC, ex);
+        gb_race4(pv, ex, i0, vocab, key_p, pay_p);
+        if (residual) {
+            float qv[4], d[4];
+            gb_load4(q_row, i0, vocab, aligned, qv, 0.0f);
+            for (int c = 0; c < 4; ++c) d[c] = gb_residual(pv[c], qv[c]);
+            gb_race4(d, ex, i0, vocab, key_r, pay_r);
+        }
+    }
+    gb_tile_reduce(key_r, pay_r, unused, sm);
+    __syncthreads();  // thread 0 is done with the shared partials before the second reduce
+    gb_tile_reduce(key_p, pay_p, unused, sm);
     if (threadIdx.x == 0) {
+        long long rc = (long long)b * s_rows * GB_RACE_SLOTS * nt + tile;
+        race_key[rc] = key_r;
+        race_w[rc] = pay_r;
+        race_key[rc + nt] = key_p;
+        race_w[rc + nt] = pay_p;
+    }
+}
+
+// Threads: one warp per sequence, after spec_accept_tiles. n_acc[b] <- the accepted prefix
+// n; last_pred[b] <- the token for position pos[b] + n + 1: the residual race's winner after
+// a rejection (n < n_valid) when the residual has one, else the race over p_n
+// (PLACEHOLDER if p_n has no positive entry).
+extern "C" __global__ void spec_accept_pick(int k, int vocab, int s_rows,
+                                            const int* __restrict__ vtok,      // [B, K1]
+                                            const float* __restrict__ p,       // [B, K1, V]
+                                            const float* __restrict__ q,       // [B, k, V]
+                                            const int* __restrict__ brk,       // [B, 2]
+                                            const u64* __restrict__ seed,      // [B]
+                                            const int* __restrict__ pos,       // [B]
+                                            const u64* __restrict__ race_key,  // [B, S, 2, n_tiles]
+                                            int* __restrict__ n_acc,           // [B]
+                                            int* __restrict__ last_pred) {     // [B]
+    int nt = gb_n_tiles(vocab);
+    int b = blockIdx.x;
+    int n_valid = min(max(brk[2 * b], 0), k);
+    long long rc = (long long)b * s_rows * GB_RACE_SLOTS * nt;
+    u64 key_r = 0, key_p = 0;
+    for (int t = threadIdx.x; t < nt; t += 32) {
+        key_r = gb_max_u64(key_r, race_key[rc + t]);
+        key_p = gb_max_u64(key_p, race_key[rc + nt + t]);
+    }
+    key_r = gb_warp_max_u64(key_r);
+    key_p = gb_warp_max_u64(key_p);
+    int n = gb_accept_prefix(b, k, vocab, n_valid, vtok, p, q, seed[b], pos[b]);
+    if (threadIdx.x == 0) {
+        u64 key = n < n_valid && key_r ? key_r : key_p;
         n_acc[b] = n;
-        last_pred[b] = tok >= 0 ? tok : GB_PLACEHOLDER_TOKEN;
+        last_pred[b] = key ? (int)(~(u32)key) : GB_PLACEHOLDER_TOKEN;
     }
 }

@@ -26,7 +26,8 @@ from .digest import (
     wrong_shift,
 )
 from .digest import mix32
-from .sampling_ref import accept_sample, ftz, probs_from_logits, sample_draft  # noqa: F401 - the sampling kernels
+from .sampling_ref import (  # noqa: F401 - the sampling kernels
+    accept_sample, draft_probs_sample, ftz, probs_from_logits, sample_draft)
 
 
 _U32_ALL_ONES = np.uint64(0xFFFFFFFF)

@@ -8,8 +8,8 @@ is greedy only)::
     seed_gather                                   vtok[:, 0] = pend, pos_start = pos_ctr, brk = [k, 0]
     for j in 0 .. k-1:
         draft.draft_step(bufs, j)                 draft_logits[:, j]  (and its input's KV)
-        probs_from_logits(step=j)                 draft_logits[:, j] <- q, in place
-        sample_draft(step=j)                      draft_tok[:, j] ~ q, draft_conf[:, j] = q(token)
+        draft_probs_sample(step=j)                draft_logits[:, j] <- q in place; draft_tok[:, j] ~ q,
+                                                  draft_conf[:, j] = q(token)
     draft.draft_append_last(bufs)                 KV of the sampled last draft (protocol rule 2)
     assemble_verify                               vtok = [pend, drafts before the break, -1 ...]
     target.verify(bufs)                           tgt_logits [B, k+1, V]
@@ -38,12 +38,12 @@ GREEDY = SamplingParams()
 
 
 def draft_sample_calls(ops, b: StreamBufs, j: int) -> list:
-    """Draft step j's distribution and its sample (after ``draft_step(j)``)."""
+    """Draft step j's distribution and its sample (after ``draft_step(j)``), fused: the
+    proposal's race runs inside the probability kernels (``b`` is also their scratch)."""
     return [
-        (f"draft_probs[{j}]", functools.partial(ops.probs_from_logits, b.draft_logits, b.temperature, b.top_k, b.top_p,
-                                                b.draft_logits, step=j)),
-        (f"sample_draft[{j}]", functools.partial(ops.sample_draft, b.draft_logits, b.seed, b.pos_start, b.draft_tok,
-                                                 b.draft_conf, step=j)),
+        (f"draft_probs_sample[{j}]", functools.partial(ops.draft_probs_sample, b.draft_logits, b.temperature, b.top_k,
+                                                       b.top_p, b.seed, b.pos_start, b.draft_logits, b.draft_tok,
+                                                       b.draft_conf, b, step=j)),
     ]
 
 
@@ -51,9 +51,9 @@ def verify_sample_calls(ops, b: StreamBufs) -> list:
     """The target's distributions and the lossless accept (after ``verify``)."""
     return [
         ("target_probs", functools.partial(ops.probs_from_logits, b.tgt_logits, b.temperature, b.top_k, b.top_p,
-                                           b.tgt_logits)),
+                                           b.tgt_logits, b)),
         ("accept_sample", functools.partial(ops.accept_sample, b.vtok, b.tgt_logits, b.draft_logits, b.brk, b.seed,
-                                            b.pos_start, b.n_acc, b.last_pred)),
+                                            b.pos_start, b.n_acc, b.last_pred, b)),
     ]
 
 
@@ -123,13 +123,13 @@ def sample_first_tokens(ops, backend, bufs: StreamBufs, prompt_len: np.ndarray, 
     slots = np.flatnonzero(prompt_len != NO_PREFILL)
     if len(slots) == 0:
         return
-    ops.probs_from_logits(bufs.tgt_logits, bufs.temperature, bufs.top_k, bufs.top_p, bufs.tgt_logits, step=0,
+    ops.probs_from_logits(bufs.tgt_logits, bufs.temperature, bufs.top_k, bufs.top_p, bufs.tgt_logits, bufs, step=0,
                           stream=stream)
     pos = np.where(prompt_len != NO_PREFILL, prompt_len.astype(np.int64) - 1, 0).astype(np.int32)
     backend.upload(bufs.brk, np.zeros((bufs.batch, 2), np.int32), stream)
     backend.upload(bufs.pos_start, pos, stream)
     ops.accept_sample(bufs.vtok, bufs.tgt_logits, bufs.draft_logits, bufs.brk, bufs.seed, bufs.pos_start, bufs.n_acc,
-                      bufs.last_pred, stream=stream)
+                      bufs.last_pred, bufs, stream=stream)
     pend = backend.to_host(bufs.pend, stream)
     pend[slots] = backend.to_host(bufs.last_pred, stream)[slots]
     backend.upload(bufs.pend, pend, stream)

@@ -67,6 +67,25 @@ def test_bench_latency_sampling_on_numpy(tmp_path):
     assert 1 <= r["greedy_tokens_per_round"] <= 5 and 1 <= r["sampling_tokens_per_round"] <= 5
 
 
+def test_bench_sampling_kernels_on_numpy(tmp_path):
+    """``--sampling-model kernels``: one line per sampling op, the round total their sum."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    out = tmp_path / "out.json"
+    proc = subprocess.run([sys.executable, "-m", "graphburst.cli", "bench", "latency", "--sampling", "--sampling-model",
+                           "kernels", "--backend", "numpy", "--json", str(out)], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    (row,) = json.loads(out.read_text())["results"]  # numpy: V = 32000, B = 1 only
+    assert row["config"] == dict(vocab=32000, batch=1, k=4)
+    t = row["result"]
+    assert all(v > 0 for v in t.values()) and len(t) == 6
+    total = t["round total (k draft steps + verify probs + accept)"]
+    assert total == pytest.approx(4 * t["draft_probs_sample (1 draft row)"] + t["probs_from_logits (k+1 verify rows)"]
+                                  + t["accept_sample"])
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("sampling kernels V=32000 B=1 ")]
+    assert len(lines) == 6 and all(ln.endswith(" µs") for ln in lines)
+
+
 def test_check_greedy_rejects_a_wrong_token():
     prompts = random_prompts(2)
     outs = [greedy_reference(p, 6, 32000) for p in prompts]

@@ -16,6 +16,7 @@ import pytest
 
 import sampling_stats as st
 from graphburst import constants, reference
+from graphburst import sampling_prims as sp
 from graphburst import sampling_ref as sr
 from graphburst.constants import PLACEHOLDER_TOKEN
 from graphburst.sampling_params import SamplingParams, check_sampling
@@ -51,11 +52,12 @@ def probs(logits, temperature, top_k=0, top_p=1.0):
      [0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1]),
 ])
 def test_philox_known_answers(ctr, key, want):
-    assert sr.philox4x32_10(np.array(ctr, np.uint32), np.array(key, np.uint32)).tolist() == want
+    assert sp.philox4x32_10(np.array(ctr, np.uint32), np.array(key, np.uint32)).tolist() == want
 
 
 @pytest.mark.parametrize("macro, value", [
     ("GB_SAMPLE_THREADS", constants.SAMPLE_THREADS),
+    ("GB_SAMPLE_TILE", constants.SAMPLE_TILE),
     ("GB_DRAW_DRAFT", constants.DRAW_DRAFT),
     ("GB_DRAW_ACCEPT", constants.DRAW_ACCEPT),
     ("GB_DRAW_RESAMPLE", constants.DRAW_RESAMPLE),
@@ -98,21 +100,86 @@ def test_exp_neg_accuracy_and_edges():
     assert sr.exp_neg(F32(0)) == 1 and sr.exp_neg(F32(-np.inf)) == 0 and sr.exp_neg(F32(-100)) == 0
 
 
-def test_sample_rows_hand_cases():
-    w = np.array([[0, 1, 0, 3]] * 5 + [[0, 0, 0, 0], [0, 0, 0, 2.5]], F32)
-    u = np.array([0, 0.2499, 0.25, 0.99, 1 - 2**-24, 0.5, 0.7], F32)
-    # targets 0, 0.9996, 1.0, 3.96, ~4: first running sum strictly above the target.
-    assert sr.sample_rows(w, u).tolist() == [1, 1, 3, 3, 3, -1, 3]
+def test_expo_is_exponential_and_accurate(rng):
+    words = rng.integers(0, 2**32, 400_000, dtype=np.uint64).astype(np.uint32)
+    e = sp.expo(words).astype(np.float64)
+    # Against float64 -log1p(-v) of the same float32 v: the polynomial's own error.
+    v = np.minimum((words | 1).astype(np.float64).astype(F32) * F32(2.0**-32), F32(1 - 2.0**-24))
+    want = -np.log1p(-v.astype(np.float64))
+    assert np.all(np.abs(e - want) <= 4e-7 * want)
+    # Exponential(1): mean 1 and P(E > x) = e^-x, the small values (which decide races) included.
+    assert abs(e.mean() - 1) < 0.01
+    for x in (1e-4, 0.01, 0.5, 1, 3):
+        assert abs((e > x).mean() - np.exp(-x)) < 4 * np.sqrt(np.exp(-x) / len(e)) + 1e-4
+    # The extremes: word 0 keeps 32 bits near E = 0, the cap keeps v < 1.
+    assert sp.expo(np.uint32(0)) == pytest.approx(2.0**-32, rel=1e-6)
+    assert np.isfinite(sp.expo(np.uint32(0xFFFFFFFF))) and sp.expo(np.uint32(0xFFFFFFFF)) > 16
 
 
-def test_sample_rows_block_sum_order_matches_a_scan():
-    rng = np.random.default_rng(3)
-    for vocab in (1, 7, 31, 256, 257, 4099):
-        w = rng.random((5, vocab)).astype(F32)
-        total = sr.row_sum(w)
-        np.testing.assert_allclose(total, w.astype(np.float64).sum(axis=1), rtol=1e-5)
-        tok = sr.sample_rows(w, np.zeros(5, F32))
-        assert tok.tolist() == [0] * 5
+def test_race_hand_cases():
+    w = np.array([[0, 0, 0, 2.5], [0, 0, 0, 0], [1e-40, 0, 1.0, 0], [0, 3, 0, 0]], F32)
+    tok, wt = sr.race(w, np.arange(4, dtype=np.uint64), np.zeros(4), constants.DRAW_DRAFT)
+    assert tok.tolist() == [3, -1, 2, 1] and wt.tolist() == [2.5, 0, 1, 3]
+
+
+@pytest.mark.parametrize("vocab", [5, 2049])
+def test_race_follows_the_weights(vocab):
+    """Chi-square of race winners against w / sum(w), one row per seed (V = 2049: two tiles)."""
+    rng = np.random.default_rng(11)
+    w = np.zeros(vocab, F32)
+    hot = rng.choice(vocab, 5, replace=False)
+    w[hot] = [0.5, 0.25, 0.125, 0.1, 0.025]
+    n = 8_000
+    seeds = rng.integers(0, 2**64, n, dtype=np.uint64)
+    tok, _ = sr.race(np.tile(w, (n, 1)), seeds, rng.integers(0, 2**31, n), constants.DRAW_RESAMPLE)
+    pval, info = st.goodness_of_fit(tok, w)
+    assert pval > st.ALPHA, info
+
+
+def slow_tile_sums(e, vocab):
+    """The device's tile sums by simulating each thread, warp and tree step in Python."""
+    tile = constants.SAMPLE_TILE
+    out = []
+    for t0 in range(0, vocab, tile):
+        acc = []
+        for tid in range(constants.SAMPLE_THREADS):
+            a = F32(0)
+            for j in range(tile // (4 * constants.SAMPLE_THREADS)):
+                for c in range(4):
+                    i = t0 + (j * constants.SAMPLE_THREADS + tid) * 4 + c
+                    if i < vocab:
+                        a = F32(a + e[i])
+            acc.append(a)
+
+        def butterfly(vals):
+            vals = list(vals)
+            o = len(vals) // 2
+            while o:
+                vals = [F32(vals[i] + vals[i ^ o]) for i in range(len(vals))]
+                o //= 2
+            return vals[0]
+
+        warps = [butterfly(acc[w * 32:(w + 1) * 32]) for w in range(len(acc) // 32)]
+        out.append(butterfly(warps))
+    return np.array(out, F32)
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 1024, 1025, 2048, 4099])
+def test_tile_sums_match_a_thread_by_thread_simulation(vocab):
+    rng = np.random.default_rng(vocab)
+    e = sp.exp_neg(-rng.random(vocab).astype(F32) * 30)
+    got = sp.tile_sum(sp.tiled(e[None], F32(0)))[0]
+    np.testing.assert_array_equal(got.view(np.int32), slow_tile_sums(e, vocab).view(np.int32))
+    np.testing.assert_allclose(got.astype(np.float64).sum(), e.astype(np.float64).sum(), rtol=1e-5)
+
+
+def test_tile_combine_order():
+    x = np.arange(1, 71, dtype=F32)[None] * F32(0.1)
+    lanes = [F32(0)] * 32
+    for t in range(70):
+        lanes[t % 32] = F32(lanes[t % 32] + x[0, t])
+    want = sp.halve_tree(np.array(lanes, F32))
+    assert sp.tile_combine(x)[0].view(np.int32) == want.view(np.int32)
 
 
 # ------------------------------------------------------------------ probs_from_logits
@@ -124,9 +191,12 @@ def test_greedy_is_one_hot_at_lowest_argmax():
     assert out[:, 0].tolist() == [[0, 1, 0, 0], [1, 0, 0, 0], [0, 0, 1, 0]]
 
 
-def test_softmax_without_filters_matches_float64(rng):
-    logits = (rng.normal(size=(6, 3, 300)) * 4).astype(F32)
+@pytest.mark.parametrize("vocab", [300, 4099, 128256])
+def test_softmax_without_filters_matches_float64(rng, vocab):
+    logits = (rng.normal(size=(2 if vocab > 5000 else 6, 3, vocab)) * 4).astype(F32)
     logits[0, 0, :7] = -np.inf
+    if vocab > 2100:
+        logits[1, 1, :2100] = -np.inf  # a whole first tile of -inf (its scale is 0)
     for temp in (0.3, 1.0, 2.5):
         got = probs(logits, temp)
         z = logits.astype(np.float64) / temp
@@ -358,8 +428,8 @@ def test_ftz_subnormal_logit_ranks_as_zero():
 
 
 def test_ftz_subnormal_weight_is_no_weight():
-    w = np.array([[1e-40, 0, 1.0]], F32)
-    assert sr.sample_rows(w, np.zeros(1, F32)).tolist() == [2]  # unflushed: 0 (running sum 1e-40 > 0)
+    w = np.array([[1e-40, 0, 0]] * 3, F32)
+    assert sr.race(w, np.arange(3, dtype=np.uint64), np.zeros(3), 0)[0].tolist() == [-1] * 3  # unflushed: 0
 
 
 def ftz_accept_inputs():
@@ -383,3 +453,60 @@ def test_ftz_accept_and_residual():
     n_acc, last = run_accept(vtok, p, q, brk, seed, pos)
     assert n_acc.tolist() == [0, 0]  # unflushed, u * q < p would accept draft 0 of row 0
     assert last[1] == 2  # flushed residual is all zero: drawn from p, whose mass is at 2
+
+
+def test_race_words_of_single_elements_match_the_row_layout(rng):
+    seed = rng.integers(0, 2**64, 3, dtype=np.uint64)
+    pos = rng.integers(0, 2**32, 3)
+    rows = sp.race_words(seed, pos, constants.DRAW_DRAFT, 40)
+    idx = np.array([0, 7, 39])
+    assert np.array_equal(sp.race_words_at(seed, pos, constants.DRAW_DRAFT, idx), rows[np.arange(3), idx])
+    # Word i % 4 of counter [pos, draw, i // 4, 0], spelled out for one element.
+    ctr = np.array([pos[1] & 0xFFFFFFFF, constants.DRAW_DRAFT, 7 // 4, 0], np.uint32)
+    key = np.array([int(seed[1]) & 0xFFFFFFFF, int(seed[1]) >> 32], np.uint32)
+    assert rows[1, 7] == sp.philox4x32_10(ctr, key)[7 % 4]
+
+
+# ------------------------------------------------------------------ the fused draft step
+
+
+def fused_draft(logits, temp, top_k=0, top_p=1.0, seed=None, pos=None):
+    b, k, _ = logits.shape
+    seed = np.arange(b, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15) if seed is None else seed
+    pos = np.arange(b, dtype=np.int32) * 13 if pos is None else pos
+    q = np.full_like(logits, np.nan)
+    tok, prob = np.full((b, k), -9, np.int32), np.full((b, k), np.nan, F32)
+    sr.draft_probs_sample(logits, np.full(b, temp, F32), np.full(b, top_k, np.int32), np.full(b, top_p, F32), seed,
+                          pos, q, tok, prob)
+    return q, tok, prob, seed, pos
+
+
+@pytest.mark.parametrize("vocab", [19, 5000])
+def test_fused_draft_step_is_a_race_over_its_probabilities(vocab):
+    """q equals probs_from_logits bit for bit, draft_prob = q[token], and the token equals a
+    float64 race over q with the same exponentials (the fused race rescales tile winners
+    in float32, so a near-tie may differ: at most 1 row in 500)."""
+    rng = np.random.default_rng(vocab)
+    logits = (rng.normal(size=(500, 2, vocab)) * 2).astype(F32)
+    q, tok, prob, seed, pos = fused_draft(logits, 0.8, top_p=0.97)
+    assert np.array_equal(q, probs(logits, 0.8, top_p=0.97))
+    assert np.array_equal(prob, np.take_along_axis(q, tok[..., None], axis=2)[..., 0]) and np.all(prob > 0)
+    agree = 0
+    for t in range(2):
+        words = sp.race_words(seed, pos.astype(np.int64) + t + 1, constants.DRAW_DRAFT, -(-vocab // 4) * 4)
+        e = sp.expo(words)[:, :vocab].astype(np.float64)
+        key = np.where(q[:, t] > 0, q[:, t] / e, -1.0)
+        agree += int(np.sum(np.argmax(key, axis=1) == tok[:, t]))
+    assert agree >= 2 * 500 - 1
+
+
+def test_fused_draft_step_greedy_and_distribution():
+    logits = np.array([[[1, 3, 3, 2]]] * 2, F32)
+    q, tok, prob, *_ = fused_draft(logits, 0.0)
+    assert tok.tolist() == [[1], [1]] and prob.tolist() == [[1], [1]] and q[0, 0].tolist() == [0, 1, 0, 0]
+    # Temperature 1 over a small vocabulary: the proposals follow q (chi-square).
+    n = 40_000
+    row = np.log(np.array([0.4, 0.3, 0.2, 0.1, 1e-9], np.float64)).astype(F32)
+    q, tok, *_ = fused_draft(np.tile(row, (n, 1, 1)), 1.0)
+    pval, info = st.goodness_of_fit(tok[:, 0], q[0, 0])
+    assert pval > st.ALPHA, info

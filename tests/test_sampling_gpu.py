@@ -1,8 +1,10 @@
 """Sampling kernels on the device: bit-exact against sampling_ref.py, lossless, graph-safe.
 
 Outputs are pre-filled with poison (NaN or -7) so a row or column a kernel forgets to
-write fails the comparison; sizes are awkward on purpose (V = 1, 7, 19, 257, 32000 cover
-empty, partial and multi-element chunks of the 256-thread row blocks).
+write fails the comparison, and so is the scratch (stale partials must never be read);
+sizes are awkward on purpose: V = 1, 7, 19, 257 (one partial tile, partial float4s),
+2048 (one full tile), 2049 and 5000 (a last tile of 1 or 904 tokens), 32000 and 128256
+(the Llama shapes, 16 and 63 tiles).
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ pytestmark = gpu
 cp = pytest.importorskip("cupy")
 
 BATCHES = [1, 7, 19, 257]
-VOCABS = [1, 7, 19, 257, 32000]
+VOCABS = [1, 7, 19, 257, 2048, 2049, 5000, 32000]
+BIG_VOCAB = 128256  # Llama 3: batches 1 and 16 only (the numpy twin is the slow side)
 F32 = np.float32
 POISON = -7
 
@@ -78,22 +81,40 @@ def dev(*arrays):
     return [cp.asarray(a) for a in arrays]
 
 
+def scratch(batch, rows, vocab):
+    """Sampling scratch full of poison: a kernel that reads a cell this call did not write fails."""
+    from graphburst.sampling_scratch import SampleScratch
+
+    s = SampleScratch(batch, rows, vocab, cp)
+    for name in ("sel_thr", "tile_key", "race_key"):
+        getattr(s, name).fill(np.uint64(0xFFFFFFFFFFFFFFF0))
+    for name in ("tile_sum", "race_w"):
+        getattr(s, name).fill(cp.nan)
+    return s
+
+
+def shapes(batches=BATCHES, vocabs=VOCABS):
+    return [(b, v) for v in vocabs for b in batches] + [(b, BIG_VOCAB) for b in (1, 16)]
+
+
 # ------------------------------------------------------------------ bit-exact
 
 
-@pytest.mark.parametrize("batch", BATCHES)
-@pytest.mark.parametrize("vocab", VOCABS)
+@pytest.mark.parametrize("batch, vocab", shapes())
 def test_probs_from_logits_matches_reference(rng, ops, stream, batch, vocab):
     logits = random_logits(rng, (batch, 2, vocab))
+    if vocab > 2 * 2048:
+        logits[0, 1, :2048] = -np.inf  # a whole tile of -inf: scale 0
     temp, top_k, top_p = settings(rng, batch, vocab)
     want = ref_probs(logits, temp, top_k, top_p)
     d_logits, d_temp, d_k, d_p = dev(logits, temp, top_k, top_p)
+    sc = scratch(batch, 3, vocab)
     out = cp.full(logits.shape, cp.nan, cp.float32)
-    ops.probs_from_logits(d_logits, d_temp, d_k, d_p, out, stream=stream)
+    ops.probs_from_logits(d_logits, d_temp, d_k, d_p, out, sc, stream=stream)
     in_place = d_logits.copy()
-    ops.probs_from_logits(in_place, d_temp, d_k, d_p, in_place, stream=stream)
+    ops.probs_from_logits(in_place, d_temp, d_k, d_p, in_place, scratch(batch, 2, vocab), stream=stream)
     one = cp.full(logits.shape, POISON, cp.float32)
-    ops.probs_from_logits(d_logits, d_temp, d_k, d_p, one, step=1, stream=stream)
+    ops.probs_from_logits(d_logits, d_temp, d_k, d_p, one, sc, step=1, stream=stream)
     stream.synchronize()
     assert_bits(out, want, "probs")
     assert_bits(in_place, want, "probs in place")
@@ -111,8 +132,40 @@ def random_q(rng, batch, k, vocab):
     return q
 
 
-@pytest.mark.parametrize("batch", BATCHES)
-@pytest.mark.parametrize("vocab", VOCABS)
+@pytest.mark.parametrize("batch, vocab", shapes())
+def test_draft_probs_sample_matches_reference(rng, ops, stream, batch, vocab):
+    """The fused draft step: q in place and the proposal, bit for bit, all rows and one row."""
+    k = 3
+    logits = random_logits(rng, (batch, k, vocab))
+    temp, top_k, top_p = settings(rng, batch, vocab)
+    seed = rng.integers(0, 2**64, batch, dtype=np.uint64)
+    pos = rng.integers(-5, 2**31 - 10, batch).astype(np.int32)
+    want_q = np.full(logits.shape, np.nan, F32)
+    want_tok = np.full((batch, k), POISON, np.int32)
+    want_prob = np.full((batch, k), np.nan, F32)
+    sr.draft_probs_sample(logits, temp, top_k, top_p, seed, pos, want_q, want_tok, want_prob)
+    d_logits, d_temp, d_k, d_p, d_seed, d_pos = dev(logits, temp, top_k, top_p, seed, pos)
+    q = d_logits.copy()  # in place, as the decoder runs it
+    tok = cp.full((batch, k), POISON, cp.int32)
+    prob = cp.full((batch, k), cp.nan, cp.float32)
+    ops.draft_probs_sample(q, d_temp, d_k, d_p, d_seed, d_pos, q, tok, prob, scratch(batch, k + 1, vocab),
+                           stream=stream)
+    q1 = cp.full(logits.shape, POISON, cp.float32)
+    tok1 = cp.full((batch, k), POISON, cp.int32)
+    prob1 = cp.full((batch, k), cp.nan, cp.float32)
+    ops.draft_probs_sample(d_logits, d_temp, d_k, d_p, d_seed, d_pos, q1, tok1, prob1, scratch(batch, k, vocab),
+                           step=1, stream=stream)
+    stream.synchronize()
+    assert_bits(q, want_q, "q")
+    assert_bits(tok, want_tok, "draft_tok")
+    assert_bits(prob, want_prob, "draft_prob")
+    assert_bits(q1[:, 1], want_q[:, 1], "q step=1")
+    assert_bits(tok1[:, 1], want_tok[:, 1], "draft_tok step=1")
+    assert_bits(prob1[:, 1], want_prob[:, 1], "draft_prob step=1")
+    assert bool(cp.all(tok1[:, [0, 2]] == POISON)) and bool(cp.all(q1[:, [0, 2]] == POISON)), "step=1 wrote other rows"
+
+
+@pytest.mark.parametrize("batch, vocab", shapes())
 def test_sample_draft_matches_reference(rng, ops, stream, batch, vocab):
     k = 3
     q = random_q(rng, batch, k, vocab)
@@ -124,10 +177,10 @@ def test_sample_draft_matches_reference(rng, ops, stream, batch, vocab):
     d_q, d_seed, d_pos = dev(q, seed, pos)
     tok = cp.full((batch, k), POISON, cp.int32)
     prob = cp.full((batch, k), cp.nan, cp.float32)
-    ops.sample_draft(d_q, d_seed, d_pos, tok, prob, stream=stream)
+    ops.sample_draft(d_q, d_seed, d_pos, tok, prob, scratch(batch, k, vocab), stream=stream)
     tok1 = cp.full((batch, k), POISON, cp.int32)
     prob1 = cp.full((batch, k), cp.nan, cp.float32)
-    ops.sample_draft(d_q, d_seed, d_pos, tok1, prob1, step=1, stream=stream)
+    ops.sample_draft(d_q, d_seed, d_pos, tok1, prob1, scratch(batch, k + 1, vocab), step=1, stream=stream)
     stream.synchronize()
     assert_bits(tok, want_tok, "draft_tok")
     assert_bits(prob, want_prob, "draft_prob")
@@ -155,8 +208,7 @@ def accept_inputs(rng, batch, k, vocab):
     return vtok, p, q, brk, seed, pos
 
 
-@pytest.mark.parametrize("batch", BATCHES)
-@pytest.mark.parametrize("vocab", VOCABS)
+@pytest.mark.parametrize("batch, vocab", shapes())
 def test_accept_sample_matches_reference(rng, ops, stream, batch, vocab):
     k = 3
     host = accept_inputs(rng, batch, k, vocab)
@@ -165,7 +217,7 @@ def test_accept_sample_matches_reference(rng, ops, stream, batch, vocab):
     sr.accept_sample(*host, want_n, want_last)
     n_acc = cp.full(batch, POISON, cp.int32)
     last = cp.full(batch, POISON, cp.int32)
-    ops.accept_sample(*dev(*host), n_acc, last, stream=stream)
+    ops.accept_sample(*dev(*host), n_acc, last, scratch(batch, 1, vocab), stream=stream)
     stream.synchronize()
     assert_bits(n_acc, want_n, "n_acc")
     assert_bits(last, want_last, "last_pred")
@@ -176,11 +228,12 @@ def test_hand_cases_on_device(ops, stream):
     logits = np.array([[[1, 3, 3, 2]], [[-0.0, 0.0, -1, -np.inf]], [[-np.inf, -np.inf, 5, 5]]], F32)
     zeros = np.zeros(3, F32)
     out = cp.full(logits.shape, cp.nan, cp.float32)
-    ops.probs_from_logits(*dev(logits, zeros, np.zeros(3, np.int32), np.ones(3, F32)), out, stream=stream)
+    ops.probs_from_logits(*dev(logits, zeros, np.zeros(3, np.int32), np.ones(3, F32)), out, scratch(3, 1, 4),
+                          stream=stream)
     head = np.log(np.array([[[0.5, 0.3, 0.15, 0.05]]] * 4)).astype(F32)
     head_out = cp.full(head.shape, cp.nan, cp.float32)
     ops.probs_from_logits(*dev(head, np.ones(4, F32), np.zeros(4, np.int32), np.array([0.4, 0.55, 0.81, 0.96], F32)),
-                          head_out, stream=stream)
+                          head_out, scratch(4, 1, 4), stream=stream)
     stream.synchronize()
     assert cp.asnumpy(out)[:, 0].tolist() == [[0, 1, 0, 0], [1, 0, 0, 0], [0, 0, 1, 0]]
     assert (cp.asnumpy(head_out)[:, 0] > 0).sum(axis=1).tolist() == [1, 2, 3, 4]
@@ -201,13 +254,14 @@ def test_temperature_zero_and_top_k_one_equal_greedy(rng, ops, stream, vocab):
     want_n = cp.full(batch, POISON, cp.int32)
     want_last = cp.full(batch, POISON, cp.int32)
     ops.accept_greedy(d_vtok, d_pred, d_brk, want_n, want_last, stream=stream)  # the greedy kernel
+    sc = scratch(batch, k + 1, vocab)
     for temp, top_k in [(0.0, 0), (1.3, 1)]:
         p = cp.full(logits.shape, cp.nan, cp.float32)
         ops.probs_from_logits(d_logits, cp.full(batch, temp, cp.float32), cp.full(batch, top_k, cp.int32),
-                              cp.ones(batch, cp.float32), p, stream=stream)
+                              cp.ones(batch, cp.float32), p, sc, stream=stream)
         n_acc = cp.full(batch, POISON, cp.int32)
         last = cp.full(batch, POISON, cp.int32)
-        ops.accept_sample(d_vtok, p, d_q, d_brk, d_seed, d_pos, n_acc, last, stream=stream)
+        ops.accept_sample(d_vtok, p, d_q, d_brk, d_seed, d_pos, n_acc, last, sc, stream=stream)
         stream.synchronize()
         assert_bits(n_acc, cp.asnumpy(want_n), f"n_acc, temperature {temp}, top_k {top_k}")
         assert_bits(last, cp.asnumpy(want_last), f"last_pred, temperature {temp}, top_k {top_k}")
@@ -221,18 +275,19 @@ def test_temperature_zero_and_top_k_one_equal_greedy(rng, ops, stream, vocab):
 
 def pipeline(ops, stream, logits, temp, top_k, top_p, seed, pos, k):
     """probs -> draft sampling -> accept, all on the device without a sync in between."""
-    batch = logits.shape[0]
+    batch, vocab = logits.shape[0], logits.shape[2]
+    sc = scratch(batch, k + 1, vocab)
     p = cp.empty_like(logits)
-    ops.probs_from_logits(logits, temp, top_k, top_p, p, stream=stream)
+    ops.probs_from_logits(logits, temp, top_k, top_p, p, sc, stream=stream)
     q = p[:, :k].copy()  # a draft that proposes from the target's own filtered rows
     draft_tok = cp.empty((batch, k), cp.int32)
     draft_prob = cp.empty((batch, k), cp.float32)
-    ops.sample_draft(q, seed, pos, draft_tok, draft_prob, stream=stream)
+    ops.sample_draft(q, seed, pos, draft_tok, draft_prob, sc, stream=stream)
     vtok = cp.concatenate([cp.zeros((batch, 1), cp.int32), draft_tok], axis=1)
     brk = cp.tile(cp.array([k, 0], cp.int32), (batch, 1))
     n_acc = cp.empty(batch, cp.int32)
     last = cp.empty(batch, cp.int32)
-    ops.accept_sample(vtok, p, q ** 0.5 / (q ** 0.5).sum(axis=-1, keepdims=True), brk, seed, pos, n_acc, last,
+    ops.accept_sample(vtok, p, q ** 0.5 / (q ** 0.5).sum(axis=-1, keepdims=True), brk, seed, pos, n_acc, last, sc,
                       stream=stream)
     stream.synchronize()
     return cp.asnumpy(draft_tok), cp.asnumpy(n_acc), cp.asnumpy(last)
@@ -252,9 +307,11 @@ def test_batch_permutation_permutes_outputs(rng, ops, stream):
         np.testing.assert_array_equal(a[perm], b)
 
 
-def test_graph_replay_needs_nothing_from_the_host(rng, ops, stream):
-    """probs -> k draft steps -> assemble -> accept, captured once and replayed twice."""
-    batch, k, vocab = 19, 3, 257
+@pytest.mark.parametrize("vocab", [257, 5000])
+def test_graph_replay_needs_nothing_from_the_host(rng, ops, stream, vocab):
+    """probs -> k draft steps (fused and from q) -> assemble -> accept, captured once and
+    replayed twice over poisoned outputs."""
+    batch, k = 19, 3
     logits = cp.asarray(random_logits(rng, (batch, k + 1, vocab)))  # [B, K1, V]
     q_logits = cp.asarray(random_logits(rng, (batch, k, vocab)))  # [B, k, V]
     temp, top_k, top_p = dev(*settings(rng, batch, vocab))
@@ -269,15 +326,20 @@ def test_graph_replay_needs_nothing_from_the_host(rng, ops, stream):
     brk = cp.tile(cp.array([k, 0], cp.int32), (batch, 1))  # [B, 2]
     n_acc = cp.empty(batch, cp.int32)
     last = cp.empty(batch, cp.int32)
-    outputs = (p, q, draft_tok, draft_prob, vtok, n_acc, last)
+    q2 = cp.empty(q_logits.shape, cp.float32)  # [B, k, V] the fused draft step's q
+    tok2 = cp.empty((batch, k), cp.int32)
+    prob2 = cp.empty((batch, k), cp.float32)
+    sc = scratch(batch, k + 1, vocab)  # allocated before the capture, like the decoder's
+    outputs = (p, q, draft_tok, draft_prob, vtok, n_acc, last, q2, tok2, prob2)
 
     def body(s):
-        ops.probs_from_logits(logits, temp, top_k, top_p, p, stream=s)
-        ops.probs_from_logits(q_logits, temp, top_k, top_p, q, stream=s)
+        ops.probs_from_logits(logits, temp, top_k, top_p, p, sc, stream=s)
+        ops.probs_from_logits(q_logits, temp, top_k, top_p, q, sc, stream=s)
         for j in range(k):  # one draft step at a time, as a draft model would
-            ops.sample_draft(q, seed, pos, draft_tok, draft_prob, step=j, stream=s)
+            ops.sample_draft(q, seed, pos, draft_tok, draft_prob, sc, step=j, stream=s)
+            ops.draft_probs_sample(q_logits, temp, top_k, top_p, seed, pos, q2, tok2, prob2, sc, step=j, stream=s)
         ops.assemble_verify(pend, draft_tok, brk, vtok, stream=s)
-        ops.accept_sample(vtok, p, q, brk, seed, pos, n_acc, last, stream=s)
+        ops.accept_sample(vtok, p, q, brk, seed, pos, n_acc, last, sc, stream=s)
 
     body(stream)
     want = [cp.asnumpy(a) for a in outputs]  # syncs the (current) test stream
@@ -310,12 +372,13 @@ def test_device_rule_is_lossless_and_wrong_rules_fail(ops, stream):
         d_p, d_q, d_seed, d_pos = dev(p, q, seed, pos)
         draft_tok = cp.full((n, k), POISON, cp.int32)
         draft_prob = cp.full((n, k), cp.nan, cp.float32)
-        ops.sample_draft(d_q, d_seed, d_pos, draft_tok, draft_prob, stream=stream)
+        sc = scratch(n, k + 1, p.shape[2])
+        ops.sample_draft(d_q, d_seed, d_pos, draft_tok, draft_prob, sc, stream=stream)
         vtok = cp.concatenate([cp.zeros((n, 1), cp.int32), draft_tok], axis=1)
         brk = cp.tile(cp.array([k, 0], cp.int32), (n, 1))
         n_acc = cp.full(n, POISON, cp.int32)
         last = cp.full(n, POISON, cp.int32)
-        ops.accept_sample(vtok, d_p, d_q, brk, d_seed, d_pos, n_acc, last, stream=stream)
+        ops.accept_sample(vtok, d_p, d_q, brk, d_seed, d_pos, n_acc, last, sc, stream=stream)
         stream.synchronize()
         h_vtok, h_n, h_last = cp.asnumpy(vtok), cp.asnumpy(n_acc), cp.asnumpy(last)
         for slot in range(k):
@@ -347,7 +410,7 @@ def test_ftz_probabilities_match_reference(ops, stream):
         k, p = np.zeros(3, np.int32), np.ones(3, F32)
         want = ref_probs(logits, t, k, p)
         out = cp.full(logits.shape, cp.nan, cp.float32)
-        ops.probs_from_logits(*dev(logits, t, k, p), out, stream=stream)
+        ops.probs_from_logits(*dev(logits, t, k, p), out, scratch(3, 1, 4), stream=stream)
         stream.synchronize()
         assert_bits(out, want, f"probs, temperature {temp}")
     assert cp.asnumpy(out)[0, 0, 3] == 0  # e / 3 is subnormal: flushed
@@ -361,12 +424,12 @@ def test_ftz_sample_and_accept_match_reference(ops, stream):
     want_tok, want_prob = np.full((2, 1), POISON, np.int32), np.full((2, 1), np.nan, F32)
     sr.sample_draft(w, seed, pos, want_tok, want_prob)
     tok, prob = cp.full((2, 1), POISON, cp.int32), cp.full((2, 1), cp.nan, cp.float32)
-    ops.sample_draft(*dev(w, seed, pos), tok, prob, stream=stream)
+    ops.sample_draft(*dev(w, seed, pos), tok, prob, scratch(2, 1, 3), stream=stream)
     host = ftz_accept_inputs()
     want_n, want_last = np.full(2, POISON, np.int32), np.full(2, POISON, np.int32)
     sr.accept_sample(*host, want_n, want_last)
     n_acc, last = cp.full(2, POISON, cp.int32), cp.full(2, POISON, cp.int32)
-    ops.accept_sample(*dev(*host), n_acc, last, stream=stream)
+    ops.accept_sample(*dev(*host), n_acc, last, scratch(2, 1, 3), stream=stream)
     stream.synchronize()
     assert_bits(tok, want_tok, "draft_tok")
     assert_bits(prob, want_prob, "draft_prob")

@@ -208,8 +208,9 @@ def add_parser(sub) -> None:
     p.add_argument("--sampling", action="store_true",
                    help="instead of the mode sweep: sampling against greedy per round (graph replay, k=4, M=8, "
                         "B=1 and 16; B=1 only on the numpy backend)")
-    p.add_argument("--sampling-model", choices=("stub", "tiny", "small", "1b"), default="stub",
-                   help="with --sampling: the stub pair, or a random-weight Llama pair of bench real's shapes")
+    p.add_argument("--sampling-model", choices=("stub", "tiny", "small", "1b", "kernels"), default="stub",
+                   help="with --sampling: the stub pair, a random-weight Llama pair of bench real's shapes, or "
+                        "'kernels': each sampling op alone at vocab 32000 and 128256, B=1 and 16")
 
 
 def check_args(args) -> None:
@@ -230,7 +231,10 @@ def run_sampling(args, console: Console, backend) -> int:
     reps = args.reps if args.reps is not None else (5 if backend.is_gpu else 1)
     bursts = args.chunk if args.chunk is not None else (20 if backend.is_gpu else 1)
     console.print(f"[bold]graphburst bench latency --sampling[/bold]: {label(backend)}")
-    if args.sampling_model == "stub":
+    if args.sampling_model == "kernels":
+        results, table = sampling.run_kernels(backend, reps=reps if backend.is_gpu else 1, label=label(backend),
+                                              console=console)
+    elif args.sampling_model == "stub":
         results, table = sampling.run_stub(backend, reps=reps, bursts=bursts, label=label(backend))
     else:
         results, table = sampling.run_llama(backend, args.sampling_model, reps=reps, bursts=bursts,

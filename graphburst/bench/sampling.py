@@ -5,6 +5,7 @@ pairs, and it captures one greedy and one sampling burst graph of the same pair 
 shape, replays them in rotation and reports median µs per round of each and the
 overhead. ``graphburst bench latency --sampling`` runs it on the stub pair at k=4, M=8,
 B=1 and 16; the real-model bench can call it with its Llama factory.
+:func:`run_kernels` times each sampling op alone (``--sampling-model kernels``).
 """
 
 from __future__ import annotations
@@ -161,3 +162,124 @@ def run_llama(backend, model: str, *, reps: int, bursts: int, label: str, eps: f
         results.append(dict(config=dict(shape, model=model, eps=eps, dtype=str(dtype)), result=res))
         del src
     return results, _table(f"{model} Llama pair (random {dtype}, ε={eps})", results, label)
+
+
+# ------------------------------------------------------------------ kernels alone
+
+KERNEL_VOCABS = (32000, 128256)
+KERNEL_BATCHES = (1, 16)
+KERNEL_K = 4
+_INNER = 20  # copies of one op per captured graph: the per-op time is a graph replay's / _INNER
+
+
+def _op_time_us(backend, fn, reps: int) -> float:
+    """Median µs of one ``fn(stream)``: a graph of _INNER copies replayed, timed by CUDA events
+    (so graph-node launch costs are in and Python's are out); host time on numpy."""
+    if not backend.is_gpu:
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn(None)
+            times.append((time.perf_counter() - t0) * 1e6)
+        return statistics.median(times)
+    cp = backend.xp
+    with backend.device():
+        s = cp.cuda.Stream(non_blocking=True)
+        fn(s)  # compiles and loads outside the capture
+        s.synchronize()
+        s.begin_capture(cp.cuda.runtime.streamCaptureModeGlobal)
+        for _ in range(_INNER):
+            fn(s)
+        graph = s.end_capture()
+        graph.upload(s)
+        times = []
+        for _ in range(reps + 1):
+            ev = (cp.cuda.Event(), cp.cuda.Event())
+            ev[0].record(s)
+            graph.launch(s)
+            ev[1].record(s)
+            ev[1].synchronize()
+            times.append(cp.cuda.get_elapsed_time(*ev) * 1e3 / _INNER)
+        return statistics.median(times[1:])  # the first replay pays for cold caches
+
+
+def _kernel_ops(backend, batch: int, vocab: int, k: int) -> dict:
+    """name -> fn(stream) for each sampling op at one shape, over fresh device buffers."""
+    import numpy as np
+
+    from ..sampling_scratch import SampleScratch
+
+    ops, xp = backend.ops, backend.xp
+    rng = np.random.default_rng(batch * 7 + vocab)
+    put = backend.asarray
+    tgt_logits = put((rng.normal(size=(batch, k + 1, vocab)) * 3).astype(np.float32))  # [B, k+1, V]
+    drf_logits = put((rng.normal(size=(batch, k, vocab)) * 3).astype(np.float32))  # [B, k, V]
+    p, q = xp.zeros_like(tgt_logits), xp.zeros_like(drf_logits)  # [B, k+1, V], [B, k, V] probabilities
+    ones, zeros_i = put(np.ones(batch, np.float32)), put(np.zeros(batch, np.int32))  # [B]: T = 1, filters off
+    top_k, top_p = put(np.full(batch, 50, np.int32)), put(np.full(batch, 0.9, np.float32))  # [B]: filters on
+    seed = put(rng.integers(0, 2**63, batch, dtype=np.uint64))  # [B] uint64
+    pos = put(np.full(batch, 100, np.int32))  # [B]
+    draft_tok, draft_prob = xp.zeros((batch, k), np.int32), xp.zeros((batch, k), np.float32)  # [B, k]
+    vtok = xp.zeros((batch, k + 1), np.int32)  # [B, k+1]
+    brk = put(np.tile(np.array([k, 0], np.int32), (batch, 1)))  # [B, 2]
+    n_acc, last = xp.zeros(batch, np.int32), xp.zeros(batch, np.int32)  # [B]
+    sc = SampleScratch(batch, k + 1, vocab, xp)
+    stream = backend.new_stream()
+    backend.order_after_current(stream)  # the buffers above were filled on the current stream
+    # Real inputs for the accept: p and q from the logits, drafts sampled from q.
+    ops.probs_from_logits(tgt_logits, ones, zeros_i, ones, p, sc, stream=stream)
+    ops.draft_probs_sample(drf_logits, ones, zeros_i, ones, seed, pos, q, draft_tok, draft_prob, sc, stream=stream)
+    with stream:
+        vtok[:, 1:] = draft_tok
+    stream.synchronize()
+    kernels = {}
+    if backend.is_gpu:  # each kernel alone; the numpy twins are per op, not per kernel
+        kernels = {
+            "kernel spec_probs_select (verify rows, filters off)": lambda s: ops.probs_select(
+                tgt_logits, ones, zeros_i, ones, sc, stream=s),
+            "kernel spec_probs_select (verify rows, top_k=50 top_p=0.9)": lambda s: ops.probs_select(
+                tgt_logits, ones, top_k, top_p, sc, stream=s),
+            "kernel spec_probs_tiles (verify rows)": lambda s: ops.probs_tiles(tgt_logits, ones, p, sc, stream=s),
+            "kernel spec_probs_normalize (verify rows)": lambda s: ops.probs_normalize(ones, p, sc, stream=s),
+            "kernel spec_probs_tiles (1 draft row, race)": lambda s: ops.probs_tiles(
+                drf_logits, ones, q, sc, (seed, pos), step=0, stream=s),
+            "kernel spec_probs_normalize (1 draft row, pick)": lambda s: ops.probs_normalize(
+                ones, q, sc, (draft_tok, draft_prob), step=0, stream=s),
+            "kernel spec_accept_tiles": lambda s: ops.accept_tiles(vtok, p, q, brk, seed, pos, sc, stream=s),
+            "kernel spec_accept_pick": lambda s: ops.accept_pick(vtok, p, q, brk, seed, pos, n_acc, last, sc,
+                                                                 stream=s),
+        }
+    return {
+        **kernels,
+        "draft_probs_sample (1 draft row)": lambda s: ops.draft_probs_sample(
+            drf_logits, ones, zeros_i, ones, seed, pos, q, draft_tok, draft_prob, sc, step=0, stream=s),
+        "probs_from_logits (k+1 verify rows)": lambda s: ops.probs_from_logits(
+            tgt_logits, ones, zeros_i, ones, p, sc, stream=s),
+        "accept_sample": lambda s: ops.accept_sample(vtok, p, q, brk, seed, pos, n_acc, last, sc, stream=s),
+        "sample_draft (1 row from q)": lambda s: ops.sample_draft(q, seed, pos, draft_tok, draft_prob, sc, step=0,
+                                                                  stream=s),
+        "probs_from_logits top_k=50 top_p=0.9 (k+1 rows)": lambda s: ops.probs_from_logits(
+            tgt_logits, ones, top_k, top_p, p, sc, stream=s),
+    }
+
+
+def run_kernels(backend, *, reps: int, label: str, console):
+    """Each sampling kernel (GPU) and op alone (k = 4) at vocab 32000 and 128256, B = 1 and 16
+    (numpy: ops only, 32000, B = 1), one printed line each plus the round's sampling total
+    (k x draft_probs_sample + probs_from_logits + accept_sample, filters off)."""
+    vocabs = KERNEL_VOCABS if backend.is_gpu else KERNEL_VOCABS[:1]
+    batches = KERNEL_BATCHES if backend.is_gpu else KERNEL_BATCHES[:1]
+    results = []
+    table = new_table(f"sampling ops alone, k={KERNEL_K}, µs per op (medians). {label}", ["V", "B", "op", "µs"])
+    for vocab in vocabs:
+        for batch in batches:
+            times = {name: _op_time_us(backend, fn, reps)
+                     for name, fn in _kernel_ops(backend, batch, vocab, KERNEL_K).items()}
+            times["round total (k draft steps + verify probs + accept)"] = (
+                KERNEL_K * times["draft_probs_sample (1 draft row)"] + times["probs_from_logits (k+1 verify rows)"]
+                + times["accept_sample"])
+            for name, us in times.items():
+                console.print(f"sampling kernels V={vocab} B={batch} {name}: {us:.1f} µs")
+                table.add_row(str(vocab), str(batch), name, fmt(us))
+            results.append(dict(config=dict(vocab=vocab, batch=batch, k=KERNEL_K), result=times))
+    return results, table
