@@ -110,6 +110,7 @@ class RequestState:
     cancelled: bool = False
     error: str | None = None  # why the loop gave up on this request; None unless finish_reason == "error"
     line: int | None = None  # the input line it came from (JSONL serving), if any
+    owner: object = None  # whoever forwards its tokens (the HTTP engine's Ticket), found from ServeLoop.log
     slot_options: object = None  # the models' validated view of request.options (SpecDecoder.slot_options)
     sampling: SamplingParams | None = None  # validated sampling settings, seed filled in (check_request_sampling)
     # Validated at submission (check_request); admission reads these, never the Request.
