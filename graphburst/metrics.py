@@ -49,6 +49,10 @@ class _LoopCollector:
         bursts = CounterMetricFamily("graphburst_bursts", "Bursts drained")
         bursts.add_metric([], s["bursts"])
         yield bursts
+        steady = CounterMetricFamily("graphburst_steady_bursts",
+                                     "Bursts launched with every batch slot running (timed on a GPU only)")
+        steady.add_metric([], s.get("steady_bursts", 0))
+        yield steady
 
 
 def _gauge(name, doc, value):

@@ -74,8 +74,13 @@ class BurstClock:
         self._last_end = None
 
     def account(self, events, steady: bool) -> None:
-        """Add a drained burst's device time and the gap before it (syncs its end event)."""
+        """Add a drained burst's device time and the gap before it (syncs its end event).
+
+        Without timing events (numpy backend) only the burst counts are kept.
+        """
         if events is None:
+            self.overall.bursts += 1
+            self.steady.bursts += steady
             return
         elapsed = self.backend.xp.cuda.get_elapsed_time
         events[1].synchronize()
