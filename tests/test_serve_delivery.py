@@ -165,3 +165,18 @@ def test_host_stop_token_ends_the_stream_at_the_stop_on_the_event_loop():
 
     got, finals = asyncio.run(main())
     assert got == cut and finals == ["stop"]
+
+
+@pytest.mark.parametrize("reason, usage", [(None, None), ("eos", (3, 4)), ("length", (1, 0)), ("error", (2, 2))])
+def test_stream_chunks_equal_the_completion_body(reason, usage):
+    import json
+
+    from graphburst import openai_api as api
+
+    chunks = api.StreamChunks('cmpl-"x"', 1234, "stub\\model")
+    text, ids = 'h\u00e9\n"\u2028', [0, 17, 5002]
+    use = None if usage is None else api.usage(*usage)
+    raw = chunks.chunk(2, text, ids, reason, use)
+    assert raw.startswith(b"data: ") and raw.endswith(b"\n\n") and raw.count(b"\n") == 2
+    want = api.completion('cmpl-"x"', 1234, "stub\\model", [api.choice(2, text, ids, reason)], use)
+    assert json.loads(raw[len(b"data: "):]) == want
