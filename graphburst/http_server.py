@@ -37,6 +37,11 @@ DEFAULT_ADDRESS = "127.0.0.1:8000"
 MAX_BODY_BYTES = 16 * 2**20  # long token-id prompts are JSON numbers: ~6 bytes a token
 RETRY_AFTER_S = 1
 CANCEL_GRACE_S = 2.0  # after the drain timeout: time for cancelled handlers to send their last chunk
+# The engine thread and the event loop share the GIL. When the engine's drain returns, it
+# waits for the GIL until the event loop gives it up, at the latest after the switch
+# interval (5 ms by default: 40 bursts at B=64). The pipelined loop has about one burst
+# (~100 µs on an H200) of slack after a drain, so the server process uses a shorter interval.
+GIL_SWITCH_INTERVAL_S = 1e-4
 
 
 def parse_address(text: str) -> tuple[str, int]:
@@ -205,7 +210,8 @@ class Server:
                       queue: asyncio.Queue) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
-        n, created = len(comp.prompts), api.now()
+        n = len(comp.prompts)
+        chunks = api.StreamChunks(cid, api.now(), self.model)
         detok = [_Detokenizer(self.tokenizer) for _ in range(n)]
         left, generated = n, 0
         try:
@@ -219,8 +225,7 @@ class Server:
                 if up.error:
                     await resp.write(_sse(api.APIError(up.error, status=500, type="server_error").body()))
                 use = api.usage(sum(map(len, comp.prompts)), generated) if left == 0 else None
-                choice = api.choice(up.index, detok[up.index].feed(up.tokens), up.tokens, up.reason)
-                await resp.write(_sse(api.completion(cid, created, self.model, [choice], use)))
+                await resp.write(chunks.chunk(up.index, detok[up.index].feed(up.tokens), up.tokens, up.reason, use))
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
         except ConnectionError:  # the client went away mid-stream; finally in completions() cancels
@@ -286,4 +291,5 @@ def run(args, console, loop: ServeLoop | None = None) -> int:
         return 2
     if not backend.is_gpu:
         print("graphburst serve: no GPU in use; running the numpy reference backend", file=sys.stderr)
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # this process is the server: see GIL_SWITCH_INTERVAL_S
     return asyncio.run(_serve(args, loop, host, port, tokenizer))

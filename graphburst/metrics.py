@@ -38,6 +38,10 @@ class _LoopCollector:
         yield _gauge("graphburst_gpu_idle_fraction",
                      "Fraction of GPU time idle between bursts since start (NaN without GPU timing)",
                      math.nan if idle is None else idle)
+        steady = s.get("gpu_idle_fraction_steady")
+        yield _gauge("graphburst_gpu_idle_fraction_steady",
+                     "Fraction of GPU time idle between bursts launched with every batch slot running (NaN "
+                     "without GPU timing or before any such burst)", math.nan if steady is None else steady)
         yield _gauge("graphburst_queue_depth", "Requests waiting for a batch slot", s.get("waiting", s["queued"]))
         yield _gauge("graphburst_active_slots", "Batch slots holding a running request", s["active_slots"])
         yield _gauge("graphburst_engine_tokens_per_second", "Tokens delivered per second since start",
@@ -45,6 +49,10 @@ class _LoopCollector:
         bursts = CounterMetricFamily("graphburst_bursts", "Bursts drained")
         bursts.add_metric([], s["bursts"])
         yield bursts
+        steady = CounterMetricFamily("graphburst_steady_bursts",
+                                     "Bursts launched with every batch slot running (timed on a GPU only)")
+        steady.add_metric([], s.get("steady_bursts", 0))
+        yield steady
 
 
 def _gauge(name, doc, value):

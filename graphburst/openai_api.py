@@ -11,6 +11,7 @@ are refused too; fields that cannot change the tokens (``user``, ``presence_pena
 from __future__ import annotations
 
 import dataclasses
+import json
 import numbers
 import time
 
@@ -205,3 +206,23 @@ def model_list(model: str, created: int, max_len: int) -> dict:
 
 def now() -> int:
     return int(time.time())
+
+
+class StreamChunks:
+    """Server-sent-event chunks of one streamed completion, encoded without building dicts.
+
+    A chunk is the :func:`completion` body with one :func:`choice`, framed as
+    ``data: <json>\\n\\n``; the fields that never change within a stream (id, created,
+    model) are encoded once, so a chunk costs one ``json.dumps`` of its text and a join of
+    its token ids. ``json.loads`` of a chunk equals :func:`completion` of the same values.
+    """
+
+    def __init__(self, cid: str, created: int, model: str):
+        self._head = ('data: {"id":' + json.dumps(cid) + ',"object":"text_completion","created":' + str(int(created))
+                      + ',"model":' + json.dumps(model) + ',"choices":[{"index":')
+
+    def chunk(self, index: int, text: str, token_ids: list, reason: str | None, usage_: dict | None) -> bytes:
+        finish = "null" if reason is None else json.dumps(OPENAI_FINISH[reason])
+        use = "null" if usage_ is None else json.dumps(usage_, separators=(",", ":"))
+        return (f'{self._head}{int(index)},"text":{json.dumps(text)},"token_ids":[{",".join(map(str, token_ids))}],'
+                f'"logprobs":null,"finish_reason":{finish}}}],"usage":{use}}}\n\n').encode()

@@ -11,179 +11,37 @@ nothing.
 A failure inside :meth:`ServeLoop.step` costs only the requests it touches: they finish
 with ``error`` set (``finish_reason == "error"``), the tokens already handed out stay,
 and the loop goes on serving the others.
+
+The pieces: requests and their validation (:mod:`graphburst.request`), the bursts in
+flight (:mod:`graphburst.burst_pipeline`), the per-slot token rows
+(:mod:`graphburst.slot_tokens`) and the timing figures (:mod:`graphburst.serve_timing`).
+This module holds the loop itself: admission at burst boundaries, the step, delivery.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
 import itertools
-import secrets
-import statistics
 import time
 from collections.abc import AsyncIterator, Iterator
 
 import numpy as np
 
 from .burst import SpecDecoder
+from .burst_pipeline import BurstPipeline
 from .capture import BurstGraph
-from .constants import UNBOUNDED_BUDGET
+from .request import Request, RequestState, check_request, check_request_sampling
+from .sampling_params import SamplingParams
+from .serve_timing import inter_token_latencies_us, percentiles
 from .slot_tokens import SlotTokens
-from .sampling_params import SamplingParams, check_sampling
-from .validate import check_int, check_prompt
 
 ENGINE_MODES = ("graph", "eager_sync")
 
+__all__ = ["ENGINE_MODES", "Request", "RequestState", "ServeLoop", "inter_token_latencies_us", "percentiles"]
 
-@dataclasses.dataclass
-class Request:
-    """One generation request.
-
-    Parameters
-    ----------
-    prompt : sequence of int or 1-D integer array
-        Non-empty, tokens in ``[0, vocab)`` (numpy integers accepted).
-    max_new_tokens : int
-        >= 1.
-    eos : int, optional
-        Stop after emitting this token.
-    options : dict, optional
-        Per-request model options (protocol ``option_keys``), for example the stub
-        draft's ``{"accept_prob": 0.9, "seed": 7}``. A key no model claims is refused.
-    id : str, optional
-        Made up when absent; never equal to the id of another request in flight.
-    temperature, top_k, top_p, seed : optional
-        Sampling settings (``sampling_params.check_sampling``); None: greedy (temperature
-        0), filters off. Temperature > 0 needs ``ServeLoop(..., sampling=True)``; a
-        sampled request without a seed gets a random one (``RequestState.sampling``).
-    """
-
-    prompt: list
-    max_new_tokens: int
-    eos: int | None = None
-    id: str | None = None
-    options: dict | None = None
-    temperature: float | None = None
-    top_k: int | None = None
-    top_p: float | None = None
-    seed: int | None = None
-
-
-@dataclasses.dataclass(eq=False)
-class RequestState:
-    """A request in flight: its tokens so far and its timings (perf_counter seconds).
-
-    While the request holds a batch slot its tokens, deliveries and accept counters live
-    in the loop's :class:`~graphburst.slot_tokens.SlotTokens` rows (filled with one
-    vectorised copy per burst) and the properties below read them; when it finishes
-    they are copied out once into plain Python values.
-    """
-
-    request: Request
-    slot: int | None = None
-    submitted: float = 0.0
-    finished: float | None = None
-    cancelled: bool = False
-    error: str | None = None  # why the loop gave up on this request; None unless finish_reason == "error"
-    line: int | None = None  # the input line it came from (JSONL serving), if any
-    slot_options: object = None  # the models' validated view of request.options (SpecDecoder.slot_options)
-    sampling: SamplingParams | None = None  # validated sampling settings, seed filled in (ServeLoop.check_sampling)
-    _store: SlotTokens | None = None  # the loop's rows while this request runs in ``slot``
-    _tokens: list = dataclasses.field(default_factory=list)  # once finished (or before admission)
-    _deliveries: list = dataclasses.field(default_factory=list)
-    _acc: tuple = (0, 0)
-    _read: int = 0  # tokens already yielded by ServeLoop.stream/astream
-
-    # ------------------------------------------------------------------ reads
-
-    @property
-    def tokens(self) -> list:
-        """Every token delivered so far (a new list while running; the final list once done)."""
-        return self._tokens if self._store is None else self._store.read(self.slot)
-
-    @property
-    def n_tokens(self) -> int:
-        """``len(tokens)`` without building the list."""
-        return len(self._tokens) if self._store is None else int(self._store.n[self.slot])
-
-    def tokens_since(self, start: int) -> list:
-        """``tokens[start:]``, reading only the new part."""
-        return self._tokens[start:] if self._store is None else self._store.read(self.slot, start)
-
-    @property
-    def deliveries(self) -> list:
-        """``[(time, n_tokens), ...]``, one per burst that delivered tokens to this request."""
-        return self._deliveries if self._store is None else self._store.deliveries(self.slot)
-
-    @property
-    def last_delivery(self) -> float | None:
-        """Time of the latest delivery, None before the first."""
-        if self._store is not None:
-            return self._store.last_time(self.slot)
-        return self._deliveries[-1][0] if self._deliveries else None
-
-    @property
-    def first_token(self) -> float | None:
-        if self._store is not None:
-            return self._store.first_time(self.slot)
-        return self._deliveries[0][0] if self._deliveries else None
-
-    @property
-    def accepted(self) -> int:
-        """Drafts accepted, from the device counters."""
-        return int(self._store.acc[self.slot, 0]) if self._store is not None else self._acc[0]
-
-    @property
-    def rounds(self) -> int:
-        return int(self._store.acc[self.slot, 1]) if self._store is not None else self._acc[1]
-
-    def _detach(self) -> None:
-        """Copy this request's values out of the loop's rows (it is leaving its slot)."""
-        store, b = self._store, self.slot
-        if store is None:
-            return
-        self._tokens = store.read(b)
-        self._deliveries = store.deliveries(b)
-        self._acc = (int(store.acc[b, 0]), int(store.acc[b, 1]))
-        self._store = None
-
-    def _take_new(self) -> list:
-        """Tokens not yet yielded to a stream consumer."""
-        new = self.tokens_since(self._read)
-        self._read += len(new)
-        return new
-
-    @property
-    def done(self) -> bool:
-        return self.finished is not None
-
-    @property
-    def finish_reason(self) -> str | None:
-        """``"eos"``, ``"length"``, ``"cancelled"`` or ``"error"``; None while running."""
-        if not self.done:
-            return None
-        if self.error is not None:
-            return "error"
-        if self.cancelled:
-            return "cancelled"
-        eos = self.request.eos
-        if eos is not None and self._tokens and self._tokens[-1] == eos:
-            return "eos"
-        return "length"
-
-    def stats(self) -> dict:
-        """Time to first token, tokens/s and mean accepted drafts per round."""
-        first = self.first_token
-        ttft = None if first is None else (first - self.submitted) * 1e3
-        # Tokens arrive a burst at a time, so rate is taken over the request's whole life.
-        span = (self.finished or time.perf_counter()) - self.submitted
-        rounds = self.rounds
-        return {
-            "ttft_ms": ttft,
-            "tokens_per_s": self.n_tokens / span if span > 0 else None,
-            "accepted_per_round": self.accepted / rounds if rounds else None,
-        }
+# Entries of ServeLoop.log (see there).
+LOG_TOKENS, LOG_ADMITTED, LOG_RETIRED = "tokens", "admitted", "retired"
 
 
 class ServeLoop:
@@ -203,6 +61,16 @@ class ServeLoop:
         Decode with speculative rejection sampling, so requests may ask for temperature
         > 0 (the models must support it; see ``SpecDecoder``). Without it such a request
         is refused at submission.
+
+    Attributes
+    ----------
+    log : list or None
+        None (the default) or a list the loop appends to, in order, for a consumer that
+        forwards tokens elsewhere (the HTTP engine thread): ``(LOG_TOKENS, time, states [r]
+        object, rows [r] int, counts [B] int, ring [B, 1 + R] int32)`` per drained burst
+        (row ``rows[i]`` of ``ring`` holds ``counts[rows[i]]`` tokens of ``states[i]`` from
+        column 1), ``(LOG_ADMITTED, state)`` when a request takes a slot and
+        ``(LOG_RETIRED, state)`` when one finishes for any reason. The consumer empties it.
     """
 
     def __init__(self, target, draft, *, k: int, m_rounds: int, engine: str = "graph", pipelined: bool = True,
@@ -212,29 +80,28 @@ class ServeLoop:
         self.sampling = bool(sampling)
         self.dec = self._make_decoder(target, draft, k=k, m_rounds=m_rounds, sampling=self.sampling)
         self.engine = engine
-        self.pipelined = bool(pipelined) and engine == "graph"
-        self.graph = self._make_graph(gapless=self.pipelined) if engine == "graph" else None
-        self._in_flight: collections.deque = collections.deque()  # timing events per burst in flight
-        self._launched = 0
+        self.bursts_in_flight = BurstPipeline(self.dec, engine, pipelined, make_graph=self._make_graph)
+        self.pipelined = self.bursts_in_flight.pipelined
+        self.graph = self.bursts_in_flight.graph
         self.vocab = target.vocab
-        self.slots: list[RequestState | None] = [None] * self.dec.batch
+        batch = self.dec.batch
+        self.slots: list[RequestState | None] = [None] * batch
+        self._slot_state = np.full(batch, None, object)  # [B] object: slots, indexable by an array of slots
         # Tokens land in per-slot rows (one vectorised copy per burst); a request's
         # Python list is built when read or when it finishes.
-        self.store = SlotTokens(self.dec.batch, self.dec.capacity, self.dec.bufs.ring_capacity)
-        self._running = np.zeros(self.dec.batch, bool)  # [B] slot holds a request that is not done
-        self._occupied = np.zeros(self.dec.batch, bool)  # [B] slots[b] is not None (done or not)
+        self.store = SlotTokens(batch, self.dec.capacity, self.dec.bufs.ring_capacity)
+        self._running = np.zeros(batch, bool)  # [B] slot holds a request that is not done
+        self._n_occupied = 0  # slots holding a request (done or not)
+        self._n_stale = 0  # slots holding a request that is done: freed at the next boundary
         self.queue: collections.deque[RequestState] = collections.deque()
         self._ids = itertools.count()
         self._live_ids: dict = {}  # id -> RequestState, for every request queued or running
+        self.log: list | None = None
         self.errors = 0  # requests finished with an error by the loop
         self.bursts = 0
         self.tokens_out = 0
-        self.gpu_busy_ms = 0.0
-        self.gpu_idle_ms = 0.0
-        self._last_end = None
         self.started = time.perf_counter()
         self._lock = None
-        self._event_pairs = None
 
     # Hooks for graphburst.parallel.lockstep (tensor-parallel serving): its loop builds a
     # ParallelDecoder and a CheckedGraph here; everything else in the loop is unchanged.
@@ -254,16 +121,11 @@ class ServeLoop:
         the same prompts (numpy integers and arrays included). An id already in flight
         is refused; a made-up id never equals one.
         """
-        if not isinstance(req, Request):
-            raise TypeError(f"request must be a graphburst.serve.Request, got {type(req).__name__}")
-        prompt = check_prompt("prompt", req.prompt, self.vocab)
-        limit = check_int("max_new_tokens", req.max_new_tokens, maximum=UNBOUNDED_BUDGET - 1)
-        if req.eos is not None:
-            check_int("eos", req.eos, minimum=0, maximum=self.vocab - 1)
-        need = len(prompt) + limit
-        if need > self.dec.capacity:
-            raise ValueError(f"prompt of {len(prompt)} tokens plus max_new_tokens={limit} needs "
-                             f"{need} KV entries, but the cache holds {self.dec.capacity}")
+        check_request(req, vocab=self.vocab, capacity=self.dec.capacity)
+        self._check_id(req)
+        return req
+
+    def _check_id(self, req: Request) -> None:
         if req.id is None:
             req.id = self._new_id()
         elif not isinstance(req.id, str):
@@ -272,28 +134,10 @@ class ServeLoop:
             other = self._live_ids[req.id]
             where = "" if other.line is None else f" (line {other.line})"
             raise ValueError(f"id {req.id!r} is already in flight{where}")
-        return req
 
     def check_sampling(self, req: Request) -> SamplingParams:
-        """A request's sampling settings, validated at submission (ValueError/TypeError naming
-        the field and value). A request with temperature > 0 and no seed gets a random one."""
-        fields = {f: getattr(req, f) for f in ("temperature", "top_k", "top_p", "seed") if getattr(req, f) is not None}
-        params = check_sampling(**fields)
-        if params.temperature > 0 and not self.sampling:
-            raise ValueError(f"temperature {params.temperature} needs sampling, but this loop decodes greedily "
-                             f"(build it with ServeLoop(..., sampling=True), or run graphburst serve --sampling)")
-        if params.temperature > 0 and req.seed is None:
-            params = dataclasses.replace(params, seed=secrets.randbits(64))
-        return params
-
-    def _sampling_args(self, admitted) -> dict:
-        """``SpecDecoder.prefill`` keyword arguments: per-slot sampling settings of the admitted slots."""
-        args = {f: [None] * self.dec.batch for f in ("temperature", "top_k", "top_p", "seed")}
-        for b in admitted:
-            params = self.slots[b].sampling or SamplingParams()
-            for f in args:
-                args[f][b] = getattr(params, f)
-        return args
+        """A request's sampling settings, validated at submission (``request.check_request_sampling``)."""
+        return check_request_sampling(req, sampling=self.sampling)
 
     def _new_id(self) -> str:
         while True:
@@ -304,15 +148,20 @@ class ServeLoop:
     def submit(self, req: Request, *, line: int | None = None) -> RequestState:
         """Queue a request (validated now); it is admitted at the next burst boundary.
 
+        The loop serves the request as it was at submission: the validated prompt, budget
+        and stop token are kept on its state, and later changes to ``req`` are not read.
+
         Parameters
         ----------
         req : Request
         line : int, optional
             Input line number, kept on the state for the caller's records.
         """
-        req = self.validate(req)
+        row, limit, eos = check_request(req, vocab=self.vocab, capacity=self.dec.capacity)
+        self._check_id(req)
         state = RequestState(req, submitted=time.perf_counter(), line=line,
-                             slot_options=self.dec.slot_options(req.options), sampling=self.check_sampling(req))
+                             slot_options=self.dec.slot_options(req.options), sampling=self.check_sampling(req),
+                             row=row, limit=limit, eos=eos)
         self._live_ids[req.id] = state
         self.queue.append(state)
         return state
@@ -337,63 +186,70 @@ class ServeLoop:
             self.errors += 1
         if state._store is not None:
             self._running[state.slot] = False  # no later burst's tokens reach it
+            self._n_stale += 1  # its slot is freed at the next boundary
             state._detach()
         state.finished = now or time.perf_counter()
         if self._live_ids.get(state.request.id) is state:
             del self._live_ids[state.request.id]
+        if self.log is not None:
+            self.log.append((LOG_RETIRED, state))
 
     @property
     def active(self) -> int:
-        return int(np.count_nonzero(self._occupied))
+        return self._n_occupied
 
     @property
     def idle(self) -> bool:
         """Nothing queued, running or in flight."""
-        return not self.queue and self.active == 0 and not self._in_flight
+        return not self.queue and self._n_occupied == 0 and not self.bursts_in_flight
 
-    # ------------------------------------------------------------------ the loop
+    # ------------------------------------------------------------------ admission
+
+    def _free(self, slots) -> None:
+        for b in slots:
+            self.slots[b] = None
+        self._slot_state[slots] = None
+        self._n_occupied -= len(slots)
 
     def _boundary(self) -> None:
-        """Free slots of cancelled or failed requests, then admit waiting requests into free slots.
+        """The burst boundary: free slots of finished, cancelled or failed requests, then admit
+        waiting requests into free slots (every slot change of the loop happens here).
 
-        Only runs with nothing in flight. A request whose prefill arguments fail the
-        decoder's check finishes with an error and does not take a slot.
+        Only runs with nothing in flight. Admission reads the values validated at
+        submission; a request whose prefill fails finishes with an error and its slot is freed.
         """
         freed = [b for b, s in enumerate(self.slots) if s is not None and s.done]
-        for b in freed:
-            self.slots[b] = None
-        self._occupied[freed] = False
+        self._free(freed)
+        self._n_stale = 0
         self.dec.release(freed)
-        free = [b for b, s in enumerate(self.slots) if s is None]
-        if not free or not self.queue:
+        if not self.queue or self._n_occupied == self.dec.batch:
             return
-        prompts, limits, stops = [None] * self.dec.batch, [None] * self.dec.batch, [None] * self.dec.batch
+        batch = self.dec.batch
+        prompts, limits, stops = [None] * batch, [None] * batch, [None] * batch
         options, admitted = {}, []
-        for b in free:
-            while self.queue:
+        for b in (b for b, s in enumerate(self.slots) if s is None):
+            state = None
+            while self.queue and state is None:
                 state = self.queue.popleft()
                 if state.done:  # cancelled while waiting: never admitted
-                    continue
-                req = state.request
-                try:
-                    # Re-checked here: a caller may have changed the request since submit().
-                    prompts[b] = self.dec.check_request(req.prompt, req.max_new_tokens, req.eos)[0]
-                except Exception as exc:  # noqa: BLE001 - a bad request costs only itself
-                    self._retire(state, error=_describe(exc))
-                    continue
-                limits[b], stops[b] = req.max_new_tokens, req.eos
-                state.slot = b
-                self.slots[b] = state
-                self._occupied[b] = True
-                admitted.append(b)
-                options[b] = state.slot_options  # every admitted slot: a reused one forgets its last request
+                    state = None
+            if state is None:
                 break
+            prompts[b], limits[b], stops[b] = state.row, state.limit, state.eos
+            state.slot = b
+            self.slots[b] = state
+            admitted.append(b)
+            options[b] = state.slot_options  # every admitted slot: a reused one forgets its last request
         if not admitted:
             return
+        self._slot_state[admitted] = [self.slots[b] for b in admitted]
+        self._n_occupied += len(admitted)
         self.store.reset(admitted)
         for b in admitted:
             self.slots[b]._store = self.store
         self._running[admitted] = True
+        if self.log is not None:
+            self.log += [(LOG_ADMITTED, self.slots[b]) for b in admitted]
         try:
             self.dec.set_slot_options(options)
             self.dec.prefill(prompts, max_new_tokens=limits, eos=stops, **self._sampling_args(admitted))
@@ -401,62 +257,24 @@ class ServeLoop:
             msg = _describe(exc)
             for b in admitted:
                 self._retire(self.slots[b], error=msg)
-                self.slots[b] = None
-            self._occupied[admitted] = False
+            self._n_stale -= len(admitted)
+            self._free(admitted)
             self.dec.release(admitted)
 
-    # Timing: every burst gets a (start, end) event pair; three pairs in rotation cover
-    # two bursts in flight plus the last drained burst's end, used for the idle gap.
-
-    def _timing_events(self):
-        be = self.dec.backend
-        if not be.is_gpu:
-            return None
-        if self._event_pairs is None:
-            self._event_pairs = [(be.xp.cuda.Event(), be.xp.cuda.Event()) for _ in range(3)]
-        self._launched += 1
-        return self._event_pairs[self._launched % 3]
-
-    def _account(self, events) -> None:
-        if events is None:
-            return
-        elapsed = self.dec.backend.xp.cuda.get_elapsed_time
-        events[1].synchronize()
-        self.gpu_busy_ms += elapsed(*events)
-        if self._last_end is not None:
-            self.gpu_idle_ms += elapsed(self._last_end, events[0])
-        self._last_end = events[1]
-
-    def _launch(self) -> None:
-        """Enqueue one burst (graph engine)."""
-        events = self._timing_events()
-        self.graph.replay(timing_events=events)
-        self._in_flight.append(events)
-
-    def _drain_raw(self):
-        """Drain the oldest burst in flight: ``(tokens, accept counters)``, not yet handed out."""
-        tokens = self.graph.drain()
-        self._account(self._in_flight.popleft())
-        return tokens, self.graph.last_acc
-
-    def _drain_one(self) -> int:
-        """Drain the oldest burst in flight and hand its tokens to their requests."""
-        return self._deliver(*self._drain_raw())
-
-    def _run_eager(self) -> int:
-        events = self._timing_events()
-        if events:
-            events[0].record(self.dec.stream)
-        tokens = self.dec.run_burst(mode="per_round_sync")
-        if events:
-            events[1].record(self.dec.stream)
-        self._account(events)
-        return self._deliver(tokens, self.dec.accept_counters())
+    def _sampling_args(self, admitted) -> dict:
+        """``SpecDecoder.prefill`` keyword arguments: per-slot sampling settings of the admitted slots."""
+        args = {f: [None] * self.dec.batch for f in ("temperature", "top_k", "top_p", "seed")}
+        for b in admitted:
+            params = self.slots[b].sampling or SamplingParams()
+            for f in args:
+                args[f][b] = getattr(params, f)
+        return args
 
     def _needs_boundary(self) -> bool:
         """A request waits for a free slot, or a slot still holds a finished request."""
-        occupied = self._occupied
-        return bool(self.queue and not occupied.all()) or bool((occupied & ~self._running).any())
+        return bool(self.queue and self._n_occupied < self.dec.batch) or self._n_stale > 0
+
+    # ------------------------------------------------------------------ the loop
 
     def step(self) -> int:
         """One iteration: admit, run a burst, drain, stream tokens, free finished slots.
@@ -484,52 +302,48 @@ class ServeLoop:
         for b in touched:
             self._retire(self.slots[b], now, error=msg)
         delivered = 0
+        pipe = self.bursts_in_flight
         if self.graph is not None:
-            while self._in_flight:  # launched bursts still hold the other requests' tokens
-                delivered += self._drain_one()
+            while pipe:  # launched bursts still hold the other requests' tokens
+                delivered += self._deliver(*pipe.drain())
         if self.dec.outstanding:  # a burst failed part-way through being enqueued
             self.dec.abandon_enqueued()
         self._boundary()
         return delivered
 
+    def _steady(self) -> bool:
+        """Every batch slot runs a request (the window of the steady-state idle figure)."""
+        return self._n_occupied == self.dec.batch and self._n_stale == 0
+
     def _step(self) -> int:
-        if not self._in_flight and not self._occupied.any():
+        pipe = self.bursts_in_flight
+        if not pipe and self._n_occupied == 0:
             # Nothing runs and no request holds a slot: the GPU's next gap is the loop
             # waiting for work, not host overhead between bursts, so it is not counted.
-            self._last_end = None
+            pipe.clock.forget_gap()
         if self.graph is None:
             self._boundary()
-            return self._run_eager() if self.active else 0
+            return self._deliver(*pipe.run_eager(self._steady())) if self._n_occupied else 0
         delivered = 0
-        if self._needs_boundary() or not self.pipelined or self.active == 0:
-            while self._in_flight:
-                delivered += self._drain_one()
+        if self._needs_boundary() or not self.pipelined or self._n_occupied == 0:
+            while pipe:
+                delivered += self._deliver(*pipe.drain())
             self._boundary()
-        if self.active == 0:
+        if self._n_occupied == 0:
             return delivered
-        depth = self.graph.n_slots if self.pipelined else 1
-        self._fill(depth)
-        if not self._in_flight:
+        steady = self._steady()
+        pipe.fill(steady)
+        if not pipe:
             return delivered
-        drained = self._drain_raw()
+        drained = pipe.drain()
         # Refill before handing the drained tokens out: while the host delivers burst n,
         # bursts n+1 and n+2 are both queued, so the GPU has work even if delivery is slow.
         try:
             if self.pipelined:
-                self._fill(depth)
+                pipe.fill(steady)
         finally:  # a launch that fails (a capacity error, say) must not lose the drained tokens
             delivered += self._deliver(*drained)
         return delivered
-
-    def _fill(self, depth: int) -> None:
-        while len(self._in_flight) < depth and self._worth_launching():
-            self._launch()
-
-    def _worth_launching(self) -> bool:
-        # A burst commits at least one token per round for every live slot, so once the
-        # bursts in flight are bound to use up every remaining budget, another is waste.
-        left = self.dec.host_left - self.dec.m_rounds * len(self._in_flight)
-        return bool((left > 0).any())
 
     def _deliver(self, tokens, acc) -> int:
         """Hand a drained burst's tokens to their requests; finish those that stopped.
@@ -542,20 +356,24 @@ class ServeLoop:
         self.bursts += 1
         counts = tokens.counts
         running = self._running
-        self.store.append(tokens.data, counts, np.flatnonzero(running & (counts > 0)), acc, now)
+        rows = np.flatnonzero(running & (counts > 0))
+        self.store.append(tokens.data, counts, rows, acc, now)
+        if self.log is not None and rows.size:
+            self.log.append((LOG_TOKENS, now, self._slot_state[rows], rows, counts, tokens.data))
         finished = running & (self.dec.host_left == 0)
         if finished.any():
-            for b in np.flatnonzero(finished).tolist():
+            done = np.flatnonzero(finished).tolist()
+            for b in done:
                 self._retire(self.slots[b], now)
-                self.slots[b] = None
-            self._occupied[finished] = False
+            self._n_stale -= len(done)  # freed now, not at the boundary
+            self._free(done)
         delivered = tokens.total
         self.tokens_out += delivered
         return delivered
 
     def run_until_idle(self) -> None:
         """Serve until every submitted request has finished and nothing is in flight."""
-        while not self.idle or self._in_flight:
+        while not self.idle:
             self.step()
 
     # ------------------------------------------------------------------ streaming
@@ -588,9 +406,14 @@ class ServeLoop:
     # ------------------------------------------------------------------ stats
 
     def stats(self) -> dict:
-        """Loop-level counters: bursts, tokens/s, GPU-idle fraction between bursts."""
+        """Loop-level counters: bursts, tokens/s, GPU-idle fraction between bursts.
+
+        ``gpu_idle_fraction`` counts every gap while a request held a slot;
+        ``gpu_idle_fraction_steady`` only the gaps before bursts launched with every
+        batch slot running (ramp-up and ramp-down left out). None without GPU timing.
+        """
         elapsed = time.perf_counter() - self.started
-        total = self.gpu_busy_ms + self.gpu_idle_ms
+        clock = self.bursts_in_flight.clock
         return {
             "bursts": self.bursts,
             "tokens": self.tokens_out,
@@ -598,27 +421,11 @@ class ServeLoop:
             "active_slots": self.active,
             "queued": len(self.queue),
             "errors": self.errors,
-            "gpu_idle_fraction": self.gpu_idle_ms / total if total > 0 else None,
+            "gpu_idle_fraction": clock.overall.idle_fraction,
+            "gpu_idle_fraction_steady": clock.steady.idle_fraction,
+            "steady_bursts": clock.steady.bursts,
             "captures": self.graph.captures if self.graph is not None else 0,
         }
-
-
-def inter_token_latencies_us(states) -> tuple[list, list]:
-    """Per request: raw gaps between deliveries, and gaps amortised over the tokens delivered."""
-    raw, amortised = [], []
-    for s in states:
-        t_prev = s.first_token
-        for t, n in s.deliveries[1:]:
-            raw.append((t - t_prev) * 1e6)
-            amortised += [(t - t_prev) * 1e6 / n] * n
-            t_prev = t
-    return raw, amortised
-
-
-def percentiles(xs, qs=(50, 99)) -> dict:
-    if not xs:
-        return {f"p{q}": None for q in qs}
-    return {f"p{q}": float(np.percentile(xs, q)) for q in qs} | {"median": statistics.median(xs)}
 
 
 def _describe(exc: BaseException) -> str:

@@ -20,6 +20,7 @@ import os
 import queue
 import sys
 import threading
+import time
 
 from rich.console import Console
 from rich.live import Live
@@ -30,13 +31,14 @@ from .cli_args import FlagError, check_backend, check_kv_memory, int_in, readabl
     writable_file
 from .constants import MAX_K
 from .stubs import stub_pair
-from .serve import ENGINE_MODES, Request, ServeLoop
+from .serve import ENGINE_MODES, LOG_RETIRED, Request, ServeLoop
 
 STUB_DEFAULTS = {"vocab": 32000, "layers": 4, "accept": 0.7, "cost_us": 0.0}
 TINY_RANDOM = "tiny-random"  # --model value: checkpoint.tiny_random_pair, no files
 SAMPLING_FIELDS = {"temperature", "top_k", "top_p", "seed"}  # Request's sampling settings, not model options
 FIELDS = {"prompt", "max_new_tokens", "eos", "id"} | SAMPLING_FIELDS  # every other key is a model option
 MAX_ERROR_CHARS = 300  # an error record stays one short line, whatever the input was
+LIVE_PERIOD_S = 0.25  # the rich Live view is redrawn at most this often (not once per burst)
 
 
 def add_parser(sub) -> None:
@@ -283,6 +285,8 @@ def run(args, console: Console, loop: ServeLoop | None = None) -> int:
     if live:
         live.start()
     eof, read_error = False, None
+    loop.log = []  # what each step retired: records are written only then
+    next_view = 0.0
     try:
         while True:
             block = loop.idle  # nothing to serve: wait for the next line
@@ -302,21 +306,26 @@ def run(args, console: Console, loop: ServeLoop | None = None) -> int:
                     take(*item)
             if not loop.idle:
                 loop.step()
-            still = []
-            for s in pending:
-                if s.done:
-                    emit(_record(s))
-                    counts["failed" if s.error else "served"] += 1
-                else:
-                    still.append(s)
-            pending[:] = still
-            sink.flush()
-            if live:
+            # Per burst only the loop's log is read: pending is scanned when something finished.
+            if any(entry[0] is LOG_RETIRED for entry in loop.log):
+                still = []
+                for s in pending:
+                    if s.done:
+                        emit(_record(s))
+                        counts["failed" if s.error else "served"] += 1
+                    else:
+                        still.append(s)
+                pending[:] = still
+                sink.flush()
+            loop.log.clear()
+            if live and time.monotonic() >= next_view:
                 live.update(_view(loop), refresh=True)
+                next_view = time.monotonic() + LIVE_PERIOD_S
             if eof and loop.idle and not pending:
                 break
     finally:
         if live:
+            live.update(_view(loop), refresh=True)
             live.stop()
         if source is not sys.stdin.buffer:
             source.close()

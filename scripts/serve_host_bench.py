@@ -1,63 +1,139 @@
-"""Host microseconds per burst of the serving loop at B=64 on the numpy backend.
+"""Host microseconds per burst of the pipelined serving loop at B=64, by phase.
 
-The numpy "graph" runs the model on the host, so this subtracts the time spent inside
-the recorded program's launch (the stand-in for GPU work) from each ``ServeLoop.step``:
-what is left is the host path a GPU would wait on (drain bookkeeping, delivery,
-admission checks, launch overhead). Usage: ``python scripts/serve_host_bench.py``.
+The numpy backend's "graph" is a recorded program run on the host. With ``--host-only``
+(the default) a replay runs only the program's last call, the copy of the output block
+into the pinned host buffer, after a few real bursts have filled the device buffers: the
+model's work costs nothing and what is left is the host path a GPU would wait on. Each
+phase of ``ServeLoop`` (drain, launch/refill, deliver, boundary/admit) is timed by
+wrapping the loop's own methods on one instance; "other" is the rest of ``step``.
+
+Two workloads: ``steady`` (64 requests with long budgets, every slot busy, no
+admission and no request finishing in the timed window) and ``refill`` (4x more requests than slots with short budgets, so slots
+finish and are refilled at burst boundaries). ``--profile`` prints the top of a cProfile.
+
+Usage: ``PYTHONPATH=. python scripts/serve_host_bench.py [--full-model] [--profile] [--json FILE]``
 """
 
 from __future__ import annotations
 
+import argparse
+import cProfile
+import json
+import pstats
 import sys
 import time
 
 import numpy as np
 
 sys.path.insert(0, ".")
+from graphburst.backend import get_backend  # noqa: E402
 from graphburst.bench.common import stub_models  # noqa: E402
 from graphburst.capture import RecordedProgram  # noqa: E402
 from graphburst.serve import Request, ServeLoop  # noqa: E402
 
+PHASES = {"drain": ("bursts_in_flight", "drain"), "launch": ("bursts_in_flight", "launch"),
+          "deliver": (None, "_deliver"), "boundary": (None, "_boundary")}
+STEADY_BURSTS = 300  # x at most M * (k + 1) = 40 tokens per slot: far below the budget
+WARM_BURSTS = 4  # real bursts before the model work is skipped: the output block then holds real tokens
 
-def main(batch=64, k=4, m=8, new_tokens=2048, repeats=3) -> None:
-    in_launch = [0.0]
-    real_launch = RecordedProgram.launch
 
-    def timed_launch(self, stream):
+def _workload(name: str, batch: int, new_tokens: int):
+    rng = np.random.default_rng(0)
+    n_req, budget = (batch, new_tokens) if name == "steady" else (4 * batch, 160)
+    return [Request(rng.integers(0, 32000, 16).tolist(), budget, options={"seed": i}) for i in range(n_req)]
+
+
+def measure(name: str, *, batch=64, k=4, m=8, new_tokens=16384, host_only=True, max_steps=None,
+            profile=False) -> dict:
+    """Per-burst host time of each phase over one run of the workload."""
+    target, draft = stub_models(get_backend("numpy"), batch=batch, capacity=64 + new_tokens + m * (k + 1))
+    loop = ServeLoop(target, draft, k=k, m_rounds=m)
+    spent = dict.fromkeys(PHASES, 0.0)
+    for phase, (part, meth) in PHASES.items():  # measurement only: the wrapped methods still run
+        owner = loop if part is None else getattr(loop, part)
+        real = getattr(owner, meth)
+
+        def timed(*a, _real=real, _phase=phase):
+            t = time.perf_counter()
+            try:
+                return _real(*a)
+            finally:
+                spent[_phase] += time.perf_counter() - t
+
+        setattr(owner, meth, timed)
+    for r in _workload(name, batch, new_tokens):
+        loop.submit(r)
+    for _ in range(WARM_BURSTS):
+        loop.step()
+    real_launch, in_launch = RecordedProgram.launch, [0.0]
+
+    def launch(self, stream):  # the device's share of a replay: timed and taken out of the host figures
         t = time.perf_counter()
-        real_launch(self, stream)
+        if host_only:
+            self.calls[-1](stream)  # only the copy of the output block (real tokens from the warm bursts)
+        else:
+            real_launch(self, stream)
         in_launch[0] += time.perf_counter() - t
 
-    RecordedProgram.launch = timed_launch  # measurement only: the program still runs
+    RecordedProgram.launch = launch
+    prof = cProfile.Profile() if profile else None
     try:
-        best = _measure(batch, k, m, new_tokens, repeats, in_launch)
+        for key in spent:
+            spent[key] = 0.0
+        in_launch[0] = 0.0
+        bursts0, steps, t0 = loop.bursts, 0, time.perf_counter()
+        per_step = []  # host µs of each phase in each step: medians resist a loaded machine
+        if prof:
+            prof.enable()
+        # steady: stop long before any budget runs out, so no request finishes in the window.
+        max_steps = max_steps or (STEADY_BURSTS if name == "steady" else 10**6)
+        while not loop.idle and steps < max_steps:
+            before, launch0, t = dict(spent), in_launch[0], time.perf_counter()
+            loop.step()
+            total = time.perf_counter() - t - (in_launch[0] - launch0)
+            row = {p: spent[p] - before[p] for p in PHASES}
+            row["launch"] -= in_launch[0] - launch0
+            row["other"] = total - sum(row.values())
+            row["total"] = total
+            per_step.append(row)
+            steps += 1
+        wall = time.perf_counter() - t0
+        if prof:
+            prof.disable()
     finally:
         RecordedProgram.launch = real_launch
-    print(f"host path per burst at B={batch}, k={k}, M={m} (numpy, steady state, best of {repeats}): {best:.1f} µs")
+    bursts = loop.bursts - bursts0
+    host = (wall - in_launch[0]) / bursts * 1e6
+    median = {p: float(np.median([r[p] for r in per_step])) * 1e6 for p in per_step[0]}
+    out = {"workload": name, "batch": batch, "host_only": host_only, "bursts": bursts, "steps": steps,
+           "mean_us_per_burst": host, "median_us_per_step": median}
+    if prof:
+        pstats.Stats(prof).sort_stats("tottime").print_stats(20)
+    return out
 
 
-def _measure(batch, k, m, new_tokens, repeats, in_launch) -> float:
-    best = None
-    for _ in range(repeats):
-        target, draft = stub_models(_numpy(), batch=batch, capacity=64 + new_tokens + m * (k + 1))
-        loop = ServeLoop(target, draft, k=k, m_rounds=m)
-        rng = np.random.default_rng(0)
-        for i in range(batch):
-            loop.submit(Request(rng.integers(0, 32000, 16).tolist(), new_tokens, options={"seed": i}))
-        loop.step()  # admission + the first bursts: not the steady state
-        in_launch[0], steps, t0 = 0.0, 0, time.perf_counter()
-        while loop.active == batch:
-            loop.step()
-            steps += 1
-        host = (time.perf_counter() - t0 - in_launch[0]) / steps * 1e6
-        best = host if best is None else min(best, host)
-    return best
-
-
-def _numpy():
-    from graphburst.backend import get_backend
-
-    return get_backend("numpy")
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--full-model", action="store_true", help="run the stub models too (time includes them)")
+    p.add_argument("--profile", action="store_true", help="print a cProfile of the steady run")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--json")
+    a = p.parse_args(argv)
+    rows = []
+    for name in ("steady", "refill"):
+        # Refills change slots on the device, so the model must run: its time is subtracted instead.
+        runs = [measure(name, host_only=not a.full_model and name == "steady",
+                        profile=a.profile and i == 0 and name == "steady")
+                for i in range(a.repeats)]
+        best = min(runs, key=lambda r: r["median_us_per_step"]["total"])
+        rows.append(best)
+        phases = "  ".join(f"{k} {v:6.1f}" for k, v in best["median_us_per_step"].items())
+        print(f"{name:7s} B={best['batch']} {'host only' if best['host_only'] else 'with model'}: "
+              f"mean {best['mean_us_per_burst']:6.1f} µs/burst over {best['bursts']} bursts; median µs per step "
+              f"(best of {a.repeats}): {phases}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -117,21 +117,21 @@ class FailingTarget(StubTarget):
 
 
 @pytest.mark.parametrize("engine, pipelined", ENGINES)
-def test_a_request_changed_after_submit_fails_alone(engine, pipelined):
+def test_a_request_changed_after_submit_runs_as_submitted(engine, pipelined):
+    # The loop admits from the values validated at submit(), never from the Request object.
     loop = make_loop(batch=3, m=2, capacity=64, engine=engine, pipelined=pipelined)
     good = [loop.submit(Request([5, 6], 40)), loop.submit(Request([8], 30))]
-    too_long = loop.submit(Request([1, 2, 3], 20))
+    longer = loop.submit(Request([1, 2, 3], 20))
     bad_prompt = loop.submit(Request([4], 5))
     after = loop.submit(Request([9, 9], 25))
-    too_long.request.max_new_tokens = 10**6  # passes admission (one burst fits), overflows later
+    longer.request.max_new_tokens = 10**6
     bad_prompt.request.prompt = [-1]
     loop.run_until_idle()
-    assert too_long.finish_reason == "error" and "CapacityError" in too_long.error
-    assert too_long.tokens == greedy_reference([1, 2, 3], len(too_long.tokens), VOCAB)  # what it got stays
-    assert bad_prompt.finish_reason == "error" and "prompt" in bad_prompt.error and bad_prompt.tokens == []
+    assert longer.error is None and longer.tokens == greedy_reference([1, 2, 3], 20, VOCAB)
+    assert bad_prompt.error is None and bad_prompt.tokens == greedy_reference([4], 5, VOCAB)
     for s in good + [after]:
         assert s.error is None and s.tokens == greedy_reference(s.request.prompt, s.request.max_new_tokens, VOCAB)
-    assert loop.stats()["errors"] == 2
+    assert loop.stats()["errors"] == 0
 
 
 @pytest.mark.parametrize("engine, pipelined", ENGINES)

@@ -137,9 +137,12 @@ def run_http(backend_name: str, *, pipelined: bool, cost_us: float, clients: int
             itl += [(t - t_prev) * 1e6 / n] * n
             t_prev = t
     idle = metrics.get("graphburst_gpu_idle_fraction")
+    steady = metrics.get("graphburst_gpu_idle_fraction_steady")
     tokens = sum(len(r["tokens"]) for r in runs)
-    return dict(engine="graph pipelined" if pipelined else "graph", transport="http", cost_us=cost_us,
-                clients=clients, tokens=tokens, wall_s=wall, tokens_per_s=tokens / wall,
+    return dict(engine="graph pipelined" if pipelined else "graph", transport="http", workload="burst", cost_us=cost_us,
+                clients=clients, requests=clients, tokens=tokens, wall_s=wall, tokens_per_s=tokens / wall,
                 itl_amortised_us=percentiles(itl), delivery_gap_us=percentiles(gaps), ttft_ms=percentiles(ttft),
                 gpu_idle_fraction=None if idle is None or idle != idle else idle,
+                gpu_idle_fraction_steady=None if steady is None or steady != steady else steady,
+                steady_bursts=int(metrics.get("graphburst_steady_bursts_total", 0)),
                 bursts=int(metrics.get("graphburst_bursts_total", 0)))

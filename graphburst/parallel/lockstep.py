@@ -216,14 +216,14 @@ class LockstepLoop(ServeLoop):
 
     def fingerprint(self) -> tuple:
         """What every rank's schedule must agree on between steps."""
-        return (self.bursts, len(self._in_flight), self.active, len(self.queue), self.tokens_out)
+        return (self.bursts, len(self.bursts_in_flight), self.active, len(self.queue), self.tokens_out)
 
     def finish(self) -> None:
         """Rank 0: send the stop plan; every rank: drain the bursts still in flight (their checks included)."""
         if self.leader:
             self._send(STOP)
-        while self._in_flight:
-            self._drain_raw()
+        while self.bursts_in_flight:
+            self.bursts_in_flight.drain()  # runs each burst's rank check; nobody is left to hand tokens to
 
     # ------------------------------------------------------------------ the other ranks
 

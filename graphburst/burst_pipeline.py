@@ -1,0 +1,80 @@
+"""Which bursts are in flight: launching, refilling and draining the serving loop's bursts.
+
+The graph engine replays one captured :class:`BurstGraph`; pipelined (``gapless``) it
+keeps up to two bursts enqueued, so the host hands out one burst's tokens while the GPU
+runs the next two. The eager engine runs a burst that syncs every round, for comparison.
+Each burst is timed on the device by a :class:`~graphburst.serve_timing.BurstClock`, and
+tagged at launch with whether every batch slot was running a request (the steady window).
+
+This module knows nothing about requests: :class:`~graphburst.serve.ServeLoop` decides
+when slots change (only with nothing in flight) and hands out what :meth:`drain` returns.
+"""
+
+from __future__ import annotations
+
+import collections
+
+from .burst import SpecDecoder
+from .capture import BurstGraph
+from .serve_timing import BurstClock
+
+
+class BurstPipeline:
+    """Bursts of one decoder in flight, oldest first.
+
+    Parameters
+    ----------
+    dec : SpecDecoder
+    engine : {"graph", "eager_sync"}
+    pipelined : bool
+        Graph engine only: keep a second burst in flight while the host works.
+    make_graph : callable, optional
+        ``make_graph(gapless=...)`` returns the graph to replay (default: a
+        :class:`BurstGraph` of ``dec``; tensor-parallel serving passes its checked graph).
+    """
+
+    def __init__(self, dec: SpecDecoder, engine: str, pipelined: bool, make_graph=None):
+        self.dec = dec
+        self.pipelined = bool(pipelined) and engine == "graph"
+        if make_graph is None:
+            make_graph = lambda gapless: BurstGraph(dec, gapless=gapless)  # noqa: E731
+        self.graph = make_graph(gapless=self.pipelined) if engine == "graph" else None
+        self.depth = self.graph.n_slots if self.pipelined else 1  # bursts kept in flight
+        self.clock = BurstClock(dec.backend)
+        self._in_flight: collections.deque = collections.deque()  # (timing events or None, steady) per burst
+
+    def __len__(self) -> int:
+        return len(self._in_flight)
+
+    def launch(self, steady: bool) -> None:
+        """Enqueue one graph burst; ``steady``: every batch slot runs a request."""
+        events = self.clock.events()
+        self.graph.replay(timing_events=events)
+        self._in_flight.append((events, steady))
+
+    def drain(self):
+        """Drain the oldest burst in flight: ``(BurstTokens, accept counters [B, 2])``, not yet handed out."""
+        tokens = self.graph.drain()
+        self.clock.account(*self._in_flight.popleft())
+        return tokens, self.graph.last_acc
+
+    def fill(self, steady: bool) -> None:
+        """Launch bursts until ``depth`` are in flight or another would be waste."""
+        while len(self._in_flight) < self.depth and self.worth_launching():
+            self.launch(steady)
+
+    def worth_launching(self) -> bool:
+        # A burst commits at least one token per round for every live slot, so once the
+        # bursts in flight are bound to use up every remaining budget, another is waste.
+        return int(self.dec.host_left.max()) > self.dec.m_rounds * len(self._in_flight)
+
+    def run_eager(self, steady: bool):
+        """One eager burst that syncs every round: ``(BurstTokens, accept counters [B, 2])``."""
+        events = self.clock.events()
+        if events:
+            events[0].record(self.dec.stream)
+        tokens = self.dec.run_burst(mode="per_round_sync")
+        if events:
+            events[1].record(self.dec.stream)
+        self.clock.account(events, steady)
+        return tokens, self.dec.accept_counters()
