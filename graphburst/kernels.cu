@@ -620,8 +620,9 @@ extern "C" __global__ void stub_logits(int n_rows, int vocab, int step,
 //     relative to its tile's maximum m_t plus the tile's sum; spec_probs_normalize combines
 //     the tiles, s_t = exp((m_t - max) / T), total = sum_t sum_t * s_t, and writes
 //     p_i = e_i * s_t / total. exp is gb_exp_neg (float * + rint only), computed once per
-//     element. Top-k/top-p run in spec_probs_select (one block per row, a radix select),
-//     which returns at once for the rows without filters, the common case.
+//     element. Top-k/top-p run in spec_probs_select (a radix select over integer counts and
+//     masses, many blocks per row, then the row's last block), which returns at once for
+//     the rows without filters, the common case.
 //   * Sampling is an exponential race: token = argmax_i w_i / E_i over w_i > 0, ties to the
 //     lower index, E_i = -log(1 - v_i) exponential from Philox4x32-10 keyed by the request
 //     seed (key = [lo32, hi32]), counter [position, draw, i / 4, 0], word i % 4. The winner
@@ -638,9 +639,10 @@ extern "C" __global__ void stub_logits(int n_rows, int vocab, int step,
 //     i.e. larger logit first and the lower index first among equal logits; every key is
 //     distinct, so top-k keeps exactly k tokens. Top-p uses integer masses
 //     floor(e * 2^32) (e = exp((l - max) / T) <= 1), so its cut is exact and order-free.
-//   * Scratch (sel_thr, tile_key, tile_sum, race_key, race_w) is the decoder's, at fixed
-//     addresses, indexed [b, row < S, ...] with S its rows per sequence; every cell a kernel
-//     reads was written earlier in the same call, so stale contents never matter.
+//   * Scratch (sel_thr, tile_key, tile_sum, race_key, race_w, sel_part, sel_tick, sel_hist)
+//     is the decoder's, at fixed addresses, indexed [b, row < S, ...] with S its rows per
+//     sequence; every cell a kernel reads was written earlier in the same call, so stale
+//     contents never matter, except the select's sel_tick and sel_hist, zero between calls.
 
 #define GB_SAMPLE_THREADS 256
 #define GB_SAMPLE_WARPS (GB_SAMPLE_THREADS / 32)
@@ -1283,16 +1285,15 @@ __device__ __forceinline__ bool gb_sel_last(u32* tick, int n_chunks, GbSelectSme
 // row r on y (r = step, or every row when step < 0). sel_thr[b, r] <- the smallest order
 // key kept by top-k (0 or >= V = off) then top-p (>= 1 or NaN = off); 0 (keep all) for a
 // row without filters or at temperature <= 0, without reading the row.
-extern "C" __global__ void __launch_bounds__(GB_SEL_THREADS)
-    spec_probs_select(int n_rows, int vocab, int step, int s_rows, int n_chunks,
-                      const float* __restrict__ logits,       // [B, T, V]
-                      const float* __restrict__ temperature,  // [B]
-                      const int* __restrict__ top_k,          // [B]
-                      const float* __restrict__ top_p,        // [B]
-                      u64* __restrict__ sel_thr,              // [B, S]
-                      u64* __restrict__ sel_part,             // [B, S, n_tiles] chunk max keys
-                      u32* __restrict__ sel_tick,             // [B, S] zero between calls
-                      u32* __restrict__ sel_hist) {           // [B, S, BINS] zero between calls
+extern "C" __global__ void spec_probs_select(int n_rows, int vocab, int step, int s_rows, int n_chunks,
+                                             const float* __restrict__ logits,       // [B, T, V]
+                                             const float* __restrict__ temperature,  // [B]
+                                             const int* __restrict__ top_k,          // [B]
+                                             const float* __restrict__ top_p,        // [B]
+                                             u64* __restrict__ sel_thr,              // [B, S]
+                                             u64* __restrict__ sel_part,             // [B, S, n_tiles] chunk maxima
+                                             u32* __restrict__ sel_tick,             // [B, S] zero between calls
+                                             u32* __restrict__ sel_hist) {           // [B, S, BINS] zero between calls
     __shared__ GbSelectSmem sm;
     int t = threadIdx.x;
     int b = blockIdx.x / n_chunks, chunk = blockIdx.x % n_chunks;
