@@ -1280,6 +1280,12 @@ __device__ __forceinline__ bool gb_sel_last(u32* tick, int n_chunks, GbSelectSme
     return last;
 }
 
+// Two blocks per SM (<= 64 registers): the chunks' sweeps are latency bound.
+extern "C" __global__ __launch_bounds__(GB_SEL_THREADS, 2) void spec_probs_select(
+    int n_rows, int vocab, int step, int s_rows, int n_chunks, const float* __restrict__ logits,
+    const float* __restrict__ temperature, const int* __restrict__ top_k, const float* __restrict__ top_p,
+    u64* __restrict__ sel_thr, u64* __restrict__ sel_part, u32* __restrict__ sel_tick, u32* __restrict__ sel_hist);
+
 // Threads: GB_SEL_THREADS per (chunk, sequence b) on blockIdx.x = b * n_chunks + chunk
 // (chunks of ceil(V / n_chunks) tokens rounded up to whole float4s, n_chunks <= n_tiles),
 // row r on y (r = step, or every row when step < 0). sel_thr[b, r] <- the smallest order
