@@ -227,10 +227,27 @@ def _tile_grid(batch, vocab, step, n_rows):
     return step_arg, (batch * n_tiles(vocab), grid_y)
 
 
-def probs_select(logits, temperature, top_k, top_p, scratch, *, step=None, stream):
-    """``spec_probs_select``: ``scratch.sel_thr[b, r]`` <- the smallest order key top-k/top-p keep.
+_SELECT_THREADS = 512  # kernels.cu GB_SEL_THREADS
+_SELECT_BLOCKS = 512  # select blocks to aim for (a few per SM): rows split into chunks to reach it
 
-    Returns at once (thr 0) for rows without filters. Grid (B, rows), SAMPLE_THREADS threads.
+
+def _select_grid(batch, vocab, step, n_rows):
+    """(kernel step argument, chunks per row, grid) of ``spec_probs_select``: x = b * n_chunks
+    + chunk, y = row. Chunks cut a row into equal runs (integer results: any split gives
+    the same bits); at most one per SAMPLE_TILE tokens, the size of ``sel_part``."""
+    step_arg, grid_y = _step_arg(step, n_rows)
+    n_chunks = max(1, min(n_tiles(vocab), -(-_SELECT_BLOCKS // (batch * grid_y))))
+    return step_arg, n_chunks, (batch * n_chunks, grid_y)
+
+
+def probs_select(logits, temperature, top_k, top_p, scratch, *, step=None, stream):
+    """``spec_probs_select``: ``scratch.sel_thr[b, r]`` <- the smallest order key top-k/top-p keep
+    (``sampling_ref.select_thr``, bit for bit).
+
+    One launch, grid (B * n_chunks, rows), _SELECT_THREADS threads: the chunks find the row
+    max and top-k's first radix digit; the row's last block finishes the select alone.
+    Returns at once (thr 0) for rows without filters. Reads and re-zeroes
+    ``scratch.sel_tick`` and ``scratch.sel_hist``.
 
     Parameters
     ----------
@@ -241,12 +258,11 @@ def probs_select(logits, temperature, top_k, top_p, scratch, *, step=None, strea
     step : int or None
     """
     batch, n_rows, vocab = logits.shape
-    step_arg, grid_y = _step_arg(step, n_rows)
+    step_arg, n_chunks, grid = _select_grid(batch, vocab, step, n_rows)
     s_rows = _scratch_rows(scratch, batch, n_rows, vocab)
-    grid = (batch, grid_y)
-    block = (SAMPLE_THREADS,)
-    args = (_i32(n_rows), _i32(vocab), step_arg, _i32(s_rows), logits, temperature, top_k, top_p, scratch.sel_thr)
-    _launch("spec_probs_select", grid, block, args, stream)
+    args = (_i32(n_rows), _i32(vocab), step_arg, _i32(s_rows), _i32(n_chunks), logits, temperature, top_k, top_p,
+            scratch.sel_thr, scratch.sel_part, scratch.sel_tick, scratch.sel_hist)
+    _launch("spec_probs_select", grid, (_SELECT_THREADS,), args, stream)
 
 
 def probs_tiles(logits, temperature, probs, scratch, race=None, *, step=None, stream):
@@ -390,8 +406,8 @@ def accept_pick(vtok, p, q, brk, seed, pos, n_acc, last_pred, scratch, *, stream
 def probs_from_logits(logits, temperature, top_k, top_p, probs, scratch=None, *, step=None, stream):
     """Temperature, top-k and top-p: logits -> normalized probabilities (see sampling_ref).
 
-    Three launches: ``spec_probs_select`` (grid (B, rows), returns at once without
-    filters), ``spec_probs_tiles`` and ``spec_probs_normalize`` (grid (B * n_tiles, rows)).
+    Three launches: ``spec_probs_select`` (grid (B * n_chunks, rows), returns at once
+    without filters), ``spec_probs_tiles`` and ``spec_probs_normalize`` (grid (B * n_tiles, rows)).
 
     Parameters
     ----------

@@ -620,8 +620,9 @@ extern "C" __global__ void stub_logits(int n_rows, int vocab, int step,
 //     relative to its tile's maximum m_t plus the tile's sum; spec_probs_normalize combines
 //     the tiles, s_t = exp((m_t - max) / T), total = sum_t sum_t * s_t, and writes
 //     p_i = e_i * s_t / total. exp is gb_exp_neg (float * + rint only), computed once per
-//     element. Top-k/top-p run in spec_probs_select (one block per row, a radix select),
-//     which returns at once for the rows without filters, the common case.
+//     element. Top-k/top-p run in spec_probs_select (a radix select over integer counts and
+//     masses, many blocks per row, then the row's last block), which returns at once for
+//     the rows without filters, the common case.
 //   * Sampling is an exponential race: token = argmax_i w_i / E_i over w_i > 0, ties to the
 //     lower index, E_i = -log(1 - v_i) exponential from Philox4x32-10 keyed by the request
 //     seed (key = [lo32, hi32]), counter [position, draw, i / 4, 0], word i % 4. The winner
@@ -638,29 +639,21 @@ extern "C" __global__ void stub_logits(int n_rows, int vocab, int step,
 //     i.e. larger logit first and the lower index first among equal logits; every key is
 //     distinct, so top-k keeps exactly k tokens. Top-p uses integer masses
 //     floor(e * 2^32) (e = exp((l - max) / T) <= 1), so its cut is exact and order-free.
-//   * Scratch (sel_thr, tile_key, tile_sum, race_key, race_w) is the decoder's, at fixed
-//     addresses, indexed [b, row < S, ...] with S its rows per sequence; every cell a kernel
-//     reads was written earlier in the same call, so stale contents never matter.
+//   * Scratch (sel_thr, tile_key, tile_sum, race_key, race_w, sel_part, sel_tick, sel_hist)
+//     is the decoder's, at fixed addresses, indexed [b, row < S, ...] with S its rows per
+//     sequence; every cell a kernel reads was written earlier in the same call, so stale
+//     contents never matter, except the select's sel_tick and sel_hist, zero between calls.
 
 #define GB_SAMPLE_THREADS 256
 #define GB_SAMPLE_WARPS (GB_SAMPLE_THREADS / 32)
 #define GB_SAMPLE_TILE 2048
 #define GB_SAMPLE_VEC 4
 #define GB_SAMPLE_NVEC (GB_SAMPLE_TILE / (GB_SAMPLE_VEC * GB_SAMPLE_THREADS))
-static_assert(GB_SAMPLE_THREADS == 256, "radix select gives each thread one 8-bit digit bin");
 static_assert(GB_SAMPLE_NVEC * GB_SAMPLE_VEC * GB_SAMPLE_THREADS == GB_SAMPLE_TILE, "whole float4s per thread");
 #define GB_DRAW_DRAFT 0u
 #define GB_DRAW_ACCEPT 1u
 #define GB_DRAW_RESAMPLE 2u
 #define GB_RACE_SLOTS 2  // race partials per scratch row: [0] draft / residual, [1] bonus p
-
-struct GbSelectSmem {
-    u64 warp_u[GB_SAMPLE_WARPS];
-    u64 hist_w[256];  // radix select: weight per digit
-    u32 hist_c[256];  // radix select: elements per digit
-    u64 sel_prefix, sel_remaining;
-    int sel_state;    // 0 = continue, 1 = done, 2 = no digit found
-};
 
 struct GbTileSmem {
     u64 warp_u[GB_SAMPLE_WARPS];
@@ -878,123 +871,523 @@ __device__ __forceinline__ float gb_scaled_exp(float l, float ref, float temp) {
 }
 
 // ------------------------------------------------------------------ top-k / top-p select
+//
+// sel_thr[b, r] = the smallest order key kept, as the numpy twin's select_thr: the k-th
+// largest key (top-k), then, among the keys >= it, the key at which the integer mass
+// floor(e_i * 2^32) summed in key order first reaches max(1, ceil(top_p * total)) (the
+// row's largest key when the total is 0). Every quantity is an integer count or mass, so
+// any split of the work gives the same bits.
+//
+// One launch, radix select on the compressed key ck = (logit key bits << nb) |
+// (~i & (2^nb - 1)), nb = bits of V - 1 (the order of the 64-bit key, constant index bits
+// dropped), GB_SEL_DIGIT bits per pass from the top:
+//   1. Blocks of GB_SEL_THREADS per (chunk, row): the chunk's max key into sel_part and,
+//      with top-k, the counts of the first digit, added into the row's global histogram
+//      sel_hist with integer atomics. A ticket (sel_tick) finds the row's last block.
+//   2. That block alone finishes the row: the row max, then passes over the row (group =
+//      keys sharing the chosen prefix; counts for top-k, masses for top-p, warp-aggregated
+//      into a shared histogram) until the group holds at most GB_SEL_CAP keys; then it
+//      gathers the group (for top-k with top-p, every key >= the group when that fits: then
+//      top-p is read off the same list), sorts it in shared memory and reads the threshold
+//      off prefix sums. Top-k then top-p without that shortcut run one after the other.
+// sel_tick and sel_hist are zero between calls: the last block re-zeroes its row's cells
+// (they are allocated zeroed). Rows without filters write 0 and return at once.
 
-// Radix select over order keys, 8 bits per pass from the top: the largest threshold c with
-// sum{weight_i : key_i >= c, key_i >= floor_key} >= need, weight = 1 (by_mass = false: the
-// need-th largest key) or floor(e_i * 2^32) (by_mass = true). A pass stops early once the
-// chosen digit holds one element (or, counting, exactly the elements still needed), with
-// the lower bits of the threshold left 0. Returns 0 (keep all) if the need is never met.
-// Integer histograms: the strided (coalesced) walk gives the same result in any order.
-__device__ u64 gb_radix_select(const float* row, int vocab, float l_max, float temp, u64 floor_key, u64 need,
-                               bool by_mass, GbSelectSmem& sm) {
-    int t = threadIdx.x;  // also the digit this thread scans
-    int lane = t & 31, w = t >> 5;
-    if (t == 0) {
-        sm.sel_prefix = 0;
-        sm.sel_remaining = need;
-        sm.sel_state = 0;
-    }
-    u64 mask = 0;
-    for (int shift = 56; shift >= 0; shift -= 8) {
-        __syncthreads();
-        sm.hist_w[t] = 0;
-        sm.hist_c[t] = 0;
-        __syncthreads();
-        u64 prefix = sm.sel_prefix;
-        for (int i = t; i < vocab; i += GB_SAMPLE_THREADS) {
-            float l = row[i];
-            u64 key = gb_order_key(l, i);
-            if (key < floor_key || (key & mask) != prefix) continue;
-            int d = (int)((key >> shift) & 255u);
-            u64 wgt = by_mass ? (u64)__float2ull_rz(__fmul_rn(gb_scaled_exp(l, l_max, temp), 0x1p32f)) : 1ull;
-            atomicAdd(&sm.hist_w[d], (unsigned long long)wgt);
-            atomicAdd(&sm.hist_c[d], 1u);
-        }
-        __syncthreads();
-        // Suffix sum over digits: s = weight of digits >= t (integers: order-free).
-        u64 h = sm.hist_w[t], s = h;
-        for (int o = 1; o < 32; o <<= 1) {
-            u64 x = __shfl_down_sync(0xffffffffu, s, o);
-            if (lane + o < 32) s += x;
-        }
-        if (lane == 0) sm.warp_u[w] = s;
-        __syncthreads();
-        for (int j = w + 1; j < GB_SAMPLE_WARPS; ++j) s += sm.warp_u[j];
-        u64 remaining = sm.sel_remaining;
-        bool no_digit = t == 0 && s < remaining;  // digit 0's suffix is the total
-        __syncthreads();
-        if (s >= remaining && s - h < remaining) {
-            u64 rem = remaining - (s - h);
-            sm.sel_prefix = prefix | ((u64)t << shift);
-            sm.sel_remaining = rem;
-            sm.sel_state = (sm.hist_c[t] == 1u || (!by_mass && h == rem)) ? 1 : 0;
-        }
-        if (no_digit) sm.sel_state = 2;
-        __syncthreads();
-        if (sm.sel_state != 0) break;
-        mask |= (u64)255 << shift;
-    }
-    int state = sm.sel_state;
-    u64 thr = sm.sel_prefix;
-    __syncthreads();
-    return state == 2 ? 0ull : thr;
+#define GB_SEL_THREADS 512
+#define GB_SEL_WARPS (GB_SEL_THREADS / 32)
+#define GB_SEL_V4 4  // float4s per thread per sweep: 32 KB in flight per block
+#define GB_SEL_SPAN (GB_SEL_V4 * GB_SAMPLE_VEC * GB_SEL_THREADS)
+#define GB_SEL_DIGIT 11
+#define GB_SEL_BINS (1 << GB_SEL_DIGIT)
+#define GB_SEL_CAP 2048  // the most keys gathered and sorted in one block
+#define GB_SEL_PER_THREAD (GB_SEL_BINS / GB_SEL_THREADS)
+#define GB_SEL_MAX_STEPS 16  // in-block passes and gathers: 2 * (52 / 11 + 1) + 2 at most
+#define GB_SEL_NONE 0xffffffffu  // digit of a key outside the group
+#define GB_SEL_DONE 0u
+#define GB_SEL_HIST 1u
+#define GB_SEL_GATHER_EQ 2u  // gather the group
+#define GB_SEL_GATHER_GE 3u  // gather the group and every key above it
+static_assert(GB_SEL_CAP == GB_SEL_BINS, "a thread owns GB_SEL_PER_THREAD bins and list slots");
+static_assert(GB_SEL_PER_THREAD * GB_SEL_THREADS == GB_SEL_BINS, "whole bins per thread");
+
+// The select of one row, uniform over the block (written by one thread between barriers).
+struct GbSelState {
+    u64 prefix;     // ck bits fixed so far (above H)
+    u64 rem;        // units still needed inside the group
+    u64 floor_key;  // candidates: order key >= floor_key (top-p after top-k)
+    u64 above;      // keys above the group (top-k)
+    u64 result;     // sel_thr once op == GB_SEL_DONE
+    u32 op, phase;  // phase 0: top-k (counts), 1: top-p (masses)
+    int H;          // low ck bits not fixed yet
+};
+
+struct GbSelectSmem {
+    union {
+        struct {
+            u32 c[GB_SEL_BINS];  // keys per digit
+            u64 w[GB_SEL_BINS];  // mass per digit (top-p)
+        } hist;
+        struct {
+            u64 key[GB_SEL_CAP];  // gathered order keys, sorted in place (descending)
+            u64 w[GB_SEL_CAP];    // their masses
+        } list;
+    } u;
+    u64 warp_u[GB_SEL_WARPS];
+    u64 warp_v[GB_SEL_WARPS];
+    GbSelState st;
+    u32 n;  // gathered keys
+    int last, found;
+};
+
+// Bits to index a row of `vocab` (0 for one token).
+__device__ __forceinline__ int gb_sel_nb(int vocab) { return vocab > 1 ? 32 - __clz((unsigned)(vocab - 1)) : 0; }
+
+__device__ __forceinline__ u64 gb_sel_ck(u64 key, int i, int nb) {
+    return ((key >> 32) << nb) | ((u64)(~(u32)i) & ((1ull << nb) - 1ull));
 }
 
-__device__ __forceinline__ u64 gb_block_sum_u64(u64 v, u64* warp_u) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+__device__ __forceinline__ u64 gb_sel_mass(float l, float l_max, float temp) {
+    return (u64)__float2ull_rz(__fmul_rn(gb_scaled_exp(l, l_max, temp), 0x1p32f));
+}
+
+// Element c of float4 v of a sweep starting at base.
+__device__ __forceinline__ int gb_sel_index(int base, int v, int c) {
+    return base + (v * GB_SEL_THREADS + (int)threadIdx.x) * GB_SAMPLE_VEC + c;
+}
+
+// A thread's GB_SEL_V4 float4s of the sweep at base (a multiple of 4) over [.., end).
+__device__ __forceinline__ void gb_sel_load(const float* row, int base, int end, bool aligned,
+                                            float x[GB_SEL_V4][GB_SAMPLE_VEC]) {
+#pragma unroll
+    for (int v = 0; v < GB_SEL_V4; ++v) gb_load4(row, gb_sel_index(base, v, 0), end, aligned, x[v], 0.0f);
+}
+
+// Block max of a u64 (order-free); every thread gets it.
+__device__ __forceinline__ u64 gb_sel_max(u64 v, GbSelectSmem& sm) {
+    v = gb_warp_max_u64(v);
     __syncthreads();
-    if ((threadIdx.x & 31) == 0) warp_u[threadIdx.x >> 5] = v;
+    if ((threadIdx.x & 31) == 0) sm.warp_u[threadIdx.x >> 5] = v;
     __syncthreads();
-    u64 r = 0;
-    for (int w = 0; w < GB_SAMPLE_WARPS; ++w) r += warp_u[w];
+    u64 r = sm.warp_u[0];
+    for (int w = 1; w < GB_SEL_WARPS; ++w) r = gb_max_u64(r, sm.warp_u[w]);
+    __syncthreads();
     return r;
 }
 
-// Threads: one block of GB_SAMPLE_THREADS per (sequence b = blockIdx.x, row r): r = step,
-// or every row (gridDim.y = T) when step < 0. sel_thr[b, r] <- the smallest order key kept
-// by top-k (0 or >= V = off) then top-p (>= 1 or NaN = off): top-p keeps the shortest run of
-// the top-k survivors, in key order, whose integer mass reaches max(1, ceil(top_p * total
-// mass)) (double arithmetic). 0 (keep all) for a row without filters or at temperature
-// <= 0, without reading the row.
-extern "C" __global__ void spec_probs_select(int n_rows, int vocab, int step, int s_rows,
+// Block scans of two u64s: every thread gets the totals and the sums over the threads
+// after it (suffix) or before it (prefix). Starts and ends with a barrier.
+__device__ __forceinline__ void gb_sel_scan2(u64 a, u64 b, bool suffix, u64& excl_a, u64& excl_b, u64& tot_a,
+                                             u64& tot_b, GbSelectSmem& sm) {
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    u64 sa = a, sb = b;
+    for (int o = 1; o < 32; o <<= 1) {
+        u64 xa = suffix ? __shfl_down_sync(0xffffffffu, sa, o) : __shfl_up_sync(0xffffffffu, sa, o);
+        u64 xb = suffix ? __shfl_down_sync(0xffffffffu, sb, o) : __shfl_up_sync(0xffffffffu, sb, o);
+        if (suffix ? lane + o < 32 : lane >= o) {
+            sa += xa;
+            sb += xb;
+        }
+    }
+    __syncthreads();
+    if (lane == (suffix ? 0 : 31)) {
+        sm.warp_u[w] = sa;
+        sm.warp_v[w] = sb;
+    }
+    __syncthreads();
+    excl_a = sa - a;
+    excl_b = sb - b;
+    tot_a = 0;
+    tot_b = 0;
+    for (int j = 0; j < GB_SEL_WARPS; ++j) {
+        u64 ua = sm.warp_u[j], ub = sm.warp_v[j];
+        tot_a += ua;
+        tot_b += ub;
+        if (suffix ? j > w : j < w) {
+            excl_a += ua;
+            excl_b += ub;
+        }
+    }
+    __syncthreads();
+}
+
+// Adds one key's digit d (GB_SEL_NONE: not in the group) and mass m to the shared
+// histogram, one atomic per digit per warp: a few digits hold most of a row. Called by
+// all 32 lanes. Masses are summed as two 16-bit halves (m <= 2^32: no u32 overflow).
+__device__ __forceinline__ void gb_sel_count(u32 d, u64 m, bool by_mass, GbSelectSmem& sm) {
+    u32 peers = __match_any_sync(0xffffffffu, d);
+    u64 msum = 0;
+    if (by_mass) {
+        u32 hi = __reduce_add_sync(peers, (u32)(m >> 16)), lo = __reduce_add_sync(peers, (u32)(m & 0xffffull));
+        msum = ((u64)hi << 16) + (u64)lo;
+    }
+    if (d != GB_SEL_NONE && (int)(__ffs(peers) - 1) == (int)(threadIdx.x & 31)) {
+        atomicAdd(&sm.u.hist.c[d], (u32)__popc(peers));
+        if (msum) atomicAdd(&sm.u.hist.w[d], (unsigned long long)msum);
+    }
+}
+
+__device__ __forceinline__ void gb_sel_zero_hist(GbSelectSmem& sm) {
+    for (int d = threadIdx.x; d < GB_SEL_BINS; d += GB_SEL_THREADS) {
+        sm.u.hist.c[d] = 0u;
+        sm.u.hist.w[d] = 0ull;
+    }
+}
+
+// One pass over the whole row by this block: the group's histogram of the next digit.
+__device__ void gb_sel_hist_row(const float* row, int vocab, bool aligned, int nb, const GbSelState& s, float l_max,
+                                float temp, GbSelectSmem& sm) {
+    gb_sel_zero_hist(sm);
+    __syncthreads();
+    int width = s.H < GB_SEL_DIGIT ? s.H : GB_SEL_DIGIT, sh = s.H - width;
+    u32 dmask = (1u << width) - 1u;
+    u64 want = s.prefix >> s.H;
+    bool by_mass = s.phase != 0u;
+    for (int base = 0; base < vocab; base += GB_SEL_SPAN) {  // trip count uniform over the block
+        float x[GB_SEL_V4][GB_SAMPLE_VEC];
+        gb_sel_load(row, base, vocab, aligned, x);
+#pragma unroll
+        for (int v = 0; v < GB_SEL_V4; ++v) {
+#pragma unroll
+            for (int c = 0; c < GB_SAMPLE_VEC; ++c) {
+                int i = gb_sel_index(base, v, c);
+                u32 d = GB_SEL_NONE;
+                u64 m = 0;
+                if (i < vocab) {
+                    u64 key = gb_order_key(x[v][c], i);
+                    u64 ck = gb_sel_ck(key, i, nb);
+                    if (key >= s.floor_key && (ck >> s.H) == want) {
+                        d = (u32)(ck >> sh) & dmask;
+                        if (by_mass) m = gb_sel_mass(x[v][c], l_max, temp);
+                    }
+                }
+                gb_sel_count(d, m, by_mass, sm);
+            }
+        }
+    }
+    __syncthreads();
+}
+
+// After a histogram pass: the digit holding the rem-th unit (counts for top-k, masses for
+// top-p) becomes part of the prefix; the first top-p pass (H == L) first sets rem =
+// max(1, ceil(top_p * total)). Writes sm.st (one thread).
+__device__ void gb_sel_pick(const GbSelState& s, int L, bool p_on, float tp, u64 max_key, GbSelectSmem& sm) {
+    int t = threadIdx.x;
+    int width = s.H < GB_SEL_DIGIT ? s.H : GB_SEL_DIGIT, sh = s.H - width;
+    bool by_mass = s.phase != 0u;
+    u32 c[GB_SEL_PER_THREAD];
+    u64 wt[GB_SEL_PER_THREAD];
+    u64 lc = 0, lw = 0;
+#pragma unroll
+    for (int e = 0; e < GB_SEL_PER_THREAD; ++e) {
+        int d = t * GB_SEL_PER_THREAD + e;
+        c[e] = sm.u.hist.c[d];
+        wt[e] = by_mass ? sm.u.hist.w[d] : (u64)c[e];
+        lc += c[e];
+        lw += wt[e];
+    }
+    u64 above_c, above_w, tot_c, tot_w;
+    gb_sel_scan2(lc, lw, true, above_c, above_w, tot_c, tot_w, sm);
+    u64 rem = s.rem;
+    if (by_mass && s.H == L) {  // the first top-p pass: need from the candidates' total mass
+        double want = ceil(__dmul_rn((double)tp, (double)tot_w));
+        rem = want < 1.0 ? 1ull : (u64)want;
+        if (tot_w < rem) {  // no mass at all: the twin keeps the row's largest key
+            if (t == 0) {
+                sm.st.result = gb_max_u64(max_key, s.floor_key);
+                sm.st.op = GB_SEL_DONE;
+            }
+            __syncthreads();
+            return;
+        }
+    }
+#pragma unroll
+    for (int e = GB_SEL_PER_THREAD - 1; e >= 0; --e) {
+        int d = t * GB_SEL_PER_THREAD + e;
+        if (above_w < rem && above_w + wt[e] >= rem) {  // exactly one (thread, e) in the block
+            u64 above = s.above + above_c;
+            u32 op = c[e] > (u32)GB_SEL_CAP ? GB_SEL_HIST
+                     : (!by_mass && p_on && above + c[e] <= (u64)GB_SEL_CAP) ? GB_SEL_GATHER_GE
+                                                                             : GB_SEL_GATHER_EQ;
+            sm.st.op = op;
+            sm.st.prefix = s.prefix | ((u64)d << sh);
+            sm.st.H = sh;
+            sm.st.rem = rem - above_w;
+            sm.st.above = above;
+        }
+        above_w += wt[e];
+        above_c += c[e];
+    }
+    __syncthreads();
+}
+
+// One pass over the whole row by this block: the group (GATHER_EQ) or the group and every
+// key above it (GATHER_GE) into the shared list, with masses when top-p needs them.
+__device__ void gb_sel_gather_row(const float* row, int vocab, bool aligned, int nb, const GbSelState& s, float l_max,
+                                  float temp, GbSelectSmem& sm) {
+    if (threadIdx.x == 0) sm.n = 0u;
+    __syncthreads();
+    bool ge = s.op == GB_SEL_GATHER_GE, mass = s.phase != 0u || ge;
+    u64 want = s.prefix >> s.H;
+    int lane = threadIdx.x & 31;
+    for (int base = 0; base < vocab; base += GB_SEL_SPAN) {
+        float x[GB_SEL_V4][GB_SAMPLE_VEC];
+        gb_sel_load(row, base, vocab, aligned, x);
+#pragma unroll
+        for (int v = 0; v < GB_SEL_V4; ++v) {
+#pragma unroll
+            for (int c = 0; c < GB_SAMPLE_VEC; ++c) {
+                int i = gb_sel_index(base, v, c);
+                u64 key = 0;
+                bool in = false;
+                if (i < vocab) {
+                    key = gb_order_key(x[v][c], i);
+                    u64 hi = gb_sel_ck(key, i, nb) >> s.H;
+                    in = key >= s.floor_key && (ge ? hi >= want : hi == want);
+                }
+                u32 bal = __ballot_sync(0xffffffffu, in);
+                if (bal) {  // warp-uniform
+                    u32 first = 0;
+                    if (lane == 0) first = atomicAdd(&sm.n, (u32)__popc(bal));
+                    first = __shfl_sync(0xffffffffu, first, 0);
+                    u32 slot = first + (u32)__popc(bal & ((1u << lane) - 1u));
+                    if (in && slot < (u32)GB_SEL_CAP) {  // always: the pick gathers only what fits
+                        sm.u.list.key[slot] = key;
+                        sm.u.list.w[slot] = mass ? gb_sel_mass(x[v][c], l_max, temp) : 0ull;
+                    }
+                }
+            }
+        }
+    }
+    __syncthreads();
+}
+
+// The list entry holding the need-th unit (1 per key, or its mass) in sorted order, or 0
+// when the list holds less (the twin's argmax of an all-false crossing). Every thread gets it.
+__device__ int gb_sel_cross(int n, bool by_mass, u64 need, GbSelectSmem& sm) {
+    int t = threadIdx.x;
+    u64 lw = 0;
+#pragma unroll
+    for (int e = 0; e < GB_SEL_PER_THREAD; ++e) {
+        int j = t * GB_SEL_PER_THREAD + e;
+        if (j < n) lw += by_mass ? sm.u.list.w[j] : 1ull;
+    }
+    if (t == 0) sm.found = 0;
+    u64 before, unused_b, tot, unused_t;
+    gb_sel_scan2(lw, 0ull, false, before, unused_b, tot, unused_t, sm);
+#pragma unroll
+    for (int e = 0; e < GB_SEL_PER_THREAD; ++e) {
+        int j = t * GB_SEL_PER_THREAD + e;
+        if (j < n) {
+            u64 w = by_mass ? sm.u.list.w[j] : 1ull;
+            if (before < need && before + w >= need) sm.found = j;
+            before += w;
+        }
+    }
+    __syncthreads();
+    int j = sm.found;
+    __syncthreads();
+    return j;
+}
+
+// After a gather: sorts the list (descending keys, bitonic) and reads the threshold off
+// it; top-k hands over to top-p, or the row is done. Writes sm.st (thread 0).
+__device__ void gb_sel_finish(const GbSelState& s, int L, bool p_on, float tp, GbSelectSmem& sm) {
+    int t = threadIdx.x;
+    int n = (int)sm.n;
+    n = n < GB_SEL_CAP ? n : GB_SEL_CAP;
+    int n2 = 1;
+    while (n2 < n) n2 <<= 1;
+    for (int j = n + t; j < n2; j += GB_SEL_THREADS) {
+        sm.u.list.key[j] = 0ull;  // below every real key
+        sm.u.list.w[j] = 0ull;
+    }
+    __syncthreads();
+    for (int k = 2; k <= n2; k <<= 1) {
+        for (int h = k >> 1; h > 0; h >>= 1) {
+            for (int i = t; i < n2; i += GB_SEL_THREADS) {
+                int p = i ^ h;
+                if (p > i) {
+                    u64 a = sm.u.list.key[i], b = sm.u.list.key[p];
+                    if ((i & k) == 0 ? a < b : a > b) {
+                        sm.u.list.key[i] = b;
+                        sm.u.list.key[p] = a;
+                        u64 wa = sm.u.list.w[i];
+                        sm.u.list.w[i] = sm.u.list.w[p];
+                        sm.u.list.w[p] = wa;
+                    }
+                }
+            }
+            __syncthreads();
+        }
+    }
+    bool ge = s.op == GB_SEL_GATHER_GE;
+    if (s.phase == 0u) {  // top-k: the rem-th key of the group, or the k-th of a list holding all above
+        int jk = gb_sel_cross(n, false, ge ? s.rem + s.above : s.rem, sm);
+        u64 thr_k = sm.u.list.key[jk];
+        if (!p_on) {
+            if (t == 0) {
+                sm.st.result = thr_k;
+                sm.st.op = GB_SEL_DONE;
+            }
+        } else if (ge) {  // every top-k survivor is in the list: top-p here too
+            u64 mine = 0;
+#pragma unroll
+            for (int e = 0; e < GB_SEL_PER_THREAD; ++e) {
+                int j = t * GB_SEL_PER_THREAD + e;
+                if (j <= jk) mine += sm.u.list.w[j];
+            }
+            u64 unused_e, unused_f, mass, unused_t;
+            gb_sel_scan2(mine, 0ull, false, unused_e, unused_f, mass, unused_t, sm);
+            double want = ceil(__dmul_rn((double)tp, (double)mass));
+            u64 need = want < 1.0 ? 1ull : (u64)want;
+            int jp = gb_sel_cross(n, true, need, sm);
+            if (t == 0) {
+                sm.st.result = gb_max_u64(thr_k, sm.u.list.key[jp]);
+                sm.st.op = GB_SEL_DONE;
+            }
+        } else if (t == 0) {  // top-p over the keys >= thr_k, from its first pass
+            sm.st.op = GB_SEL_HIST;
+            sm.st.phase = 1u;
+            sm.st.prefix = 0ull;
+            sm.st.H = L;
+            sm.st.rem = 0ull;
+            sm.st.floor_key = thr_k;
+            sm.st.above = 0ull;
+        }
+    } else {
+        int jp = gb_sel_cross(n, true, s.rem, sm);
+        if (t == 0) {
+            sm.st.result = gb_max_u64(sm.u.list.key[jp], s.floor_key);
+            sm.st.op = GB_SEL_DONE;
+        }
+    }
+    __syncthreads();
+}
+
+// Ticket: true in the last block of the row to finish (after every block's global writes);
+// it re-arms the ticket. Called by every thread of every block of a filtered row.
+__device__ __forceinline__ bool gb_sel_last(u32* tick, int n_chunks, GbSelectSmem& sm) {
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        u32 t = atomicAdd(tick, 1u);
+        sm.last = t == (u32)(n_chunks - 1);
+        if (sm.last) *tick = 0u;
+    }
+    __syncthreads();
+    bool last = sm.last != 0;
+    if (last) __threadfence();
+    return last;
+}
+
+// Two blocks per SM (<= 64 registers): the chunks' sweeps are latency bound.
+extern "C" __global__ __launch_bounds__(GB_SEL_THREADS, 2) void spec_probs_select(
+    int n_rows, int vocab, int step, int s_rows, int n_chunks, const float* __restrict__ logits,
+    const float* __restrict__ temperature, const int* __restrict__ top_k, const float* __restrict__ top_p,
+    u64* __restrict__ sel_thr, u64* __restrict__ sel_part, u32* __restrict__ sel_tick, u32* __restrict__ sel_hist);
+
+// Threads: GB_SEL_THREADS per (chunk, sequence b) on blockIdx.x = b * n_chunks + chunk
+// (chunks of ceil(V / n_chunks) tokens rounded up to whole float4s, n_chunks <= n_tiles),
+// row r on y (r = step, or every row when step < 0). sel_thr[b, r] <- the smallest order
+// key kept by top-k (0 or >= V = off) then top-p (>= 1 or NaN = off); 0 (keep all) for a
+// row without filters or at temperature <= 0, without reading the row.
+extern "C" __global__ void spec_probs_select(int n_rows, int vocab, int step, int s_rows, int n_chunks,
                                              const float* __restrict__ logits,       // [B, T, V]
                                              const float* __restrict__ temperature,  // [B]
                                              const int* __restrict__ top_k,          // [B]
                                              const float* __restrict__ top_p,        // [B]
-                                             u64* __restrict__ sel_thr) {            // [B, S]
+                                             u64* __restrict__ sel_thr,              // [B, S]
+                                             u64* __restrict__ sel_part,             // [B, S, n_tiles] chunk maxima
+                                             u32* __restrict__ sel_tick,             // [B, S] zero between calls
+                                             u32* __restrict__ sel_hist) {           // [B, S, BINS] zero between calls
     __shared__ GbSelectSmem sm;
-    int b = blockIdx.x;
+    int t = threadIdx.x;
+    int b = blockIdx.x / n_chunks, chunk = blockIdx.x % n_chunks;
     int r = step >= 0 ? step : (int)blockIdx.y;
+    long long cell = (long long)b * s_rows + r;
     float temp = temperature[b];
     int kk = top_k[b];
     float tp = top_p[b];
     bool k_on = kk > 0 && kk < vocab, p_on = tp < 1.0f;
-    u64* out = sel_thr + (long long)b * s_rows + r;
-    if (!(temp > 0.0f) || !(k_on || p_on)) {  // uniform per block: no barrier is skipped by half
-        if (threadIdx.x == 0) *out = 0ull;
+    if (!(temp > 0.0f) || !(k_on || p_on)) {  // uniform per row: no barrier is skipped by part of it
+        if (chunk == 0 && t == 0) sel_thr[cell] = 0ull;
         return;
     }
     const float* row = logits + ((long long)b * n_rows + r) * vocab;
+    bool aligned = gb_aligned16(row);
+    int nb = gb_sel_nb(vocab), L = 32 + nb, nt = gb_n_tiles(vocab);
+    int clen = ((vocab + n_chunks - 1) / n_chunks + GB_SAMPLE_VEC - 1) / GB_SAMPLE_VEC * GB_SAMPLE_VEC;
+    int i0 = min(vocab, chunk * clen), i1 = min(vocab, i0 + clen);
+    u32* hist = sel_hist + cell * GB_SEL_BINS;
+    // 1. The chunk's max key and (top-k) its counts of the first digit.
+    if (k_on) gb_sel_zero_hist(sm);
+    __syncthreads();
     u64 best = 0;
-    for (int i = threadIdx.x; i < vocab; i += GB_SAMPLE_THREADS) best = gb_max_u64(best, gb_order_key(row[i], i));
-    best = gb_tile_max_u64(best, sm.warp_u);
-    float l_max = gb_key_logit(best);
-    u64 thr = 0;
-    if (k_on) thr = gb_radix_select(row, vocab, l_max, temp, 0ull, (u64)kk, false, sm);
-    if (p_on) {
-        u64 mass = 0;
-        for (int i = threadIdx.x; i < vocab; i += GB_SAMPLE_THREADS) {
-            float l = row[i];
-            if (gb_order_key(l, i) >= thr)
-                mass += (u64)__float2ull_rz(__fmul_rn(gb_scaled_exp(l, l_max, temp), 0x1p32f));
+    for (int base = i0; base < i1; base += GB_SEL_SPAN) {
+        float x[GB_SEL_V4][GB_SAMPLE_VEC];
+        gb_sel_load(row, base, i1, aligned, x);
+#pragma unroll
+        for (int v = 0; v < GB_SEL_V4; ++v) {
+#pragma unroll
+            for (int c = 0; c < GB_SAMPLE_VEC; ++c) {
+                int i = gb_sel_index(base, v, c);
+                u32 d = GB_SEL_NONE;
+                if (i < i1) {
+                    u64 key = gb_order_key(x[v][c], i);
+                    best = gb_max_u64(best, key);
+                    d = (u32)(gb_sel_ck(key, i, nb) >> (L - GB_SEL_DIGIT));
+                }
+                if (k_on) gb_sel_count(d, 0ull, false, sm);
+            }
         }
-        mass = gb_block_sum_u64(mass, sm.warp_u);
-        double want = ceil(__dmul_rn((double)tp, (double)mass));
-        u64 need = want < 1.0 ? 1ull : (u64)want;
-        u64 thr_p = gb_radix_select(row, vocab, l_max, temp, thr, need, true, sm);
-        thr = gb_max_u64(thr_p, thr);
     }
-    if (threadIdx.x == 0) *out = thr;
+    best = gb_sel_max(best, sm);  // its barriers also end the shared histogram's atomics
+    if (t == 0) sel_part[cell * nt + chunk] = best;
+    if (k_on) {
+        for (int d = t; d < GB_SEL_BINS; d += GB_SEL_THREADS) {
+            u32 c = sm.u.hist.c[d];
+            if (c) atomicAdd(hist + d, c);
+        }
+    }
+    if (!gb_sel_last(sel_tick + cell, n_chunks, sm)) return;
+    // 2. The row's last block: the row max, then the rest of the select alone.
+    u64 m = 0;
+    for (int c = t; c < n_chunks; c += GB_SEL_THREADS) m = gb_max_u64(m, __ldcg(sel_part + cell * nt + c));
+    u64 max_key = gb_sel_max(m, sm);
+    float l_max = gb_key_logit(max_key);
+    GbSelState s;
+    s.prefix = 0ull;
+    s.rem = k_on ? (u64)kk : 0ull;
+    s.floor_key = 0ull;
+    s.above = 0ull;
+    s.result = 0ull;
+    s.op = GB_SEL_HIST;
+    s.phase = k_on ? 0u : 1u;
+    s.H = L;
+    if (t == 0) sm.st = s;
+    if (k_on) {  // the first top-k pass is done: take the row's histogram (and re-zero it)
+        for (int d = t; d < GB_SEL_BINS; d += GB_SEL_THREADS) {
+            sm.u.hist.c[d] = __ldcg(hist + d);
+            sm.u.hist.w[d] = 0ull;
+            hist[d] = 0u;
+        }
+        __syncthreads();
+        gb_sel_pick(s, L, p_on, tp, max_key, sm);
+    }
+    __syncthreads();
+    for (int it = 0; it < GB_SEL_MAX_STEPS; ++it) {
+        s = sm.st;
+        __syncthreads();  // every thread has its copy before anyone writes sm.st again
+        if (s.op == GB_SEL_DONE) break;
+        if (s.op == GB_SEL_HIST) {
+            gb_sel_hist_row(row, vocab, aligned, nb, s, l_max, temp, sm);
+            gb_sel_pick(s, L, p_on, tp, max_key, sm);
+        } else {
+            gb_sel_gather_row(row, vocab, aligned, nb, s, l_max, temp, sm);
+            gb_sel_finish(s, L, p_on, tp, sm);
+        }
+    }
+    if (t == 0) sel_thr[cell] = sm.st.result;
 }
 
 // ------------------------------------------------------------------ probabilities (+ draft race)

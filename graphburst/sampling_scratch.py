@@ -5,8 +5,9 @@ block per tile, and pass per-tile partials from one kernel to the next through t
 buffers. A decoder allocates them once with its other sampling buffers
 (``StreamBufs.SAMPLING_LAYOUT`` includes :data:`SCRATCH_LAYOUT`), so a burst graph bakes
 in their addresses and the captured region never allocates. Every cell a kernel reads
-was written earlier in the same call: stale contents never matter and nothing needs
-resetting between graph replays.
+was written earlier in the same call (stale contents never matter), except the top-k /
+top-p select's :data:`ZEROED` accumulators: they are allocated zeroed and the kernels
+re-zero every cell they used before the call ends, so every graph replay starts clean.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import numpy as np
 from .constants import SAMPLE_TILE
 
 RACE_SLOTS = 2  # race partials per row: [0] draft / residual, [1] the bonus race over p
+SELECT_BINS = 2048  # top-k/top-p select: bins of its 11-bit radix digit (kernels.cu GB_SEL_BINS)
 
 
 def n_tiles(vocab: int) -> int:
@@ -31,7 +33,14 @@ SCRATCH_LAYOUT = {
     "tile_sum": (lambda b, k, m, v: (b, k + 1, n_tiles(v)), np.float32),  # [B, S, n_t] tile sum of e
     "race_key": (lambda b, k, m, v: (b, k + 1, RACE_SLOTS, n_tiles(v)), np.uint64),  # [B, S, 2, n_t] tile winner
     "race_w": (lambda b, k, m, v: (b, k + 1, RACE_SLOTS, n_tiles(v)), np.float32),  # [B, S, 2, n_t] its weight
+    # The top-k / top-p select (spec_probs_select):
+    "sel_part": (lambda b, k, m, v: (b, k + 1, n_tiles(v)), np.uint64),  # [B, S, n_t] chunk max order key
+    "sel_tick": (lambda b, k, m, v: (b, k + 1), np.uint32),  # [B, S] blocks of a row done; zero between calls
+    "sel_hist": (lambda b, k, m, v: (b, k + 1, SELECT_BINS), np.uint32),  # [B, S, BINS] first-digit counts; zero
 }
+
+#: Scratch that must be zero when a call starts (allocated zeroed; the kernels leave it so).
+ZEROED = frozenset({"sel_tick", "sel_hist"})
 
 
 class SampleScratch:

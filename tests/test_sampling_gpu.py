@@ -86,7 +86,7 @@ def scratch(batch, rows, vocab):
     from graphburst.sampling_scratch import SampleScratch
 
     s = SampleScratch(batch, rows, vocab, cp)
-    for name in ("sel_thr", "tile_key", "race_key"):
+    for name in ("sel_thr", "tile_key", "race_key", "sel_part"):
         getattr(s, name).fill(np.uint64(0xFFFFFFFFFFFFFFF0))
     for name in ("tile_sum", "race_w"):
         getattr(s, name).fill(cp.nan)
