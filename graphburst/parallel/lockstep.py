@@ -125,6 +125,7 @@ class LockstepLoop(ServeLoop):
         self._ops: list = []  # rank 0: submits and cancels since the last plan, in order
         self._last_sent = time.monotonic()
         self.steps = 0
+        self.idle_steps = 0  # steps with nothing to run: rank 0's heartbeats while idle
         self.fatal: str | None = None  # why the loop stopped for good (a peer failed)
         self.on_fatal = None  # rank 0: called once, on the engine thread, when ``fatal`` is set
         super().__init__(target, draft, engine="graph", **kw)
@@ -204,6 +205,8 @@ class LockstepLoop(ServeLoop):
             except ParallelError as exc:  # a follower is gone: nothing can run any more
                 self._fail(exc)
         self.steps += 1
+        if ServeLoop.idle.fget(self):  # nothing to run: a heartbeat (the same step on every rank)
+            self.idle_steps += 1
         delivered = super().step()
         self._after_step = self.fingerprint()
         return delivered
@@ -256,7 +259,7 @@ class LockstepLoop(ServeLoop):
 
     def summary(self) -> str:
         s = self.stats()
-        return (f"rank {self.ctx.rank}: {self.steps} steps, {s['bursts']} bursts, {s['tokens']} tokens, rank check "
+        return (f"rank {self.ctx.rank}: {self.steps} steps ({self.idle_steps} idle), {s['bursts']} bursts, {s['tokens']} tokens, rank check "
                 f"at {self.dec.check.bursts} drains")
 
 
