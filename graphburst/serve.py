@@ -12,17 +12,17 @@ A failure inside :meth:`ServeLoop.step` costs only the requests it touches: they
 with ``error`` set (``finish_reason == "error"``), the tokens already handed out stay,
 and the loop goes on serving the others.
 
-The pieces: requests and their validation (:mod:`graphburst.request`), the bursts in
+The pieces: requests and their validation (:mod:`graphburst.request`), submission,
+ids, the waiting queue and cancellation (:mod:`graphburst.serve_intake`), the bursts in
 flight (:mod:`graphburst.burst_pipeline`), the per-slot token rows
 (:mod:`graphburst.slot_tokens`) and the timing figures (:mod:`graphburst.serve_timing`).
-This module holds the loop itself: admission at burst boundaries, the step, delivery.
+This module holds the loop itself: admission at burst boundaries, the step, delivery,
+a request's retirement, streaming and the loop's counters.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
-import itertools
 import time
 from collections.abc import AsyncIterator, Iterator
 
@@ -31,8 +31,9 @@ import numpy as np
 from .burst import SpecDecoder
 from .burst_pipeline import BurstPipeline
 from .capture import BurstGraph
-from .request import Request, RequestState, check_request, check_request_sampling
+from .request import Request, RequestState
 from .sampling_params import SamplingParams
+from .serve_intake import RequestIntake
 from .serve_timing import inter_token_latencies_us, percentiles
 from .slot_tokens import SlotTokens
 
@@ -44,7 +45,7 @@ __all__ = ["ENGINE_MODES", "Request", "RequestState", "ServeLoop", "inter_token_
 LOG_TOKENS, LOG_ADMITTED, LOG_RETIRED = "tokens", "admitted", "retired"
 
 
-class ServeLoop:
+class ServeLoop(RequestIntake):
     """Continuous batching of requests over one captured burst graph.
 
     Parameters
@@ -93,9 +94,7 @@ class ServeLoop:
         self._running = np.zeros(batch, bool)  # [B] slot holds a request that is not done
         self._n_occupied = 0  # slots holding a request (done or not)
         self._n_stale = 0  # slots holding a request that is done: freed at the next boundary
-        self.queue: collections.deque[RequestState] = collections.deque()
-        self._ids = itertools.count()
-        self._live_ids: dict = {}  # id -> RequestState, for every request queued or running
+        self._init_intake()  # queue, _live_ids (serve_intake)
         self.log: list | None = None
         self.errors = 0  # requests finished with an error by the loop
         self.bursts = 0
@@ -113,69 +112,7 @@ class ServeLoop:
         return BurstGraph(self.dec, gapless=gapless)
 
     # ------------------------------------------------------------------ requests
-
-    def validate(self, req: Request) -> Request:
-        """Raise ValueError/TypeError naming the bad field; fill in a missing id.
-
-        The prompt check is the one ``SpecDecoder.prefill`` uses, so the loop accepts
-        the same prompts (numpy integers and arrays included). An id already in flight
-        is refused; a made-up id never equals one.
-        """
-        check_request(req, vocab=self.vocab, capacity=self.dec.capacity)
-        self._check_id(req)
-        return req
-
-    def _check_id(self, req: Request) -> None:
-        if req.id is None:
-            req.id = self._new_id()
-        elif not isinstance(req.id, str):
-            raise TypeError(f"id must be a str, got {type(req.id).__name__}")
-        elif req.id in self._live_ids:
-            other = self._live_ids[req.id]
-            where = "" if other.line is None else f" (line {other.line})"
-            raise ValueError(f"id {req.id!r} is already in flight{where}")
-
-    def check_sampling(self, req: Request) -> SamplingParams:
-        """A request's sampling settings, validated at submission (``request.check_request_sampling``)."""
-        return check_request_sampling(req, sampling=self.sampling)
-
-    def _new_id(self) -> str:
-        while True:
-            rid = f"req-{next(self._ids)}"
-            if rid not in self._live_ids:
-                return rid
-
-    def submit(self, req: Request, *, line: int | None = None) -> RequestState:
-        """Queue a request (validated now); it is admitted at the next burst boundary.
-
-        The loop serves the request as it was at submission: the validated prompt, budget
-        and stop token are kept on its state, and later changes to ``req`` are not read.
-
-        Parameters
-        ----------
-        req : Request
-        line : int, optional
-            Input line number, kept on the state for the caller's records.
-        """
-        row, limit, eos = check_request(req, vocab=self.vocab, capacity=self.dec.capacity)
-        self._check_id(req)
-        state = RequestState(req, submitted=time.perf_counter(), line=line,
-                             slot_options=self.dec.slot_options(req.options), sampling=self.check_sampling(req),
-                             row=row, limit=limit, eos=eos)
-        self._live_ids[req.id] = state
-        self.queue.append(state)
-        return state
-
-    def cancel(self, state: RequestState) -> None:
-        """Cancel a request: from now on it receives no token, and it is done.
-
-        Its slot is freed at the next burst boundary; tokens of bursts already in
-        flight for it are dropped. Cancelling a finished request changes nothing.
-        """
-        if state.done:
-            return
-        state.cancelled = True
-        self._retire(state)
+    # submit, validate, check_sampling and cancel come from RequestIntake (serve_intake).
 
     def _retire(self, state: RequestState, now: float | None = None, error: str | None = None) -> None:
         """Mark a request finished (once) and forget its id."""

@@ -1,0 +1,99 @@
+"""Submission to the serving loop: validation, request ids, the waiting queue, cancellation.
+
+A request is validated once, when it is submitted (:func:`~graphburst.request.check_request`
+and :func:`~graphburst.request.check_request_sampling`); the validated values go on its
+:class:`~graphburst.request.RequestState`, which waits in ``queue`` until the loop admits
+it at a burst boundary. Every request queued or running is known by id in ``_live_ids``:
+an id already in flight is refused, and a made-up id never equals one.
+
+:class:`RequestIntake` is a mixin of :class:`~graphburst.serve.ServeLoop`, which provides
+``vocab``, ``sampling``, ``dec`` (``capacity``, ``slot_options``) and ``_retire`` (the end
+of a request's life, which also touches its batch slot). This module never touches slots.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import time
+
+from .request import Request, RequestState, check_request, check_request_sampling
+from .sampling_params import SamplingParams
+
+
+class RequestIntake:
+    """The front door of a serving loop: ``submit``, ``validate``, ``cancel``.
+
+    Attributes
+    ----------
+    queue : collections.deque of RequestState
+        Submitted requests waiting for a batch slot, oldest first.
+    """
+
+    def _init_intake(self) -> None:
+        self.queue: collections.deque[RequestState] = collections.deque()
+        self._ids = itertools.count()
+        self._live_ids: dict = {}  # id -> RequestState, for every request queued or running
+
+    def validate(self, req: Request) -> Request:
+        """Raise ValueError/TypeError naming the bad field; fill in a missing id.
+
+        The prompt check is the one ``SpecDecoder.prefill`` uses, so the loop accepts
+        the same prompts (numpy integers and arrays included). An id already in flight
+        is refused; a made-up id never equals one.
+        """
+        check_request(req, vocab=self.vocab, capacity=self.dec.capacity)
+        self._check_id(req)
+        return req
+
+    def _check_id(self, req: Request) -> None:
+        if req.id is None:
+            req.id = self._new_id()
+        elif not isinstance(req.id, str):
+            raise TypeError(f"id must be a str, got {type(req.id).__name__}")
+        elif req.id in self._live_ids:
+            other = self._live_ids[req.id]
+            where = "" if other.line is None else f" (line {other.line})"
+            raise ValueError(f"id {req.id!r} is already in flight{where}")
+
+    def check_sampling(self, req: Request) -> SamplingParams:
+        """A request's sampling settings, validated at submission (``request.check_request_sampling``)."""
+        return check_request_sampling(req, sampling=self.sampling)
+
+    def _new_id(self) -> str:
+        while True:
+            rid = f"req-{next(self._ids)}"
+            if rid not in self._live_ids:
+                return rid
+
+    def submit(self, req: Request, *, line: int | None = None) -> RequestState:
+        """Queue a request (validated now); it is admitted at the next burst boundary.
+
+        The loop serves the request as it was at submission: the validated prompt, budget
+        and stop token are kept on its state, and later changes to ``req`` are not read.
+
+        Parameters
+        ----------
+        req : Request
+        line : int, optional
+            Input line number, kept on the state for the caller's records.
+        """
+        row, limit, eos = check_request(req, vocab=self.vocab, capacity=self.dec.capacity)
+        self._check_id(req)
+        state = RequestState(req, submitted=time.perf_counter(), line=line,
+                             slot_options=self.dec.slot_options(req.options), sampling=self.check_sampling(req),
+                             row=row, limit=limit, eos=eos)
+        self._live_ids[req.id] = state
+        self.queue.append(state)
+        return state
+
+    def cancel(self, state: RequestState) -> None:
+        """Cancel a request: from now on it receives no token, and it is done.
+
+        Its slot is freed at the next burst boundary; tokens of bursts already in
+        flight for it are dropped. Cancelling a finished request changes nothing.
+        """
+        if state.done:
+            return
+        state.cancelled = True
+        self._retire(state)
