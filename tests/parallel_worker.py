@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 import torch
 
@@ -131,6 +132,10 @@ def main(scenario: str, out_dir: str) -> int:
             traceback.print_exc()
         print(f"rank {os.environ.get('RANK')} failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
     result["shutdown_clean"] = dist.shutdown(ctx, ok=ok)
+    if not ok:
+        # The failing rank stays a moment after leaving the group, so the test sees the other
+        # rank report its own error rather than torchrun's SIGTERM racing it on a loaded machine.
+        time.sleep(float(os.environ.get("GB_TEST_LINGER_S", "0")))
     if ok:
         with open(os.path.join(out_dir, f"rank{result['rank']}.json"), "w") as f:
             json.dump(result, f)

@@ -27,8 +27,8 @@ WORKER = ROOT / "tests" / "parallel_worker.py"
 pytestmark = pytest.mark.skipif(not tdist.is_available() or not tdist.is_gloo_available(), reason="needs gloo")
 
 
-def launch(scenario: str, out: Path, timeout: float = 90.0):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "GB_TEST_TIMEOUT": "20"}
+def launch(scenario: str, out: Path, timeout: float = 90.0, **env_extra):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "GB_TEST_TIMEOUT": "20", **env_extra}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(WORKER),
            scenario, str(out)]
     t0 = time.monotonic()
@@ -74,7 +74,7 @@ def test_mismatched_models_across_ranks_are_rejected_before_model_collectives(tm
 
 
 def test_a_rank_that_raises_stops_the_other_with_a_clear_error(tmp_path):
-    proc, ranks, wall = launch("raise", tmp_path, timeout=60)
+    proc, ranks, wall = launch("raise", tmp_path, timeout=60, GB_TEST_LINGER_S="5")
     assert proc.returncode != 0
     assert "rank 1 failed: ValueError: injected failure on rank 1" in proc.stderr
     assert "rank 0 failed: ParallelError: rank 0: burst 3 failed in a collective" in proc.stderr
