@@ -208,7 +208,7 @@ def stub_logits(pred, pos, logits, *, pos_offset, salt, spread, peak, step=None,
 # ----------------------------------------------------------------------------- sampling
 # The sampling wrappers and ops (cuda_sampling_ops.py), re-exported: the backend's ``ops``
 # is this module. Imported last because that module shares _launch and _step_arg above.
-from .cuda_sampling_ops import (  # noqa: E402
+from .cuda_sampling_ops import (  # noqa: E402, F401 (re-exported)
     accept_pick,
     accept_sample,
     accept_tiles,
