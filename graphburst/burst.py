@@ -1,16 +1,14 @@
 """Eager M-round speculative bursts over fixed buffers, on either backend.
 
 A :class:`SpecDecoder` owns the burst buffers and the rollback pointer table of one
-(target, draft) pair. It builds each round as a list of bound kernel calls once; the
-eager modes run that list, and :mod:`graphburst.capture` captures the same list.
+(target, draft) pair. It builds each round as a list of bound kernel calls
+(:mod:`graphburst.program`); the eager modes run that list, and
+:mod:`graphburst.capture` captures the same list.
 """
 
 from __future__ import annotations
 
-import functools
-import numbers
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -19,8 +17,10 @@ from .guard import Watched
 from .constants import NO_EOS, NO_PREFILL, UNBOUNDED_BUDGET
 from .torch_capture import capture_api, stream_pair
 from .protocol import DraftModel, TargetModel, check_pair, hook, split_options
-from .sampling import SlotSampling, check_slot, draft_sample_calls, sample_first_tokens, verify_sample_calls
-from .validate import check_int, check_prompt
+from .program import (Call, CallCache, assemble_call, epilogue_call, round_calls,  # noqa: F401 (re-exported)
+                      sampling_round_calls, seed_call, separate_tail_calls)
+from .sampling import SlotSampling, check_slot, sample_first_tokens
+from .validate import check_int, check_prompt, per_slot
 
 MODES = ("per_round_sync", "pre_issued")
 _BIG = np.iinfo(np.int64).max  # "any number of bursts fits"
@@ -38,17 +38,6 @@ class CapacityError(ValueError):
     def __init__(self, message: str, slots=()):
         super().__init__(message)
         self.slots = tuple(int(b) for b in slots)
-
-
-@dataclass(frozen=True)
-class Call:
-    """One bound kernel call of a round: ``fn(stream=...)`` enqueues it."""
-
-    name: str
-    fn: functools.partial
-
-    def __call__(self, stream) -> None:
-        self.fn(stream=stream)
 
 
 class SpecDecoder(Watched):
@@ -125,6 +114,10 @@ class SpecDecoder(Watched):
         self.bursts = 0
         self.outstanding = 0  # bursts enqueued but not yet drained
         self._fits = 0  # further bursts that fit every live slot; nothing is live before prefill
+        # enqueue_burst's bound calls, built once: rebinding the decoder's or its buffers'
+        # watched attributes (refresh_tables rebinds ``table``) drops them.
+        self._enqueued_program = CallCache()
+        self.watch(self._enqueued_program)
 
     # ------------------------------------------------------------------ admission
 
@@ -162,8 +155,8 @@ class SpecDecoder(Watched):
         if len(prompts) != self.batch:
             raise ValueError(f"prompts must have one entry per slot ({self.batch}), got {len(prompts)}")
         slots = [b for b, p in enumerate(prompts) if p is not None]
-        limits = _per_slot("max_new_tokens", max_new_tokens, self.batch)
-        stops = _per_slot("eos", eos, self.batch)
+        limits = per_slot("max_new_tokens", max_new_tokens, self.batch)
+        stops = per_slot("eos", eos, self.batch)
         rows = {}
         for b in slots:
             rows[b], limits[b], stops[b] = self.check_request(prompts[b], limits[b], stops[b], index=b)
@@ -230,7 +223,7 @@ class SpecDecoder(Watched):
 
     def _check_sampling_args(self, slots, temperature, top_k, top_p, seed) -> dict:
         """Per-slot sampling settings of a prefill: ``slot -> SamplingParams``, validated."""
-        per = [_per_slot(name, v, self.batch) for name, v in
+        per = [per_slot(name, v, self.batch) for name, v in
                (("temperature", temperature), ("top_k", top_k), ("top_p", top_p), ("seed", seed))]
         return {b: check_slot(*(p[b] for p in per), sampling=self.sampling, index=b) for b in slots}
 
@@ -291,33 +284,9 @@ class SpecDecoder(Watched):
         return seed_call(self.backend.ops, self.bufs, reset_ring)
 
     def round_calls(self, first_round: bool) -> list[Call]:
-        """The bound kernel calls of one round, in stream order.
-
-        Fused rounds are seeded by the previous round's epilogue (or the burst's head
-        seed), so they start at the draft chain.
-        """
-        b, ops = self.bufs, self.backend.ops
-        calls = [] if self.fused else [self._seed_call(reset_ring=first_round)]
-        if self.sampling:
-            return calls + self._sampling_round(ops, b)
-        calls += [Call(f"draft_step[{j}]", functools.partial(self.draft.draft_step, b, j)) for j in range(self.k)]
-        if self.assemble:
-            calls.append(assemble_call(ops, b))
-        calls.append(Call("verify", functools.partial(self.target.verify, b)))
-        if self.fused:
-            return calls + [epilogue_call(ops, b, self.table)]
-        return calls + separate_tail_calls(ops, b, self.table)
-
-    def _sampling_round(self, ops, b: StreamBufs) -> list[Call]:
-        """A sampling round after its seed (the program is in :mod:`graphburst.sampling`)."""
-        calls = []
-        for j in range(self.k):
-            calls.append(Call(f"draft_step[{j}]", functools.partial(self.draft.draft_step, b, j)))
-            calls += [Call(name, fn) for name, fn in draft_sample_calls(ops, b, j)]
-        calls.append(Call("draft_append_last", functools.partial(self.draft.draft_append_last, b)))
-        calls += [assemble_call(ops, b), Call("verify", functools.partial(self.target.verify, b))]
-        calls += [Call(name, fn) for name, fn in verify_sample_calls(ops, b)]
-        return calls + separate_tail_calls(ops, b, self.table)[1:]  # accept_sample replaced accept_greedy
+        """The bound kernel calls of one round, in stream order (see :func:`program.round_calls`)."""
+        return round_calls(self.backend.ops, self.bufs, self.table, self.target, self.draft, k=self.k,
+                           fused=self.fused, assemble=self.assemble, sampling=self.sampling, first_round=first_round)
 
     def burst_calls(self) -> list[Call]:
         """The bound calls of a whole M-round burst (fused bursts start with a head seed)."""
@@ -331,6 +300,7 @@ class SpecDecoder(Watched):
         for model in (self.target, self.draft):
             hook(model, "refresh_tables")()
         self.backend.order_after_current(self.stream)  # new layers may have been initialised on another stream
+        self._enqueued_program.invalidate("refresh_tables")
         with self.stream:
             self.table = kv_len_ptr_table([self.target.cache, self.draft.cache], pos_ctr=self.bufs.pos_ctr)
 
@@ -386,14 +356,26 @@ class SpecDecoder(Watched):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.begin_burst()
-        if self.fused:
-            self._seed_call(reset_ring=True)(self.stream)
+        head, first, later = self._enqueued_calls()
+        for call in head:
+            call(self.stream)
         for r in range(self.m_rounds):
-            for call in self.round_calls(first_round=r == 0):
+            for call in first if r == 0 else later:
                 call(self.stream)
             if mode == "per_round_sync":
                 self.backend.to_host(self.bufs.n_commit, self.stream)
                 self.host_syncs += 1
+
+    def _enqueued_calls(self) -> tuple[list[Call], list[Call], list[Call]]:
+        """(head seed, first round, later rounds) of an eager burst, built once and cached."""
+        key = (self.fused, self.assemble, self.sampling, self.k, self.backend.ops)
+        calls = self._enqueued_program.get(key)
+        if calls is None:
+            self.bufs.watch(self._enqueued_program)  # the calls bind these buffers (idempotent)
+            head = [self._seed_call(reset_ring=True)] if self.fused else []
+            calls = self._enqueued_program.put(
+                key, (head, self.round_calls(first_round=True), self.round_calls(first_round=False)))
+        return calls
 
     def drain(self) -> BurstTokens:
         """Read the last burst's committed tokens per slot: the burst's one host sync."""
@@ -430,46 +412,3 @@ class SpecDecoder(Watched):
     def positions(self) -> np.ndarray:
         """``[B]`` host copy of the device position counter (a host sync)."""
         return self.backend.to_host(self.bufs.pos_ctr, self.stream)
-
-
-# The generic bookkeeping calls, shared by the decoder's program and the capture warm-up.
-
-
-def seed_call(ops, b: StreamBufs, reset_ring: bool) -> Call:
-    return Call("seed_gather", functools.partial(ops.seed_gather, b.pend, b.pos_ctr, b.vtok, b.pos_start, b.brk,
-                                                 b.ring, reset_ring=reset_ring))
-
-
-def assemble_call(ops, b: StreamBufs) -> Call:
-    return Call("assemble_verify", functools.partial(ops.assemble_verify, b.pend, b.draft_tok, b.brk, b.vtok))
-
-
-def epilogue_call(ops, b: StreamBufs, table) -> Call:
-    return Call("epilogue", functools.partial(ops.epilogue, b.tgt_pred, b.eos, b.vtok, b.brk, b.n_acc, b.last_pred,
-                                              b.budget, b.ring, b.pend, b.acc, b.n_commit, b.pos_start, b.pos_ctr,
-                                              table))
-
-
-def separate_tail_calls(ops, b: StreamBufs, table) -> list[Call]:
-    """Accept, commit and rollback as three kernels (the unfused round's tail)."""
-    return [
-        Call("accept_greedy", functools.partial(ops.accept_greedy, b.vtok, b.tgt_pred, b.brk, b.n_acc, b.last_pred)),
-        Call("ring_commit", functools.partial(ops.ring_commit, b.vtok, b.n_acc, b.last_pred, b.eos, b.budget, b.ring,
-                                              b.pend, b.acc, b.n_commit)),
-        Call("rollback_stream", functools.partial(ops.rollback_stream, table, b.pos_start, b.n_commit)),
-    ]
-
-
-def _per_slot(name: str, value, batch: int) -> list:
-    """A per-slot setting broadcast from a scalar (checked later), or a sequence of one per slot."""
-    if value is None or isinstance(value, (numbers.Number, str, bytes, bytearray)):
-        return [value] * batch  # check_int then names the bad scalar, e.g. 1.0 or '3'
-    if isinstance(value, np.ndarray) and value.ndim == 1:
-        value = value.tolist()
-    if not isinstance(value, Sequence):
-        raise TypeError(f"{name} must be an int, None, or a sequence with one entry per slot ({batch}), "
-                        f"got {type(value).__name__}")
-    value = list(value)
-    if len(value) != batch:
-        raise ValueError(f"{name} must be a scalar or have one entry per slot ({batch}), got {len(value)}")
-    return value

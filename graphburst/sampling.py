@@ -20,7 +20,7 @@ is greedy only)::
 Randomness is Philox keyed by (``seed[b]``, absolute position of the token decided, draw
 index): a sequence's tokens depend on nothing the host holds, nor on its batch slot. A
 slot at temperature 0 (or top_k = 1) gets one-hot distributions, so it decodes exactly
-the greedy tokens. The functions here return ``(name, fn)`` pairs that the decoder wraps
+the greedy tokens. The functions here return ``(name, fn)`` pairs that :mod:`graphburst.program` wraps
 as its ``Call`` objects.
 """
 

@@ -1,6 +1,6 @@
 """Numpy reference of the sampling kernels in ``kernels.cu`` (section "Sampling").
 
-Each public kernel function has the same signature as its CUDA wrapper in ``cuda_ops.py``
+Each public kernel function has the same signature as its CUDA wrapper in ``cuda_sampling_ops.py``
 and writes its output arrays in place; ``scratch`` and ``stream`` are accepted and
 ignored (the device keeps per-tile partials in the decoder's scratch buffers; here they
 are local arrays). The GPU tests hold the kernels to these functions bit for bit

@@ -97,3 +97,18 @@ def _short(value, limit: int = 60) -> str:
     except RecursionError:
         return f"<deeply nested {type(value).__name__}>"
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def per_slot(name: str, value, batch: int) -> list:
+    """A per-slot setting broadcast from a scalar (checked later), or a sequence of one per slot."""
+    if value is None or isinstance(value, (numbers.Number, str, bytes, bytearray)):
+        return [value] * batch  # check_int then names the bad scalar, e.g. 1.0 or '3'
+    if isinstance(value, np.ndarray) and value.ndim == 1:
+        value = value.tolist()
+    if not isinstance(value, Sequence):
+        raise TypeError(f"{name} must be an int, None, or a sequence with one entry per slot ({batch}), "
+                        f"got {type(value).__name__}")
+    value = list(value)
+    if len(value) != batch:
+        raise ValueError(f"{name} must be a scalar or have one entry per slot ({batch}), got {len(value)}")
+    return value
