@@ -59,9 +59,11 @@ def check_sampling(temperature=GREEDY_TEMPERATURE, top_k=TOP_K_OFF, top_p=TOP_P_
     temperature = _real("temperature", temperature)
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if not np.isfinite(np.float32(temperature)):
+    with np.errstate(over="ignore"):  # a value past float32's range becomes inf, refused next
+        t32 = np.float32(temperature)
+    if not np.isfinite(t32):
         raise ValueError(f"temperature must fit float32 (<= {float(np.finfo(np.float32).max):.3g}), got {temperature}")
-    if 0 < temperature and not np.float32(temperature) >= np.finfo(np.float32).tiny:
+    if 0 < temperature and not t32 >= np.finfo(np.float32).tiny:
         # float32 (and the device's flush to zero of subnormals) would silently turn this
         # into greedy decoding.
         raise ValueError(f"temperature must be 0 or >= {float(np.finfo(np.float32).tiny)}, got {temperature}")
