@@ -8,6 +8,7 @@ A :class:`SpecDecoder` owns the burst buffers and the rollback pointer table of 
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 import numpy as np
@@ -118,6 +119,8 @@ class SpecDecoder(Watched):
         # watched attributes (refresh_tables rebinds ``table``) drops them.
         self._enqueued_program = CallCache()
         self.watch(self._enqueued_program)
+        # Built: the buffers now belong to a live decoder (an adapter refuses to rebind them).
+        self.bufs.decoder = weakref.ref(self)
 
     # ------------------------------------------------------------------ admission
 

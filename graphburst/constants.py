@@ -19,6 +19,10 @@ MAX_LAYER_THREADS = 256  # stub models: threads per block striding over layers
 # Sampling (kernels.cu "Sampling" section; sampling_ref.py is its numpy twin)
 SAMPLE_THREADS = 256  # threads per sampling block; with SAMPLE_TILE it fixes the summation order the twins mirror
 SAMPLE_TILE = 2048  # vocabulary elements per sampling block (several blocks per row)
+SELECT_THREADS = 512  # threads per block of the top-k/top-p select (kernels.cu GB_SEL_THREADS)
+SELECT_DIGIT = 11  # bits of the select's radix digit (GB_SEL_DIGIT)
+SELECT_BINS = 1 << SELECT_DIGIT  # histogram bins per row (GB_SEL_BINS)
+RACE_SLOTS = 2  # race partials per scratch row: [0] draft / residual, [1] the bonus race over p (GB_RACE_SLOTS)
 SAMPLE_MAX_VOCAB = 1 << 20  # keeps a row's top-p mass (2**32 per token at most) exact in a double
 DRAW_DRAFT = 0  # Philox counter word 1: the draft's proposal for a position
 DRAW_ACCEPT = 1  # the uniform of the accept test for a position

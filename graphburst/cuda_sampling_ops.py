@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .constants import SAMPLE_THREADS
+from .constants import SAMPLE_THREADS, SELECT_THREADS
 from .sampling_scratch import n_tiles
 
 # One block of SAMPLE_THREADS per (tile of SAMPLE_TILE tokens, row): several blocks per row.
@@ -36,7 +36,6 @@ def _tile_grid(batch, vocab, step, n_rows):
     return step_arg, (batch * n_tiles(vocab), grid_y)
 
 
-_SELECT_THREADS = 512  # kernels.cu GB_SEL_THREADS
 _SELECT_BLOCKS = 512  # select blocks to aim for (a few per SM): rows split into chunks to reach it
 
 
@@ -53,7 +52,7 @@ def probs_select(logits, temperature, top_k, top_p, scratch, *, step=None, strea
     """``spec_probs_select``: ``scratch.sel_thr[b, r]`` <- the smallest order key top-k/top-p keep
     (``sampling_ref.select_thr``, bit for bit).
 
-    One launch, grid (B * n_chunks, rows), _SELECT_THREADS threads: the chunks find the row
+    One launch, grid (B * n_chunks, rows), SELECT_THREADS threads: the chunks find the row
     max and top-k's first radix digit; the row's last block finishes the select alone.
     Returns at once (thr 0) for rows without filters. Reads and re-zeroes
     ``scratch.sel_tick`` and ``scratch.sel_hist``.
@@ -71,7 +70,7 @@ def probs_select(logits, temperature, top_k, top_p, scratch, *, step=None, strea
     s_rows = _scratch_rows(scratch, batch, n_rows, vocab)
     args = (_i32(n_rows), _i32(vocab), step_arg, _i32(s_rows), _i32(n_chunks), logits, temperature, top_k, top_p,
             scratch.sel_thr, scratch.sel_part, scratch.sel_tick, scratch.sel_hist)
-    _launch("spec_probs_select", grid, (_SELECT_THREADS,), args, stream)
+    _launch("spec_probs_select", grid, (SELECT_THREADS,), args, stream)
 
 
 def probs_tiles(logits, temperature, probs, scratch, race=None, *, step=None, stream):

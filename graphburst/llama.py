@@ -52,6 +52,8 @@ from .rope import apply_rope, rope_inv_freq, rope_rotation, rope_tables, rotate 
 #: rows past ``capacity`` in every KV tensor: a chain of up to MAX_K drafts plus the
 #: draft's extra append, started at the last valid row, stays in bounds.
 DEFAULT_KV_SLACK = MAX_K + 2
+#: KV rows per sequence are a multiple of this: SDPA's fused kernels then need no mask padding per call.
+KV_ROW_MULTIPLE = 16
 
 
 # ---------------------------------------------------------------------- layers
@@ -224,7 +226,7 @@ class Llama(nn.Module):
     device : torch.device or str
     kv_slack : int
         Extra KV rows past ``capacity`` (see the module docstring), at least k + 2;
-        rounded up so the row count is a multiple of 16.
+        rounded up so the row count is a multiple of ``KV_ROW_MULTIPLE``.
     fold_gqa : bool
         Attention over KV heads with the query groups folded into the query length
         (see :class:`Attention`); the same function, other SDPA shapes.
@@ -242,8 +244,8 @@ class Llama(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False,
                                                                       **meta)
         self.to_empty(device=device)
-        # Rounded up to a multiple of 16 so SDPA's fused kernels need not pad the mask on every call.
-        rows = -(-(capacity + kv_slack) // 16) * 16
+        # Rounded up so SDPA's fused kernels need not pad the mask on every call.
+        rows = -(-(capacity + kv_slack) // KV_ROW_MULTIPLE) * KV_ROW_MULTIPLE
         self.kv_slack = rows - capacity
         cos, sin = rope_tables(cfg, rows, device)
         self.register_buffer("rope_cos", cos, persistent=False)  # [capacity + slack, head_dim] float32

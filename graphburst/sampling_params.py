@@ -75,8 +75,11 @@ def check_sampling(temperature=GREEDY_TEMPERATURE, top_k=TOP_K_OFF, top_p=TOP_P_
     top_p = _real("top_p", top_p)
     if not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    if not np.float32(top_p) > 0:  # the kernels read float32: it must not round to 0
-        raise ValueError(f"top_p must not round to 0 in float32, got {top_p}")
+    if not np.float32(top_p) >= np.finfo(np.float32).tiny:
+        # The kernels read float32 and flush subnormals to 0: a smaller top_p would
+        # silently become top-1.
+        raise ValueError(f"top_p must not round to 0 in float32 (>= {float(np.finfo(np.float32).tiny):.3g}), "
+                         f"got {top_p}")
     seed = _int("seed", seed)
     if not 0 <= seed < SEED_LIMIT:
         raise ValueError(f"seed must be in [0, 2**64), got {seed}")

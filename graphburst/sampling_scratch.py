@@ -14,10 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .constants import SAMPLE_TILE
-
-RACE_SLOTS = 2  # race partials per row: [0] draft / residual, [1] the bonus race over p
-SELECT_BINS = 2048  # top-k/top-p select: bins of its 11-bit radix digit (kernels.cu GB_SEL_BINS)
+from .constants import RACE_SLOTS, SAMPLE_TILE, SELECT_BINS
 
 
 def n_tiles(vocab: int) -> int:

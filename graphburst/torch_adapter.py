@@ -133,7 +133,7 @@ class _TorchModel(Watched):
         """
         if not isinstance(bufs, StreamBufs):
             raise TypeError(f"bufs must be a StreamBufs, got {type(bufs).__name__}")
-        if self._bound is not None and self._bound.source is not bufs:
+        if self._bound is not None and self._bound.source is not bufs and _in_use(self._bound.source):
             raise ValueError(f"this {type(self).__name__} is already bound to another decoder's buffers; "
                              f"build one adapter (and KV cache) per decoder")
         slack = getattr(self.module, "kv_slack", None)
@@ -234,6 +234,16 @@ class TorchTarget(_TorchModel):
                 t.tgt_logits.copy_(logits)  # float32; the burst turns them into probabilities
             else:
                 t.tgt_pred.copy_(logits.argmax(-1))
+
+
+def _in_use(bufs: StreamBufs) -> bool:
+    """Whether a live decoder owns ``bufs`` (SpecDecoder sets ``bufs.decoder`` once it is built).
+
+    Buffers of a construction that failed after binding (the other model refused), or of
+    a decoder since dropped, hold nothing live: an adapter may bind anew.
+    """
+    owner = getattr(bufs, "decoder", None)
+    return owner is not None and owner() is not None
 
 
 class TorchDraft(_TorchModel):

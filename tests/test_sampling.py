@@ -61,6 +61,9 @@ def test_philox_known_answers(ctr, key, want):
     ("GB_DRAW_DRAFT", constants.DRAW_DRAFT),
     ("GB_DRAW_ACCEPT", constants.DRAW_ACCEPT),
     ("GB_DRAW_RESAMPLE", constants.DRAW_RESAMPLE),
+    ("GB_SEL_THREADS", constants.SELECT_THREADS),
+    ("GB_SEL_DIGIT", constants.SELECT_DIGIT),
+    ("GB_RACE_SLOTS", constants.RACE_SLOTS),
 ])
 def test_sampling_macros_match_constants(macro, value):
     m = re.search(rf"#define {macro} \(?(-?(?:0x)?[0-9a-fA-F]+)u?\)?", CU)
@@ -384,7 +387,8 @@ def test_check_sampling_accepts_and_normalizes():
     (dict(temperature=1e39), ValueError, r"temperature must fit float32 .*, got 1e\+39"),
     (dict(top_p=0.0), ValueError, r"top_p must be in \(0, 1\], got 0.0"),
     (dict(top_p=1.5), ValueError, r"top_p must be in \(0, 1\], got 1.5"),
-    (dict(top_p=1e-50), ValueError, r"top_p must not round to 0 in float32, got 1e-50"),
+    (dict(top_p=1e-50), ValueError, r"top_p must not round to 0 in float32 .*, got 1e-50"),
+    (dict(top_p=1e-40), ValueError, r"top_p must not round to 0 in float32 .*, got 1e-40"),  # subnormal: flushed
     (dict(top_p=float("nan")), ValueError, r"top_p must be finite, got nan"),
     (dict(top_p=None), TypeError, r"top_p must be a number, got NoneType None"),
     (dict(seed=-1), ValueError, r"seed must be in \[0, 2\*\*64\), got -1"),

@@ -8,6 +8,7 @@ changes the output. The reference below is plain Python over token lists.
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
@@ -198,6 +199,21 @@ def test_an_adapter_serves_one_decoder():
         draft.draft_step(StreamBufs(1, 4, 1, "numpy"), 0, None)
     dec.prefill([[1, 2, 3]])
     assert dec.run_burst(mode="per_round_sync")[0].size > 0  # the first decoder still runs
+    del dec
+    gc.collect()
+    SpecDecoder(target, draft, k=4, m_rounds=1)  # a dropped decoder's buffers hold nothing live
+
+
+def test_a_failed_construction_leaves_the_adapters_free():
+    # The target binds, then the draft refuses (its kv_slack is too small for k): a retry
+    # with a k that fits must not find the target "bound to another decoder".
+    target, draft = make_pair(1, 64, Backend("numpy"), p_min=0.0)
+    draft.module.kv_slack = 4
+    with pytest.raises(ValueError, match="kv_slack 4 must be >= k \\+ 2 = 6"):
+        SpecDecoder(target, draft, k=4, m_rounds=1)
+    dec = SpecDecoder(target, draft, k=2, m_rounds=1)
+    dec.prefill([[1, 2, 3]])
+    assert dec.run_burst(mode="per_round_sync")[0].size > 0
 
 
 @pytest.mark.parametrize("gapless", [False, True])

@@ -234,17 +234,20 @@ def _kernel_ops(backend, batch: int, vocab: int, k: int) -> dict:
     stream.synchronize()
     kernels = {}
     if backend.is_gpu:  # each kernel alone; the numpy twins are per op, not per kernel
+        # The tiles/normalize rows replay in place on their own copies: normalising p or q
+        # again and again would shrink them to 0 and leave the accept rows a degenerate input.
+        p_k, q_k = p.copy(), q.copy()  # [B, k+1, V], [B, k, V]
         kernels = {
             "kernel spec_probs_select (verify rows, filters off)": lambda s: ops.probs_select(
                 tgt_logits, ones, zeros_i, ones, sc, stream=s),
             "kernel spec_probs_select (verify rows, top_k=50 top_p=0.9)": lambda s: ops.probs_select(
                 tgt_logits, ones, top_k, top_p, sc, stream=s),
-            "kernel spec_probs_tiles (verify rows)": lambda s: ops.probs_tiles(tgt_logits, ones, p, sc, stream=s),
-            "kernel spec_probs_normalize (verify rows)": lambda s: ops.probs_normalize(ones, p, sc, stream=s),
+            "kernel spec_probs_tiles (verify rows)": lambda s: ops.probs_tiles(tgt_logits, ones, p_k, sc, stream=s),
+            "kernel spec_probs_normalize (verify rows)": lambda s: ops.probs_normalize(ones, p_k, sc, stream=s),
             "kernel spec_probs_tiles (1 draft row, race)": lambda s: ops.probs_tiles(
-                drf_logits, ones, q, sc, (seed, pos), step=0, stream=s),
+                drf_logits, ones, q_k, sc, (seed, pos), step=0, stream=s),
             "kernel spec_probs_normalize (1 draft row, pick)": lambda s: ops.probs_normalize(
-                ones, q, sc, (draft_tok, draft_prob), step=0, stream=s),
+                ones, q_k, sc, (draft_tok, draft_prob), step=0, stream=s),
             "kernel spec_accept_tiles": lambda s: ops.accept_tiles(vtok, p, q, brk, seed, pos, sc, stream=s),
             "kernel spec_accept_pick": lambda s: ops.accept_pick(vtok, p, q, brk, seed, pos, n_acc, last, sc,
                                                                  stream=s),

@@ -34,7 +34,10 @@ import datetime
 import json
 import signal
 import sys
+import threading
 import time
+
+import numpy as np
 
 from ..serve import Request, ServeLoop
 from .dist import Context, Layout, ParallelError
@@ -126,6 +129,7 @@ class LockstepLoop(ServeLoop):
         self._last_sent = time.monotonic()
         self.steps = 0
         self.idle_steps = 0  # steps with nothing to run: rank 0's heartbeats while idle
+        self._stepping = threading.Lock()  # held by step(): finish() must not run beside it
         self.fatal: str | None = None  # why the loop stopped for good (a peer failed)
         self.on_fatal = None  # rank 0: called once, on the engine thread, when ``fatal`` is set
         super().__init__(target, draft, engine="graph", **kw)
@@ -173,8 +177,9 @@ class LockstepLoop(ServeLoop):
         state = super().submit(req, line=line)
         if self.leader:
             try:
-                wire = _wire(state)
-                json.dumps(wire)
+                # A snapshot now, as plain JSON values: a caller's later change to the request
+                # (or its options dict) must not reach the followers, whatever rank 0 runs.
+                wire = json.loads(json.dumps(_wire(state), default=_json_scalar))
             except (TypeError, ValueError) as exc:  # cannot reach the other ranks: refused like a bad field
                 self.queue.remove(state)
                 self._retire(state)
@@ -197,6 +202,10 @@ class LockstepLoop(ServeLoop):
         return quiet
 
     def step(self) -> int:
+        with self._stepping:  # finish() on another thread waits for this
+            return self._step_in_lockstep()
+
+    def _step_in_lockstep(self) -> int:
         if self.fatal is not None:
             raise ParallelError(f"rank {self.ctx.rank}: the lockstep loop stopped: {self.fatal}")
         if self.leader:
@@ -222,11 +231,21 @@ class LockstepLoop(ServeLoop):
         return (self.bursts, len(self.bursts_in_flight), self.active, len(self.queue), self.tokens_out)
 
     def finish(self) -> None:
-        """Rank 0: send the stop plan; every rank: drain the bursts still in flight (their checks included)."""
-        if self.leader:
-            self._send(STOP)
-        while self.bursts_in_flight:
-            self.bursts_in_flight.drain()  # runs each burst's rank check; nobody is left to hand tokens to
+        """Rank 0: send the stop plan; every rank: drain the bursts still in flight (their checks included).
+
+        Raises ParallelError if another thread is still inside :meth:`step` after the group
+        timeout (rank 0's engine thread stuck on a hung peer): two threads must never drive
+        the loop, its graph or the plan channel at once.
+        """
+        if not self._stepping.acquire(timeout=self.ctx.timeout_s):
+            self._fail(RuntimeError(f"a step still runs after {self.ctx.timeout_s:g} s; not finishing"))
+        try:
+            if self.leader:
+                self._send(STOP)
+            while self.bursts_in_flight:
+                self.bursts_in_flight.drain()  # runs each burst's rank check; nobody is left to hand tokens to
+        finally:
+            self._stepping.release()
 
     # ------------------------------------------------------------------ the other ranks
 
@@ -261,6 +280,13 @@ class LockstepLoop(ServeLoop):
         s = self.stats()
         return (f"rank {self.ctx.rank}: {self.steps} steps ({self.idle_steps} idle), {s['bursts']} bursts, {s['tokens']} tokens, rank check "
                 f"at {self.dec.check.bursts} drains")
+
+
+def _json_scalar(value):
+    """numpy scalars (valid ints and floats of a request) as Python numbers for JSON."""
+    if isinstance(value, np.generic):
+        return value.item()
+    raise TypeError(f"{type(value).__name__} {value!r} is not a JSON value")
 
 
 def _wire(state) -> dict:
