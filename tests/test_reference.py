@@ -24,6 +24,15 @@ CU = (Path(__file__).parents[1] / "graphburst" / "kernels.cu").read_text()
         ("GB_NO_PREFILL", constants.NO_PREFILL),
         ("GB_DIGEST_INIT", digest.DIGEST_INIT),
         ("GB_DIGEST_CORRUPT", digest.DIGEST_CORRUPT),
+        # the sampling kernels' launch shapes, draw indices and scratch layout
+        ("GB_SAMPLE_THREADS", constants.SAMPLE_THREADS),
+        ("GB_SAMPLE_TILE", constants.SAMPLE_TILE),
+        ("GB_DRAW_DRAFT", constants.DRAW_DRAFT),
+        ("GB_DRAW_ACCEPT", constants.DRAW_ACCEPT),
+        ("GB_DRAW_RESAMPLE", constants.DRAW_RESAMPLE),
+        ("GB_SEL_THREADS", constants.SELECT_THREADS),
+        ("GB_SEL_DIGIT", constants.SELECT_DIGIT),
+        ("GB_RACE_SLOTS", constants.RACE_SLOTS),
     ],
 )
 def test_cuda_macros_match_python_constants(macro, value):
