@@ -255,8 +255,8 @@ class EngineThread(threading.Thread):
                     ticket.sink(ticket, update)
                     ticket.final = update.reason
                 continue
-            _, when, states, rows, counts, ring = entry
-            for state, b, n in zip(states.tolist(), rows.tolist(), counts[rows].tolist()):
+            _, when, states, rows, counts, ring, acc = entry
+            for i, (state, b, n) in enumerate(zip(states.tolist(), rows.tolist(), counts[rows].tolist())):
                 ticket = state.owner
                 if ticket is None or ticket.final is not None or ticket.cancelled:
                     continue
@@ -264,7 +264,9 @@ class EngineThread(threading.Thread):
                 if ticket.host_stops:
                     hit = next((i for i, t in enumerate(tokens) if t in ticket.host_stops), None)
                     if hit is not None:
-                        ticket.sink(ticket, Update(ticket.index, tokens[: hit + 1], when, "stop"))
+                        # The counters as of this burst (the engine's own final is dropped).
+                        ticket.sink(ticket, Update(ticket.index, tokens[: hit + 1], when, "stop", None,
+                                                   int(acc[i, 0]), int(acc[i, 1])))
                         ticket.final = "stop"
                         self.cancel([ticket])  # frees the slot at the next boundary; its final is dropped
                         continue

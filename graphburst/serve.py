@@ -68,9 +68,10 @@ class ServeLoop(RequestIntake):
     log : list or None
         None (the default) or a list the loop appends to, in order, for a consumer that
         forwards tokens elsewhere (the HTTP engine thread): ``(LOG_TOKENS, time, states [r]
-        object, rows [r] int, counts [B] int, ring [B, 1 + R] int32)`` per drained burst
-        (row ``rows[i]`` of ``ring`` holds ``counts[rows[i]]`` tokens of ``states[i]`` from
-        column 1), ``(LOG_ADMITTED, state)`` when a request takes a slot and
+        object, rows [r] int, counts [B] int, ring [B, 1 + R] int32, acc [r, 2] int64)`` per
+        drained burst (row ``rows[i]`` of ``ring`` holds ``counts[rows[i]]`` tokens of
+        ``states[i]`` from column 1; ``acc[i]`` its accepted drafts and rounds so far, a
+        copy), ``(LOG_ADMITTED, state)`` when a request takes a slot and
         ``(LOG_RETIRED, state)`` when one finishes for any reason. The consumer empties it.
     """
 
@@ -197,6 +198,16 @@ class ServeLoop(RequestIntake):
             self._n_stale -= len(admitted)
             self._free(admitted)
             self.dec.release(admitted)
+            if not self._costs_only_its_requests(exc):
+                raise
+
+    def _costs_only_its_requests(self, exc: Exception) -> bool:
+        """Whether a failed prefill ends only the requests being admitted (here: always).
+
+        A lockstep loop answers no for anything but a bad request: a collective that fails
+        during prefill leaves the ranks apart, so the loop must stop.
+        """
+        return True
 
     def _sampling_args(self, admitted) -> dict:
         """``SpecDecoder.prefill`` keyword arguments: per-slot sampling settings of the admitted slots."""
@@ -296,7 +307,7 @@ class ServeLoop(RequestIntake):
         rows = np.flatnonzero(running & (counts > 0))
         self.store.append(tokens.data, counts, rows, acc, now)
         if self.log is not None and rows.size:
-            self.log.append((LOG_TOKENS, now, self._slot_state[rows], rows, counts, tokens.data))
+            self.log.append((LOG_TOKENS, now, self._slot_state[rows], rows, counts, tokens.data, self.store.acc[rows]))
         finished = running & (self.dec.host_left == 0)
         if finished.any():
             done = np.flatnonzero(finished).tolist()

@@ -290,6 +290,30 @@ def test_metrics_parse_as_prometheus_text(server):
         assert (name, ()) in after, name
 
 
+def test_a_host_stop_counts_its_rounds_in_the_metrics(server):
+    """A stop id checked on the host finishes the request at once; its final update still
+    carries the request's accepted drafts and rounds (they were reported as 0 before)."""
+    prompt = [8, 8, 1]
+    ref = greedy_reference(prompt, 60, VOCAB)
+    stops = [absent_token(ref), ref[30]]  # the second id is checked on the host, deep enough for several rounds
+    before = metric_values(httpx.get(server.url + "/metrics", timeout=10).text)
+    r = httpx.post(server.url + "/v1/completions", timeout=10,
+                   json={"prompt": prompt, "max_tokens": 60, "stop_token_ids": stops})
+    assert r.status_code == 200
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["token_ids"] == expected(prompt, 60, stops)
+    after = metric_values(httpx.get(server.url + "/metrics", timeout=10).text)
+
+    def delta(name, **labels):
+        key = (name, tuple(sorted(labels.items())))
+        return after[key] - before.get(key, 0.0)
+
+    assert delta("graphburst_requests_total", finish_reason="stop") == 1
+    # k=3: 31 tokens take at least 31 / 4 rounds; every round is counted, none dropped
+    assert delta("graphburst_spec_rounds_total") >= 8
+    assert delta("graphburst_accepted_drafts_per_round_count") == 1
+
+
 # ---------------------------------------------------------------------- text, shutdown, CLI
 
 

@@ -74,7 +74,8 @@ def test_log_carries_every_token_in_order_and_each_admission_and_finish_once():
             loop.cancel(cancelled)
         for entry in loop.log:
             if entry[0] is LOG_TOKENS:
-                _, when, sts, rows, counts, ring = entry
+                _, when, sts, rows, counts, ring, acc = entry
+                assert acc.shape == (len(rows), 2) and np.all(acc[:, 1] >= 1)  # at least this burst's rounds
                 assert len(sts) == len(rows) and np.all(counts[rows] > 0)
                 for s, b in zip(sts, rows):
                     assert id(s) in got and not s.done or s.finished >= when
