@@ -66,8 +66,8 @@ def add_parser(sub) -> None:
     # Multi-GPU (docs/parallel.md): launch with torchrun --nproc_per_node N -m graphburst demo ...
     p.add_argument("--tp", type=int_in(1, 64), default=1, help="tensor-parallel ranks (torchrun, --model only)")
     p.add_argument("--pp", type=int_in(1, 64), default=1, help="pipeline stages (torchrun, --model only)")
-    p.add_argument("--draft-mode", choices=("replicated", "sharded"), default="replicated",
-                   help="under --tp: the whole draft on every rank, or sharded like the target")
+    p.add_argument("--draft-mode", choices=("sharded", "replicated"), default="sharded",
+                   help="under --tp: the draft sharded like the target (default), or whole on every rank")
     p.add_argument("--dist-timeout", type=real_in(1.0, 3600.0), default=60.0,
                    help="seconds before a collective or the rendezvous gives up")
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import signal
 import sys
 import threading
 import time
@@ -39,6 +40,8 @@ SAMPLING_FIELDS = {"temperature", "top_k", "top_p", "seed"}  # Request's samplin
 FIELDS = {"prompt", "max_new_tokens", "eos", "id"} | SAMPLING_FIELDS  # every other key is a model option
 MAX_ERROR_CHARS = 300  # an error record stays one short line, whatever the input was
 LIVE_PERIOD_S = 0.25  # the rich Live view is redrawn at most this often (not once per burst)
+READ_CHUNK = 1 << 16  # bytes per read of the requests
+STOP_POLL_S = 0.5  # an idle JSONL loop wakes this often to see a stop signal (a blocking get would not)
 
 
 def add_parser(sub) -> None:
@@ -83,10 +86,13 @@ def add_parser(sub) -> None:
     h.add_argument("--tokenizer", default=None, metavar="DIR", help="model dir with tokenizer.json (text I/O)")
     h.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default graphburst-stub, or the --model directory's name)")
-    # --- tensor-parallel serving (graphburst/parallel/lockstep.py, docs/parallel.md) ---
+    # --- tensor-parallel serving (graphburst/parallel/serve_tp.py, docs/parallel.md) ---
     t = p.add_argument_group("tensor-parallel serving (torchrun --nproc_per_node N -m graphburst serve --tp N)")
     t.add_argument("--tp", type=int_in(1, 64), default=1,
                    help="tensor-parallel ranks: rank 0 serves, every rank steps in lockstep (--model only)")
+    t.add_argument("--draft-mode", choices=("sharded", "replicated"), default="sharded",
+                   help="the draft sharded like the target (default: the ranks agree by construction), or whole "
+                        "on every rank (docs/parallel.md)")
     t.add_argument("--dist-timeout", type=real_in(1.0, 3600.0), default=60.0,
                    help="seconds before a collective, a plan broadcast or a drain gives up on another rank")
 
@@ -99,10 +105,10 @@ def check_args(args) -> None:
     draft has no agreement probability or emulated cost).
     """
     check_backend(args.backend)
-    if args.tp > 1:  # tensor-parallel serving (graphburst/parallel/lockstep.py)
-        from .parallel import lockstep
+    if args.tp > 1:  # tensor-parallel serving (graphburst/parallel/serve_tp.py)
+        from .parallel import serve_tp
 
-        lockstep.check_args(args)
+        serve_tp.check_args(args)
     if same_file(args.requests, args.output):
         raise FlagError("--output", f"{args.output!r} is the --requests file; writing there would empty it")
     if args.model is None:
@@ -216,11 +222,22 @@ def _record(state) -> dict:
 _EOF = object()
 
 
-def _read_lines(source, lines: queue.Queue) -> None:
-    """Reader thread: put ``(line number, bytes)`` per line as it arrives, then _EOF."""
+def _read_lines(fd: int, lines: queue.Queue) -> None:
+    """Reader thread: put ``(line number, bytes)`` per line as it arrives, then _EOF.
+
+    Reads the descriptor with ``os.read``, not through a buffered reader: a stop signal
+    ends the server while this thread still waits on an open stdin, and a thread blocked
+    inside a buffered reader holds its lock, which aborts the interpreter at exit.
+    """
+    n, tail = 0, b""
     try:
-        for n, raw in enumerate(iter(source.readline, b""), start=1):
-            lines.put((n, raw))
+        while chunk := os.read(fd, READ_CHUNK):
+            *whole, tail = (tail + chunk).split(b"\n")
+            for raw in whole:
+                n += 1
+                lines.put((n, raw))
+        if tail:
+            lines.put((n + 1, tail))
     except Exception as exc:  # noqa: BLE001 - reported by the main thread
         lines.put(exc)
     finally:
@@ -239,11 +256,11 @@ def _view(loop: ServeLoop) -> Table:
 
 
 def run(args, console: Console, loop: ServeLoop | None = None) -> int:
-    """Serve JSONL or HTTP; ``loop``: one built by the caller (rank 0 of ``--tp``, parallel/lockstep.py)."""
+    """Serve JSONL or HTTP; ``loop``: one built by the caller (rank 0 of ``--tp``, parallel/serve_tp.py)."""
     if args.tp > 1 and loop is None:  # every rank of a tensor-parallel server; rank 0 comes back here
-        from .parallel import lockstep
+        from .parallel import serve_tp
 
-        return lockstep.run(args, console)
+        return serve_tp.run(args, console)
     if args.http:  # --- HTTP mode: aiohttp and prometheus_client come with the [serve] extra ---
         try:
             from . import http_server
@@ -263,7 +280,8 @@ def run(args, console: Console, loop: ServeLoop | None = None) -> int:
     source = sys.stdin.buffer if args.requests == "-" else open(args.requests, "rb")  # noqa: SIM115 - closed below
     sink = sys.stdout if args.output == "-" else open(args.output, "w")  # noqa: SIM115
     lines: queue.Queue = queue.Queue()
-    threading.Thread(target=_read_lines, args=(source, lines), daemon=True, name="graphburst-serve-reader").start()
+    threading.Thread(target=_read_lines, args=(source.fileno(), lines), daemon=True,
+                     name="graphburst-serve-reader").start()
     counts = {"lines": 0, "rejected": 0, "served": 0, "failed": 0}
     pending: list = []  # submitted, record not yet written
 
@@ -287,11 +305,17 @@ def run(args, console: Console, loop: ServeLoop | None = None) -> int:
     eof, read_error = False, None
     loop.log = []  # what each step retired: records are written only then
     next_view = 0.0
+    stop = threading.Event()  # SIGTERM/SIGINT: read no more lines, finish every request already read
+    restore = _stop_on_signals(stop)
     try:
         while True:
+            if stop.is_set() and not eof:
+                eof = True
+                err.print(f"graphburst serve: stopping; finishing {len(pending)} request(s) already read "
+                          f"(a second signal aborts)")
             block = loop.idle  # nothing to serve: wait for the next line
             # (a --tp rank 0 wakes every heartbeat_s to keep its followers' plan wait alive)
-            wait = getattr(loop, "heartbeat_s", None) if block else None
+            wait = (getattr(loop, "heartbeat_s", None) or STOP_POLL_S) if block else None
             while not eof:
                 try:
                     item = lines.get(block=block, timeout=wait)
@@ -324,6 +348,7 @@ def run(args, console: Console, loop: ServeLoop | None = None) -> int:
             if eof and loop.idle and not pending:
                 break
     finally:
+        restore()
         if live:
             live.update(_view(loop), refresh=True)
             live.stop()
@@ -339,3 +364,24 @@ def run(args, console: Console, loop: ServeLoop | None = None) -> int:
         return 1
     # Exit 1 when no line was served: every input line was rejected (or failed).
     return 1 if counts["lines"] and not counts["served"] else 0
+
+
+def _stop_on_signals(stop: threading.Event):
+    """Until the returned undo is called: the first SIGTERM or SIGINT sets ``stop`` (the JSONL
+    loop then drains and exits 0), and puts the previous handlers back, so a second one acts
+    as before (aborts). Only the main thread may install handlers; elsewhere a no-op."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def undo() -> None:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+    def on_signal(signum, frame) -> None:
+        stop.set()
+        undo()
+
+    for sig in previous:
+        signal.signal(sig, on_signal)
+    return undo

@@ -5,7 +5,8 @@ time, and graph-replay time against the sum of kernel times (the launch gaps).
 
 One verify-shaped forward (T = k + 1) and one draft-shaped forward (T = 1) per shape and
 attention layout (``gqa``: SDPA with ``enable_gqa``; ``fold``: ``Llama(fold_gqa=True)``,
-the query groups folded into the query length).
+the query groups folded into the query length). ``--shape 8b-tp2`` is one rank's shard
+of the 8B shape under TP=2, without the collectives: the per-rank compute floor.
 """
 
 from __future__ import annotations
@@ -20,9 +21,13 @@ from torch.profiler import ProfilerActivity, profile
 
 from graphburst.bench.real_models import MODELS, random_target
 from graphburst.parallel.models import LLAMA_8B
+from graphburst.parallel.tp import local_config
 
 
 def shape(name):
+    """``8b-tp2``: one rank's shard of the 8B shape under TP=2 (heads, KV heads, FFN and head rows halved)."""
+    if name == "8b-tp2":
+        return local_config(LLAMA_8B, 2).replace(vocab_size=-(-LLAMA_8B.vocab_size // 2))
     return LLAMA_8B if name == "8b" else MODELS[name].cfg
 
 

@@ -49,7 +49,7 @@ def reference(ctx, seed: int) -> list[list[int]]:
     return out
 
 
-def parallel(ctx, layout: Layout, seed: int, draft_mode="replicated", diverge_at=None, raise_at=None, die_at=None,
+def parallel(ctx, layout: Layout, seed: int, draft_mode="sharded", diverge_at=None, raise_at=None, die_at=None,
              drain_timeout_s=None):
     t, d = random_pair(CFG, batch=1, capacity=16, seed=seed, device=ctx.device)
     ctx.agree_on("model and flags", *hash_parts(t, d, layout, k=K, m=M, batch=BATCH))
@@ -72,6 +72,47 @@ def parallel(ctx, layout: Layout, seed: int, draft_mode="replicated", diverge_at
         for b, toks in enumerate(burst.run()):
             out[b] += toks.tolist()
     return out, dec, burst
+
+
+def lockstep_loop(ctx):
+    """This rank's ``serve --tp 2 --model tiny-random`` loop (small, unpipelined: each step one burst)."""
+    from types import SimpleNamespace
+
+    from graphburst.parallel.serve_tp import build
+
+    args = SimpleNamespace(model="tiny-random", draft=None, dtype="float32", k=K, rounds=M, batch=2, capacity=256,
+                           p_min=None, sampling=False, no_pipeline=True, draft_mode="sharded", tp=2)
+    return build(args, ctx, backend_of(ctx))
+
+
+def lockstep(ctx, scenario: str) -> dict:
+    """Lockstep serving faults: a follower whose schedule differs; a prefill whose failure is not the request's."""
+    from graphburst.parallel.dist import ParallelError
+    from graphburst.serve import Request, ServeLoop
+
+    loop = lockstep_loop(ctx)
+    out = {"raised": None}
+    if scenario == "lockstep_prefill_fails":
+        def broken(*a, **kw):  # as a collective inside prefill would fail: not a bad request
+            raise RuntimeError(f"injected collective failure on rank {ctx.rank}")
+        loop.dec.prefill = broken
+    try:
+        if ctx.rank == 0:
+            state = loop.submit(Request(prompt=[5, 17, 300], max_new_tokens=6, id="a"))
+            try:
+                while not loop.idle:
+                    loop.step()
+                loop.finish()
+            finally:
+                out["request"] = {"error": state.error, "done": state.done}
+        else:
+            if scenario == "lockstep_schedule_diverges":
+                ServeLoop.submit(loop, Request(prompt=[7], max_new_tokens=3, id="only-here"))  # rank 0 never sent it
+            loop.follow()
+    except ParallelError as exc:
+        out["raised"] = f"{type(exc).__name__}: {exc}"
+    out["fatal"] = loop.fatal
+    return out
 
 
 def stage_info(dec) -> dict:
@@ -101,7 +142,7 @@ def main(scenario: str, out_dir: str) -> int:
             result["ref_tokens"] = sum(map(len, ref))
             for name, layout, mode in (("tp2", Layout(tp=2), "replicated"), ("tp2_sharded_draft", Layout(tp=2),
                                                                                "sharded"), ("pp2", Layout(pp=2), "")):
-                got, dec, burst = parallel(ctx, layout, seed=3, draft_mode=mode or "replicated")
+                got, dec, burst = parallel(ctx, layout, seed=3, draft_mode=mode or "sharded")
                 result[name] = {"equal": got == ref, "tokens": sum(map(len, got)), "checks": dec.check.bursts,
                                 "host_syncs": dec.host_syncs, "graph": burst.graph.info()}
                 if layout.pp > 1:
@@ -123,6 +164,8 @@ def main(scenario: str, out_dir: str) -> int:
             parallel(ctx, Layout(tp=2), seed=3, raise_at=2)
         elif scenario == "die":
             parallel(ctx, Layout(tp=2), seed=3, die_at=2, drain_timeout_s=float(os.environ["GB_TEST_DRAIN_TIMEOUT"]))
+        elif scenario.startswith("lockstep_"):
+            result.update(lockstep(ctx, scenario))
         else:
             raise ValueError(f"unknown scenario {scenario!r}")
         ok = True

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import selectors
+import signal
 import subprocess
 import sys
 import time
@@ -164,3 +165,26 @@ def test_a_request_from_a_pipe_is_served_before_eof():
         assert proc.returncode == 0
     finally:
         proc.kill()
+
+
+def test_sigterm_finishes_the_requests_already_read_then_exits_0():
+    """JSONL serving is stopped the way HTTP is: no line read after the signal, but every
+    request already read runs to its end and gets its record; stdin is still open."""
+    proc = subprocess.Popen([sys.executable, "-m", "graphburst.cli", "serve", *SMALL, "--accept", "0",
+                             "--capacity", "4096"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=ENV)
+    try:
+        assert b"numpy reference backend" in proc.stderr.readline()  # up, about to read lines
+        # accept 0: one token per round; 4000 tokens take seconds on numpy, past the signal
+        proc.stdin.write(b'{"id": "long", "prompt": [3, 9], "max_new_tokens": 4000}\n')
+        proc.stdin.flush()
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=90)
+    finally:
+        proc.kill()
+    err = err.decode()
+    assert proc.returncode == 0, err
+    assert "stopping; finishing 1 request(s) already read" in err  # it was still running at the signal
+    (rec,) = [json.loads(x) for x in out.splitlines()]
+    assert rec["id"] == "long" and rec["tokens"] == greedy_reference([3, 9], 4000, 5003)

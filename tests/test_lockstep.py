@@ -249,3 +249,64 @@ def test_the_plan_carries_a_json_snapshot_of_the_submitted_request():
     assert wire["prompt"] == [3, 4]
     with pytest.raises(TypeError, match="object"):
         _json_scalar(object())
+
+
+def test_jsonl_tp2_sigterm_on_rank0_finishes_what_was_read_and_stops_every_rank():
+    """JSONL under --tp has the HTTP server's stop: rank 0 reads no more lines, finishes the
+    requests already read, then sends the stop plan; every rank exits 0 in lockstep."""
+    proc = _torchrun("--requests", "-", "--output", "-", "--dist-timeout", "20", stdin=subprocess.PIPE)
+    timer = threading.Timer(150, proc.kill)  # bounded, whatever happens
+    timer.start()
+    try:
+        proc.stdin.write(json.dumps({"id": "warm", "prompt": [3], "max_new_tokens": 2}) + "\n")
+        proc.stdin.flush()
+        assert json.loads(proc.stdout.readline())["id"] == "warm"  # both ranks are up and stepping
+        long = {"id": "long", "prompt": [5, 17, 300, 2], "max_new_tokens": 200}
+        proc.stdin.write(json.dumps(long) + "\n")
+        proc.stdin.flush()
+        time.sleep(0.5)
+        os.kill(_rank_pids(proc.pid)[0], signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)  # stdin is still open: the signal ends the input
+    finally:
+        timer.cancel()
+    assert proc.returncode == 0, err[-3000:]
+    assert "stopping; finishing 1 request(s) already read" in err
+    (rec,) = [json.loads(line) for line in out.splitlines() if line.strip()]
+    assert rec["id"] == "long" and rec["tokens"] == _reference(long["prompt"], 200)
+    _assert_lockstep(err, min_bursts=5)
+
+
+def test_http_tp2_a_client_leaving_mid_stream_cancels_on_every_rank():
+    """The cancel of a disconnected stream reaches the follower through the plan; the next
+    request is served, and both ranks end with the same steps, bursts and tokens."""
+    import httpx
+
+    proc = _torchrun("--http", "127.0.0.1:0", "--dist-timeout", "20")
+    timer = threading.Timer(150, proc.kill)
+    timer.start()
+    try:
+        url = None
+        while url is None:
+            line = proc.stdout.readline()
+            assert line, proc.stderr.read()[-3000:]
+            m = re.search(r"listening on (http://\S+)", line)
+            url = m and m.group(1)
+        body = {"model": "tiny-random", "prompt": [5, 17, 300, 2], "max_tokens": 400, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            chunks = 0
+            for line in r.iter_lines():
+                chunks += line.startswith("data: ")
+                if chunks == 3:
+                    break  # leave mid-stream: the connection closes here
+        r = httpx.post(url + "/v1/completions", json={"model": "tiny-random", "prompt": [7], "max_tokens": 8},
+                       timeout=60)
+        assert r.json()["choices"][0]["token_ids"] == _reference([7], 8)
+        os.kill(_rank_pids(proc.pid)[0], signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        timer.cancel()
+    assert proc.returncode == 0, err[-3000:]
+    ranks = _summaries(err)
+    _assert_lockstep(err, min_bursts=2)
+    tokens = ranks[0][3]
+    assert tokens < 400  # the left stream was cancelled, not run to its 400 tokens

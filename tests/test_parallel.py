@@ -81,6 +81,28 @@ def test_a_rank_that_raises_stops_the_other_with_a_clear_error(tmp_path):
     assert wall < 45  # bounded: no one waits for the group timeout of a hung peer forever
 
 
+def test_lockstep_a_follower_whose_schedule_differs_stops_before_any_collective(tmp_path):
+    proc, ranks, wall = launch("lockstep_schedule_diverges", tmp_path)
+    assert ranks[1] is not None, proc.stderr[-3000:]
+    assert ranks[1]["raised"].startswith("RankDivergence: rank 1: lockstep schedule diverged from rank 0 before "
+                                         "step 1"), ranks[1]
+    assert "queued" in ranks[1]["raised"]
+    if ranks[0] is not None and ranks[0]["raised"] is not None:  # rank 0 notices when its next plan cannot go out
+        assert "ParallelError" in ranks[0]["raised"], ranks[0]
+    assert wall < 80
+
+
+def test_lockstep_a_prefill_failure_that_is_not_the_requests_stops_every_rank(tmp_path):
+    """A RuntimeError in prefill (a collective failing) must not be served on as a per-request
+    error under --tp: the ranks may be apart. The request still finishes, with the error."""
+    proc, ranks, _ = launch("lockstep_prefill_fails", tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for res in ranks:
+        assert res["raised"] and "injected collective failure" in res["raised"], res
+        assert res["raised"].startswith("ParallelError") and res["fatal"].startswith("RuntimeError")
+    assert ranks[0]["request"]["done"] and "injected collective failure on rank 0" in ranks[0]["request"]["error"]
+
+
 @pytest.mark.parametrize("layout, field", [(Layout(tp=3), "num_attention_heads"), (Layout(tp=4), "num_key_value_heads"),
                                            (Layout(pp=3), "num_hidden_layers")])
 def test_bad_layouts_are_rejected_before_any_process_group(layout, field):

@@ -46,10 +46,22 @@ def check_args(args) -> None:
     try:
         cfg, draft_cfg = model_configs(args)
         dist.check_layout(cfg, layout, world)
-        if draft_cfg is not None and layout.tp > 1 and args.draft_mode == "sharded":
-            dist.check_layout(draft_cfg, Layout(tp=layout.tp))
     except ValueError as exc:
         raise FlagError(flag, str(exc)) from None
+    check_draft(draft_cfg, layout.tp, args.draft_mode)
+
+
+def check_draft(draft_cfg, tp: int, draft_mode: str) -> None:
+    """FlagError on ``--draft-mode`` when a sharded draft cannot be split ``tp`` ways.
+
+    ``draft_cfg`` None: tiny-random's own draft (TINY, which every supported ``tp`` divides).
+    """
+    if draft_cfg is None or tp == 1 or draft_mode != "sharded":
+        return
+    try:
+        dist.check_layout(draft_cfg, Layout(tp=tp))
+    except ValueError as exc:
+        raise FlagError("--draft-mode", f"the draft cannot be sharded: {exc}; pass --draft-mode replicated") from None
 
 
 def run(args, console) -> int:

@@ -32,15 +32,13 @@ from __future__ import annotations
 
 import datetime
 import json
-import signal
-import sys
 import threading
 import time
 
 import numpy as np
 
 from ..serve import Request, ServeLoop
-from .dist import Context, Layout, ParallelError
+from .dist import Context, ParallelError
 
 # .runner and .check import torch: imported where used, so `serve --tp` flag errors stay fast.
 
@@ -153,12 +151,18 @@ class LockstepLoop(ServeLoop):
 
         return CheckedGraph(self.dec, gapless=gapless, drain_timeout_s=self._drain_timeout_s)
 
-    def _recover(self, exc: Exception) -> int:
+    def _costs_only_its_requests(self, exc: Exception) -> bool:
         # A bad request (ValueError: CapacityError, a refused prefill) fails the same way on
         # every rank, so every rank recovers the same way. Anything else (a peer died, a
         # collective timed out) cannot be recovered in lockstep: it stops the loop.
-        if isinstance(exc, (ValueError, TypeError)) and not isinstance(exc, ParallelError):
-            return super()._recover(exc)
+        return isinstance(exc, (ValueError, TypeError)) and not isinstance(exc, ParallelError)
+
+    def _recover(self, exc: Exception) -> int:
+        if self._costs_only_its_requests(exc):
+            try:
+                return super()._recover(exc)
+            except Exception as inner:  # noqa: BLE001 - the recovery's own boundary failed (a prefill's collective)
+                self._fail(inner)
         self._fail(exc)
 
     def _fail(self, exc: Exception):
@@ -297,102 +301,3 @@ def _wire(state) -> dict:
     if state.sampling is not None and state.sampling.temperature > 0:
         wire["seed"] = state.sampling.seed  # drawn at random on rank 0 when the request had none
     return wire
-
-
-# ---------------------------------------------------------------------- the CLI
-
-
-def check_args(args) -> None:
-    """FlagError for ``serve --tp N`` that cannot run, before any process group."""
-    from ..cli_args import FlagError
-    from . import dist
-    from .launch import TINY_RANDOM
-
-    if args.model is None:
-        raise FlagError("--tp", f"needs --model {TINY_RANDOM} or --model DIR --draft DIR (the stub models are not "
-                                f"split)")
-    if args.engine != "graph":
-        raise FlagError("--engine", f"serving with --tp runs the graph engine only, got {args.engine!r}")
-    _, world, _ = dist.env_world()
-    if world == 1:
-        raise FlagError("--tp", f"launch with torchrun --nproc_per_node {args.tp} -m graphburst serve ...")
-    try:
-        from ..checkpoint import read_config
-        from .models import TINY
-
-        cfg = TINY if args.model == TINY_RANDOM else read_config(args.model)
-        dist.check_layout(cfg, Layout(tp=args.tp), world)
-    except (ValueError, OSError) as exc:
-        raise FlagError("--tp", str(exc)) from None
-
-
-def build(args, ctx: Context, backend) -> LockstepLoop:
-    """This rank's models and loop, after the ranks agreed on the model and flags."""
-    import torch
-
-    from .models import TINY, random_pair
-    from .runner import build_pair, hash_parts
-
-    layout = Layout(tp=args.tp)
-    dtype = getattr(torch, args.dtype or "float32")
-    if args.model == "tiny-random":
-        full_t, full_d = random_pair(TINY, batch=1, capacity=16, device=ctx.device, dtype=dtype, seed=0)
-    else:
-        from ..checkpoint import load_llama
-
-        full_t = load_llama(args.model, batch=1, capacity=16, dtype=dtype, device=ctx.device)
-        full_d = load_llama(args.draft, batch=1, capacity=16, dtype=dtype, device=ctx.device)
-    flags = {f: getattr(args, f, None) for f in ("k", "rounds", "batch", "capacity", "dtype", "p_min", "sampling",
-                                                  "no_pipeline")}
-    ctx.agree_on("model and flags", *hash_parts(full_t, full_d, layout, **flags))
-    target, draft = build_pair(full_t, full_d, ctx, layout, batch=args.batch, capacity=args.capacity,
-                               backend=backend, p_min=args.p_min or 0.0)
-    del full_t, full_d
-    return LockstepLoop(target, draft, ctx, PlanChannel(ctx), k=args.k, m_rounds=args.rounds,
-                        pipelined=not args.no_pipeline, sampling=getattr(args, "sampling", False))
-
-
-def run(args, console) -> int:
-    """``serve --tp N`` on every rank: rank 0 serves (JSONL or HTTP), the others follow."""
-    from .. import serve_cli
-    from ..backend import Backend, get_backend
-    from . import dist
-    from .runner import drop_graphs
-
-    gpu = get_backend(args.backend).is_gpu
-    ctx = loop = None
-    ok = False
-    code = 1
-    try:
-        ctx = dist.init(gpu=gpu, timeout_s=args.dist_timeout)
-        backend = Backend("cupy", ctx.local_rank) if gpu else Backend("numpy")
-        loop = build(args, ctx, backend)
-        if loop.leader:
-            if args.http:
-                # A peer that fails stops the server the way SIGTERM does; the exit code says it failed.
-                loop.on_fatal = lambda: signal.raise_signal(signal.SIGTERM)
-            code = serve_cli.run(args, console, loop=loop)
-            if loop.fatal is None:
-                loop.finish()
-            else:
-                print(f"graphburst serve: rank 0: stopped: {loop.fatal}", file=sys.stderr, flush=True)
-                code = 1
-        else:
-            for sig in (signal.SIGTERM, signal.SIGINT):  # leave on rank 0's stop plan, not on torchrun's signal
-                signal.signal(sig, signal.SIG_IGN)
-            loop.follow()
-            code = 0
-        print(f"graphburst serve: {loop.summary()}", file=sys.stderr, flush=True)
-        ok = loop.fatal is None
-    except Exception as exc:  # noqa: BLE001 - one line naming the rank, then a non-zero exit
-        rank = ctx.rank if ctx is not None else dist.env_world()[0]
-        print(f"graphburst serve: rank {rank}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-        code = 1
-    finally:
-        if ok and loop is not None and loop.graph is not None:
-            drop_graphs(loop.graph)
-        clean = dist.shutdown(ctx, ok=ok)
-        if ok and not clean:
-            print(f"graphburst serve: rank {ctx.rank}: process-group teardown did not finish in time",
-                  file=sys.stderr, flush=True)
-    return code

@@ -21,7 +21,8 @@ from .models import self_draft
 from .pp import StageLlama, StageTarget, stage_table
 from .tp import TPLlama
 
-DRAFT_MODES = ("replicated", "sharded")
+#: under TP, the draft sharded like the target (the default) or whole on every rank
+DRAFT_MODES = ("sharded", "replicated")
 
 
 class ParallelDecoder(SpecDecoder):
@@ -142,7 +143,7 @@ def peer_errors(dec: ParallelDecoder):
 
 
 def build_pair(full_target, full_draft, ctx: Context, layout: Layout, *, batch: int, capacity: int, backend,
-               p_min: float = 0.0, draft_mode: str = "replicated"):
+               p_min: float = 0.0, draft_mode: str = "sharded"):
     """This rank's (target, draft) of a layout, from whole models (read, not kept).
 
     Parameters
@@ -152,9 +153,12 @@ def build_pair(full_target, full_draft, ctx: Context, layout: Layout, *, batch: 
         from the same checkpoint or seed).
     layout : Layout
         ``tp = world`` (sharded target) or ``pp = world`` (stages).
-    draft_mode : {"replicated", "sharded"}
-        Under TP: the whole draft on every rank (no collectives in the chain), or
-        sharded like the target. Under PP the draft is always replicated.
+    draft_mode : {"sharded", "replicated"}
+        Under TP: sharded like the target (every rank-local result passes through a
+        collective before it decides a token, so the ranks agree by construction), or the
+        whole draft on every rank (no collectives in the chain; agreement then rests on
+        bitwise-identical kernels on every GPU, which the rank check verifies). Under PP
+        the draft is always replicated.
     """
     if draft_mode not in DRAFT_MODES:
         raise ValueError(f"draft_mode must be one of {DRAFT_MODES}, got {draft_mode!r}")
