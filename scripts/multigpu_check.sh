@@ -8,6 +8,7 @@ cd "$(dirname "$0")/.."
 OUT=${1:?usage: multigpu_check.sh OUT_DIR [BUDGET_S]}
 BUDGET=${2:-450}
 SHAPE=${SHAPE:-8b}  # SHAPE=tiny: a dry run of the whole script (on CPU: gloo, numpy backend)
+LAYOUTS=${LAYOUTS:-tp1 tp2s tp2 pp2}  # tp1 first: it writes the fp32 tokens the others must match
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -43,7 +44,7 @@ step demo_pp2 60 $TR -m graphburst demo --model tiny-random --pp 2
 
 
 # 3. The benchmark, 8B shape: tp1 first (it writes the fp32 tokens the others must match).
-for layout in tp1 tp2s tp2 pp2; do
+for layout in $LAYOUTS; do
   if [[ $layout == tp1 ]]; then launcher="$PY"; else launcher="$TR"; fi
   step "bench_$layout" 100 $launcher -m graphburst.parallel.bench run --layout $layout --out "$OUT" --shape $SHAPE
 done

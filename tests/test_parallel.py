@@ -177,3 +177,16 @@ def test_stage_table_holds_only_the_stages_layers(stage):
     # The stage's blocks are the whole model's layers own.start.. (weights copied, not re-drawn).
     got = target.module.inner.layers[0].mlp.down_proj.weight
     assert torch.equal(got, t.layers[own.start].mlp.down_proj.weight)
+
+
+def test_a_draft_that_cannot_be_sharded_is_refused_naming_the_flag():
+    from graphburst.cli_args import FlagError
+    from graphburst.parallel.launch import check_draft
+
+    odd = TINY.replace(num_attention_heads=3, num_key_value_heads=1, head_dim=16)
+    with pytest.raises(FlagError, match=r"tp=2 does not divide the model's num_attention_heads \(3\); pass "
+                                        r"--draft-mode replicated"):
+        check_draft(odd, 2, "sharded")
+    check_draft(odd, 2, "replicated")  # whole on every rank: nothing to divide
+    check_draft(TINY, 2, "sharded")
+    check_draft(None, 2, "sharded")  # tiny-random's own draft
