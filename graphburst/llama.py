@@ -41,9 +41,12 @@ Nothing in ``forward`` reads a tensor's value on the host, so it can be captured
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .constants import MAX_K
 from .llama_config import LLAMA3_KEYS, ROPE_TYPES, LlamaConfig  # noqa: F401 (re-exported)
@@ -54,6 +57,11 @@ from .rope import apply_rope, rope_inv_freq, rope_rotation, rope_tables, rotate 
 DEFAULT_KV_SLACK = MAX_K + 2
 #: KV rows per sequence are a multiple of this: SDPA's fused kernels then need no mask padding per call.
 KV_ROW_MULTIPLE = 16
+#: SDPA kernels for ``deterministic_attention``: torch's memory-efficient kernel (its forward
+#: has no atomics; run over folded query groups, as it has no GQA path), math where it
+#: cannot run (the CPU). cuDNN's attention, torch's default for bf16 on the H200, is not in
+#: torch's deterministic set, and a replicated bf16 draft using it diverged across two GPUs.
+DETERMINISTIC_SDPA = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 # ---------------------------------------------------------------------- layers
@@ -99,10 +107,11 @@ class Attention(nn.Module):
     repeat. Free of copies at T = 1; at T > 1, q and the output are each copied once.
     """
 
-    def __init__(self, cfg: LlamaConfig, fold_gqa: bool = False, **factory):
+    def __init__(self, cfg: LlamaConfig, fold_gqa: bool = False, deterministic: bool = False, **factory):
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.fold = bool(fold_gqa) and self.n_kv != self.n_heads
+        self.fold = (bool(fold_gqa) or bool(deterministic)) and self.n_kv != self.n_heads
+        self.backends = DETERMINISTIC_SDPA if deterministic else None  # None: torch's choice
         d, bias, hd = cfg.hidden_size, cfg.attention_bias, cfg.head_dim
         self.qkv_proj = FusedLinear(d, {"q_proj": self.n_heads * hd, "k_proj": self.n_kv * hd,
                                         "v_proj": self.n_kv * hd}, bias, **factory)
@@ -135,6 +144,15 @@ class Attention(nn.Module):
         kv.view(2, -1, kvh, hd).index_copy_(1, flat, qkv[:, :, h:].reshape(r * t, 2, kvh, hd).transpose(0, 1))
         keys, vals = (kv[0], kv[1]) if r == kv.shape[1] else (kv[0, rows], kv[1, rows])  # [R, S, n_kv, D]
         q = qkv[:, :, :h]  # [R, T, H, D]
+        # sdpa_kernel sets torch's process-wide backend flags; entered and left on the thread
+        # that runs the model, and a captured graph keeps the kernel it chose.
+        with contextlib.nullcontext() if self.backends is None else sdpa_kernel(self.backends):
+            y = self._attend(q, keys, vals, mask, r, t)
+        return self.o_proj(y.reshape(r, t, h * hd))
+
+    def _attend(self, q, keys, vals, mask, r: int, t: int):
+        """``[R, T, H, D]`` attention output of ``q [R, T, H, D]`` over ``keys``/``vals [R, S, KV, D]``."""
+        h, kvh, hd = self.n_heads, self.n_kv, self.head_dim
         if self.fold:  # query head kv*G + g reads KV head kv (HF's repeat_kv order); rows ordered (t, g)
             g = h // kvh
             q = q.reshape(r, t, kvh, g, hd).transpose(1, 2).reshape(r, kvh, t * g, hd)  # [R, KV, T*G, D]
@@ -143,7 +161,7 @@ class Attention(nn.Module):
         else:
             y = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), vals.transpose(1, 2),
                                                attn_mask=mask, enable_gqa=kvh != h).transpose(1, 2)  # [R, T, H, D]
-        return self.o_proj(y.reshape(r, t, h * hd))
+        return y
 
 
 def kv_index(length: torch.Tensor, rows: torch.Tensor, t: int, s: int,
@@ -196,10 +214,10 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: LlamaConfig, fold_gqa: bool = False, **factory):
+    def __init__(self, cfg: LlamaConfig, fold_gqa: bool = False, deterministic: bool = False, **factory):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **factory)
-        self.self_attn = Attention(cfg, fold_gqa, **factory)
+        self.self_attn = Attention(cfg, fold_gqa, deterministic, **factory)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **factory)
         self.mlp = MLP(cfg, **factory)
 
@@ -230,16 +248,22 @@ class Llama(nn.Module):
     fold_gqa : bool
         Attention over KV heads with the query groups folded into the query length
         (see :class:`Attention`); the same function, other SDPA shapes.
+    deterministic_attention : bool
+        Attention only through kernels that give the same bits on every run and GPU
+        (``DETERMINISTIC_SDPA``, over folded groups): for a model that several ranks
+        compute each on its own and must agree on (a replicated draft). Slower on the
+        H200 than the default (cuDNN) kernel: ~21 vs ~9 µs per layer at T = 1.
     """
 
     def __init__(self, cfg: LlamaConfig, *, batch: int, capacity: int, dtype=torch.float32, device="cpu",
-                 kv_slack: int = DEFAULT_KV_SLACK, fold_gqa: bool = False):
+                 kv_slack: int = DEFAULT_KV_SLACK, fold_gqa: bool = False, deterministic_attention: bool = False):
         super().__init__()
         self.cfg, self.batch, self.capacity = cfg, batch, capacity
         self.vocab = cfg.vocab_size
         meta = {"device": "meta", "dtype": dtype}  # no init work; to_empty() places the storage
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, **meta)
-        self.layers = nn.ModuleList(Block(cfg, fold_gqa, **meta) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(Block(cfg, fold_gqa, deterministic_attention, **meta)
+                                    for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **meta)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False,
                                                                       **meta)

@@ -170,6 +170,39 @@ def test_folded_gqa_is_the_same_function_and_copy_free_at_t1():
     assert sum(launching.values()) <= MAX_LAUNCHING_OPS_PER_LAYER, dict(launching)
 
 
+def test_deterministic_attention_is_the_same_function_through_the_pinned_kernels(monkeypatch):
+    """``deterministic_attention``: folded groups, SDPA only under DETERMINISTIC_SDPA, the
+    same logits as the default up to rounding; the backend flags are restored after."""
+    from torch.nn.attention import SDPBackend
+
+    from graphburst import llama as llama_mod
+
+    cfg = CFG.replace(num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=8)
+    plain = Llama(cfg, batch=3, capacity=64).init_random_(5)
+    det = Llama(cfg, batch=3, capacity=64, deterministic_attention=True).init_random_(5)
+    assert all(b.self_attn.fold and b.self_attn.backends == llama_mod.DETERMINISTIC_SDPA for b in det.layers)
+    seen = []
+    real = F.scaled_dot_product_attention
+
+    def spy(*a, **kw):  # which backends SDPA may pick at each call
+        seen.append((torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.cudnn_sdp_enabled(),
+                     torch.backends.cuda.mem_efficient_sdp_enabled(), torch.backends.cuda.math_sdp_enabled()))
+        return real(*a, **kw)
+    monkeypatch.setattr(llama_mod.F, "scaled_dot_product_attention", spy)
+    before = (torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.cudnn_sdp_enabled())
+    start = torch.tensor([20, 13, 6], dtype=torch.int32)
+    tokens = torch.randint(0, 512, (3, 5), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        want = plain(tokens, start, [start] * 2)
+        seen.clear()
+        got = det(tokens, start, [start] * 2)
+    assert SDPBackend.EFFICIENT_ATTENTION in llama_mod.DETERMINISTIC_SDPA
+    assert seen == [(False, False, True, True)] * 2  # flash and cuDNN off inside both layers
+    assert (torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.cudnn_sdp_enabled()) == before
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
 # ---------------------------------------------------------------------- GPU (H200)
 
 @pytest.mark.gpu
@@ -209,3 +242,31 @@ def test_gpu_forward_captures_and_replays_bit_identically(dtype, fold, t):
     c, s = cos[pos].to(dtype), sin[pos].to(dtype)
     x = torch.randn(3, t, 12, 16, generator=gen).to(dev, dtype)
     assert torch.equal(rotate(x, rope_rotation(c, s, 10, 2))[:, :, :10], apply_rope(x[:, :, :10], c, s))
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("t", [5, 1])
+def test_gpu_deterministic_attention_runs_the_memory_efficient_kernel_not_cudnn(t):
+    """bf16 on the H200: torch's default attention is cuDNN's; ``deterministic_attention`` runs
+    the memory-efficient kernel instead, and equals the default up to bf16 rounding."""
+    dev = "cuda"
+    cfg = CFG.replace(num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+                      hidden_size=512, intermediate_size=256)
+
+    def kernels(model, tokens, start):
+        with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+            out = model(tokens, start, [start])
+            torch.cuda.synchronize()
+        return out, " ".join(ev.name for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA)
+
+    plain = Llama(cfg, batch=2, capacity=256, dtype=torch.bfloat16, device=dev).init_random_(6)
+    det = Llama(cfg, batch=2, capacity=256, dtype=torch.bfloat16, device=dev,
+                deterministic_attention=True).init_random_(6)
+    tokens = torch.randint(0, cfg.vocab_size, (2, t), device=dev)
+    start = torch.tensor([100, 37], dtype=torch.int32, device=dev)
+    want, names_plain = kernels(plain, tokens, start)
+    got, names_det = kernels(det, tokens, start)
+    assert "cudnn" in names_plain.lower()  # the default this option avoids (if torch stops picking it, revisit)
+    assert "cudnn" not in names_det.lower() and "fmha" in names_det.lower(), names_det
+    torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)

@@ -41,12 +41,14 @@ def random_llama(cfg: LlamaConfig, *, batch: int, capacity: int, device="cpu", d
 
 
 @torch.no_grad()
-def self_draft(target: Llama, draft_layers: int, *, batch: int, capacity: int, dtype=None) -> Llama:
+def self_draft(target: Llama, draft_layers: int, *, batch: int, capacity: int, dtype=None,
+               deterministic_attention: bool = False) -> Llama:
     """The target's first ``draft_layers`` layers, embeddings, norm and head as a model of its own
-    (a copy with its own KV; ``draft_layers = all`` clones a model)."""
+    (a copy with its own KV; ``draft_layers = all`` clones a model); ``deterministic_attention``
+    as in :class:`Llama`."""
     w = target.embed_tokens.weight
     draft = Llama(target.cfg.replace(num_hidden_layers=draft_layers), batch=batch, capacity=capacity,
-                  dtype=dtype or w.dtype, device=w.device)
+                  dtype=dtype or w.dtype, device=w.device, deterministic_attention=deterministic_attention)
     own = dict(target.named_parameters())
     for name, p in draft.named_parameters():
         p.copy_(own[name])

@@ -157,8 +157,8 @@ def build_pair(full_target, full_draft, ctx: Context, layout: Layout, *, batch: 
         Under TP: sharded like the target (every rank-local result passes through a
         collective before it decides a token, so the ranks agree by construction), or the
         whole draft on every rank (no collectives in the chain; agreement then rests on
-        bitwise-identical kernels on every GPU, which the rank check verifies). Under PP
-        the draft is always replicated.
+        bitwise-identical kernels on every GPU: its attention is deterministic, and the
+        rank check verifies every burst). Under PP the draft is always replicated.
     """
     if draft_mode not in DRAFT_MODES:
         raise ValueError(f"draft_mode must be one of {DRAFT_MODES}, got {draft_mode!r}")
@@ -173,7 +173,9 @@ def build_pair(full_target, full_draft, ctx: Context, layout: Layout, *, batch: 
         d_mod = TPLlama(full_draft, ctx, **kw)
     else:
         # A copy with its own KV: the whole draft on this rank, never shared with a caller's decoder.
-        d_mod = self_draft(full_draft, full_draft.cfg.num_hidden_layers, batch=batch, capacity=capacity)
+        # Every rank computes it alone and must propose the same tokens: deterministic attention.
+        d_mod = self_draft(full_draft, full_draft.cfg.num_hidden_layers, batch=batch, capacity=capacity,
+                           deterministic_attention=True)
     draft = TorchDraft(d_mod, backend=backend, p_min=p_min, **kw)
     return target, draft
 
