@@ -256,7 +256,7 @@ class EngineThread(threading.Thread):
                     ticket.final = update.reason
                 continue
             _, when, states, rows, counts, ring, acc = entry
-            for i, (state, b, n) in enumerate(zip(states.tolist(), rows.tolist(), counts[rows].tolist())):
+            for j, (state, b, n) in enumerate(zip(states.tolist(), rows.tolist(), counts[rows].tolist())):
                 ticket = state.owner
                 if ticket is None or ticket.final is not None or ticket.cancelled:
                     continue
@@ -266,7 +266,7 @@ class EngineThread(threading.Thread):
                     if hit is not None:
                         # The counters as of this burst (the engine's own final is dropped).
                         ticket.sink(ticket, Update(ticket.index, tokens[: hit + 1], when, "stop", None,
-                                                   int(acc[i, 0]), int(acc[i, 1])))
+                                                   int(acc[j, 0]), int(acc[j, 1])))
                         ticket.final = "stop"
                         self.cancel([ticket])  # frees the slot at the next boundary; its final is dropped
                         continue

@@ -22,6 +22,7 @@ from torch.profiler import ProfilerActivity, profile
 from graphburst.bench.real_models import MODELS, random_target
 from graphburst.parallel.models import LLAMA_8B
 from graphburst.parallel.tp import local_config
+from tp_floor import graph_us  # scripts/ is on sys.path when a script runs
 
 
 def shape(name):
@@ -29,30 +30,6 @@ def shape(name):
     if name == "8b-tp2":
         return local_config(LLAMA_8B, 2).replace(vocab_size=-(-LLAMA_8B.vocab_size // 2))
     return LLAMA_8B if name == "8b" else MODELS[name].cfg
-
-
-def graph_time(fn, reps=20):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    times.sort()
-    return times[len(times) // 2]
 
 
 def main(argv=None):
@@ -77,7 +54,7 @@ def main(argv=None):
             tok = torch.randint(0, cfg.vocab_size, (b, t), device="cuda")
             fn = lambda: model(tok, pos, lengths)  # noqa: E731
             with torch.no_grad():
-                g_us = graph_time(fn)
+                g_us = graph_us(fn, reps=1, trials=20)
                 with profile(activities=[ProfilerActivity.CUDA]) as prof:
                     fn()
                     torch.cuda.synchronize()

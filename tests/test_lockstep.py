@@ -123,6 +123,16 @@ def _rank_pids(torchrun_pid: int) -> dict:
     return ranks
 
 
+def _server_url(proc) -> str:
+    """The URL rank 0 prints once it listens (its stderr tail if it exits first)."""
+    while True:
+        line = proc.stdout.readline()
+        assert line, proc.stderr.read()[-3000:]
+        m = re.search(r"listening on (http://\S+)", line)
+        if m:
+            return m.group(1)
+
+
 def _http_session(*flags, stop: str, idle_s: float, env=None, device="cpu") -> str:
     """Serve 3 concurrent requests over 2 slots, idle ``idle_s``, serve one more, stop; check tokens.
 
@@ -133,12 +143,7 @@ def _http_session(*flags, stop: str, idle_s: float, env=None, device="cpu") -> s
     timer = threading.Timer(240, proc.kill)  # bounded, whatever happens
     timer.start()
     try:
-        url = None
-        while url is None:
-            line = proc.stdout.readline()
-            assert line, proc.stderr.read()[-3000:]
-            m = re.search(r"listening on (http://\S+)", line)
-            url = m and m.group(1)
+        url = _server_url(proc)
 
         prompts = {"p0": ([5, 17, 300, 2], 60), "p1": ([7], 8), "p2": ([1, 2, 3], 12)}  # 3 requests, 2 slots
         got = {}
@@ -285,12 +290,7 @@ def test_http_tp2_a_client_leaving_mid_stream_cancels_on_every_rank():
     timer = threading.Timer(150, proc.kill)
     timer.start()
     try:
-        url = None
-        while url is None:
-            line = proc.stdout.readline()
-            assert line, proc.stderr.read()[-3000:]
-            m = re.search(r"listening on (http://\S+)", line)
-            url = m and m.group(1)
+        url = _server_url(proc)
         body = {"model": "tiny-random", "prompt": [5, 17, 300, 2], "max_tokens": 400, "stream": True}
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
             chunks = 0
