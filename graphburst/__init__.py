@@ -8,9 +8,9 @@ from .backend import Backend, cuda_available, get_backend
 from .buffers import KVCache, KVLayer, PtrTable, StreamBufs, kv_len_ptr_table, kv_len_ptr_table_range
 from .burst import CapacityError, SpecDecoder
 from .constants import NO_EOS, PLACEHOLDER_TOKEN, UNBOUNDED_BUDGET
-from .digest import greedy_reference
+from .kernels.digest import greedy_reference
 from .protocol import DraftModel, TargetModel
-from .stubs import StubDraft, StubTarget, stub_pair
+from .models.stubs import StubDraft, StubTarget, stub_pair
 
 __version__ = "0.1.0"
 

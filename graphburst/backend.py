@@ -68,13 +68,13 @@ class Backend:
                 raise ValueError("backend='cupy' needs cupy and a CUDA device; none was found")
             import cupy
 
-            from . import cuda_ops
+            from .kernels import cuda_ops
 
             self.xp = cupy
             self.ops = cuda_ops
             self.device_id = cupy.cuda.Device().id if device_id is None else int(device_id)
         elif name == "numpy":
-            from . import reference
+            from .kernels import reference
 
             self.xp = np
             self.ops = reference

@@ -12,7 +12,7 @@ import numpy as np
 
 from .backend import Backend, get_backend
 from .guard import Watched
-from .sampling_scratch import SCRATCH_LAYOUT
+from .kernels.sampling_scratch import SCRATCH_LAYOUT
 from .constants import ABSENT_LAYER, MAX_K, MAX_TABLE_ENTRIES, NO_EOS, PLACEHOLDER_TOKEN, RING_COUNT_SLOT, \
     SAMPLE_MAX_VOCAB, TOP_P_OFF
 from .validate import check_array, check_int

@@ -20,7 +20,7 @@ from .torch_capture import capture_api, stream_pair
 from .protocol import DraftModel, TargetModel, check_pair, hook, split_options
 from .program import (Call, CallCache, assemble_call, epilogue_call, round_calls,  # noqa: F401 (re-exported)
                       sampling_round_calls, seed_call, separate_tail_calls)
-from .sampling import SlotSampling, check_slot, sample_first_tokens
+from .sampling.mode import SlotSampling, check_slot, sample_first_tokens
 from .validate import check_int, check_prompt, per_slot
 
 MODES = ("per_round_sync", "pre_issued")
@@ -64,7 +64,7 @@ class SpecDecoder(Watched):
         no assemble) to 5 (separate, with assemble).
     sampling : bool
         Speculative rejection sampling with per-slot temperature, top-k, top-p and seed
-        (:mod:`graphburst.sampling`): both models must declare ``supports_sampling`` and
+        (:mod:`graphburst.sampling.mode`): both models must declare ``supports_sampling`` and
         write logits. The round is then always unfused with an assemble launch; slots
         at temperature 0 still decode exactly the greedy tokens.
     """

@@ -41,7 +41,7 @@ def _warm_up(device_id: int) -> None:
     Models are not run here: protocol v1 asks a model to have its own kernels loaded
     before the first capture (docs/models.md).
     """
-    from . import cuda_ops
+    from .kernels import cuda_ops
     from .backend import Backend
 
     cuda_ops.warm_up(device_id)

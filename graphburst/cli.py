@@ -8,7 +8,9 @@ import sys
 
 from rich.console import Console
 
-from . import bench, demo, serve_cli
+from . import bench
+from . import demo
+from . import serve_cli
 from .cli_args import FlagError, Parser
 
 

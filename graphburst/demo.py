@@ -27,8 +27,8 @@ from .backend import BACKEND_NAMES, get_backend
 from .burst import MODES, SpecDecoder
 from .cli_args import FlagError, check_backend, check_kv_memory, int_in, readable_dir, real_in
 from .constants import MAX_K
-from .digest import greedy_reference
-from .sampling_params import check_sampling
+from .kernels.digest import greedy_reference
+from .sampling.params import check_sampling
 
 DEMO_MODES = ("graph", "gapless") + MODES
 TINY_RANDOM = "tiny-random"
@@ -105,13 +105,13 @@ def _build(args, backend, capacity):
     """(target, draft, vocab, reference) where ``reference(prompt, n)`` is the greedy truth."""
     p_min = args.p_min if args.p_min is not None else (STUB_P_MIN if args.model is None else 0.0)
     if args.model is None:
-        from .stubs import stub_pair
+        from .models.stubs import stub_pair
 
         layout = [i % 3 != 2 for i in range(args.layers)]
         target, draft = stub_pair(args.batch, args.vocab, layout, [True, False], capacity, accept_prob=args.accept,
                                   p_min=p_min, seed=args.seed, backend=backend)
         return target, draft, args.vocab, lambda prompt, n: greedy_reference(prompt, n, args.vocab)
-    from . import checkpoint
+    from .models import checkpoint
 
     if args.model == TINY_RANDOM:
         target, draft = checkpoint.tiny_random_pair(batch=args.batch, capacity=capacity, backend=backend,

@@ -13,7 +13,7 @@ import functools
 from dataclasses import dataclass
 
 from .buffers import StreamBufs
-from .sampling import draft_sample_calls, verify_sample_calls
+from .sampling.mode import draft_sample_calls, verify_sample_calls
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ def round_calls(ops, b: StreamBufs, table, target, draft, *, k: int, fused: bool
 
 
 def sampling_round_calls(ops, b: StreamBufs, table, target, draft, *, k: int) -> list[Call]:
-    """A sampling round after its seed (the program is in :mod:`graphburst.sampling`)."""
+    """A sampling round after its seed (the program is in :mod:`graphburst.sampling.mode`)."""
     calls = []
     for j in range(k):
         calls.append(Call(f"draft_step[{j}]", functools.partial(draft.draft_step, b, j)))

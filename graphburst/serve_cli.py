@@ -31,8 +31,8 @@ from .backend import BACKEND_NAMES, get_backend
 from .cli_args import FlagError, check_backend, check_kv_memory, int_in, readable_file, real_in, same_file, \
     writable_file
 from .constants import MAX_K
-from .stubs import stub_pair
-from .serve import ENGINE_MODES, LOG_RETIRED, Request, ServeLoop
+from .models.stubs import stub_pair
+from .serving.loop import ENGINE_MODES, LOG_RETIRED, Request, ServeLoop
 
 STUB_DEFAULTS = {"vocab": 32000, "layers": 4, "accept": 0.7, "cost_us": 0.0}
 TINY_RANDOM = "tiny-random"  # --model value: checkpoint.tiny_random_pair, no files
@@ -63,7 +63,7 @@ def add_parser(sub) -> None:
                    help=f"default draft agreement probability (default {STUB_DEFAULTS['accept']})")
     s.add_argument("--cost-us", type=real_in(0.0, 1e6), default=None,
                    help=f"emulated model time per call (default {STUB_DEFAULTS['cost_us']})")
-    m = p.add_argument_group("Llama models (graphburst.checkpoint)")
+    m = p.add_argument_group("Llama models (graphburst.models.checkpoint)")
     m.add_argument("--model", default=None, metavar="DIR",
                    help=f"target checkpoint directory (Hugging Face Llama), or {TINY_RANDOM!r} (a small random "
                         "pair built in memory)")
@@ -154,9 +154,9 @@ def build_loop(args, backend) -> ServeLoop:
     """The models and the loop the serve flags describe; the one builder of JSONL and HTTP serving.
 
     Stubs by default; ``--model DIR --draft DIR`` loads a Llama pair with
-    :func:`graphburst.checkpoint.load_pair` (torch on the backend's device: the GPU the
+    :func:`graphburst.models.checkpoint.load_pair` (torch on the backend's device: the GPU the
     cupy backend uses, else the CPU), ``--model tiny-random`` builds
-    :func:`graphburst.checkpoint.tiny_random_pair`.
+    :func:`graphburst.models.checkpoint.tiny_random_pair`.
 
     Raises
     ------
@@ -167,7 +167,7 @@ def build_loop(args, backend) -> ServeLoop:
         target, draft = stub_pair(args.batch, args.vocab, args.layers, 1, args.capacity, accept_prob=args.accept,
                                   cost_ns=int(args.cost_us * 1000), backend=backend)
     else:
-        from . import checkpoint  # torch and safetensors: only when a model is asked for
+        from .models import checkpoint  # torch and safetensors: only when a model is asked for
 
         kw = dict(batch=args.batch, capacity=args.capacity, backend=backend, dtype=args.dtype, p_min=args.p_min)
         if args.model == TINY_RANDOM:
@@ -263,7 +263,7 @@ def run(args, console: Console, loop: ServeLoop | None = None) -> int:
         return serve_tp.run(args, console)
     if args.http:  # --- HTTP mode: aiohttp and prometheus_client come with the [serve] extra ---
         try:
-            from . import http_server
+            from .serving import http as http_server
         except ImportError as exc:
             print(f"graphburst serve --http: {exc}; install graphburst[serve]", file=sys.stderr)
             return 2

@@ -29,7 +29,7 @@ sys.path.insert(0, ".")
 from graphburst.backend import get_backend  # noqa: E402
 from graphburst.bench.common import stub_models  # noqa: E402
 from graphburst.capture import RecordedProgram  # noqa: E402
-from graphburst.serve import Request, ServeLoop  # noqa: E402
+from graphburst.serving.loop import Request, ServeLoop  # noqa: E402
 
 PHASES = {"drain": ("bursts_in_flight", "drain"), "launch": ("bursts_in_flight", "launch"),
           "deliver": (None, "_deliver"), "boundary": (None, "_boundary")}

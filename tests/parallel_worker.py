@@ -15,7 +15,7 @@ import torch
 
 from graphburst.burst import SpecDecoder
 from graphburst.capture import BurstGraph
-from graphburst.checkpoint import wrap_pair
+from graphburst.models.checkpoint import wrap_pair
 from graphburst.parallel import dist
 from graphburst.parallel.check import RankDivergence
 from graphburst.parallel.dist import Layout
@@ -88,7 +88,7 @@ def lockstep_loop(ctx):
 def lockstep(ctx, scenario: str) -> dict:
     """Lockstep serving faults: a follower whose schedule differs; a prefill whose failure is not the request's."""
     from graphburst.parallel.dist import ParallelError
-    from graphburst.serve import Request, ServeLoop
+    from graphburst.serving.loop import Request, ServeLoop
 
     loop = lockstep_loop(ctx)
     out = {"raised": None}

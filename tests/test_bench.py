@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from graphburst.bench.common import check_greedy, random_prompts
-from graphburst.digest import greedy_reference
+from graphburst.kernels.digest import greedy_reference
 
 ROOT = Path(__file__).resolve().parents[1]
 

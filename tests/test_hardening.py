@@ -14,8 +14,8 @@ import pytest
 from graphburst import greedy_reference, stub_pair
 from graphburst.burst import CapacityError, SpecDecoder
 from graphburst.capture import BurstGraph
-from graphburst.stubs import StubTarget
-from graphburst.serve import Request, ServeLoop
+from graphburst.models.stubs import StubTarget
+from graphburst.serving.loop import Request, ServeLoop
 
 VOCAB = 5003
 ROOT = Path(__file__).resolve().parents[1]

@@ -358,7 +358,7 @@ def test_sigterm_cancels_after_the_drain_timeout_and_exits_0():
 
 
 def test_parse_address():
-    from graphburst.http_server import parse_address
+    from graphburst.serving.http import parse_address
 
     assert parse_address("8000") == ("127.0.0.1", 8000)
     assert parse_address("0.0.0.0:0") == ("0.0.0.0", 0)
@@ -380,8 +380,8 @@ def test_bad_http_flag_is_one_line_and_exit_2():
 
 def test_idle_engine_thread_sleeps():
     from graphburst import stub_pair
-    from graphburst.engine_thread import EngineThread
-    from graphburst.serve import ServeLoop
+    from graphburst.serving.engine_thread import EngineThread
+    from graphburst.serving.loop import ServeLoop
 
     target, draft = stub_pair(2, VOCAB, 1, 1, 64, backend="numpy")
 

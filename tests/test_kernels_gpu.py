@@ -10,12 +10,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from graphburst import reference
+from graphburst.kernels import reference
 from graphburst.backend import Backend
 from graphburst.buffers import KVCache, KVLayer, kv_len_ptr_table_range
 from graphburst.constants import NO_EOS, NO_PREFILL, PLACEHOLDER_TOKEN, UNBOUNDED_BUDGET
-from graphburst.digest import fixed24
-from graphburst.stubs import storage_ptr_table
+from graphburst.kernels.digest import fixed24
+from graphburst.models.stubs import storage_ptr_table
 
 pytestmark = pytest.mark.gpu  # skipped without CUDA by conftest's collection hook
 cp = pytest.importorskip("cupy")

@@ -11,8 +11,8 @@ import json
 import pytest
 from transformers import LlamaConfig as HFConfig
 
-from graphburst.checkpoint import load_llama, tiny_random_pair
-from graphburst.llama import LlamaConfig
+from graphburst.models.checkpoint import load_llama, tiny_random_pair
+from graphburst.models.llama import LlamaConfig
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 16}

@@ -19,8 +19,8 @@ from transformers import LlamaForCausalLM
 from graphburst import SpecDecoder
 from graphburst.backend import Backend
 from graphburst.capture import BurstGraph
-from graphburst.checkpoint import load_llama, load_pair, tiny_random_pair
-from graphburst.llama import LlamaConfig
+from graphburst.models.checkpoint import load_llama, load_pair, tiny_random_pair
+from graphburst.models.llama import LlamaConfig
 
 from conftest import requires_gpu
 

@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaConfig as HFConfig
 from transformers import LlamaForCausalLM
 
-from graphburst.llama import Llama, LlamaConfig, apply_rope, rope_rotation, rope_tables, rotate
+from graphburst.models.llama import Llama, LlamaConfig, apply_rope, rope_rotation, rope_tables, rotate
 
 from conftest import requires_gpu
 
@@ -175,7 +175,7 @@ def test_deterministic_attention_is_the_same_function_through_the_pinned_kernels
     same logits as the default up to rounding; the backend flags are restored after."""
     from torch.nn.attention import SDPBackend
 
-    from graphburst import llama as llama_mod
+    from graphburst.models import llama as llama_mod
 
     cfg = CFG.replace(num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=8)
     plain = Llama(cfg, batch=3, capacity=64).init_random_(5)

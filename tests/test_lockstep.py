@@ -241,8 +241,8 @@ def test_the_plan_carries_a_json_snapshot_of_the_submitted_request():
     import numpy as np
 
     from graphburst.parallel.lockstep import _json_scalar, _wire
-    from graphburst.serve import Request, ServeLoop
-    from graphburst.stubs import stub_pair
+    from graphburst.serving.loop import Request, ServeLoop
+    from graphburst.models.stubs import stub_pair
 
     target, draft = stub_pair(2, 50, 1, 1, 64, backend="numpy")
     loop = ServeLoop(target, draft, k=2, m_rounds=1)

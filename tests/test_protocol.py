@@ -12,7 +12,8 @@ from graphburst import SpecDecoder, stub_pair
 from graphburst.protocol import hook
 
 PKG = Path(__file__).resolve().parents[1] / "graphburst"
-GENERIC = ("burst", "capture", "serve", "buffers")
+GENERIC = ("burst", "capture", "buffers", "program", "serving/loop", "serving/pipeline", "serving/intake",
+           "serving/request")
 
 
 class _Without:

@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from graphburst import constants, digest, reference
-from graphburst.buffers import KVCache, PtrTable
-from graphburst.backend import Backend
-from graphburst.stubs import stub_cache
+from graphburst import constants
 
-CU = (Path(__file__).parents[1] / "graphburst" / "kernels.cu").read_text()
+from graphburst.kernels import digest
+
+from graphburst.kernels import reference
+from graphburst.buffers import PtrTable
+from graphburst.backend import Backend
+from graphburst.models.stubs import stub_cache
+from graphburst.kernels.source import kernel_source
+
+CU = kernel_source()  # kernels.cu with its sections inlined
 
 
 @pytest.mark.parametrize(

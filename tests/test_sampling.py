@@ -15,13 +15,15 @@ import numpy as np
 import pytest
 
 import sampling_stats as st
-from graphburst import constants, reference
-from graphburst import sampling_prims as sp
-from graphburst import sampling_ref as sr
+from graphburst import constants
+from graphburst.kernels import reference
+from graphburst.kernels import sampling_prims as sp
+from graphburst.kernels import sampling_ref as sr
 from graphburst.constants import PLACEHOLDER_TOKEN
-from graphburst.sampling_params import SamplingParams, check_sampling
+from graphburst.sampling.params import SamplingParams, check_sampling
+from graphburst.kernels.source import kernel_source
 
-CU = (Path(__file__).parents[1] / "graphburst" / "kernels.cu").read_text()
+CU = kernel_source()  # kernels.cu with its sections inlined
 F32 = np.float32
 
 
@@ -56,8 +58,8 @@ def test_philox_known_answers(ctr, key, want):
 
 
 def test_every_kernel_is_warmed_up_before_capture():
-    # cuda_ops imports cupy, so read its KERNEL_NAMES from the source instead.
-    tree = ast.parse((Path(__file__).parents[1] / "graphburst" / "cuda_ops.py").read_text())
+    # launch imports cupy, so read its KERNEL_NAMES from the source instead.
+    tree = ast.parse((Path(__file__).parents[1] / "graphburst" / "kernels" / "launch.py").read_text())
     names = next(ast.literal_eval(node.value) for node in tree.body
                  if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "KERNEL_NAMES")
     assert sorted(names) == sorted(re.findall(r'extern "C" __global__ void (\w+)\(', CU))

@@ -16,13 +16,13 @@ import numpy as np
 import pytest
 
 import sampling_stats as st
-from graphburst import reference
-from graphburst import sampling_ref as sr
+from graphburst.kernels import reference
+from graphburst.kernels import sampling_ref as sr
 from graphburst.burst import SpecDecoder
 from graphburst.capture import BurstGraph
-from graphburst.digest import greedy_reference
-from graphburst.serve import Request, ServeLoop
-from graphburst.stubs import LOGIT_SPREAD, TARGET_SALT, stub_pair
+from graphburst.kernels.digest import greedy_reference
+from graphburst.serving.loop import Request, ServeLoop
+from graphburst.models.stubs import LOGIT_SPREAD, TARGET_SALT, stub_pair
 
 F32 = np.float32
 

@@ -14,8 +14,8 @@ import pytest
 
 import sampling_stats as st
 from conftest import gpu
-from graphburst import reference
-from graphburst import sampling_ref as sr
+from graphburst.kernels import reference
+from graphburst.kernels import sampling_ref as sr
 from graphburst.constants import PLACEHOLDER_TOKEN
 
 pytestmark = gpu
@@ -30,7 +30,7 @@ POISON = -7
 
 @pytest.fixture(scope="module")
 def ops():
-    from graphburst import cuda_ops
+    from graphburst.kernels import cuda_ops
 
     cuda_ops.warm_up(cp.cuda.Device().id)
     return cuda_ops
@@ -83,7 +83,7 @@ def dev(*arrays):
 
 def scratch(batch, rows, vocab):
     """Sampling scratch full of poison: a kernel that reads a cell this call did not write fails."""
-    from graphburst.sampling_scratch import SampleScratch
+    from graphburst.kernels.sampling_scratch import SampleScratch
 
     s = SampleScratch(batch, rows, vocab, cp)
     for name in ("sel_thr", "tile_key", "race_key", "sel_part"):
@@ -443,7 +443,7 @@ def test_ftz_sample_and_accept_match_reference(ops, stream):
 
 
 def test_stub_logits_match_reference(rng, ops, stream):
-    from graphburst import reference
+    from graphburst.kernels import reference
 
     batch, rows, vocab = 19, 4, 1000
     pred = rng.integers(-1, vocab, (batch, rows)).astype(np.int32)
@@ -469,7 +469,7 @@ def test_sampling_burst_equals_numpy_bit_for_bit():
     from graphburst.backend import Backend
     from graphburst.burst import SpecDecoder
     from graphburst.capture import BurstGraph
-    from graphburst.stubs import stub_pair
+    from graphburst.models.stubs import stub_pair
 
     batch = 37
     rng = np.random.default_rng(7)

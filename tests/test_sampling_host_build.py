@@ -13,14 +13,14 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from graphburst import sampling_prims as sp
+from graphburst.kernels import sampling_prims as sp
+from graphburst.kernels.source import kernel_source
 
-CU = (Path(__file__).parents[1] / "graphburst" / "kernels.cu").read_text()
+CU = kernel_source()  # kernels.cu with its sections inlined
 FUNCTIONS = ("gb_philox4x32_10", "gb_exp_neg", "gb_neg_log1m", "gb_expo", "gb_order_key", "gb_key_logit",
              "gb_race_key")
 

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from conftest import gpu
-from graphburst import sampling_ref as sr
-from graphburst.sampling_scratch import ZEROED
+from graphburst.kernels import sampling_ref as sr
+from graphburst.kernels.sampling_scratch import ZEROED
 from test_sampling_gpu import F32, assert_bits, dev, ops, scratch, stream  # noqa: F401 (fixtures)
 
 pytestmark = gpu

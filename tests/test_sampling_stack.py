@@ -64,7 +64,7 @@ def test_demo_bad_temperature_is_one_line():
 
 
 def tiny_pair(backend, seed=5):
-    from graphburst.checkpoint import tiny_random_pair
+    from graphburst.models.checkpoint import tiny_random_pair
 
     return tiny_random_pair(batch=2, capacity=96, backend=backend, seed=seed)
 

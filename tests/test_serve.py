@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from graphburst import greedy_reference, stub_pair
-from graphburst.serve import Request, ServeLoop
+from graphburst.serving.loop import Request, ServeLoop
 from graphburst.serve_cli import parse_line
 from graphburst.cli import main
 

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from graphburst import greedy_reference, stub_pair
-from graphburst.engine_thread import EngineThread, Ticket
-from graphburst.serve import LOG_ADMITTED, LOG_RETIRED, LOG_TOKENS, Request, ServeLoop
-from graphburst.serve_timing import BurstClock
+from graphburst.serving.engine_thread import EngineThread, Ticket
+from graphburst.serving.loop import LOG_ADMITTED, LOG_RETIRED, LOG_TOKENS, Request, ServeLoop
+from graphburst.serving.timing import BurstClock
 
 VOCAB = 997
 
@@ -172,7 +172,7 @@ def test_host_stop_token_ends_the_stream_at_the_stop_on_the_event_loop():
 def test_stream_chunks_equal_the_completion_body(reason, usage):
     import json
 
-    from graphburst import openai_api as api
+    from graphburst.serving import openai_api as api
 
     chunks = api.StreamChunks('cmpl-"x"', 1234, "stub\\model")
     text, ids = 'h\u00e9\n"\u2028', [0, 17, 5002]

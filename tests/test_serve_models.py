@@ -18,7 +18,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from graphburst.checkpoint import tiny_random_pair  # noqa: E402
+from graphburst.models.checkpoint import tiny_random_pair  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 # One torch thread: CI has 2 cores, shared with pytest itself.

@@ -21,7 +21,7 @@ import torch
 from graphburst import SpecDecoder
 from graphburst.backend import Backend
 from graphburst.capture import BurstGraph
-from graphburst.torch_adapter import TorchBufs, TorchDraft, TorchTarget
+from graphburst.models.torch_adapter import TorchBufs, TorchDraft, TorchTarget
 from graphburst.buffers import StreamBufs
 
 from conftest import requires_gpu
@@ -176,7 +176,7 @@ def test_backend_accepts_torch_tensors():
 
 
 def test_capacity_past_the_modules_own_is_refused():
-    from graphburst.checkpoint import tiny_random_pair
+    from graphburst.models.checkpoint import tiny_random_pair
 
     target, _ = tiny_random_pair(batch=1, capacity=32, backend="numpy")
     with pytest.raises(ValueError, match="capacity 64 exceeds the module's own KV capacity 32"):
@@ -241,8 +241,8 @@ def test_outside_model_graph_on_gpu_50_bursts(gapless, rng):
 def test_graphburst_imports_without_torch():
     """``import graphburst`` (and the torch modules' import) never needs torch; using them says how to get it."""
     code = ("import sys; sys.modules['torch'] = None\n"
-            "import graphburst, graphburst.torch_adapter, graphburst.checkpoint\n"
-            "try:\n    graphburst.torch_adapter.TorchTarget(None, batch=1, capacity=1, backend='numpy')\n"
+            "import graphburst, graphburst.models.torch_adapter, graphburst.models.checkpoint\n"
+            "try:\n    graphburst.models.torch_adapter.TorchTarget(None, batch=1, capacity=1, backend='numpy')\n"
             "except ImportError as e:\n    print('ImportError:', e)\n")
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
@@ -250,7 +250,7 @@ def test_graphburst_imports_without_torch():
 
 
 def test_batch_past_the_modules_own_is_refused():
-    from graphburst.checkpoint import tiny_random_pair
+    from graphburst.models.checkpoint import tiny_random_pair
 
     target, _ = tiny_random_pair(batch=2, capacity=32, backend="numpy")
     with pytest.raises(ValueError, match="batch 3 exceeds the module's own KV batch 2"):

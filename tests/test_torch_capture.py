@@ -13,9 +13,9 @@ import torch
 from graphburst import SpecDecoder
 from graphburst.backend import Backend
 from graphburst.capture import BurstGraph, CaptureError
-from graphburst.checkpoint import tiny_random_pair
-from graphburst.stubs import stub_pair
-from graphburst.torch_adapter import TorchTarget
+from graphburst.models.checkpoint import tiny_random_pair
+from graphburst.models.stubs import stub_pair
+from graphburst.models.torch_adapter import TorchTarget
 
 torch.set_num_threads(1)  # tiny tensors; CI's two cores are shared with pytest
 

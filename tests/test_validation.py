@@ -7,7 +7,7 @@ import pytest
 
 from graphburst import CapacityError, KVCache, KVLayer, SpecDecoder, StreamBufs, kv_len_ptr_table_range, stub_pair
 from graphburst.backend import Backend, get_backend
-from graphburst.stubs import stub_cache
+from graphburst.models.stubs import stub_cache
 from graphburst.cli import main
 
 

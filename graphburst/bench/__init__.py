@@ -14,7 +14,10 @@ from rich.console import Console
 
 from ..backend import get_backend
 from ..cli_args import check_backend
-from . import capture, latency, real, serve
+from . import capture
+from . import latency
+from . import real
+from . import serve
 
 BENCHMARKS = {"latency": latency, "serve": serve, "capture": capture, "real": real}
 

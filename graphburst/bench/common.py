@@ -11,8 +11,8 @@ from rich.console import Console
 from rich.table import Table
 
 from ..burst import SpecDecoder
-from ..digest import greedy_reference
-from ..stubs import stub_pair
+from ..kernels.digest import greedy_reference
+from ..models.stubs import stub_pair
 
 VOCAB = 32000
 PROMPT_LEN = 8

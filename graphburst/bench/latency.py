@@ -248,7 +248,7 @@ def run(args, console: Console, backend) -> int:
     if args.sampling:
         return run_sampling(args, console, backend)
     gpu = backend.is_gpu
-    from ..torch_peer import torch_available
+    from .torch_peer import torch_available
 
     with_peer = gpu and not args.no_peer and torch_available()
     # The numpy reference is slow, so its defaults are small; values given on the

@@ -84,7 +84,7 @@ class Peer(Runner):
     """The torch-ops peer: its first burst runs eagerly, then it is captured."""
 
     def __init__(self, dec: SpecDecoder):
-        from ..torch_peer import TorchPeer
+        from .torch_peer import TorchPeer
 
         super().__init__(dec.backend)
         self.peer = TorchPeer(dec)

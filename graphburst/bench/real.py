@@ -34,12 +34,11 @@ from rich.progress import Progress
 
 from ..cli_args import FlagError, int_in, real_in, writable_file
 from .common import label, write_results
-from .real_report import NOT_RUN, plot, plot_problem, tables, targets
+from .real_report import NOT_RUN, SAME_KERNEL_ORDER, plot, plot_problem, tables, targets
 
 # The torch-dependent modules (real_models, real_engines, real_checks) are imported when
 # the benchmark runs: the CLI imports this module for every command, torch or not.
 MODEL_NAMES = ("tiny", "small", "1b")  # real_models.MODELS
-SAME_KERNEL_ORDER = ("graphburst", "gapless", "vllm", "eager")  # the first present is the correctness reference
 
 ENGINES = ("hf", "eager", "vllm", "graphburst", "gapless", "compile")
 DEFAULT_ENGINES = "hf,eager,vllm,graphburst,gapless"

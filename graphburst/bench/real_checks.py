@@ -20,9 +20,8 @@ from __future__ import annotations
 
 import warnings
 
-from .real import SAME_KERNEL_ORDER  # the first present is the reference
 from .real_engines import sync
-from .real_report import SAME_KERNEL_RULE, first_divergence
+from .real_report import SAME_KERNEL_ORDER, SAME_KERNEL_RULE, first_divergence
 
 FP32_CHECK_TOKENS = 16
 FP32_TOL = 1e-4
@@ -66,8 +65,8 @@ def fp32_check(src, spec, s, backend, prompt) -> dict:
     import torch
 
     from ..burst import SpecDecoder
-    from ..llama import Llama
-    from ..torch_adapter import TorchDraft, TorchTarget
+    from ..models.llama import Llama
+    from ..models.torch_adapter import TorchDraft, TorchTarget
     from .real_engines import HFAssisted
     from .real_models import instance
 

@@ -2,7 +2,7 @@
 
 Every engine has ``prefill(prompts)`` (reset its state to the prompts) and
 ``run(rounds, tokens)`` -> :class:`Run`. The three torch loops and graphburst call the
-same :class:`~graphburst.llama.Llama` forward with the same shapes, so their kernels
+same :class:`~graphburst.models.llama.Llama` forward with the same shapes, so their kernels
 are the same and their tokens must be identical; they differ only in bookkeeping and in
 how often the host waits:
 
@@ -31,7 +31,7 @@ import torch
 
 from ..burst import SpecDecoder
 from ..capture import BurstGraph
-from ..torch_adapter import TorchDraft, TorchTarget
+from ..models.torch_adapter import TorchDraft, TorchTarget
 from .real_models import hf_twin, instance, set_assistant
 
 

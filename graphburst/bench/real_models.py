@@ -1,7 +1,7 @@
 """The models of ``graphburst bench real``: random Llama targets, their early-exit drafts,
 the ε knob that sets acceptance, and transformers twins built from the same tensors.
 
-* **Target**: a :class:`~graphburst.llama.Llama` with random weights made on the device
+* **Target**: a :class:`~graphburst.models.llama.Llama` with random weights made on the device
   (normal, std 0.02; norm weights 1). Nothing is downloaded.
 * **Draft**: the target's first ``draft_layers`` blocks plus its embeddings, final norm
   and head: the *same* parameter tensors (no copy), with its own KV cache.
@@ -21,7 +21,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from ..llama import Llama, LlamaConfig
+from ..models.llama import Llama, LlamaConfig
 
 INIT_STD = 0.02
 LLAMA32_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from .common import fmt, new_table
 
+SAME_KERNEL_ORDER = ("graphburst", "gapless", "vllm", "eager")  # the first present is the correctness reference
 SAME_KERNEL_RULE = "identical common prefix"  # same-kernel engines: one run a prefix of the other
 
 NOT_RUN = {"hf_batch": "not run: HF assisted generation supports batch 1 only",

@@ -126,7 +126,7 @@ def run_llama(backend, model: str, *, reps: int, bursts: int, label: str, eps: f
     """
     import torch
 
-    from ..torch_adapter import TorchDraft, TorchTarget
+    from ..models.torch_adapter import TorchDraft, TorchTarget
     from .real_models import MODELS, Epsilon, instance, random_target
 
     spec = MODELS[model]
@@ -207,7 +207,7 @@ def _kernel_ops(backend, batch: int, vocab: int, k: int) -> dict:
     """name -> fn(stream) for each sampling op at one shape, over fresh device buffers."""
     import numpy as np
 
-    from ..sampling_scratch import SampleScratch
+    from ..kernels.sampling_scratch import SampleScratch
 
     ops, xp = backend.ops, backend.xp
     rng = np.random.default_rng(batch * 7 + vocab)

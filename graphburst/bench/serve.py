@@ -19,7 +19,7 @@ import numpy as np
 from rich.console import Console
 
 from ..cli_args import FlagError, int_in, writable_file
-from ..serve import Request, ServeLoop, inter_token_latencies_us, percentiles
+from ..serving.loop import Request, ServeLoop, inter_token_latencies_us, percentiles
 from .common import VOCAB, check_greedy, fmt, label, new_table, stub_models, write_results
 
 ENGINES = (("graph", True), ("graph", False), ("eager_sync", False))

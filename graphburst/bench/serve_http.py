@@ -22,8 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..digest import greedy_reference
-from ..serve import percentiles
+from ..kernels.digest import greedy_reference
+from ..serving.loop import percentiles
 from .common import VOCAB
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # so the subprocess imports this graphburst

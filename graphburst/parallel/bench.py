@@ -79,7 +79,7 @@ class Run:
         if self.gpu:
             self.torch.cuda.empty_cache()
         from ..burst import SpecDecoder
-        from ..checkpoint import wrap_pair
+        from ..models.checkpoint import wrap_pair
         from .models import random_pair
         from .runner import ParallelBurst, ParallelDecoder, build_pair, hash_parts
 

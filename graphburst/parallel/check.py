@@ -18,7 +18,7 @@ import contextlib
 import numpy as np
 import torch
 
-from ..torch_adapter import as_tensor
+from ..models.torch_adapter import as_tensor
 from .dist import Context, ParallelError
 
 #: buffers folded into the checksum: everything the replicated epilogue writes and the host reads

@@ -56,7 +56,7 @@ def check_layout(cfg, layout: Layout, world_size: int | None = None) -> None:
 
     Parameters
     ----------
-    cfg : graphburst.llama.LlamaConfig
+    cfg : graphburst.models.llama.LlamaConfig
     layout : Layout
     world_size : int, optional
         The launcher's process count (``WORLD_SIZE``); must equal ``tp * pp``.

@@ -23,7 +23,7 @@ TINY_RANDOM = "tiny-random"
 
 def model_configs(args):
     """(target cfg, draft cfg or None) of the demo's --model/--draft, read without loading weights."""
-    from ..checkpoint import read_config
+    from ..models.checkpoint import read_config
     from .models import TINY
 
     if args.model == TINY_RANDOM:
@@ -90,7 +90,7 @@ def run(args, console) -> int:
             full_t, full_d = random_pair(TINY, batch=1, capacity=capacity, device=ctx.device, dtype=dtype,
                                          seed=args.seed)
         else:
-            from ..checkpoint import load_llama
+            from ..models.checkpoint import load_llama
 
             full_t = load_llama(args.model, batch=1, capacity=capacity, dtype=dtype, device=ctx.device)
             full_d = load_llama(args.draft, batch=1, capacity=16, dtype=dtype, device=ctx.device)

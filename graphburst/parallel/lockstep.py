@@ -2,7 +2,7 @@
 
 ``torchrun --nproc_per_node 2 -m graphburst serve --tp 2 --model ... [--http ...]``
 
-Every rank builds the same :class:`LockstepLoop` (a :class:`~graphburst.serve.ServeLoop`
+Every rank builds the same :class:`LockstepLoop` (a :class:`~graphburst.serving.loop.ServeLoop`
 over a :class:`~.runner.ParallelDecoder` and a :class:`~.runner.CheckedGraph`). Only rank
 0 has requests: the HTTP server or the JSONL reader submits and cancels there. The loop's
 device work (which slots are admitted with which prompts, when bursts are launched and
@@ -37,7 +37,7 @@ import time
 
 import numpy as np
 
-from ..serve import Request, ServeLoop
+from ..serving.loop import Request, ServeLoop
 from .dist import Context, ParallelError
 
 # .runner and .check import torch: imported where used, so `serve --tp` flag errors stay fast.

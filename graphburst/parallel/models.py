@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ..llama import Llama, LlamaConfig
+from ..models.llama import Llama, LlamaConfig
 
 #: the small model of ``--model tiny-random`` (TP 2 and PP 2 divide it)
 TINY = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,

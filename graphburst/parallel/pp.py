@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from ..buffers import PtrTable, StreamBufs, kv_len_ptr_table, kv_len_ptr_table_range
-from ..llama import Llama
-from ..torch_adapter import TorchTarget, as_tensor
+from ..models.llama import Llama
+from ..models.torch_adapter import TorchTarget, as_tensor
 from .dist import Context, Layout, check_layout
 
 

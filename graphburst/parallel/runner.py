@@ -14,7 +14,7 @@ import functools
 
 from ..burst import Call, SpecDecoder
 from ..capture import BurstGraph
-from ..torch_adapter import TorchDraft, TorchTarget
+from ..models.torch_adapter import TorchDraft, TorchTarget
 from .check import RankCheck
 from .dist import Context, Layout, ParallelError, wait_until
 from .models import self_draft
@@ -148,7 +148,7 @@ def build_pair(full_target, full_draft, ctx: Context, layout: Layout, *, batch: 
 
     Parameters
     ----------
-    full_target, full_draft : graphburst.llama.Llama
+    full_target, full_draft : graphburst.models.llama.Llama
         Identical on every rank (``ctx.agree_on`` checks the config; the weights come
         from the same checkpoint or seed).
     layout : Layout

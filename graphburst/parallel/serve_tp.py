@@ -28,7 +28,7 @@ def check_args(args) -> None:
     if world == 1:
         raise FlagError("--tp", f"launch with torchrun --nproc_per_node {args.tp} -m graphburst serve ...")
     try:
-        from ..checkpoint import read_config
+        from ..models.checkpoint import read_config
         from .models import TINY
 
         cfg = TINY if args.model == TINY_RANDOM else read_config(args.model)
@@ -51,7 +51,7 @@ def build(args, ctx: Context, backend) -> LockstepLoop:
     if args.model == "tiny-random":
         full_t, full_d = random_pair(TINY, batch=1, capacity=16, device=ctx.device, dtype=dtype, seed=0)
     else:
-        from ..checkpoint import load_llama
+        from ..models.checkpoint import load_llama
 
         full_t = load_llama(args.model, batch=1, capacity=16, dtype=dtype, device=ctx.device)
         full_d = load_llama(args.draft, batch=1, capacity=16, dtype=dtype, device=ctx.device)

@@ -9,13 +9,13 @@ Per layer, rank r of ``world`` holds
   ``gate_up_proj`` (:meth:`Llama.hf_tensors` names the parts of both models), so a
   rank's fused GEMM is ``[q_r; k_r; v_r]``, not a slice of the full fused weight,
 * ``o_proj``/``down_proj``: the matching input columns (row-parallel), each followed by
-  one all-reduce (a forward hook: ``graphburst.llama`` itself is unchanged),
+  one all-reduce (a forward hook: ``graphburst.models.llama`` itself is unchanged),
 * the KV cache of its own KV heads only.
 
 Embeddings and norms are replicated. The head is vocab-parallel: each rank computes the
 logits of its ``ceil(V/w)`` rows and one all-gather rebuilds ``[R, T, V]``, identical on
 every rank, so the adapters' argmax, softmax and every bookkeeping kernel run replicated
-and agree. The local module is a plain :class:`~graphburst.llama.Llama` built from a
+and agree. The local module is a plain :class:`~graphburst.models.llama.Llama` built from a
 config with the local head and FFN counts (``head_dim`` is explicit, so nothing in it
 assumes ``hidden = heads * head_dim``).
 """
@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..llama import Llama, LlamaConfig
+from ..models.llama import Llama, LlamaConfig
 from .dist import Context, Layout, check_layout
 
 

@@ -1,8 +1,8 @@
 """``graphburst serve --http [HOST:]PORT``: an OpenAI-compatible HTTP server over one ServeLoop.
 
 aiohttp parses HTTP and runs the handlers on one asyncio event loop; the ServeLoop lives
-on the engine thread (:mod:`graphburst.engine_thread`), captured once at start-up. A
-completion request is validated (:mod:`graphburst.openai_api`), turned into one ticket per
+on the engine thread (:mod:`graphburst.serving.engine_thread`), captured once at start-up. A
+completion request is validated (:mod:`graphburst.serving.openai_api`), turned into one ticket per
 prompt, and answered either as one JSON body or as server-sent events, one ``data:``
 chunk per burst that delivered tokens, then a final chunk with ``finish_reason`` and
 ``usage``, then ``data: [DONE]``.
@@ -27,11 +27,11 @@ import uuid
 from aiohttp import web
 
 from . import openai_api as api
-from .backend import get_backend
+from ..backend import get_backend
 from .engine_thread import EngineThread, Ticket
 from .metrics import CONTENT_TYPE, Metrics
-from .serve import Request, ServeLoop
-from .serve_cli import build_loop, model_name
+from .loop import Request, ServeLoop
+from ..serve_cli import build_loop, model_name
 
 DEFAULT_ADDRESS = "127.0.0.1:8000"
 MAX_BODY_BYTES = 16 * 2**20  # long token-id prompts are JSON numbers: ~6 bytes a token

@@ -29,7 +29,7 @@ import traceback
 
 import numpy as np
 
-from .serve import LOG_ADMITTED, LOG_RETIRED, LOG_TOKENS, Request, RequestState, ServeLoop
+from .loop import LOG_ADMITTED, LOG_RETIRED, LOG_TOKENS, Request, RequestState, ServeLoop
 
 STATS_PERIOD_S = 0.05  # loop.stats() snapshots for /metrics, at most this often
 _FINAL = "final"  # hand-off entry (_FINAL, ticket, Update): a request's last update

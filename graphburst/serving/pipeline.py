@@ -3,10 +3,10 @@
 The graph engine replays one captured :class:`BurstGraph`; pipelined (``gapless``) it
 keeps up to two bursts enqueued, so the host hands out one burst's tokens while the GPU
 runs the next two. The eager engine runs a burst that syncs every round, for comparison.
-Each burst is timed on the device by a :class:`~graphburst.serve_timing.BurstClock`, and
+Each burst is timed on the device by a :class:`~graphburst.serving.timing.BurstClock`, and
 tagged at launch with whether every batch slot was running a request (the steady window).
 
-This module knows nothing about requests: :class:`~graphburst.serve.ServeLoop` decides
+This module knows nothing about requests: :class:`~graphburst.serving.loop.ServeLoop` decides
 when slots change (only with nothing in flight) and hands out what :meth:`drain` returns.
 """
 
@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import collections
 
-from .burst import SpecDecoder
-from .capture import BurstGraph
-from .serve_timing import BurstClock
+from ..burst import SpecDecoder
+from ..capture import BurstGraph
+from .timing import BurstClock
 
 
 class BurstPipeline:

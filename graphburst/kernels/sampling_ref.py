@@ -9,7 +9,7 @@ their float summation order by tiles (:func:`sampling_prims.tile_sum`,
 :func:`sampling_prims.tile_combine`), use explicitly rounded float ops only, compute exp
 and log with their own polynomials, and sample by an exponential race, an argmax that
 no parallel split can change. The primitives (flush to zero, Philox, exp, log, keys,
-tiles) are in :mod:`graphburst.sampling_prims`.
+tiles) are in :mod:`graphburst.kernels.sampling_prims`.
 
 Randomness is Philox4x32-10 keyed by the request seed, counter
 ``[absolute position of the token being decided, draw index, group, 0]``: a draw is a
@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from .constants import DRAW_ACCEPT, DRAW_DRAFT, DRAW_RESAMPLE, PLACEHOLDER_TOKEN, SAMPLE_TILE
+from ..constants import DRAW_ACCEPT, DRAW_DRAFT, DRAW_RESAMPLE, PLACEHOLDER_TOKEN, SAMPLE_TILE
 from .sampling_prims import (
     _div, _gt, _mul, _sub, exp_neg, expo, ftz, key_index, key_logit, order_key, race_key, race_words, race_words_at,
-    tile_combine, tile_shape, tile_sum, tiled, uniform, untile)
+    tile_combine, tile_shape, tile_sum, tiled, uniform)
 
 __all__ = ["probs_from_logits", "draft_probs_sample", "sample_draft", "accept_sample", "race", "select_thr",
            "ftz", "uniform", "exp_neg"]

@@ -1,7 +1,7 @@
 """The built-in stub draft and target: deterministic models for tests and benchmarks.
 
 The target's greedy token is a pure function of the whole prefix (a rolling digest,
-:func:`graphburst.digest.greedy_reference`), computed through its KV cache: every layer
+:func:`graphburst.kernels.digest.greedy_reference`), computed through its KV cache: every layer
 carries the digest, appends at its own length and reads only below it, and layers that
 disagree garble the prediction. So a missing, partial or wrong rollback of any layer, or
 of the position counter, changes the output. The draft computes the same digest
@@ -27,12 +27,12 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .backend import Backend, get_backend
-from .buffers import KVCache, KVLayer, PtrTable, StreamBufs, kv_len_ptr_table_range
-from .digest import fixed24
-from .guard import Watched
-from .protocol import DraftModel, TargetModel
-from .validate import check_int, check_prob
+from ..backend import Backend, get_backend
+from ..buffers import KVCache, KVLayer, PtrTable, StreamBufs, kv_len_ptr_table_range
+from ..kernels.digest import fixed24
+from ..guard import Watched
+from ..protocol import DraftModel, TargetModel
+from ..validate import check_int, check_prob
 
 __all__ = ["StubDraft", "StubTarget", "normalize_layout", "storage_ptr_table", "stub_cache", "stub_pair"]
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .constants import RACE_SLOTS, SAMPLE_TILE, SELECT_BINS
+from ..constants import RACE_SLOTS, SAMPLE_TILE, SELECT_BINS
 
 
 def n_tiles(vocab: int) -> int:

@@ -1,12 +1,12 @@
 """Submission to the serving loop: validation, request ids, the waiting queue, cancellation.
 
-A request is validated once, when it is submitted (:func:`~graphburst.request.check_request`
-and :func:`~graphburst.request.check_request_sampling`); the validated values go on its
-:class:`~graphburst.request.RequestState`, which waits in ``queue`` until the loop admits
+A request is validated once, when it is submitted (:func:`~graphburst.serving.request.check_request`
+and :func:`~graphburst.serving.request.check_request_sampling`); the validated values go on its
+:class:`~graphburst.serving.request.RequestState`, which waits in ``queue`` until the loop admits
 it at a burst boundary. Every request queued or running is known by id in ``_live_ids``:
 an id already in flight is refused, and a made-up id never equals one.
 
-:class:`RequestIntake` is a mixin of :class:`~graphburst.serve.ServeLoop`, which provides
+:class:`RequestIntake` is a mixin of :class:`~graphburst.serving.loop.ServeLoop`, which provides
 ``vocab``, ``sampling``, ``dec`` (``capacity``, ``slot_options``) and ``_retire`` (the end
 of a request's life, which also touches its batch slot). This module never touches slots.
 """
@@ -18,7 +18,7 @@ import itertools
 import time
 
 from .request import Request, RequestState, check_request, check_request_sampling
-from .sampling_params import SamplingParams
+from ..sampling.params import SamplingParams
 
 
 class RequestIntake:

@@ -15,8 +15,8 @@ import json
 import numbers
 import time
 
-from .sampling_params import check_sampling
-from .validate import check_prompt
+from ..sampling.params import check_sampling
+from ..validate import check_prompt
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_TEXT_CHARS_PER_TOKEN = 64  # text longer than this x capacity cannot fit a slot: refused before tokenizing

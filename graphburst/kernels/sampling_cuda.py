@@ -1,9 +1,9 @@
 """Thin cupy wrappers for the sampling kernels in ``kernels.cu`` (temperature, top-k/top-p,
 the draft race, lossless speculative acceptance), and the ops that compose them.
 
-The same contract as :mod:`graphburst.cuda_ops`, whose memoized ``RawModule`` and
+The same contract as :mod:`graphburst.kernels.cuda_ops`, whose memoized ``RawModule`` and
 ``_launch`` these wrappers share: each has the signature of its numpy twin in
-``sampling_ref.py``, never allocates and never syncs. :mod:`graphburst.cuda_ops`
+``sampling_ref.py``, never allocates and never syncs. :mod:`graphburst.kernels.cuda_ops`
 re-exports every public name here, so the backend's ``ops`` namespace is unchanged.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .constants import SAMPLE_THREADS, SELECT_THREADS
+from ..constants import SAMPLE_THREADS, SELECT_THREADS
 from .sampling_scratch import n_tiles
 
 # One block of SAMPLE_THREADS per (tile of SAMPLE_TILE tokens, row): several blocks per row.
@@ -300,4 +300,4 @@ def accept_sample(vtok, p, q, brk, seed, pos, n_acc, last_pred, scratch=None, *,
 
 # Imported last, not first: cuda_ops re-exports this module's names, so whichever of
 # the two is imported first, the other finds every name it needs already defined.
-from .cuda_ops import _i32, _launch, _step_arg  # noqa: E402
+from .launch import _i32, _launch, _step_arg

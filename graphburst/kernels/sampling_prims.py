@@ -2,7 +2,7 @@
 
 Float32 arithmetic with flush to zero, Philox4x32-10, ``gb_exp_neg``, the exponential
 variate ``gb_expo`` of the race, order keys and the fixed reduction trees. The row
-kernels built from them are in :mod:`graphburst.sampling_ref`.
+kernels built from them are in :mod:`graphburst.kernels.sampling_ref`.
 
 Flush to zero: CuPy compiles every RawModule through NVRTC with ``-ftz=true`` appended
 unconditionally (``cupy/cuda/compiler.py``), so on the device every float32 operation,
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .constants import SAMPLE_THREADS, SAMPLE_TILE
+from ..constants import SAMPLE_THREADS, SAMPLE_TILE
 from .sampling_scratch import n_tiles
 
 NT = SAMPLE_THREADS

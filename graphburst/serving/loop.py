@@ -12,10 +12,10 @@ A failure inside :meth:`ServeLoop.step` costs only the requests it touches: they
 with ``error`` set (``finish_reason == "error"``), the tokens already handed out stay,
 and the loop goes on serving the others.
 
-The pieces: requests and their validation (:mod:`graphburst.request`), submission,
-ids, the waiting queue and cancellation (:mod:`graphburst.serve_intake`), the bursts in
-flight (:mod:`graphburst.burst_pipeline`), the per-slot token rows
-(:mod:`graphburst.slot_tokens`) and the timing figures (:mod:`graphburst.serve_timing`).
+The pieces: requests and their validation (:mod:`graphburst.serving.request`), submission,
+ids, the waiting queue and cancellation (:mod:`graphburst.serving.intake`), the bursts in
+flight (:mod:`graphburst.serving.pipeline`), the per-slot token rows
+(:mod:`graphburst.serving.slot_tokens`) and the timing figures (:mod:`graphburst.serving.timing`).
 This module holds the loop itself: admission at burst boundaries, the step, delivery,
 a request's retirement, streaming and the loop's counters.
 """
@@ -28,13 +28,13 @@ from collections.abc import AsyncIterator, Iterator
 
 import numpy as np
 
-from .burst import SpecDecoder
-from .burst_pipeline import BurstPipeline
-from .capture import BurstGraph
+from ..burst import SpecDecoder
+from .pipeline import BurstPipeline
+from ..capture import BurstGraph
 from .request import Request, RequestState
-from .sampling_params import SamplingParams
-from .serve_intake import RequestIntake
-from .serve_timing import inter_token_latencies_us, percentiles
+from ..sampling.params import SamplingParams
+from .intake import RequestIntake
+from .timing import inter_token_latencies_us, percentiles
 from .slot_tokens import SlotTokens
 
 ENGINE_MODES = ("graph", "eager_sync")

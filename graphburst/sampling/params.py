@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .constants import GREEDY_TEMPERATURE, SEED_LIMIT, TOP_K_OFF, TOP_P_OFF
+from ..constants import GREEDY_TEMPERATURE, SEED_LIMIT, TOP_K_OFF, TOP_P_OFF
 
 
 @dataclass(frozen=True)

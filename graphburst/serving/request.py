@@ -7,7 +7,7 @@ are kept on its :class:`RequestState`. The loop admits from those, so a caller c
 the ``Request`` object after submission changes nothing the loop does.
 
 While a request holds a batch slot its tokens live in the loop's
-:class:`~graphburst.slot_tokens.SlotTokens` rows; when it leaves the slot they are
+:class:`~graphburst.serving.slot_tokens.SlotTokens` rows; when it leaves the slot they are
 copied out once as arrays, and turned into Python lists only when read.
 """
 
@@ -19,10 +19,10 @@ import time
 
 import numpy as np
 
-from .constants import UNBOUNDED_BUDGET
-from .sampling_params import SamplingParams, check_sampling
+from ..constants import UNBOUNDED_BUDGET
+from ..sampling.params import SamplingParams, check_sampling
 from .slot_tokens import SlotTokens
-from .validate import check_int, check_prompt
+from ..validate import check_int, check_prompt
 
 
 @dataclasses.dataclass
@@ -66,7 +66,7 @@ def check_request(req: Request, *, vocab: int, capacity: int) -> tuple[np.ndarra
     the bad field. The prompt check is the one ``SpecDecoder.prefill`` uses.
     """
     if not isinstance(req, Request):
-        raise TypeError(f"request must be a graphburst.serve.Request, got {type(req).__name__}")
+        raise TypeError(f"request must be a graphburst.serving.loop.Request, got {type(req).__name__}")
     row = check_prompt("prompt", req.prompt, vocab)
     limit = check_int("max_new_tokens", req.max_new_tokens, maximum=UNBOUNDED_BUDGET - 1)
     eos = None if req.eos is None else check_int("eos", req.eos, minimum=0, maximum=vocab - 1)
@@ -98,7 +98,7 @@ class RequestState:
     """A request in flight: its tokens so far and its timings (perf_counter seconds).
 
     While the request holds a batch slot its tokens, deliveries and accept counters live
-    in the loop's :class:`~graphburst.slot_tokens.SlotTokens` rows (filled with one
+    in the loop's :class:`~graphburst.serving.slot_tokens.SlotTokens` rows (filled with one
     vectorised copy per burst) and the properties below read them; when it leaves the
     slot they are copied out once as arrays.
     """

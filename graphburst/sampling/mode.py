@@ -30,9 +30,9 @@ import functools
 
 import numpy as np
 
-from .buffers import StreamBufs
-from .constants import GREEDY_TEMPERATURE, NO_PREFILL, SEED_LIMIT, TOP_K_OFF, TOP_P_OFF
-from .sampling_params import SamplingParams, check_sampling
+from ..buffers import StreamBufs
+from ..constants import GREEDY_TEMPERATURE, NO_PREFILL, SEED_LIMIT, TOP_K_OFF, TOP_P_OFF
+from .params import SamplingParams, check_sampling
 
 GREEDY = SamplingParams()
 

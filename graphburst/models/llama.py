@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from .constants import MAX_K
+from ..constants import MAX_K
 from .llama_config import LLAMA3_KEYS, ROPE_TYPES, LlamaConfig  # noqa: F401 (re-exported)
 from .rope import apply_rope, rope_inv_freq, rope_rotation, rope_tables, rotate  # noqa: F401 (re-exported)
 

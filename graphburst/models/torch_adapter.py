@@ -10,7 +10,7 @@ The module implements two things over torch tensors:
   ``[R] int32`` tensor (or None) per layer: the valid KV rows before the call. It writes
   the T tokens' KV at rows ``lengths + [0, T)`` of batch rows ``rows`` (``[R] int64``,
   None = all B), attends only below, returns ``[R, T, vocab]`` logits and **never moves
-  a length** (the adapter advances them). ``graphburst.llama.Llama`` is one. A module
+  a length** (the adapter advances them). ``graphburst.models.llama.Llama`` is one. A module
   with ``accepts_logits_at = True`` also takes ``logits_at [R] int64`` and returns only
   those positions' logits ``[R, 1, vocab]``; prefill then skips the rest of the head.
 
@@ -34,11 +34,11 @@ import contextlib
 
 import numpy as np
 
-from .backend import Backend, get_backend
-from .buffers import KVCache, KVLayer, StreamBufs
-from .constants import NO_PREFILL
-from .guard import Watched
-from .validate import check_int, check_prob
+from ..backend import Backend, get_backend
+from ..buffers import KVCache, KVLayer, StreamBufs
+from ..constants import NO_PREFILL
+from ..guard import Watched
+from ..validate import check_int, check_prob
 
 
 def _torch():

@@ -1,4 +1,4 @@
-"""Load Hugging Face Llama checkpoints into :class:`graphburst.llama.Llama`, and build pairs.
+"""Load Hugging Face Llama checkpoints into :class:`graphburst.models.llama.Llama`, and build pairs.
 
 A checkpoint directory holds ``config.json`` and either ``model.safetensors`` or a
 sharded ``model.safetensors.index.json`` (its ``weight_map`` names each tensor's shard).
@@ -11,9 +11,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .backend import Backend, get_backend
+from ..backend import Backend, get_backend
 from .torch_adapter import TorchDraft, TorchTarget, _torch
-from .validate import check_int
+from ..validate import check_int
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

@@ -1,0 +1,68 @@
+"""The cupy backend's ``ops``: every kernel wrapper, by the name its numpy twin has in ``reference``.
+
+The wrappers live beside their sections of ``kernels.cu``: ``burst_cuda`` (generic
+bookkeeping), ``stubs_cuda`` (the stub models), ``sampling_cuda`` (rejection sampling);
+``launch`` holds the memoized module and launch helpers.
+"""
+
+from __future__ import annotations
+
+from .burst_cuda import (
+    seed_gather,
+    assemble_verify,
+    accept_greedy,
+    ring_commit,
+    rollback_stream,
+    epilogue,
+    empty_node,
+)
+from .launch import KERNEL_NAMES, kernel, warm_up
+from .sampling_cuda import (
+    accept_pick,
+    accept_sample,
+    accept_tiles,
+    draft_probs_sample,
+    probs_from_logits,
+    probs_normalize,
+    probs_select,
+    probs_tiles,
+    race_pick,
+    race_tiles,
+    sample_draft,
+)
+from .stubs_cuda import (
+    stub_prefill,
+    stub_draft_step,
+    stub_verify,
+    stub_draft_append,
+    stub_logits,
+)
+
+__all__ = [
+    "KERNEL_NAMES",
+    "accept_greedy",
+    "accept_pick",
+    "accept_sample",
+    "accept_tiles",
+    "assemble_verify",
+    "draft_probs_sample",
+    "empty_node",
+    "epilogue",
+    "kernel",
+    "probs_from_logits",
+    "probs_normalize",
+    "probs_select",
+    "probs_tiles",
+    "race_pick",
+    "race_tiles",
+    "ring_commit",
+    "rollback_stream",
+    "sample_draft",
+    "seed_gather",
+    "stub_draft_append",
+    "stub_draft_step",
+    "stub_logits",
+    "stub_prefill",
+    "stub_verify",
+    "warm_up",
+]

@@ -1,0 +1,50 @@
+"""The numpy backend's ``ops``: the twin of every kernel, by the name its wrapper has in ``cuda_ops``.
+
+The twins are the executable specification: ``burst_ref`` (generic bookkeeping),
+``stubs_ref`` (the stub models), ``sampling_ref`` (rejection sampling). Each updates its
+output arrays in place, and ``stream`` is accepted and ignored.
+"""
+
+from __future__ import annotations
+
+from .burst_ref import (
+    seed_gather,
+    assemble_verify,
+    accept_greedy,
+    ring_commit,
+    rollback_stream,
+    epilogue,
+)
+from .sampling_ref import (
+    accept_sample,
+    draft_probs_sample,
+    ftz,
+    probs_from_logits,
+    sample_draft,
+)
+from .stubs_ref import (
+    stub_prefill,
+    stub_draft_step,
+    stub_verify,
+    stub_draft_append,
+    stub_logits,
+)
+
+__all__ = [
+    "accept_greedy",
+    "accept_sample",
+    "assemble_verify",
+    "draft_probs_sample",
+    "epilogue",
+    "ftz",
+    "probs_from_logits",
+    "ring_commit",
+    "rollback_stream",
+    "sample_draft",
+    "seed_gather",
+    "stub_draft_append",
+    "stub_draft_step",
+    "stub_logits",
+    "stub_prefill",
+    "stub_verify",
+]

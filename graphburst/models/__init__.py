@@ -1,0 +1,1 @@
+"""Models that speak the burst protocol: the stub pair, the torch adapter, Llama and its checkpoints."""
