@@ -216,6 +216,52 @@ def test_a_failed_construction_leaves_the_adapters_free():
     assert dec.run_burst(mode="per_round_sync")[0].size > 0
 
 
+def _tiny_llama_decoder(target, draft, prompts):
+    dec = SpecDecoder(target, draft, k=3, m_rounds=2)
+    dec.prefill(prompts)
+    return dec
+
+
+def test_a_module_serves_one_live_decoder():
+    # The KV storage lives in the torch module: a second decoder over new adapters of the
+    # same modules would prefill into the first one's KV rows, and every sequence of the
+    # first decoder would then decode wrong tokens. It is refused, naming the module.
+    from graphburst.models.checkpoint import tiny_random_pair
+
+    prompts = [[5, 9, 2, 7], [3, 1, 4, 1, 5, 9]]
+    target, draft = tiny_random_pair(batch=2, capacity=64, backend="numpy")
+    dec1 = _tiny_llama_decoder(target, draft, prompts)
+    out = [t.tolist() for t in dec1.run_burst(mode="pre_issued")]
+    kw = dict(batch=2, capacity=64, backend="numpy")
+    with pytest.raises(ValueError, match=r"the torch module Llama at 0x[0-9a-f]+ already serves a live SpecDecoder"):
+        _tiny_llama_decoder(TorchTarget(target.module, **kw), TorchDraft(draft.module, **kw), [[8] * 9, [2] * 7])
+    for b, t in enumerate(dec1.run_burst(mode="pre_issued")):  # the first decoder's tokens stay right
+        out[b] += t.tolist()
+    for b, prompt in enumerate(prompts):
+        assert out[b] == target.module.greedy(prompt, len(out[b]), row=b), f"sequence {b}"
+
+
+def test_a_module_rebinds_once_its_decoder_is_gone():
+    from graphburst.models.checkpoint import tiny_random_pair
+
+    target, draft = tiny_random_pair(batch=1, capacity=64, backend="numpy")
+    dec1 = _tiny_llama_decoder(target, draft, [[1, 2, 3]])
+    dec1.run_burst(mode="pre_issued")
+    del dec1
+    gc.collect()
+    kw = dict(batch=1, capacity=64, backend="numpy")
+    new_target, new_draft = TorchTarget(target.module, **kw), TorchDraft(draft.module, **kw)
+    # A construction that fails after the target bound (the draft's slack is too small
+    # for k) leaves the modules free.
+    slack, draft.module.kv_slack = draft.module.kv_slack, 4
+    with pytest.raises(ValueError, match="kv_slack 4 must be >= k"):
+        SpecDecoder(new_target, new_draft, k=3, m_rounds=1)
+    draft.module.kv_slack = slack
+    dec2 = _tiny_llama_decoder(TorchTarget(target.module, **kw), TorchDraft(draft.module, **kw), [[4, 4, 2]])
+    got = dec2.run_burst(mode="pre_issued")[0].tolist()
+    assert got == target.module.greedy([4, 4, 2], len(got))
+
+
 @pytest.mark.parametrize("gapless", [False, True])
 @pytest.mark.gpu
 @requires_gpu
