@@ -8,6 +8,7 @@ A :class:`SpecDecoder` owns the burst buffers and the rollback pointer table of 
 
 from __future__ import annotations
 
+import enum
 import weakref
 from collections.abc import Sequence
 
@@ -23,7 +24,51 @@ from .program import (Call, CallCache, assemble_call, epilogue_call, round_calls
 from .sampling.mode import SlotSampling, check_slot, sample_first_tokens
 from .validate import check_int, check_prompt, per_slot
 
-MODES = ("per_round_sync", "pre_issued")
+
+
+class BurstMode(str, enum.Enum):
+    """How bursts run: one vocabulary for the decoder, the demo, the benchmarks and serving.
+
+    The value is the name commands and JSON use (``BurstMode.GRAPH == "graph"``).
+    """
+
+    GRAPH = "graph"  # one captured graph launch per burst (BurstGraph)
+    GAPLESS = "gapless"  # graph, the next burst enqueued before this one is drained
+    PRE_ISSUED = "pre_issued"  # eager, the whole burst enqueued before its one sync
+    PER_ROUND_SYNC = "per_round_sync"  # eager, a host sync after every round
+
+    def __str__(self) -> str:  # f-strings and messages show the value, as the commands spell it
+        return self.value
+
+    @property
+    def eager(self) -> bool:
+        """Run by :meth:`SpecDecoder.enqueue_burst` (no graph)."""
+        return self in EAGER_MODES
+
+    @classmethod
+    def parse(cls, value, allowed=None, *, name: str = "mode") -> BurstMode:
+        """``value`` (a BurstMode, its value or an old alias) as a BurstMode in ``allowed``.
+
+        Raises
+        ------
+        ValueError
+            Naming ``name`` and the modes allowed, for anything else.
+        """
+        allowed = tuple(cls) if allowed is None else tuple(allowed)
+        mode = ALIASES.get(value, value) if isinstance(value, str) else value
+        try:
+            mode = cls(mode)
+        except ValueError:
+            mode = None
+        if mode not in allowed:
+            raise ValueError(f"{name} must be one of {[m.value for m in allowed]}, got {value!r}")
+        return mode
+
+
+EAGER_MODES = (BurstMode.PER_ROUND_SYNC, BurstMode.PRE_ISSUED)
+MODES = EAGER_MODES  # the old name of the eager modes
+# Older spellings still accepted: serving's eager engine ran per-round-sync bursts as "eager_sync".
+ALIASES = {"eager_sync": BurstMode.PER_ROUND_SYNC}
 _BIG = np.iinfo(np.int64).max  # "any number of bursts fits"
 
 
@@ -354,10 +399,9 @@ class SpecDecoder(Watched):
         self.check_fits()
         self.outstanding += 1
 
-    def enqueue_burst(self, *, mode: str = "pre_issued") -> None:
-        """Enqueue one eager burst; ``per_round_sync`` reads ``n_commit`` after every round."""
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    def enqueue_burst(self, *, mode: BurstMode | str = BurstMode.PRE_ISSUED) -> None:
+        """Enqueue one eager burst; ``PER_ROUND_SYNC`` reads ``n_commit`` after every round."""
+        mode = BurstMode.parse(mode, EAGER_MODES)
         self.begin_burst()
         head, first, later = self._enqueued_calls()
         for call in head:
@@ -365,7 +409,7 @@ class SpecDecoder(Watched):
         for r in range(self.m_rounds):
             for call in first if r == 0 else later:
                 call(self.stream)
-            if mode == "per_round_sync":
+            if mode is BurstMode.PER_ROUND_SYNC:
                 self.backend.to_host(self.bufs.n_commit, self.stream)
                 self.host_syncs += 1
 
@@ -401,7 +445,7 @@ class SpecDecoder(Watched):
             stopped = (self.host_eos != NO_EOS) & (tokens.counts > 0) & (tokens.last() == self.host_eos)
             self.host_left[stopped] = 0
 
-    def run_burst(self, *, mode: str = "pre_issued") -> BurstTokens:
+    def run_burst(self, *, mode: BurstMode | str = BurstMode.PRE_ISSUED) -> BurstTokens:
         """Enqueue one eager burst and drain it."""
         self.enqueue_burst(mode=mode)
         return self.drain()

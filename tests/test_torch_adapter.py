@@ -287,7 +287,13 @@ def test_outside_model_graph_on_gpu_50_bursts(gapless, rng):
 def test_graphburst_imports_without_torch():
     """``import graphburst`` (and the torch modules' import) never needs torch; using them says how to get it."""
     code = ("import sys; sys.modules['torch'] = None\n"
-            "import graphburst, graphburst.models.torch_adapter, graphburst.models.checkpoint\n"
+            "import graphburst\n"
+            "assert 'graphburst.models.torch_adapter' not in sys.modules  # loaded on first use\n"
+            "from graphburst.capture import BurstGraph\n"
+            "assert graphburst.BurstGraph is BurstGraph\n"
+            "import graphburst.models.torch_adapter, graphburst.models.checkpoint\n"
+            "assert graphburst.TorchTarget is graphburst.models.torch_adapter.TorchTarget\n"
+            "assert graphburst.TorchDraft is graphburst.models.torch_adapter.TorchDraft\n"
             "try:\n    graphburst.models.torch_adapter.TorchTarget(None, batch=1, capacity=1, backend='numpy')\n"
             "except ImportError as e:\n    print('ImportError:', e)\n")
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
