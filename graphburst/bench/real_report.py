@@ -23,14 +23,6 @@ VERIFY_GOAL = 1.5  # 1B verify GPU time over weight bytes / 4.0 TB/s
 PLOT_HELP = "matplotlib is not installed (pip install matplotlib), so no plot; the JSON has every figure"
 
 
-def first_divergence(a: list, b: list) -> int | None:
-    """Index of the first differing token (the shorter length if one is a prefix), None if equal."""
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
 def _ordered(engines) -> list:
     return [e for e in ENGINE_ORDER if e in engines]
 
