@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import sampling_stats as st
-from conftest import gpu
+from marks import gpu
 from graphburst.kernels import reference
 from graphburst.kernels import sampling_ref as sr
 from graphburst.constants import PLACEHOLDER_TOKEN

@@ -24,7 +24,7 @@ from graphburst.capture import BurstGraph
 from graphburst.models.torch_adapter import TorchBufs, TorchDraft, TorchTarget
 from graphburst.buffers import StreamBufs
 
-from conftest import requires_gpu
+from marks import requires_gpu
 
 # Tiny tensors gain nothing from intra-op threads, and CI's 2 cores are shared with pytest itself.
 torch.set_num_threads(1)
