@@ -8,13 +8,13 @@ A :class:`SpecDecoder` owns the burst buffers and the rollback pointer table of 
 
 from __future__ import annotations
 
-import enum
 import weakref
 from collections.abc import Sequence
 
 import numpy as np
 
 from .buffers import BurstTokens, StreamBufs, kv_len_ptr_table
+from .burst_mode import EAGER_MODES, MODES, BurstMode  # noqa: F401 (MODES re-exported: the old name)
 from .guard import Watched
 from .constants import NO_EOS, NO_PREFILL, UNBOUNDED_BUDGET
 from .torch_capture import capture_api, stream_pair
@@ -26,49 +26,6 @@ from .validate import check_int, check_prompt, per_slot
 
 
 
-class BurstMode(str, enum.Enum):
-    """How bursts run: one vocabulary for the decoder, the demo, the benchmarks and serving.
-
-    The value is the name commands and JSON use (``BurstMode.GRAPH == "graph"``).
-    """
-
-    GRAPH = "graph"  # one captured graph launch per burst (BurstGraph)
-    GAPLESS = "gapless"  # graph, the next burst enqueued before this one is drained
-    PRE_ISSUED = "pre_issued"  # eager, the whole burst enqueued before its one sync
-    PER_ROUND_SYNC = "per_round_sync"  # eager, a host sync after every round
-
-    def __str__(self) -> str:  # f-strings and messages show the value, as the commands spell it
-        return self.value
-
-    @property
-    def eager(self) -> bool:
-        """Run by :meth:`SpecDecoder.enqueue_burst` (no graph)."""
-        return self in EAGER_MODES
-
-    @classmethod
-    def parse(cls, value, allowed=None, *, name: str = "mode") -> BurstMode:
-        """``value`` (a BurstMode, its value or an old alias) as a BurstMode in ``allowed``.
-
-        Raises
-        ------
-        ValueError
-            Naming ``name`` and the modes allowed, for anything else.
-        """
-        allowed = tuple(cls) if allowed is None else tuple(allowed)
-        mode = ALIASES.get(value, value) if isinstance(value, str) else value
-        try:
-            mode = cls(mode)
-        except ValueError:
-            mode = None
-        if mode not in allowed:
-            raise ValueError(f"{name} must be one of {[m.value for m in allowed]}, got {value!r}")
-        return mode
-
-
-EAGER_MODES = (BurstMode.PER_ROUND_SYNC, BurstMode.PRE_ISSUED)
-MODES = EAGER_MODES  # the old name of the eager modes
-# Older spellings still accepted: serving's eager engine ran per-round-sync bursts as "eager_sync".
-ALIASES = {"eager_sync": BurstMode.PER_ROUND_SYNC}
 _BIG = np.iinfo(np.int64).max  # "any number of bursts fits"
 
 
@@ -193,6 +150,16 @@ class SpecDecoder(Watched):
         CapacityError
             When a request cannot fit in the KV cache.
         """
+        rows, limits, stops, settings = self._check_prefill(prompts, max_new_tokens, eos, temperature, top_k, top_p,
+                                                            seed)
+        if not rows:
+            return
+        stage, lens = self._stage_prompts(rows)
+        self._prefill_models(stage, lens, settings)
+        self._admit(rows, limits, stops)
+
+    def _check_prefill(self, prompts, max_new_tokens, eos, temperature, top_k, top_p, seed):
+        """Parse: ``({slot: prompt [n] int32}, budgets [B], stop tokens [B], {slot: SamplingParams})``."""
         if self.outstanding:
             raise RuntimeError("drain every enqueued burst before prefilling: its tokens would be lost")
         if isinstance(prompts, np.ndarray) and prompts.ndim == 2:
@@ -208,20 +175,25 @@ class SpecDecoder(Watched):
         rows = {}
         for b in slots:
             rows[b], limits[b], stops[b] = self.check_request(prompts[b], limits[b], stops[b], index=b)
-        settings = self._check_sampling_args(slots, temperature, top_k, top_p, seed)
-        if not slots:
-            return
+        return rows, limits, stops, self._check_sampling_args(slots, temperature, top_k, top_p, seed)
+
+    def _stage_prompts(self, rows: dict):
+        """Build: the prompts padded to the longest (``[B, P_max] int32``, a view of the staging
+        buffer) and their lengths (``[B] int32`` on the host, NO_PREFILL for slots left alone), uploaded."""
         p_max = max(len(r) for r in rows.values())
-        host = np.zeros((self.batch, p_max), np.int32)
-        lens = np.full(self.batch, NO_PREFILL, np.int32)
+        host = np.zeros((self.batch, p_max), np.int32)  # [B, P_max] int32
+        lens = np.full(self.batch, NO_PREFILL, np.int32)  # [B] int32
         for b, row in rows.items():
             host[b, : len(row)] = row
             lens[b] = len(row)
         stage = self._prompt_flat[: self.batch * p_max].reshape(self.batch, p_max)
-        s = self.stream
-        self.backend.upload(stage, host, s)
-        self.backend.upload(self._prompt_len, lens, s)
-        bufs = self.bufs
+        self.backend.upload(stage, host, self.stream)
+        self.backend.upload(self._prompt_len, lens, self.stream)
+        return stage, lens
+
+    def _prefill_models(self, stage, lens, settings: dict) -> None:
+        """Run: the models' prefill (the target sets ``pos_ctr`` and ``pend``), then a sampled first token."""
+        s, bufs = self.stream, self.bufs
         if self.sampling:
             self.host_sampling.set(settings)
             self.host_sampling.upload(self.backend, bufs, s)
@@ -229,12 +201,17 @@ class SpecDecoder(Watched):
         self.draft.prefill(stage, self._prompt_len, None, None, s)
         if self.sampling:
             sample_first_tokens(self.backend.ops, self.backend, bufs, lens, s)
+
+    def _admit(self, rows: dict, limits, stops) -> None:
+        """Record: each prefilled slot's budget, stop token and zeroed counters, on the device and in
+        the host mirror (the prefill's one sync)."""
+        s, bufs = self.stream, self.bufs
         budget, stop, acc = (self.backend.to_host(a, s) for a in (bufs.budget, bufs.eos, bufs.acc))
-        for b in slots:
+        for b, row in rows.items():
             budget[b] = limits[b]
             stop[b] = stops[b]
             acc[b] = 0
-            self.host_pos[b] = len(rows[b])
+            self.host_pos[b] = len(row)
             self.host_left[b] = budget[b]
             self.host_eos[b] = stop[b]
         self._any_limit = bool(((self.host_left > 0) & (self.host_left != UNBOUNDED_BUDGET)).any()
