@@ -284,6 +284,31 @@ def test_outside_model_graph_on_gpu_50_bursts(gapless, rng):
         assert got[b] == greedy_truth(prompt, len(got[b]))
 
 
+@pytest.mark.gpu
+@requires_gpu
+def test_bursts_under_another_current_torch_stream(rng):
+    # docs/models.md, "Streams": every burst runs on the decoder's stream whatever torch's
+    # current stream is, and drain()/run() return with the tokens on the host.
+    backend = Backend("cupy")
+    prompts = [rng.integers(0, VOCAB, size=n).tolist() for n in (5, 1, 9, 3)]
+    other = torch.cuda.Stream()
+    got = [[] for _ in prompts]
+    for engine in ("pre_issued", "per_round_sync", "graph", "gapless"):
+        target, draft = make_pair(4, 1024, backend, p_min=0.3)
+        dec = SpecDecoder(target, draft, k=4, m_rounds=3)
+        with torch.cuda.stream(other):
+            dec.prefill(prompts)
+            if engine in ("graph", "gapless"):
+                graph = BurstGraph(dec, gapless=engine == "gapless")
+                got = run_bursts(dec, graph.run, 10)
+            else:
+                got = run_bursts(dec, lambda: dec.run_burst(mode=engine), 10)
+        for b, prompt in enumerate(prompts):
+            assert got[b] == greedy_truth(prompt, len(got[b])), f"{engine}, sequence {b}"
+        del dec, target, draft
+        gc.collect()
+
+
 def test_graphburst_imports_without_torch():
     """``import graphburst`` (and the torch modules' import) never needs torch; using them says how to get it."""
     code = ("import sys; sys.modules['torch'] = None\n"
