@@ -292,7 +292,6 @@ def test_bursts_under_another_current_torch_stream(rng):
     backend = Backend("cupy")
     prompts = [rng.integers(0, VOCAB, size=n).tolist() for n in (5, 1, 9, 3)]
     other = torch.cuda.Stream()
-    got = [[] for _ in prompts]
     for engine in ("pre_issued", "per_round_sync", "graph", "gapless"):
         target, draft = make_pair(4, 1024, backend, p_min=0.3)
         dec = SpecDecoder(target, draft, k=4, m_rounds=3)

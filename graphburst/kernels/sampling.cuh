@@ -310,7 +310,7 @@ __device__ __forceinline__ float gb_scaled_exp(float l, float ref, float temp) {
 #define GB_SEL_HIST 1u
 #define GB_SEL_GATHER_EQ 2u  // gather the group
 #define GB_SEL_GATHER_GE 3u  // gather the group and every key above it
-static_assert(GB_SEL_CAP == GB_SEL_BINS, "a thread owns GB_SEL_PER_THREAD bins and list slots");
+static_assert(GB_SEL_CAP == GB_SEL_BINS, "a thread owns GB_SEL_PER_THREAD bins and list entries");
 static_assert(GB_SEL_PER_THREAD * GB_SEL_THREADS == GB_SEL_BINS, "whole bins per thread");
 
 // The select of one row, uniform over the block (written by one thread between barriers).
