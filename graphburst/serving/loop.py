@@ -40,7 +40,8 @@ from .slot_tokens import SlotTokens
 SERVE_MODES = (BurstMode.GRAPH, BurstMode.PER_ROUND_SYNC)  # ``pipelined`` makes the graph engine gapless
 ENGINE_MODES = tuple(m.value for m in SERVE_MODES) + ("eager_sync",)  # --engine choices; eager_sync: the old name
 
-__all__ = ["ENGINE_MODES", "SERVE_MODES", "Request", "RequestState", "ServeLoop", "inter_token_latencies_us", "percentiles"]
+__all__ = ["ENGINE_MODES", "SERVE_MODES", "Request", "RequestState", "ServeLoop", "inter_token_latencies_us",
+           "percentiles"]
 
 # Entries of ServeLoop.log (see there).
 LOG_TOKENS, LOG_ADMITTED, LOG_RETIRED = "tokens", "admitted", "retired"
