@@ -13,7 +13,7 @@ import numpy as np
 from .backend import Backend, get_backend
 from .guard import Watched
 from .kernels.sampling_scratch import SCRATCH_LAYOUT
-from .constants import ABSENT_LAYER, MAX_K, MAX_TABLE_ENTRIES, NO_EOS, PLACEHOLDER_TOKEN, RING_COUNT_SLOT, \
+from .constants import ABSENT_LAYER, MAX_K, MAX_TABLE_ENTRIES, NO_EOS, PLACEHOLDER_TOKEN, RING_COUNT_COLUMN, \
     SAMPLE_MAX_VOCAB, TOP_P_OFF
 from .validate import check_array, check_int
 
@@ -43,7 +43,7 @@ class StreamBufs(Watched):
         "last_pred": (lambda b, k, m: (b,), np.int32),  # bonus: target prediction after the accepted run
         "pos_ctr": (lambda b, k, m: (b,), np.int32),  # device position counter (append base)
         "pos_start": (lambda b, k, m: (b,), np.int32),  # round-start position (rollback anchor)
-        "ring": (lambda b, k, m: (b, m * (k + 1) + 1), np.int32),  # committed tokens, slot 0 = count
+        "ring": (lambda b, k, m: (b, m * (k + 1) + 1), np.int32),  # committed tokens, column 0 = count
         "acc": (lambda b, k, m: (b, 2), np.int32),  # [accepted drafts, rounds that committed]
         "draft_tok": (lambda b, k, m: (b, k), np.int32),  # draft proposals
         "draft_conf": (lambda b, k, m: (b, k), np.float32),  # draft confidences
@@ -56,7 +56,7 @@ class StreamBufs(Watched):
 
     #: sampling mode only (``vocab`` given): name -> (shape as a function of (B, k, M, V), dtype).
     SAMPLING_LAYOUT = {
-        "tgt_logits": (lambda b, k, m, v: (b, k + 1, v), np.float32),  # target logits per verify slot; probs in place
+        "tgt_logits": (lambda b, k, m, v: (b, k + 1, v), np.float32),  # target logits per verify position; probs here
         "draft_logits": (lambda b, k, m, v: (b, k, v), np.float32),  # draft logits per step; probs in place
         "temperature": (lambda b, k, m, v: (b,), np.float32),  # per slot; 0 = greedy
         "top_k": (lambda b, k, m, v: (b,), np.int32),  # per slot; TOP_K_OFF = 0 keeps every token
@@ -103,7 +103,7 @@ class StreamBufs(Watched):
 
     @property
     def ring(self):
-        """``[B, M*(k+1) + 1] int32`` committed tokens, slot 0 = count (a view of out_block)."""
+        """``[B, M*(k+1) + 1] int32`` committed tokens, column 0 = count (a view of out_block)."""
         return self._outputs()[0]
 
     @property
@@ -162,13 +162,13 @@ class BurstTokens(Sequence):
     Parameters
     ----------
     ring_host : [B, R] int32 numpy array
-        A host copy of the ring (slot 0 = count); it is owned by this object.
+        A host copy of the ring (column 0 = count); it is owned by this object.
     """
 
     def __init__(self, ring_host: np.ndarray):
         self.data = ring_host
         # np.minimum/maximum, not np.clip: the same values at a third of the cost (once per burst on the host path)
-        self.counts = np.minimum(np.maximum(ring_host[:, RING_COUNT_SLOT], 0), ring_host.shape[1] - 1)  # [B]
+        self.counts = np.minimum(np.maximum(ring_host[:, RING_COUNT_COLUMN], 0), ring_host.shape[1] - 1)  # [B]
 
     def __len__(self) -> int:
         return self.data.shape[0]

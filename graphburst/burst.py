@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from .buffers import BurstTokens, StreamBufs, kv_len_ptr_table
+from .burst_mode import EAGER_MODES, MODES, BurstMode  # noqa: F401 (MODES re-exported: the old name)
 from .guard import Watched
 from .constants import NO_EOS, NO_PREFILL, UNBOUNDED_BUDGET
 from .torch_capture import capture_api, stream_pair
@@ -23,7 +24,8 @@ from .program import (Call, CallCache, assemble_call, epilogue_call, round_calls
 from .sampling.mode import SlotSampling, check_slot, sample_first_tokens
 from .validate import check_int, check_prompt, per_slot
 
-MODES = ("per_round_sync", "pre_issued")
+
+
 _BIG = np.iinfo(np.int64).max  # "any number of bursts fits"
 
 
@@ -148,6 +150,16 @@ class SpecDecoder(Watched):
         CapacityError
             When a request cannot fit in the KV cache.
         """
+        rows, limits, stops, settings = self._check_prefill(prompts, max_new_tokens, eos, temperature, top_k, top_p,
+                                                            seed)
+        if not rows:
+            return
+        stage, lens = self._stage_prompts(rows)
+        self._prefill_models(stage, lens, settings)
+        self._admit(rows, limits, stops)
+
+    def _check_prefill(self, prompts, max_new_tokens, eos, temperature, top_k, top_p, seed):
+        """Parse: ``({slot: prompt [n] int32}, budgets [B], stop tokens [B], {slot: SamplingParams})``."""
         if self.outstanding:
             raise RuntimeError("drain every enqueued burst before prefilling: its tokens would be lost")
         if isinstance(prompts, np.ndarray) and prompts.ndim == 2:
@@ -163,20 +175,25 @@ class SpecDecoder(Watched):
         rows = {}
         for b in slots:
             rows[b], limits[b], stops[b] = self.check_request(prompts[b], limits[b], stops[b], index=b)
-        settings = self._check_sampling_args(slots, temperature, top_k, top_p, seed)
-        if not slots:
-            return
+        return rows, limits, stops, self._check_sampling_args(slots, temperature, top_k, top_p, seed)
+
+    def _stage_prompts(self, rows: dict):
+        """Build: the prompts padded to the longest (``[B, P_max] int32``, a view of the staging
+        buffer) and their lengths (``[B] int32`` on the host, NO_PREFILL for slots left alone), uploaded."""
         p_max = max(len(r) for r in rows.values())
-        host = np.zeros((self.batch, p_max), np.int32)
-        lens = np.full(self.batch, NO_PREFILL, np.int32)
+        host = np.zeros((self.batch, p_max), np.int32)  # [B, P_max] int32
+        lens = np.full(self.batch, NO_PREFILL, np.int32)  # [B] int32
         for b, row in rows.items():
             host[b, : len(row)] = row
             lens[b] = len(row)
         stage = self._prompt_flat[: self.batch * p_max].reshape(self.batch, p_max)
-        s = self.stream
-        self.backend.upload(stage, host, s)
-        self.backend.upload(self._prompt_len, lens, s)
-        bufs = self.bufs
+        self.backend.upload(stage, host, self.stream)
+        self.backend.upload(self._prompt_len, lens, self.stream)
+        return stage, lens
+
+    def _prefill_models(self, stage, lens, settings: dict) -> None:
+        """Run: the models' prefill (the target sets ``pos_ctr`` and ``pend``), then a sampled first token."""
+        s, bufs = self.stream, self.bufs
         if self.sampling:
             self.host_sampling.set(settings)
             self.host_sampling.upload(self.backend, bufs, s)
@@ -184,12 +201,17 @@ class SpecDecoder(Watched):
         self.draft.prefill(stage, self._prompt_len, None, None, s)
         if self.sampling:
             sample_first_tokens(self.backend.ops, self.backend, bufs, lens, s)
+
+    def _admit(self, rows: dict, limits, stops) -> None:
+        """Record: each prefilled slot's budget, stop token and zeroed counters, on the device and in
+        the host mirror (the prefill's one sync)."""
+        s, bufs = self.stream, self.bufs
         budget, stop, acc = (self.backend.to_host(a, s) for a in (bufs.budget, bufs.eos, bufs.acc))
-        for b in slots:
+        for b, row in rows.items():
             budget[b] = limits[b]
             stop[b] = stops[b]
             acc[b] = 0
-            self.host_pos[b] = len(rows[b])
+            self.host_pos[b] = len(row)
             self.host_left[b] = budget[b]
             self.host_eos[b] = stop[b]
         self._any_limit = bool(((self.host_left > 0) & (self.host_left != UNBOUNDED_BUDGET)).any()
@@ -354,10 +376,9 @@ class SpecDecoder(Watched):
         self.check_fits()
         self.outstanding += 1
 
-    def enqueue_burst(self, *, mode: str = "pre_issued") -> None:
-        """Enqueue one eager burst; ``per_round_sync`` reads ``n_commit`` after every round."""
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    def enqueue_burst(self, *, mode: BurstMode | str = BurstMode.PRE_ISSUED) -> None:
+        """Enqueue one eager burst; ``PER_ROUND_SYNC`` reads ``n_commit`` after every round."""
+        mode = BurstMode.parse(mode, EAGER_MODES)
         self.begin_burst()
         head, first, later = self._enqueued_calls()
         for call in head:
@@ -365,7 +386,7 @@ class SpecDecoder(Watched):
         for r in range(self.m_rounds):
             for call in first if r == 0 else later:
                 call(self.stream)
-            if mode == "per_round_sync":
+            if mode is BurstMode.PER_ROUND_SYNC:
                 self.backend.to_host(self.bufs.n_commit, self.stream)
                 self.host_syncs += 1
 
@@ -401,7 +422,7 @@ class SpecDecoder(Watched):
             stopped = (self.host_eos != NO_EOS) & (tokens.counts > 0) & (tokens.last() == self.host_eos)
             self.host_left[stopped] = 0
 
-    def run_burst(self, *, mode: str = "pre_issued") -> BurstTokens:
+    def run_burst(self, *, mode: BurstMode | str = BurstMode.PRE_ISSUED) -> BurstTokens:
         """Enqueue one eager burst and drain it."""
         self.enqueue_burst(mode=mode)
         return self.drain()

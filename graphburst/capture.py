@@ -173,7 +173,7 @@ class BurstGraph:
         self.backend = decoder.backend
         self.gapless = bool(gapless)
         self.capture_mode = capture_mode
-        self.n_slots = 2 if self.gapless else 1
+        self.n_graphs = 2 if self.gapless else 1  # each with its own pinned output block and event
         # Torch models need torch to own the capture (docs/capture.md); numpy records either way.
         self.capture_api = capture_api(decoder.target, decoder.draft)
         self._torch = None
@@ -182,13 +182,13 @@ class BurstGraph:
                 raise ValueError("torch models need the decoder's torch stream; build the SpecDecoder with them")
             self._torch = TorchCapturer(decoder.torch_stream)  # one graph pool for both gapless graphs
         bufs = decoder.bufs
-        # Pinned copies of bufs.out_block ([B*R + B*2] int32), one per slot, viewed as (ring, acc).
-        self._host_blocks = [_host_buffer(self.backend, bufs.out_block.shape) for _ in range(self.n_slots)]
+        # Pinned copies of bufs.out_block ([B*R + B*2] int32), one per graph, viewed as (ring, acc).
+        self._host_blocks = [_host_buffer(self.backend, bufs.out_block.shape) for _ in range(self.n_graphs)]
         self._host_views = [split_out_block(h, [bufs.ring.shape, bufs.acc.shape]) for h in self._host_blocks]
         self.last_acc = np.zeros((decoder.batch, 2), np.int32)  # accept counters as of the last drained burst
-        self._events = [self._new_event() for _ in range(self.n_slots)]
+        self._events = [self._new_event() for _ in range(self.n_graphs)]
         self._pending: deque[int] = deque()
-        self._next_slot = 0
+        self._next_graph = 0
         self.captures = 0
         self.capture()
 
@@ -200,13 +200,13 @@ class BurstGraph:
                 return self.backend.xp.cuda.Event(disable_timing=True)
         return HostEvent()
 
-    def _program(self, slot: int) -> list[Call]:
-        copy = functools.partial(_copy_to_host, self.backend, self._host_blocks[slot], self.dec.bufs.out_block)
+    def _program(self, graph_index: int) -> list[Call]:
+        copy = functools.partial(_copy_to_host, self.backend, self._host_blocks[graph_index], self.dec.bufs.out_block)
         return self.dec.burst_calls() + [Call("outputs_to_host", copy)]
 
-    def _capture_one(self, slot: int):
-        """One slot's program as a graph (cupy) or a recorded program (numpy), uploaded."""
-        program = self._program(slot)
+    def _capture_one(self, graph_index: int):
+        """Graph ``graph_index``'s program as a graph (cupy) or a recorded program (numpy), uploaded."""
+        program = self._program(graph_index)
         if not self.backend.is_gpu:
             graph = RecordedProgram(program)
         elif self._torch is not None:
@@ -256,7 +256,7 @@ class BurstGraph:
         return getters, [h for h in holders if hasattr(h, "watch")]
 
     def capture(self) -> None:
-        """Warm up, then capture (or, on numpy, record) the burst program once per slot."""
+        """Warm up, then capture (or, on numpy, record) the burst program once per graph."""
         if self._pending or self.dec.outstanding:
             raise RuntimeError("drain every enqueued burst before capturing")
         if self.backend.is_gpu:
@@ -265,7 +265,7 @@ class BurstGraph:
                 _warm_up_models(self.dec)
         getters, holders = self._baked_buffers()
         guard = AddressGuard(getters, holders, self.backend.address)
-        graphs = [self._capture_one(slot) for slot in range(self.n_slots)]
+        graphs = [self._capture_one(i) for i in range(self.n_graphs)]
         # Only a complete capture replaces the old graphs and their guard: after a failed
         # recapture the old guard still reports what refresh_tables() moved.
         self.guard, self._graphs = guard, graphs
@@ -295,16 +295,16 @@ class BurstGraph:
             The burst could write past a KV cache's capacity.
         """
         self.guard.check()
-        self.dec.begin_burst(max_outstanding=self.n_slots)
-        slot, stream = self._next_slot, self.dec.stream
+        self.dec.begin_burst(max_outstanding=self.n_graphs)
+        i, stream = self._next_graph, self.dec.stream
         if timing_events is not None:
             timing_events[0].record(stream)
-        self._graphs[slot].launch(stream)
+        self._graphs[i].launch(stream)
         if timing_events is not None:
             timing_events[1].record(stream)
-        self._events[slot].record(stream)
-        self._pending.append(slot)
-        self._next_slot = (slot + 1) % self.n_slots
+        self._events[i].record(stream)
+        self._pending.append(i)
+        self._next_graph = (i + 1) % self.n_graphs
 
     def drain(self) -> BurstTokens:
         """Committed tokens of the oldest undrained burst, per sequence (the one host sync).
@@ -314,13 +314,18 @@ class BurstGraph:
         """
         if not self._pending:
             raise RuntimeError("no burst to drain: replay() first")
-        slot = self._pending.popleft()
-        self._events[slot].synchronize()
-        ring, acc = self._host_views[slot]
+        i = self._pending.popleft()
+        self._events[i].synchronize()
+        ring, acc = self._host_views[i]
         tokens = split_ring(ring)
         self.last_acc = acc.copy()
         self.dec.finish_burst(tokens)
         return tokens
+
+    @property
+    def n_slots(self) -> int:
+        """The old name of :attr:`n_graphs` ("slot" means a batch row only)."""
+        return self.n_graphs
 
     def run(self) -> BurstTokens:
         """Replay one burst and drain it."""

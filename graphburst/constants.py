@@ -4,12 +4,13 @@ The CUDA source defines the same values as ``GB_*`` macros; ``tests/test_referen
 checks that the two stay in step.
 """
 
-PLACEHOLDER_TOKEN = -1  # verify slots past the p-min break; poison in tests
+PLACEHOLDER_TOKEN = -1  # verify positions past the p-min break; poison in tests
 NO_EOS = -1  # eos[b] for a sequence that never stops on a token
 UNBOUNDED_BUDGET = 2**31 - 1  # budget[b] for a sequence with no token limit
 NO_PREFILL = -1  # prompt_len[b] for a slot a prefill call leaves untouched
 ABSENT_LAYER = 0  # pointer-table entry of a layer without KV (linear attention, KV-shared)
-RING_COUNT_SLOT = 0  # ring[b, 0] holds the number of tokens committed this burst
+RING_COUNT_COLUMN = 0  # ring[b, 0] holds the number of tokens committed this burst
+RING_COUNT_SLOT = RING_COUNT_COLUMN  # the old name ("slot" means a batch row only)
 
 MAX_K = 64  # drafts per round; bounds the verify kernel's shared memory
 MAX_TABLE_ENTRIES = 65535  # rollback walks the table on gridDim.y
@@ -22,7 +23,8 @@ SAMPLE_TILE = 2048  # vocabulary elements per sampling block (several blocks per
 SELECT_THREADS = 512  # threads per block of the top-k/top-p select (kernels.cu GB_SEL_THREADS)
 SELECT_DIGIT = 11  # bits of the select's radix digit (GB_SEL_DIGIT)
 SELECT_BINS = 1 << SELECT_DIGIT  # histogram bins per row (GB_SEL_BINS)
-RACE_SLOTS = 2  # race partials per scratch row: [0] draft / residual, [1] the bonus race over p (GB_RACE_SLOTS)
+RACES_PER_ROW = 2  # race partials per scratch row: [0] draft / residual, [1] the bonus race over p (GB_RACES_PER_ROW)
+RACE_SLOTS = RACES_PER_ROW  # the old name ("slot" means a batch row only)
 SAMPLE_MAX_VOCAB = 1 << 20  # keeps a row's top-p mass (2**32 per token at most) exact in a double
 DRAW_DRAFT = 0  # Philox counter word 1: the draft's proposal for a position
 DRAW_ACCEPT = 1  # the uniform of the accept test for a position

@@ -24,13 +24,13 @@ from rich.console import Console
 from rich.table import Table
 
 from .backend import BACKEND_NAMES, get_backend
-from .burst import MODES, SpecDecoder
+from .burst import BurstMode, SpecDecoder
 from .cli_args import FlagError, check_backend, check_kv_memory, int_in, readable_dir, real_in
 from .constants import MAX_K
 from .kernels.digest import greedy_reference
 from .sampling.params import check_sampling
 
-DEMO_MODES = ("graph", "gapless") + MODES
+DEMO_MODES = tuple(m.value for m in BurstMode)  # --mode choices
 TINY_RANDOM = "tiny-random"
 DTYPES = ("float32", "bfloat16")
 STUB_P_MIN = 0.05
@@ -55,7 +55,7 @@ def add_parser(sub) -> None:
                    help="the draft breaks its chain below this confidence (default 0.05 for the stubs, 0 for a "
                         "--model pair, whose softmax confidences can be low)")
     p.add_argument("--vocab", type=int_in(2, 2**31 - 1), default=32000, help="stub vocabulary")
-    p.add_argument("--mode", choices=DEMO_MODES, default="graph",
+    p.add_argument("--mode", choices=DEMO_MODES, default=BurstMode.GRAPH.value,
                    help="graph replay (default), graph with the gapless drain, or an eager mode")
     p.add_argument("--seed", type=int_in(0, 2**32 - 1), default=0)
     p.add_argument("--temperature", type=real_in(0.0, 1e6), default=0.0,
@@ -124,11 +124,12 @@ def _build(args, backend, capacity):
 
 def _runner(dec, mode):
     """A callable running one burst and returning its tokens, in the chosen mode."""
-    if mode in MODES:
+    mode = BurstMode.parse(mode)
+    if mode.eager:
         return lambda: dec.run_burst(mode=mode)
     from .capture import BurstGraph
 
-    return BurstGraph(dec, gapless=mode == "gapless").run
+    return BurstGraph(dec, gapless=mode is BurstMode.GAPLESS).run
 
 
 def _sampling_kwargs(args) -> dict:
@@ -146,7 +147,7 @@ def _eager_reference(args, backend, capacity, prompts):
     dec.prefill(prompts, **_sampling_kwargs(args))
     out = [[] for _ in prompts]
     for _ in range(args.bursts):
-        for b, t in enumerate(dec.run_burst(mode="per_round_sync")):
+        for b, t in enumerate(dec.run_burst(mode=BurstMode.PER_ROUND_SYNC)):
             out[b] += t.tolist()
     return out
 

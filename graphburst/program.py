@@ -27,62 +27,64 @@ class Call:
         self.fn(stream=stream)
 
 
-def round_calls(ops, b: StreamBufs, table, target, draft, *, k: int, fused: bool, assemble: bool, sampling: bool,
+def round_calls(ops, bufs: StreamBufs, table, target, draft, *, k: int, fused: bool, assemble: bool, sampling: bool,
                 first_round: bool) -> list[Call]:
     """The bound kernel calls of one round, in stream order.
 
     Fused rounds are seeded by the previous round's epilogue (or the burst's head
     seed), so they start at the draft chain.
     """
-    calls = [] if fused else [seed_call(ops, b, reset_ring=first_round)]
+    calls = [] if fused else [seed_call(ops, bufs, reset_ring=first_round)]
     if sampling:
-        return calls + sampling_round_calls(ops, b, table, target, draft, k=k)
-    calls += [Call(f"draft_step[{j}]", functools.partial(draft.draft_step, b, j)) for j in range(k)]
+        return calls + sampling_round_calls(ops, bufs, table, target, draft, k=k)
+    calls += [Call(f"draft_step[{j}]", functools.partial(draft.draft_step, bufs, j)) for j in range(k)]
     if assemble:
-        calls.append(assemble_call(ops, b))
-    calls.append(Call("verify", functools.partial(target.verify, b)))
+        calls.append(assemble_call(ops, bufs))
+    calls.append(Call("verify", functools.partial(target.verify, bufs)))
     if fused:
-        return calls + [epilogue_call(ops, b, table)]
-    return calls + separate_tail_calls(ops, b, table)
+        return calls + [epilogue_call(ops, bufs, table)]
+    return calls + separate_tail_calls(ops, bufs, table)
 
 
-def sampling_round_calls(ops, b: StreamBufs, table, target, draft, *, k: int) -> list[Call]:
+def sampling_round_calls(ops, bufs: StreamBufs, table, target, draft, *, k: int) -> list[Call]:
     """A sampling round after its seed (the program is in :mod:`graphburst.sampling.mode`)."""
     calls = []
     for j in range(k):
-        calls.append(Call(f"draft_step[{j}]", functools.partial(draft.draft_step, b, j)))
-        calls += [Call(name, fn) for name, fn in draft_sample_calls(ops, b, j)]
-    calls.append(Call("draft_append_last", functools.partial(draft.draft_append_last, b)))
-    calls += [assemble_call(ops, b), Call("verify", functools.partial(target.verify, b))]
-    calls += [Call(name, fn) for name, fn in verify_sample_calls(ops, b)]
-    return calls + separate_tail_calls(ops, b, table)[1:]  # accept_sample replaced accept_greedy
+        calls.append(Call(f"draft_step[{j}]", functools.partial(draft.draft_step, bufs, j)))
+        calls += [Call(name, fn) for name, fn in draft_sample_calls(ops, bufs, j)]
+    calls.append(Call("draft_append_last", functools.partial(draft.draft_append_last, bufs)))
+    calls += [assemble_call(ops, bufs), Call("verify", functools.partial(target.verify, bufs))]
+    calls += [Call(name, fn) for name, fn in verify_sample_calls(ops, bufs)]
+    return calls + separate_tail_calls(ops, bufs, table)[1:]  # accept_sample replaced accept_greedy
 
 
 # The generic bookkeeping calls, shared by the decoder's program and the capture warm-up.
 
 
-def seed_call(ops, b: StreamBufs, reset_ring: bool) -> Call:
-    return Call("seed_gather", functools.partial(ops.seed_gather, b.pend, b.pos_ctr, b.vtok, b.pos_start, b.brk,
-                                                 b.ring, reset_ring=reset_ring))
+def seed_call(ops, bufs: StreamBufs, reset_ring: bool) -> Call:
+    return Call("seed_gather", functools.partial(ops.seed_gather, bufs.pend, bufs.pos_ctr, bufs.vtok, bufs.pos_start,
+                                                 bufs.brk, bufs.ring, reset_ring=reset_ring))
 
 
-def assemble_call(ops, b: StreamBufs) -> Call:
-    return Call("assemble_verify", functools.partial(ops.assemble_verify, b.pend, b.draft_tok, b.brk, b.vtok))
+def assemble_call(ops, bufs: StreamBufs) -> Call:
+    return Call("assemble_verify", functools.partial(ops.assemble_verify, bufs.pend, bufs.draft_tok, bufs.brk,
+                                                     bufs.vtok))
 
 
-def epilogue_call(ops, b: StreamBufs, table) -> Call:
-    return Call("epilogue", functools.partial(ops.epilogue, b.tgt_pred, b.eos, b.vtok, b.brk, b.n_acc, b.last_pred,
-                                              b.budget, b.ring, b.pend, b.acc, b.n_commit, b.pos_start, b.pos_ctr,
-                                              table))
+def epilogue_call(ops, bufs: StreamBufs, table) -> Call:
+    return Call("epilogue", functools.partial(ops.epilogue, bufs.tgt_pred, bufs.eos, bufs.vtok, bufs.brk, bufs.n_acc,
+                                              bufs.last_pred, bufs.budget, bufs.ring, bufs.pend, bufs.acc,
+                                              bufs.n_commit, bufs.pos_start, bufs.pos_ctr, table))
 
 
-def separate_tail_calls(ops, b: StreamBufs, table) -> list[Call]:
+def separate_tail_calls(ops, bufs: StreamBufs, table) -> list[Call]:
     """Accept, commit and rollback as three kernels (the unfused round's tail)."""
     return [
-        Call("accept_greedy", functools.partial(ops.accept_greedy, b.vtok, b.tgt_pred, b.brk, b.n_acc, b.last_pred)),
-        Call("ring_commit", functools.partial(ops.ring_commit, b.vtok, b.n_acc, b.last_pred, b.eos, b.budget, b.ring,
-                                              b.pend, b.acc, b.n_commit)),
-        Call("rollback_stream", functools.partial(ops.rollback_stream, table, b.pos_start, b.n_commit)),
+        Call("accept_greedy", functools.partial(ops.accept_greedy, bufs.vtok, bufs.tgt_pred, bufs.brk, bufs.n_acc,
+                                                bufs.last_pred)),
+        Call("ring_commit", functools.partial(ops.ring_commit, bufs.vtok, bufs.n_acc, bufs.last_pred, bufs.eos,
+                                              bufs.budget, bufs.ring, bufs.pend, bufs.acc, bufs.n_commit)),
+        Call("rollback_stream", functools.partial(ops.rollback_stream, table, bufs.pos_start, bufs.n_commit)),
     ]
 
 

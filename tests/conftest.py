@@ -1,4 +1,4 @@
-"""Shared fixtures: backends, GPU marking and random-input helpers."""
+"""Hooks and fixtures only: the GPU skip, the backend and rng fixtures (the marks are in marks.py)."""
 
 from __future__ import annotations
 
@@ -6,17 +6,12 @@ import numpy as np
 import pytest
 
 from graphburst.backend import Backend, cuda_available
-
-GPU_REASON = "needs cupy and a CUDA device (run with -m gpu on a GPU machine)"
-requires_gpu = pytest.mark.skipif(not cuda_available(), reason=GPU_REASON)
-gpu = [pytest.mark.gpu, requires_gpu]
-
-BACKENDS = ["numpy", pytest.param("cupy", marks=gpu)]
+from marks import BACKENDS, GPU_REASON
 
 
 def pytest_collection_modifyitems(config, items) -> None:
     """Skip every test marked ``gpu`` when there is no CUDA device: the mark alone is
-    enough, so test modules never import from conftest."""
+    enough, so test modules never import from conftest (the marks are in marks.py)."""
     if cuda_available():
         return
     skip = pytest.mark.skip(reason=GPU_REASON)

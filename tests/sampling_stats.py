@@ -62,11 +62,11 @@ def goodness_of_fit(tokens, p) -> tuple[float, str]:
     return chi2_sf(stat, df), f"chi2 = {stat:.1f}, df = {df}, n = {int(n)}"
 
 
-def emitted(vtok, n_acc, last_pred, slot):
-    """Token emitted at draft slot ``slot`` (0-based) of each row, for rows that reach it."""
+def emitted(vtok, n_acc, last_pred, j):
+    """Token emitted at draft position ``j`` (0-based) of each row, for rows that reach it."""
     n_acc = np.asarray(n_acc)
-    reach = n_acc >= slot
-    tok = np.where(n_acc[reach] > slot, np.asarray(vtok)[reach, 1 + slot], np.asarray(last_pred)[reach])
+    reach = n_acc >= j
+    tok = np.where(n_acc[reach] > j, np.asarray(vtok)[reach, 1 + j], np.asarray(last_pred)[reach])
     return tok
 
 
@@ -78,7 +78,7 @@ def _inverse_cdf(w, u):
     return np.minimum(np.searchsorted(c, u * c[-1], side="right"), len(c) - 1)
 
 
-def one_slot(p, q, n, rule, rng):
+def one_draft(p, q, n, rule, rng):
     """First emitted token of ``n`` independent one-draft rounds under ``rule``.
 
     ``rule`` is ``"correct"`` (min(1, p/q), residual norm(max(0, p - q))) or a wrong variant:
@@ -112,7 +112,7 @@ WRONG_RULES = ("no_residual", "ratio_forgotten", "ratio_inverted")
 def round_inputs(n_rows: int, k: int, pairs):
     """p [n, k+1, V], q [n, k, V], seeds and positions for ``n_rows`` independent rounds.
 
-    Slot i uses ``pairs[i % len(pairs)]``; the bonus row reuses the last slot's p.
+    Draft position i uses ``pairs[i % len(pairs)]``; the bonus row reuses the last position's p.
     Seeds spread over all 64 bits; positions vary so both Philox key and counter move.
     """
     vocab = len(pairs[0][1])

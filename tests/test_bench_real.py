@@ -23,7 +23,8 @@ from graphburst.bench.real_report import SAME_KERNEL_RULE  # noqa: E402
 from graphburst.bench.real_engines import TorchLoop  # noqa: E402
 from graphburst.bench.real_models import (MODELS, Epsilon, hf_twin, instance, random_target,  # noqa: E402
                                           shares_weights, weight_bytes)
-from graphburst.bench.real_report import first_divergence, plot_problem  # noqa: E402
+from graphburst.bench.real_report import plot_problem  # noqa: E402
+from graphburst.models.parity import first_divergence  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = MODELS["tiny"]

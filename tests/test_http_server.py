@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import requires_gpu
+from marks import requires_gpu
 from graphburst import greedy_reference
 
 pytest.importorskip("aiohttp")

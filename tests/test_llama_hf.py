@@ -22,7 +22,7 @@ from graphburst.capture import BurstGraph
 from graphburst.models.checkpoint import load_llama, load_pair, tiny_random_pair
 from graphburst.models.llama import LlamaConfig
 
-from conftest import requires_gpu
+from marks import requires_gpu
 
 # Tiny tensors gain nothing from intra-op threads, and CI's 2 cores are shared with pytest itself.
 torch.set_num_threads(1)

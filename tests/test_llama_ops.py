@@ -27,7 +27,7 @@ from transformers import LlamaForCausalLM
 
 from graphburst.models.llama import Llama, LlamaConfig, apply_rope, rope_rotation, rope_tables, rotate
 
-from conftest import requires_gpu
+from marks import requires_gpu
 
 torch.set_num_threads(1)
 

@@ -190,3 +190,52 @@ def test_a_draft_that_cannot_be_sharded_is_refused_naming_the_flag():
     check_draft(odd, 2, "replicated")  # whole on every rank: nothing to divide
     check_draft(TINY, 2, "sharded")
     check_draft(None, 2, "sharded")  # tiny-random's own draft
+
+
+def test_near_tie_rule_on_hand_made_logits():
+    import torch
+
+    from graphburst.models.parity import compare_tokens, describe
+
+    logits = torch.tensor([3.0, 2.995, 1.0, -4.0])  # tokens 0 and 1 nearly tie; 2 is far behind
+    seen = []
+
+    def after(prefix):
+        seen.append(prefix)
+        return logits
+
+    same = compare_tokens([7, 0, 5], [7, 0, 5, 9], after, 0.01)  # a prefix of the reference: no divergence
+    assert same == dict(compared=3, agreed=3, divergence=None, ok=True) and not seen
+    assert describe(same) == "all 3"
+    tie = compare_tokens([7, 1, 4], [7, 0, 5], after, 0.01)
+    assert tie["ok"] and tie["agreed"] == 1 and seen == [[7]]  # the logits after the agreed prefix
+    assert tie["divergence"]["theirs"] == 1 and tie["divergence"]["ours"] == 0
+    assert describe(tie) == "token 1: 1 vs 0, gap 0.0050 <= 0.0300 (near-tie)"
+    far = compare_tokens([7, 2], [7, 0], after, 0.01)
+    assert not far["ok"] and describe(far).endswith("gap 2.0000 > 0.0300 (NOT a near-tie)")
+    assert not compare_tokens([7, 1], [7, 0], after, 1e-4)["ok"]  # fp32's tolerance is tighter
+
+
+def test_parallel_demo_check_passes_a_flipped_near_tie_and_fails_a_real_divergence():
+    # What the multi-GPU demo's rank 0 runs against the whole target: a run that took the
+    # runner-up token at a divergence passes only when the margin there is a near-tie.
+    import torch
+
+    from graphburst.models.checkpoint import tiny_random_pair
+    from graphburst.models.parity import teacher_forced_logits
+    from graphburst.parallel.launch import compare_to_greedy
+
+    full = tiny_random_pair(batch=1, capacity=64, backend="numpy")[0].module
+    prompt = [3, 14, 15, 92]
+    greedy = full.greedy(prompt, 6)
+    logits = teacher_forced_logits(full, prompt, greedy[:2])
+    top2 = torch.topk(logits, 2)
+    assert int(top2.indices[0]) == greedy[2]
+    flipped = greedy[:2] + [int(top2.indices[1])] + [0, 0]  # the runner-up at token 2, then anything
+    gap = float(top2.values[0] - top2.values[1])
+    bound = max(1.0, abs(float(top2.values[0])))
+    same, tie = compare_to_greedy([greedy, flipped], [prompt] * 2, full, tol=1.01 * gap / bound)
+    assert same["ok"] and same["divergence"] is None and same["agreed"] == 6
+    assert tie["ok"] and tie["agreed"] == 2 and tie["divergence"]["at"] == 2
+    [strict] = compare_to_greedy([flipped], [prompt], full, tol=0.99 * gap / bound)
+    assert not strict["ok"] and strict["agreed"] == 2

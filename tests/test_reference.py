@@ -36,7 +36,7 @@ CU = kernel_source()  # kernels.cu with its sections inlined
         ("GB_DRAW_RESAMPLE", constants.DRAW_RESAMPLE),
         ("GB_SEL_THREADS", constants.SELECT_THREADS),
         ("GB_SEL_DIGIT", constants.SELECT_DIGIT),
-        ("GB_RACE_SLOTS", constants.RACE_SLOTS),
+        ("GB_RACES_PER_ROW", constants.RACES_PER_ROW),
     ],
 )
 def test_cuda_macros_match_python_constants(macro, value):

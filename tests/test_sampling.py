@@ -323,7 +323,7 @@ def test_chi2_sf_matches_table_at_alpha(df, critical):
 
 
 def test_reference_rule_is_lossless():
-    """Two draft slots per round over the fixed pairs: each emitted slot follows its p."""
+    """Two draft positions per round over the fixed pairs: each emitted position follows its p."""
     n, k = 120_000, 2
     for shift in range(len(st.PAIRS)):
         pairs = st.PAIRS[shift:] + st.PAIRS[:shift]
@@ -333,19 +333,19 @@ def test_reference_rule_is_lossless():
         sr.sample_draft(q, seed, pos, vtok[:, 1:], prob)
         brk = np.tile(np.array([k, 0], np.int32), (n, 1))
         n_acc, last = run_accept(vtok, p, q, brk, seed, pos)
-        for slot in range(k):
-            pval, info = st.goodness_of_fit(st.emitted(vtok, n_acc, last, slot), p[0, slot])
-            assert pval > st.ALPHA, f"{pairs[slot][0]} slot {slot}: {info}"
+        for j in range(k):
+            pval, info = st.goodness_of_fit(st.emitted(vtok, n_acc, last, j), p[0, j])
+            assert pval > st.ALPHA, f"{pairs[j][0]} draft position {j}: {info}"
 
 
 @pytest.mark.parametrize("name, p, q", st.PAIRS, ids=[c[0] for c in st.PAIRS])
 def test_the_chi2_test_rejects_wrong_rules(name, p, q):
     rng = np.random.default_rng(20261130)
     n = 120_000
-    pval, info = st.goodness_of_fit(st.one_slot(p, q, n, "correct", rng), p)
+    pval, info = st.goodness_of_fit(st.one_draft(p, q, n, "correct", rng), p)
     assert pval > st.ALPHA, info
     for rule in st.WRONG_RULES:
-        pval, info = st.goodness_of_fit(st.one_slot(p, q, n, rule, rng), p)
+        pval, info = st.goodness_of_fit(st.one_draft(p, q, n, rule, rng), p)
         assert pval < st.ALPHA, f"{rule} passed on {name}: {info}"
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import sampling_stats as st
-from conftest import gpu
+from marks import gpu
 from graphburst.kernels import reference
 from graphburst.kernels import sampling_ref as sr
 from graphburst.constants import PLACEHOLDER_TOKEN
@@ -381,10 +381,10 @@ def test_device_rule_is_lossless_and_wrong_rules_fail(ops, stream):
         ops.accept_sample(vtok, d_p, d_q, brk, d_seed, d_pos, n_acc, last, sc, stream=stream)
         stream.synchronize()
         h_vtok, h_n, h_last = cp.asnumpy(vtok), cp.asnumpy(n_acc), cp.asnumpy(last)
-        for slot in range(k):
-            pval, info = st.goodness_of_fit(st.emitted(h_vtok, h_n, h_last, slot), p[0, slot])
-            print(f"device {pairs[slot][0]} slot {slot}: p = {pval:.3g}, {info}")
-            assert pval > st.ALPHA, f"{pairs[slot][0]} slot {slot}: {info}"
+        for j in range(k):
+            pval, info = st.goodness_of_fit(st.emitted(h_vtok, h_n, h_last, j), p[0, j])
+            print(f"device {pairs[j][0]} draft position {j}: p = {pval:.3g}, {info}")
+            assert pval > st.ALPHA, f"{pairs[j][0]} draft position {j}: {info}"
         want_n = np.zeros(checked, np.int32)
         want_last = np.zeros(checked, np.int32)
         sr.accept_sample(h_vtok[:checked], p[:checked], q[:checked], cp.asnumpy(brk)[:checked], seed[:checked],
@@ -394,7 +394,7 @@ def test_device_rule_is_lossless_and_wrong_rules_fail(ops, stream):
     rng = np.random.default_rng(20261130)
     for name, p1, q1 in st.PAIRS:
         for rule in st.WRONG_RULES:
-            pval, info = st.goodness_of_fit(st.one_slot(p1, q1, n, rule, rng), p1)
+            pval, info = st.goodness_of_fit(st.one_draft(p1, q1, n, rule, rng), p1)
             assert pval < st.ALPHA, f"{rule} passed on {name} with n = {n}: {info}"
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import gpu
+from marks import gpu
 from graphburst.kernels import sampling_ref as sr
 from graphburst.kernels.sampling_scratch import ZEROED
 from test_sampling_gpu import F32, assert_bits, dev, ops, scratch, stream  # noqa: F401 (fixtures)

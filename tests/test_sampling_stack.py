@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import gpu
+from marks import gpu
 from graphburst import greedy_reference
 
 ROOT = Path(__file__).parents[1]

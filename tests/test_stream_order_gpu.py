@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from conftest import gpu
+from marks import gpu
 from graphburst import greedy_reference, stub_pair
 from graphburst.burst import SpecDecoder
 

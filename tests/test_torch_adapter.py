@@ -24,7 +24,7 @@ from graphburst.capture import BurstGraph
 from graphburst.models.torch_adapter import TorchBufs, TorchDraft, TorchTarget
 from graphburst.buffers import StreamBufs
 
-from conftest import requires_gpu
+from marks import requires_gpu
 
 # Tiny tensors gain nothing from intra-op threads, and CI's 2 cores are shared with pytest itself.
 torch.set_num_threads(1)
@@ -216,6 +216,52 @@ def test_a_failed_construction_leaves_the_adapters_free():
     assert dec.run_burst(mode="per_round_sync")[0].size > 0
 
 
+def _tiny_llama_decoder(target, draft, prompts):
+    dec = SpecDecoder(target, draft, k=3, m_rounds=2)
+    dec.prefill(prompts)
+    return dec
+
+
+def test_a_module_serves_one_live_decoder():
+    # The KV storage lives in the torch module: a second decoder over new adapters of the
+    # same modules would prefill into the first one's KV rows, and every sequence of the
+    # first decoder would then decode wrong tokens. It is refused, naming the module.
+    from graphburst.models.checkpoint import tiny_random_pair
+
+    prompts = [[5, 9, 2, 7], [3, 1, 4, 1, 5, 9]]
+    target, draft = tiny_random_pair(batch=2, capacity=64, backend="numpy")
+    dec1 = _tiny_llama_decoder(target, draft, prompts)
+    out = [t.tolist() for t in dec1.run_burst(mode="pre_issued")]
+    kw = dict(batch=2, capacity=64, backend="numpy")
+    with pytest.raises(ValueError, match=r"the torch module Llama at 0x[0-9a-f]+ already serves a live SpecDecoder"):
+        _tiny_llama_decoder(TorchTarget(target.module, **kw), TorchDraft(draft.module, **kw), [[8] * 9, [2] * 7])
+    for b, t in enumerate(dec1.run_burst(mode="pre_issued")):  # the first decoder's tokens stay right
+        out[b] += t.tolist()
+    for b, prompt in enumerate(prompts):
+        assert out[b] == target.module.greedy(prompt, len(out[b]), row=b), f"sequence {b}"
+
+
+def test_a_module_rebinds_once_its_decoder_is_gone():
+    from graphburst.models.checkpoint import tiny_random_pair
+
+    target, draft = tiny_random_pair(batch=1, capacity=64, backend="numpy")
+    dec1 = _tiny_llama_decoder(target, draft, [[1, 2, 3]])
+    dec1.run_burst(mode="pre_issued")
+    del dec1
+    gc.collect()
+    kw = dict(batch=1, capacity=64, backend="numpy")
+    new_target, new_draft = TorchTarget(target.module, **kw), TorchDraft(draft.module, **kw)
+    # A construction that fails after the target bound (the draft's slack is too small
+    # for k) leaves the modules free.
+    slack, draft.module.kv_slack = draft.module.kv_slack, 4
+    with pytest.raises(ValueError, match="kv_slack 4 must be >= k"):
+        SpecDecoder(new_target, new_draft, k=3, m_rounds=1)
+    draft.module.kv_slack = slack
+    dec2 = _tiny_llama_decoder(TorchTarget(target.module, **kw), TorchDraft(draft.module, **kw), [[4, 4, 2]])
+    got = dec2.run_burst(mode="pre_issued")[0].tolist()
+    assert got == target.module.greedy([4, 4, 2], len(got))
+
+
 @pytest.mark.parametrize("gapless", [False, True])
 @pytest.mark.gpu
 @requires_gpu
@@ -238,10 +284,38 @@ def test_outside_model_graph_on_gpu_50_bursts(gapless, rng):
         assert got[b] == greedy_truth(prompt, len(got[b]))
 
 
+@pytest.mark.gpu
+@requires_gpu
+def test_bursts_under_another_current_torch_stream(rng):
+    # docs/models.md, "Streams": every burst runs on the decoder's stream whatever torch's
+    # current stream is, and drain()/run() return with the tokens on the host.
+    backend = Backend("cupy")
+    prompts = [rng.integers(0, VOCAB, size=n).tolist() for n in (5, 1, 9, 3)]
+    other = torch.cuda.Stream()
+    for engine in ("pre_issued", "per_round_sync", "graph", "gapless"):
+        target, draft = make_pair(4, 1024, backend, p_min=0.3)
+        dec = SpecDecoder(target, draft, k=4, m_rounds=3)
+        with torch.cuda.stream(other):
+            dec.prefill(prompts)
+            if engine in ("graph", "gapless"):
+                graph = BurstGraph(dec, gapless=engine == "gapless")
+                got = run_bursts(dec, graph.run, 10)
+            else:
+                got = run_bursts(dec, lambda: dec.run_burst(mode=engine), 10)
+        for b, prompt in enumerate(prompts):
+            assert got[b] == greedy_truth(prompt, len(got[b])), f"{engine}, sequence {b}"
+
+
 def test_graphburst_imports_without_torch():
     """``import graphburst`` (and the torch modules' import) never needs torch; using them says how to get it."""
     code = ("import sys; sys.modules['torch'] = None\n"
-            "import graphburst, graphburst.models.torch_adapter, graphburst.models.checkpoint\n"
+            "import graphburst\n"
+            "assert 'graphburst.models.torch_adapter' not in sys.modules  # loaded on first use\n"
+            "from graphburst.capture import BurstGraph\n"
+            "assert graphburst.BurstGraph is BurstGraph\n"
+            "import graphburst.models.torch_adapter, graphburst.models.checkpoint\n"
+            "assert graphburst.TorchTarget is graphburst.models.torch_adapter.TorchTarget\n"
+            "assert graphburst.TorchDraft is graphburst.models.torch_adapter.TorchDraft\n"
             "try:\n    graphburst.models.torch_adapter.TorchTarget(None, batch=1, capacity=1, backend='numpy')\n"
             "except ImportError as e:\n    print('ImportError:', e)\n")
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}

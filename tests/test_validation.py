@@ -104,6 +104,24 @@ def test_unknown_backend_and_mode(dec):
     dec.prefill([[1], [2]])
     with pytest.raises(ValueError, match="mode must be one of"):
         dec.enqueue_burst(mode="sometimes")
+    with pytest.raises(ValueError, match=r"mode must be one of \['per_round_sync', 'pre_issued'\], got 'graph'"):
+        dec.enqueue_burst(mode="graph")  # a BurstMode, but not an eager one
+
+
+def test_one_burst_mode_vocabulary():
+    from graphburst import BurstMode
+    from graphburst.serving.loop import ServeLoop
+
+    assert BurstMode.parse("eager_sync") is BurstMode.PER_ROUND_SYNC  # serve's old engine name
+    assert BurstMode.parse("gapless") is BurstMode.GAPLESS and f"{BurstMode.GAPLESS}" == "gapless"
+    assert [m.eager for m in BurstMode] == [False, False, True, True]
+    target, draft = stub_pair(2, 50, 1, 1, 64, backend="numpy")
+    for engine in (BurstMode.PER_ROUND_SYNC, "per_round_sync", "eager_sync"):
+        loop = ServeLoop(target, draft, k=2, m_rounds=2, engine=engine)
+        assert loop.engine is BurstMode.PER_ROUND_SYNC and loop.graph is None
+        del loop
+    with pytest.raises(ValueError, match=r"engine must be one of \['graph', 'per_round_sync'\], got 'gapless'"):
+        ServeLoop(target, draft, k=2, m_rounds=2, engine="gapless")
 
 
 def test_mismatched_pair():

@@ -22,7 +22,7 @@ from rich.progress import Progress
 from ..burst import SpecDecoder
 from ..cli_args import FlagError, check_kv_memory, int_in, writable_file
 from .common import build_decoder, check_greedy, fmt, label, new_table, random_prompts, write_results
-from .modes import LABELS, TIMING_ONLY, Eager, EmptyModel, Floor, Graph, Mode, Peer
+from .modes import LABELS, TIMING_ONLY, EmptyModel, Floor, Graph, Mode, Peer, burst_runner
 
 BASE = dict(m=8, k=4, batch=1, layers=4, cost_us=0, accept=0.7)
 SWEEPS = dict(m=[1, 2, 4, 8, 16, 32], k=[1, 2, 4, 8], batch=[1, 8, 64, 256], layers=[4, 32, 128, 512],
@@ -40,10 +40,7 @@ class Sample:
 
 
 def make_modes(backend, cfg, capacity, with_peer) -> dict:
-    modes = {Mode.EAGER_SYNC: Eager(build_decoder(backend, cfg, capacity), "per_round_sync"),
-             Mode.EAGER_PRE_ISSUED: Eager(build_decoder(backend, cfg, capacity), "pre_issued"),
-             Mode.GRAPH: Graph(build_decoder(backend, cfg, capacity), gapless=False),
-             Mode.GRAPH_GAPLESS: Graph(build_decoder(backend, cfg, capacity), gapless=True)}
+    modes = {m: burst_runner(build_decoder(backend, cfg, capacity), m.burst_mode) for m in Mode if m.burst_mode}
     if with_peer:
         modes[Mode.TORCH_PEER] = Peer(build_decoder(backend, cfg, capacity))
     if backend.is_gpu:
@@ -150,7 +147,7 @@ def configs(quick: bool):
 
 def sweep_tables(results, title_label, with_peer) -> list:
     shown = [m for m in Mode if m not in (Mode.GRAPH_EMPTY_MODELS,) and (m != Mode.TORCH_PEER or with_peer)]
-    c, a, e = Mode.GRAPH.value, Mode.EAGER_SYNC.value, Mode.TORCH_PEER.value
+    c, a, e = Mode.GRAPH.value, Mode.PER_ROUND_SYNC.value, Mode.TORCH_PEER.value
     by_dim = {}
     for r in results:
         by_dim.setdefault(r["sweep"], []).append(r)

@@ -8,25 +8,35 @@ from __future__ import annotations
 
 import enum
 
-from ..burst import SpecDecoder
+from ..burst import BurstMode, SpecDecoder
 from ..capture import BurstGraph
 from ..protocol import hook
 
 
 class Mode(str, enum.Enum):
-    """Benchmark modes; the value is the letter the tables and JSON use."""
+    """Benchmark modes; the value is the letter the tables and JSON use.
 
-    EAGER_SYNC = "a"  # eager, a host sync after every round
-    EAGER_PRE_ISSUED = "b"  # eager, the whole burst enqueued before one sync
+    The first four are the engine's :class:`~graphburst.burst.BurstMode` (``burst_mode``);
+    the rest are references the benchmark adds.
+    """
+
+    PER_ROUND_SYNC = "a"  # eager, a host sync after every round
+    PRE_ISSUED = "b"  # eager, the whole burst enqueued before one sync
     GRAPH = "c"  # one graph launch per burst
-    GRAPH_GAPLESS = "d"  # graph, next burst enqueued before this one is drained
+    GAPLESS = "d"  # graph, next burst enqueued before this one is drained
     TORCH_PEER = "e"  # the bookkeeping in torch ops, captured with torch.cuda.graph
     FLOOR = "f"  # as many dependent empty kernel nodes as GRAPH has
     GRAPH_EMPTY_MODELS = "g"  # GRAPH with every model call an empty node
 
 
-LABELS = {Mode.EAGER_SYNC: "eager, sync every round", Mode.EAGER_PRE_ISSUED: "eager, pre-issued",
-          Mode.GRAPH: "graph replay", Mode.GRAPH_GAPLESS: "graph, gapless drain",
+    @property
+    def burst_mode(self) -> BurstMode | None:
+        """The engine's mode this benchmark mode runs (None for the references)."""
+        return BurstMode[self.name] if self.name in BurstMode.__members__ else None
+
+
+LABELS = {Mode.PER_ROUND_SYNC: "eager, sync every round", Mode.PRE_ISSUED: "eager, pre-issued",
+          Mode.GRAPH: "graph replay", Mode.GAPLESS: "graph, gapless drain",
           Mode.TORCH_PEER: "torch-ops peer (graph)", Mode.FLOOR: "floor: empty nodes",
           Mode.GRAPH_EMPTY_MODELS: "graph, model calls as empty nodes"}
 TIMING_ONLY = (Mode.FLOOR, Mode.GRAPH_EMPTY_MODELS)  # their tokens are not meaningful
@@ -53,12 +63,19 @@ class Runner:
         """Anything to do once before the first burst (the torch peer captures here)."""
 
 
+def burst_runner(dec: SpecDecoder, mode: BurstMode) -> Runner:
+    """The runner of one of the engine's burst modes over ``dec``."""
+    mode = BurstMode.parse(mode)
+    return Eager(dec, mode) if mode.eager else Graph(dec, gapless=mode is BurstMode.GAPLESS)
+
+
 class Eager(Runner):
-    def __init__(self, dec: SpecDecoder, mode: str):
+    def __init__(self, dec: SpecDecoder, mode: BurstMode):
         super().__init__(dec.backend)
-        self.dec, self.mode, self.stream = dec, mode, dec.stream
+        self.dec, self.stream = dec, dec.stream
+        self.mode = BurstMode.parse(mode, (BurstMode.PER_ROUND_SYNC, BurstMode.PRE_ISSUED))
         self.launches = len(dec.burst_calls())
-        self.syncs = dec.m_rounds + 1 if mode == "per_round_sync" else 1
+        self.syncs = dec.m_rounds + 1 if self.mode is BurstMode.PER_ROUND_SYNC else 1
 
     def enqueue(self):
         self.dec.enqueue_burst(mode=self.mode)

@@ -33,8 +33,9 @@ from rich.console import Console
 from rich.progress import Progress
 
 from ..cli_args import FlagError, int_in, real_in, writable_file
-from .common import label, write_results
-from .real_report import NOT_RUN, SAME_KERNEL_ORDER, plot, plot_problem, tables, targets
+from .common import label
+from .real_profile import profile_all
+from .real_report import NOT_RUN, SAME_KERNEL_ORDER, plot_problem, report
 
 # The torch-dependent modules (real_models, real_engines, real_checks) are imported when
 # the benchmark runs: the CLI imports this module for every command, torch or not.
@@ -256,19 +257,6 @@ def reference_model(engines):
     return next(e for e in engines.values() if isinstance(e, Burst)).dec.target.module
 
 
-def profile_all(engines, prompts, s, tokens, out_dir, tag, cuda) -> dict:
-    """One profiled run per engine; a failure is recorded, never fatal (the figures are already taken)."""
-    from .real_profile import profile_run
-
-    out = {}
-    for name, eng in engines.items():
-        try:
-            out[name] = profile_run(eng, name, prompts, s["rounds"], tokens, out_dir, tag, cuda)
-        except Exception as exc:  # noqa: BLE001 - diagnostics only
-            out[name] = f"not profiled: {type(exc).__name__}: {exc}"[:300]
-    return out
-
-
 def m_sweep(src, spec, s, backend, prompts, ref, floor_us, vllm) -> list:
     """graphburst at B=1 over M: checked against the config's reference tokens, then timed."""
     from .real_checks import check_common_prefix
@@ -292,119 +280,130 @@ def m_sweep(src, spec, s, backend, prompts, ref, floor_us, vllm) -> list:
 
 
 def run(args, console: Console, backend) -> int:
+    """Parse the settings, then per model: build it and its engines, check and time every config; report."""
     import torch
-
-    from .real_checks import check_config, fp32_check, reference_logits
-    from .real_engines import HFAssisted
-    from .real_models import MODELS, Epsilon, argmax_margins, random_target, weight_bytes
 
     s = settings(args)
     cuda = backend.is_gpu
-    device = f"cuda:{backend.device_id}" if cuda else "cpu"
     if not cuda:
         # Small ε makes subnormal activations, which x86 handles in microcode (100x slower).
         torch.set_flush_denormal(True)
         # The CPU run is a correctness run of tiny models: intra-op threads only contend
         # (10x slower on a shared 2-core CI machine).
         torch.set_num_threads(1)
-    dtype = getattr(torch, s["dtype"])
     # The docs' PNG is the default only for a full GPU run (a smoke run must not overwrite it).
     plot_path = None if args.no_plot else (args.plot or (DEFAULT_PLOT if cuda and not args.smoke else None))
     problem = plot_problem() if plot_path else None
     if problem:
         console.print(f"[yellow]plot skipped[/yellow]: {problem}")
-    # Every engine decodes --rounds rounds; the start-up calibration runs its own number.
-    capacity = s["prompt_len"] + max(s["rounds"], CALIBRATION["rounds"]) * (s["k"] + 1)
     results = dict(models={}, configs=[], m_sweep=[])
     failures = []  # correctness failures of engines with other kernels (HF, compile): exit status 1
-    console.print(f"[bold]graphburst bench real[/bold]: {label(backend)}; torch {torch.__version__} on {device}, "
-                  f"{s['dtype']}; models {','.join(s['models'])}; B {s['batches']}; engines {','.join(s['engines'])}")
+    console.print(f"[bold]graphburst bench real[/bold]: {label(backend)}; torch {torch.__version__} on "
+                  f"{_device(backend)}, {s['dtype']}; models {','.join(s['models'])}; B {s['batches']}; "
+                  f"engines {','.join(s['engines'])}")
     levels_n = len(s["eps"]) if s["eps"] else len(s["accepts"])
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("configs", total=len(s["models"]) * (1 + len(s["batches"]) * levels_n))
         for mi, mname in enumerate(s["models"]):
-            spec = MODELS[mname]
-            rng = np.random.default_rng(s["seed"] + mi)
-            prompt_pool = rng.integers(0, spec.cfg.vocab_size, (max(s["batches"] + [4]), s["prompt_len"])).tolist()
-            prompts_for = lambda b: prompt_pool[:b]  # noqa: E731 - the first b prompts, the same in every config
-            src = random_target(spec, batch=CALIBRATION["batch"], capacity=capacity, kv_slack=s["k"] + 2, dtype=dtype,
-                                device=device, seed=s["seed"])
-            eps_ctl = Epsilon(src, spec.draft_layers)
-            info = dict(spec=spec.note, layers=spec.cfg.num_hidden_layers, draft_layers=spec.draft_layers,
-                        weight_bytes=weight_bytes(src), margins=argmax_margins(
-                            src, torch.tensor(prompts_for(CALIBRATION["batch"]), device=device)))
-            if info["margins"]["median"] <= 0 or info["margins"]["ties"] > 0.25:
-                raise AssertionError(f"{mname}: greedy argmax margins are degenerate: {info['margins']}")
-            if s["eps"]:
-                grid, levels = None, [dict(want=None, eps=e) for e in s["eps"]]
-            else:
-                grid, levels = calibrate(src, spec, s, prompts_for, eps_ctl)
-            info.update(eps_grid=grid, levels=levels)
-            mid = levels[len(levels) // 2]
-            hf, hf_reason = None, None
-            if "hf" in s["engines"]:
-                try:
-                    import transformers  # noqa: F401
-                except ImportError:
-                    hf_reason = "not run: transformers is not installed"
-            if "hf" in s["engines"] and hf_reason is None:
-                eps_ctl.set(mid["eps"])
-                try:
-                    info["fp32_check"] = dict(eps=mid["eps"], **fp32_check(src, spec, s, backend, prompts_for(1)[0]))
-                except AssertionError as exc:  # reported, and the exit status says so; the run goes on
-                    info["fp32_check"] = dict(eps=mid["eps"], failed=str(exc))
-                    failures.append(f"{mname}: {exc}")
-                if 1 in s["batches"]:
-                    hf = HFAssisted(src, draft_layers=spec.draft_layers, k=s["k"])
-            results["models"][mname] = info
+            model = _build_model(mname, mi, s, backend, failures)
+            results["models"][mname] = model["info"]
             progress.advance(task)
             for batch in s["batches"]:
-                engines, skipped = build_engines(src, spec, s, batch, backend, hf)
-                if hf_reason and "hf" in s["engines"]:
-                    skipped["hf"] = hf_reason
-                vllm = engines.get("vllm")
-                floor = vllm.floor_us(10 if cuda else 1) if vllm else None
-                if vllm and batch == 1:
-                    us = vllm.verify_us(20 if cuda else 1)
-                    ideal = info["weight_bytes"] / 4.0e12 * 1e6
-                    info["verify"] = dict(us=us, ideal_us=ideal, ratio=us / ideal, tokens=s["k"] + 1)
-                oracle = reference_model(engines)
-                for level in levels:
-                    eps_ctl.set(level["eps"])
-                    prompts = prompts_for(batch)
-                    checked, report = check_config(engines, s, prompts,
-                                                   lambda p, pre: reference_logits(oracle, p, pre), cuda)
-                    failed = {n: f"FAILED correctness: {r['failed']}" for n, r in report.items() if "failed" in r}
-                    failures += [f"{mname} B={batch} ε={level['eps']:.4g}: {m}" for m in failed.values()]
-                    timed = time_config({n: e for n, e in engines.items() if n not in failed}, s, prompts, checked)
-                    x_floor(timed, floor, engines, prompts, s["rounds"])
-                    for name, r in timed.items():
-                        r["correctness"] = report[name]
-                        if name == "compile":
-                            r["compile_s"] = engines[name].compile_s
-                    results["configs"].append(dict(model=mname, batch=batch, eps=level["eps"], want=level["want"],
-                                                   floor_us=floor, engines=timed, not_run={**skipped, **failed}))
-                    if batch == 1 and level is mid and args.profile:
-                        info["profile"] = profile_all(engines, prompts, s, len(checked[
-                            next(n for n in SAME_KERNEL_ORDER if n in engines)].tokens[0]), args.profile, mname, cuda)
-                    if batch == 1 and level is mid and s["m_sweep"]:
-                        ref = checked[next(n for n in SAME_KERNEL_ORDER if n in engines)].tokens
-                        results["m_sweep"] += [dict(model=mname, eps=level["eps"], **r) for r in m_sweep(
-                            src, spec, s, backend, prompts, ref, floor, timed.get("vllm"))]
+                for config in _run_batch(model, batch, args, s, backend, results, failures):
+                    results["configs"].append(config)
                     progress.advance(task)
-                del engines
                 if cuda:
                     torch.cuda.empty_cache()
-            del hf, src, eps_ctl
-    results["targets"] = targets(results)
-    plotted = None
-    if plot_path and not problem:
-        plot(results, plot_path, label(backend))
-        plotted = plot_path
-        console.print(f"plot written to {plot_path}")
-    write_results(console, args.json, backend=backend, tables=tables(results, label(backend)), results=results,
-                  settings=s, device=torch.cuda.get_device_name(device) if cuda else "cpu", torch=torch.__version__,
-                  plot=plotted if plotted else (f"not written: {problem}" if problem else None), failures=failures)
-    for line in failures:
-        console.print(f"[red]correctness failure[/red]: {line}")
-    return 1 if failures else 0
+            del model
+    device = torch.cuda.get_device_name(_device(backend)) if cuda else "cpu"
+    return report(console, args.json, backend, results, failures, plot_path, problem, settings=s, device=device,
+                  torch=torch.__version__)
+
+
+def _device(backend) -> str:
+    return f"cuda:{backend.device_id}" if backend.is_gpu else "cpu"
+
+
+def _build_model(mname, mi, s, backend, failures) -> dict:
+    """One model: its random target, prompts, ε levels (calibrated unless given), HF's fp32 check."""
+    import torch
+
+    from .real_checks import fp32_check
+    from .real_engines import HFAssisted
+    from .real_models import MODELS, Epsilon, argmax_margins, random_target, weight_bytes
+
+    spec = MODELS[mname]
+    device = _device(backend)
+    rng = np.random.default_rng(s["seed"] + mi)
+    prompt_pool = rng.integers(0, spec.cfg.vocab_size, (max(s["batches"] + [4]), s["prompt_len"])).tolist()
+    prompts_for = lambda b: prompt_pool[:b]  # noqa: E731 - the first b prompts, the same in every config
+    # Every engine decodes --rounds rounds; the start-up calibration runs its own number.
+    capacity = s["prompt_len"] + max(s["rounds"], CALIBRATION["rounds"]) * (s["k"] + 1)
+    src = random_target(spec, batch=CALIBRATION["batch"], capacity=capacity, kv_slack=s["k"] + 2,
+                        dtype=getattr(torch, s["dtype"]), device=device, seed=s["seed"])
+    eps_ctl = Epsilon(src, spec.draft_layers)
+    info = dict(spec=spec.note, layers=spec.cfg.num_hidden_layers, draft_layers=spec.draft_layers,
+                weight_bytes=weight_bytes(src), margins=argmax_margins(
+                    src, torch.tensor(prompts_for(CALIBRATION["batch"]), device=device)))
+    if info["margins"]["median"] <= 0 or info["margins"]["ties"] > 0.25:
+        raise AssertionError(f"{mname}: greedy argmax margins are degenerate: {info['margins']}")
+    if s["eps"]:
+        grid, levels = None, [dict(want=None, eps=e) for e in s["eps"]]
+    else:
+        grid, levels = calibrate(src, spec, s, prompts_for, eps_ctl)
+    info.update(eps_grid=grid, levels=levels)
+    mid = levels[len(levels) // 2]
+    hf, hf_reason = None, None
+    if "hf" in s["engines"]:
+        try:
+            import transformers  # noqa: F401
+        except ImportError:
+            hf_reason = "not run: transformers is not installed"
+    if "hf" in s["engines"] and hf_reason is None:
+        eps_ctl.set(mid["eps"])
+        try:
+            info["fp32_check"] = dict(eps=mid["eps"], **fp32_check(src, spec, s, backend, prompts_for(1)[0]))
+        except AssertionError as exc:  # reported, and the exit status says so; the run goes on
+            info["fp32_check"] = dict(eps=mid["eps"], failed=str(exc))
+            failures.append(f"{mname}: {exc}")
+        if 1 in s["batches"]:
+            hf = HFAssisted(src, draft_layers=spec.draft_layers, k=s["k"])
+    return dict(name=mname, spec=spec, src=src, eps_ctl=eps_ctl, prompts_for=prompts_for, info=info,
+                levels=levels, mid=mid, hf=hf, hf_reason=hf_reason)
+
+
+def _run_batch(model, batch, args, s, backend, results, failures):
+    """Yield one config result per ε level at this batch size: engines built once, checked, then timed."""
+    from .real_checks import check_config, reference_logits
+
+    cuda, info, mname, mid = backend.is_gpu, model["info"], model["name"], model["mid"]
+    engines, skipped = build_engines(model["src"], model["spec"], s, batch, backend, model["hf"])
+    if model["hf_reason"] and "hf" in s["engines"]:
+        skipped["hf"] = model["hf_reason"]
+    vllm = engines.get("vllm")
+    floor = vllm.floor_us(10 if cuda else 1) if vllm else None
+    if vllm and batch == 1:
+        us = vllm.verify_us(20 if cuda else 1)
+        ideal = info["weight_bytes"] / 4.0e12 * 1e6
+        info["verify"] = dict(us=us, ideal_us=ideal, ratio=us / ideal, tokens=s["k"] + 1)
+    oracle = reference_model(engines)
+    for level in model["levels"]:
+        model["eps_ctl"].set(level["eps"])
+        prompts = model["prompts_for"](batch)
+        checked, report = check_config(engines, s, prompts, lambda p, pre: reference_logits(oracle, p, pre), cuda)
+        failed = {n: f"FAILED correctness: {r['failed']}" for n, r in report.items() if "failed" in r}
+        failures += [f"{mname} B={batch} ε={level['eps']:.4g}: {m}" for m in failed.values()]
+        timed = time_config({n: e for n, e in engines.items() if n not in failed}, s, prompts, checked)
+        x_floor(timed, floor, engines, prompts, s["rounds"])
+        for name, r in timed.items():
+            r["correctness"] = report[name]
+            if name == "compile":
+                r["compile_s"] = engines[name].compile_s
+        ref = checked[next(n for n in SAME_KERNEL_ORDER if n in engines)].tokens
+        if batch == 1 and level is mid and args.profile:
+            info["profile"] = profile_all(engines, prompts, s, len(ref[0]), args.profile, mname, cuda)
+        if batch == 1 and level is mid and s["m_sweep"]:
+            results["m_sweep"] += [dict(model=mname, eps=level["eps"], **r) for r in m_sweep(
+                model["src"], model["spec"], s, backend, prompts, ref, floor, timed.get("vllm"))]
+        yield dict(model=mname, batch=batch, eps=level["eps"], want=level["want"], floor_us=floor, engines=timed,
+                   not_run={**skipped, **failed})

@@ -20,43 +20,25 @@ from __future__ import annotations
 
 import warnings
 
+from ..models.parity import NEAR_TIE_TOL, compare_tokens, first_divergence, teacher_forced_logits
+from ..models.parity import near_tie  # noqa: F401 (this module's rule, named here for its callers)
 from .real_engines import sync
-from .real_report import SAME_KERNEL_ORDER, SAME_KERNEL_RULE, first_divergence
+from .real_report import SAME_KERNEL_ORDER, SAME_KERNEL_RULE
 
 FP32_CHECK_TOKENS = 16
-FP32_TOL = 1e-4
+FP32_TOL = NEAR_TIE_TOL["float32"]
 
 
-def reference_logits(model, prompt: list, prefix: list):
-    """``[V] float32``: ``model``'s teacher-forced logits after prompt + prefix (writes its KV row 0)."""
-    import torch
-
-    dev = model.kv[0].device
-    ids = torch.tensor([prompt + prefix], dtype=torch.int64, device=dev)
-    zero = torch.zeros(1, dtype=torch.int32, device=dev)
-    last = torch.tensor([ids.shape[1] - 1], device=dev)
-    with torch.no_grad():
-        return model(ids, zero, [zero] * len(model.layers), torch.arange(1, device=dev), logits_at=last)[0, 0].float()
-
-
-def near_tie(logits, a: int, b: int, tol: float) -> dict:
-    """Is the choice between tokens a and b within ``tol * max(1, |top|)`` on these logits?"""
-    gap = abs(float(logits[a]) - float(logits[b]))
-    allowed = tol * max(1.0, abs(float(logits.max())))
-    return dict(gap=gap, allowed=allowed, ok=gap <= allowed)
+reference_logits = teacher_forced_logits  # the oracle of the near-tie rule (graphburst's own Llama)
 
 
 def compare_other(name, tokens, ref, prompt, oracle, tol) -> dict:
     """The near-tie rule for one sequence of an engine with other kernels (raises AssertionError)."""
-    n = min(len(tokens), len(ref))
-    at = first_divergence(tokens[:n], ref[:n])
-    out = dict(compared=n, agreed=n if at is None else at, divergence=None)
-    if at is not None:
-        tie = near_tie(oracle(prompt, ref[:at]), tokens[at], ref[at], tol)
-        out["divergence"] = dict(at=at, theirs=tokens[at], ours=ref[at], **tie)
-        if not tie["ok"]:
-            raise AssertionError(f"{name}: token {at} is {tokens[at]}, graphburst's is {ref[at]}, and the reference "
-                                 f"logits differ by {tie['gap']:.4f} > {tie['allowed']:.4f}: not a near-tie")
+    out = compare_tokens(tokens, ref, lambda prefix: oracle(prompt, prefix), tol)
+    if not out.pop("ok"):
+        d = out["divergence"]
+        raise AssertionError(f"{name}: token {d['at']} is {d['theirs']}, graphburst's is {d['ours']}, and the "
+                             f"reference logits differ by {d['gap']:.4f} > {d['allowed']:.4f}: not a near-tie")
     return out
 
 

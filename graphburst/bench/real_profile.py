@@ -47,3 +47,14 @@ def profile_run(engine, name: str, prompts, rounds: int, tokens: int, out_dir: s
     top = [dict(name=e.key[:120], calls_per_round=e.count / rounds, us_per_round=_device_us(e, cuda) / rounds)
            for e in events[:TOP]]
     return dict(trace=path, top=top)
+
+
+def profile_all(engines, prompts, s, tokens, out_dir, tag, cuda) -> dict:
+    """One profiled run per engine; a failure is recorded, never fatal (the figures are already taken)."""
+    out = {}
+    for name, eng in engines.items():
+        try:
+            out[name] = profile_run(eng, name, prompts, s["rounds"], tokens, out_dir, tag, cuda)
+        except Exception as exc:  # noqa: BLE001 - diagnostics only
+            out[name] = f"not profiled: {type(exc).__name__}: {exc}"[:300]
+    return out

@@ -6,7 +6,7 @@ JSON), so the tables and the plot can be rebuilt from a saved JSON file.
 
 from __future__ import annotations
 
-from .common import fmt, new_table
+from .common import fmt, label, new_table, write_results
 
 SAME_KERNEL_ORDER = ("graphburst", "gapless", "vllm", "eager")  # the first present is the correctness reference
 SAME_KERNEL_RULE = "identical common prefix"  # same-kernel engines: one run a prefix of the other
@@ -21,14 +21,6 @@ FLOOR_GOAL = 1.03
 HF_GOAL = 10.0
 VERIFY_GOAL = 1.5  # 1B verify GPU time over weight bytes / 4.0 TB/s
 PLOT_HELP = "matplotlib is not installed (pip install matplotlib), so no plot; the JSON has every figure"
-
-
-def first_divergence(a: list, b: list) -> int | None:
-    """Index of the first differing token (the shorter length if one is a prefix), None if equal."""
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 def _ordered(engines) -> list:
@@ -207,3 +199,19 @@ def plot(results, path: str, title_label: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def report(console, path, backend, results, failures, plot_path, problem, **meta) -> int:
+    """The targets, the plot, the tables and the JSON (``meta`` joins its meta); 1 on any correctness failure."""
+    results["targets"] = targets(results)
+    plotted = None
+    if plot_path and not problem:
+        plot(results, plot_path, label(backend))
+        plotted = plot_path
+        console.print(f"plot written to {plot_path}")
+    write_results(console, path, backend=backend, tables=tables(results, label(backend)), results=results,
+                  plot=plotted if plotted else (f"not written: {problem}" if problem else None), failures=failures,
+                  **meta)
+    for line in failures:
+        console.print(f"[red]correctness failure[/red]: {line}")
+    return 1 if failures else 0

@@ -18,11 +18,12 @@ import time
 import numpy as np
 from rich.console import Console
 
+from ..burst import BurstMode
 from ..cli_args import FlagError, int_in, writable_file
 from ..serving.loop import Request, ServeLoop, inter_token_latencies_us, percentiles
 from .common import VOCAB, check_greedy, fmt, label, new_table, stub_models, write_results
 
-ENGINES = (("graph", True), ("graph", False), ("eager_sync", False))
+ENGINES = ((BurstMode.GRAPH, True), (BurstMode.GRAPH, False), (BurstMode.PER_ROUND_SYNC, False))
 COSTS_US = (0, 100)
 BATCH = 64
 
@@ -35,7 +36,7 @@ def _request(prompt, max_new_tokens, seed=None) -> Request:
 def run_one(backend, engine, pipelined, cost_us, n_req, new_tokens, batch=BATCH, k=4, m=8, workload="burst") -> dict:
     target, draft = stub_models(backend, batch=batch, capacity=64 + new_tokens + m * (k + 1), cost_us=cost_us)
     loop = ServeLoop(target, draft, k=k, m_rounds=m, engine=engine, pipelined=pipelined)
-    name = engine + (" pipelined" if loop.pipelined else "")
+    name = str(engine) + (" pipelined" if loop.pipelined else "")
     warm = loop.submit(_request([1, 2, 3], m * (k + 1)))  # one checked warm-up request through the same loop
     loop.run_until_idle()
     warm_bursts = loop.stats()["bursts"]  # the timed figures below count only the timed run's bursts

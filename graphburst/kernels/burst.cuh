@@ -11,8 +11,8 @@
 // Per-sequence bodies, shared by the separate kernels and the fused epilogue so the two
 // cannot drift apart.
 
-// Verify slots 1..k start as placeholders so a draft that writes its proposals straight
-// into vtok leaves exactly the slots past its break poisoned.
+// Verify positions 1..k start as placeholders so a draft that writes its proposals
+// straight into vtok leaves exactly the positions past its break poisoned.
 __device__ __forceinline__ void gb_seed_values(int b, int k, int reset_ring, int pend_val, int pos_val, int* vtok,
                                                int* pos_start, int* brk, int* ring, int ring_stride) {
     int* v = vtok + (long long)b * (k + 1);
@@ -71,7 +71,7 @@ __device__ __forceinline__ int gb_commit_one(int b, int k, int ring_cap, const i
 }
 
 // Threads: one per sequence.
-// Starts a round: verify slot 0 <- pending token, slots 1..k <- PLACEHOLDER, rollback
+// Starts a round: verify position 0 <- pending token, 1..k <- PLACEHOLDER, rollback
 // anchor <- position counter, break marker <- "no break" ([k, 0]); the first round of a
 // burst also empties the ring.
 extern "C" __global__ void spec_seed_gather(int batch, int k, int reset_ring,
@@ -87,7 +87,7 @@ extern "C" __global__ void spec_seed_gather(int batch, int k, int reset_ring,
     gb_seed_one(b, k, reset_ring, pend, pos_ctr, vtok, pos_start, brk, ring, ring_stride);
 }
 
-// Threads: one per verify slot (b, j), j in [0, k].
+// Threads: one per verify position (b, j), j in [0, k].
 // vtok[b, 0] = pend[b]; vtok[b, 1 + i] = draft_tok[b, i] for i < n_valid, else PLACEHOLDER,
 // with n_valid = clamp(brk[b, 0], 0, k).
 extern "C" __global__ void spec_assemble_verify(int batch, int k,
@@ -157,7 +157,7 @@ extern "C" __global__ void spec_rollback_stream(int batch, int n_entries,
     reinterpret_cast<int*>(p)[b] = pos_start[b] + n_commit[b];
 }
 
-// Warp-parallel accept + commit of one sequence (k + 1 <= 32): lane j holds verify slot j,
+// Warp-parallel accept + commit of one sequence (k + 1 <= 32): lane j holds verify position j,
 // so the whole round costs one level of loads instead of a serial walk. Must equal
 // gb_accept_one followed by gb_commit_one exactly; returns the tokens committed.
 __device__ __forceinline__ int gb_accept_commit_warp(int b, int k, int ring_cap, const int* vtok,
@@ -203,7 +203,7 @@ __device__ __forceinline__ int gb_accept_commit_warp(int b, int k, int ring_cap,
     return c;
 }
 
-// Threads: one block per sequence; warp 0 accepts and commits (lane per verify slot, or
+// Threads: one block per sequence; warp 0 accepts and commits (lane per verify position, or
 // thread 0 serially when k + 1 > 32), every thread then walks a stride of the pointer
 // table for the rollback, and thread 0 seeds the next round.
 // Exactly accept -> commit -> rollback -> seed(reset_ring = 0), in one graph node.

@@ -30,7 +30,7 @@ def seed_gather(pend, pos_ctr, vtok, pos_start, brk, ring, *, reset_ring, stream
     vtok : [B, K1] int32, written at column 0
     pos_start : [B] int32, written (the rollback anchor)
     brk : [B, 2] int32, written
-    ring : [B, R] int32, count slot zeroed when ``reset_ring``
+    ring : [B, R] int32, count column zeroed when ``reset_ring``
     reset_ring : bool
         True on the first round of a burst.
     """
@@ -100,7 +100,7 @@ def ring_commit(vtok, n_acc, last_pred, eos, budget, ring, pend, acc, n_commit, 
     vtok : [B, K1] int32
     n_acc, last_pred, eos : [B] int32
     budget : [B] int32, updated
-    ring : [B, R] int32, updated (slot 0 = count)
+    ring : [B, R] int32, updated (column 0 = count)
     pend : [B] int32, updated
     acc : [B, 2] int32, updated (``[accepted drafts, rounds]``)
     n_commit : [B] int32, written (tokens committed this round)

@@ -4,9 +4,9 @@
 
 // Conventions (the numpy twin in reference.py is the executable specification):
 //   * Tokens, positions, lengths and counters are int32. Tokens are int32 rather than
-//     uint32 so that PLACEHOLDER_TOKEN = -1 can poison unused slots, and so that every
+//     uint32 so that PLACEHOLDER_TOKEN = -1 can poison unused verify positions, and so that every
 //     buffer interoperates with torch/numpy int32 without casts.
-//   * B = batch, K1 = k + 1 verify slots per sequence, R = ring stride = M*(k+1) + 1.
+//   * B = batch, K1 = k + 1 verify positions per sequence, R = ring stride = M*(k+1) + 1.
 //   * Pointer tables are uint64 arrays of device addresses; 0 marks an absent layer.
 //   * Every kernel is stream-ordered and allocation-free, so it is safe inside a graph.
 //

@@ -56,7 +56,7 @@ static_assert(GB_SAMPLE_NVEC * GB_SAMPLE_VEC * GB_SAMPLE_THREADS == GB_SAMPLE_TI
 #define GB_DRAW_DRAFT 0u
 #define GB_DRAW_ACCEPT 1u
 #define GB_DRAW_RESAMPLE 2u
-#define GB_RACE_SLOTS 2  // race partials per scratch row: [0] draft / residual, [1] bonus p
+#define GB_RACES_PER_ROW 2  // race partials per scratch row: [0] draft / residual, [1] bonus p
 
 struct GbTileSmem {
     u64 warp_u[GB_SAMPLE_WARPS];
@@ -310,7 +310,7 @@ __device__ __forceinline__ float gb_scaled_exp(float l, float ref, float temp) {
 #define GB_SEL_HIST 1u
 #define GB_SEL_GATHER_EQ 2u  // gather the group
 #define GB_SEL_GATHER_GE 3u  // gather the group and every key above it
-static_assert(GB_SEL_CAP == GB_SEL_BINS, "a thread owns GB_SEL_PER_THREAD bins and list slots");
+static_assert(GB_SEL_CAP == GB_SEL_BINS, "a thread owns GB_SEL_PER_THREAD bins and list entries");
 static_assert(GB_SEL_PER_THREAD * GB_SEL_THREADS == GB_SEL_BINS, "whole bins per thread");
 
 // The select of one row, uniform over the block (written by one thread between barriers).
@@ -552,10 +552,10 @@ __device__ void gb_sel_gather_row(const float* row, int vocab, bool aligned, int
                     u32 first = 0;
                     if (lane == 0) first = atomicAdd(&sm.n, (u32)__popc(bal));
                     first = __shfl_sync(0xffffffffu, first, 0);
-                    u32 slot = first + (u32)__popc(bal & ((1u << lane) - 1u));
-                    if (in && slot < (u32)GB_SEL_CAP) {  // always: the pick gathers only what fits
-                        sm.u.list.key[slot] = key;
-                        sm.u.list.w[slot] = mass ? gb_sel_mass(x[v][c], l_max, temp) : 0ull;
+                    u32 at = first + (u32)__popc(bal & ((1u << lane) - 1u));
+                    if (in && at < (u32)GB_SEL_CAP) {  // always: the pick gathers only what fits
+                        sm.u.list.key[at] = key;
+                        sm.u.list.w[at] = mass ? gb_sel_mass(x[v][c], l_max, temp) : 0ull;
                     }
                 }
             }
@@ -874,7 +874,7 @@ extern "C" __global__ void spec_probs_tiles(int n_rows, int vocab, int step, int
         tile_key[cell] = best;
         tile_sum[cell] = sum;
         if (race) {
-            long long rc = ((long long)b * s_rows + r) * GB_RACE_SLOTS * nt + tile;
+            long long rc = ((long long)b * s_rows + r) * GB_RACES_PER_ROW * nt + tile;
             race_key[rc] = rkey;
             race_w[rc] = pay;
         }
@@ -937,8 +937,8 @@ extern "C" __global__ void spec_probs_normalize(int n_rows, int vocab, int step,
             u64 best = 0;
             float pay = 0.0f;
             if (!greedy) {
-                const u64* rk = race_key + srow * GB_RACE_SLOTS * nt;
-                const float* rw = race_w + srow * GB_RACE_SLOTS * nt;
+                const u64* rk = race_key + srow * GB_RACES_PER_ROW * nt;
+                const float* rw = race_w + srow * GB_RACES_PER_ROW * nt;
                 float lm = gb_key_logit(max_key);
                 for (int t = lane; t < nt; t += 32) {
                     if (rk[t] == 0ull) continue;
@@ -1034,7 +1034,7 @@ extern "C" __global__ void spec_race_tiles(int n_rows, int vocab, int step, int 
     }
     gb_tile_reduce(key, pay, unused, sm);
     if (threadIdx.x == 0) {
-        long long rc = ((long long)b * s_rows + r) * GB_RACE_SLOTS * nt + tile;
+        long long rc = ((long long)b * s_rows + r) * GB_RACES_PER_ROW * nt + tile;
         race_key[rc] = key;
         race_w[rc] = pay;
     }
@@ -1050,7 +1050,7 @@ extern "C" __global__ void spec_race_pick(int n_rows, int vocab, int step, int s
     int nt = gb_n_tiles(vocab);
     int b = blockIdx.x;
     int r = step >= 0 ? step : (int)blockIdx.y;
-    long long rc = ((long long)b * s_rows + r) * GB_RACE_SLOTS * nt;
+    long long rc = ((long long)b * s_rows + r) * GB_RACES_PER_ROW * nt;
     u64 key = 0;
     float pay = 0.0f;
     for (int t = threadIdx.x; t < nt; t += 32) {
@@ -1099,8 +1099,8 @@ __device__ int gb_accept_prefix(int b, int k, int vocab, int n_valid, const int*
 // Threads: one block of GB_SAMPLE_THREADS per (tile, sequence b) on blockIdx.x = b * n_tiles
 // + tile. Every block finds the accepted prefix n (gb_accept_prefix; warp 0, shared) and
 // races its tile of row n with E from draw GB_DRAW_RESAMPLE at position pos[b] + n + 1:
-// slot 0 over the residual max(0, p_n - q_n) (only when n < n_valid), slot 1 over p_n;
-// winners into race_key[b, 0, slot, t] (0: none), their weights into race_w.
+// race 0 over the residual max(0, p_n - q_n) (only when n < n_valid), race 1 over p_n;
+// winners into race_key[b, 0, race, t] (0: none), their weights into race_w.
 extern "C" __global__ void spec_accept_tiles(int k, int vocab, int s_rows,
                                              const int* __restrict__ vtok,  // [B, K1]
                                              const float* __restrict__ p,   // [B, K1, V]
@@ -1146,7 +1146,7 @@ extern "C" __global__ void spec_accept_tiles(int k, int vocab, int s_rows,
     __syncthreads();  // thread 0 is done with the shared partials before the second reduce
     gb_tile_reduce(key_p, pay_p, unused, sm);
     if (threadIdx.x == 0) {
-        long long rc = (long long)b * s_rows * GB_RACE_SLOTS * nt + tile;
+        long long rc = (long long)b * s_rows * GB_RACES_PER_ROW * nt + tile;
         race_key[rc] = key_r;
         race_w[rc] = pay_r;
         race_key[rc + nt] = key_p;
@@ -1171,7 +1171,7 @@ extern "C" __global__ void spec_accept_pick(int k, int vocab, int s_rows,
     int nt = gb_n_tiles(vocab);
     int b = blockIdx.x;
     int n_valid = min(max(brk[2 * b], 0), k);
-    long long rc = (long long)b * s_rows * GB_RACE_SLOTS * nt;
+    long long rc = (long long)b * s_rows * GB_RACES_PER_ROW * nt;
     u64 key_r = 0, key_p = 0;
     for (int t = threadIdx.x; t < nt; t += 32) {
         key_r = gb_max_u64(key_r, race_key[rc + t]);

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..constants import RACE_SLOTS, SAMPLE_TILE, SELECT_BINS
+from ..constants import RACES_PER_ROW, SAMPLE_TILE, SELECT_BINS
 
 
 def n_tiles(vocab: int) -> int:
@@ -28,8 +28,8 @@ SCRATCH_LAYOUT = {
     "sel_thr": (lambda b, k, m, v: (b, k + 1), np.uint64),  # [B, S] smallest order key kept by top-k/top-p; 0 = all
     "tile_key": (lambda b, k, m, v: (b, k + 1, n_tiles(v)), np.uint64),  # [B, S, n_t] tile max order key
     "tile_sum": (lambda b, k, m, v: (b, k + 1, n_tiles(v)), np.float32),  # [B, S, n_t] tile sum of e
-    "race_key": (lambda b, k, m, v: (b, k + 1, RACE_SLOTS, n_tiles(v)), np.uint64),  # [B, S, 2, n_t] tile winner
-    "race_w": (lambda b, k, m, v: (b, k + 1, RACE_SLOTS, n_tiles(v)), np.float32),  # [B, S, 2, n_t] its weight
+    "race_key": (lambda b, k, m, v: (b, k + 1, RACES_PER_ROW, n_tiles(v)), np.uint64),  # [B, S, 2, n_t] tile winner
+    "race_w": (lambda b, k, m, v: (b, k + 1, RACES_PER_ROW, n_tiles(v)), np.float32),  # [B, S, 2, n_t] its weight
     # The top-k / top-p select (spec_probs_select):
     "sel_part": (lambda b, k, m, v: (b, k + 1, n_tiles(v)), np.uint64),  # [B, S, n_t] chunk max order key
     "sel_tick": (lambda b, k, m, v: (b, k + 1), np.uint32),  # [B, S] blocks of a row done; zero between calls

@@ -31,6 +31,7 @@ Inside ``draft_step`` and ``verify`` nothing syncs or reads a value on the host.
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import numpy as np
 
@@ -136,11 +137,19 @@ class _TorchModel(Watched):
         if self._bound is not None and self._bound.source is not bufs and _in_use(self._bound.source):
             raise ValueError(f"this {type(self).__name__} is already bound to another decoder's buffers; "
                              f"build one adapter (and KV cache) per decoder")
+        # The KV storage lives in the module, so a second adapter over it shares it too.
+        owner = _MODULE_OWNERS.get(self.module)
+        held = None if owner is None else owner()
+        if held is not None and held is not bufs and _in_use(held):
+            raise ValueError(f"the torch module {_module_name(self.module)} already serves a live SpecDecoder "
+                             f"through another adapter, and its KV storage lives in the module: build one "
+                             f"module per decoder, or drop the first decoder before building a second")
         slack = getattr(self.module, "kv_slack", None)
         if slack is not None and slack < bufs.k + 2:
             raise ValueError(f"the module's kv_slack {slack} must be >= k + 2 = {bufs.k + 2}: a chain started at "
                              f"the last KV row would write past its storage")
         self._bound = TorchBufs(bufs)
+        _MODULE_OWNERS[self.module] = weakref.ref(bufs)
         self._settle()
 
     def _views(self, bufs: StreamBufs) -> TorchBufs:
@@ -234,6 +243,15 @@ class TorchTarget(_TorchModel):
                 t.tgt_logits.copy_(logits)  # float32; the burst turns them into probabilities
             else:
                 t.tgt_pred.copy_(logits.argmax(-1))
+
+
+# torch module -> weak reference to the StreamBufs its KV storage last served. Weak both
+# ways: a dropped module or decoder frees its entry, so only a live decoder locks a module.
+_MODULE_OWNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _module_name(module) -> str:
+    return f"{type(module).__name__} at 0x{id(module):x}"
 
 
 def _in_use(bufs: StreamBufs) -> bool:

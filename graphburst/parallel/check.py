@@ -24,7 +24,7 @@ from .dist import Context, ParallelError
 #: buffers folded into the checksum: everything the replicated epilogue writes and the host reads
 CHECKED = ("pos_ctr", "pend", "budget")
 _MIX = 0x9E3779B1  # odd multiplier: the weight of element i is (i + 1) * _MIX mod 2**31
-MAX_SLOTS = 2  # a BurstGraph captures at most two graphs (gapless), each with its own host vector
+MAX_GRAPHS = 2  # a BurstGraph captures at most two graphs (gapless), each with its own host vector
 
 
 class RankDivergence(ParallelError):
@@ -53,15 +53,15 @@ class RankCheck:
         self._flat = torch.zeros(n, dtype=torch.int64, device=dev)  # [n] int64 staging
         self._sum = torch.zeros(1, dtype=torch.int64, device=dev)  # [1] int64 own checksum
         self._all = torch.zeros((ctx.world, 1), dtype=torch.int64, device=dev)  # [world, 1] every rank's
-        # [MAX_SLOTS][world] int64: graph slot s's copy node fills hosts[s]
-        self.hosts = [_pinned(backend, ctx.world) for _ in range(MAX_SLOTS)]
+        # [MAX_GRAPHS][world] int64: graph i's copy node fills hosts[i]
+        self.hosts = [_pinned(backend, ctx.world) for _ in range(MAX_GRAPHS)]
         if backend.is_gpu:  # made on torch's default stream: finish before the decoder's stream reads them
             torch.cuda.synchronize(dev)
         self.bursts = 0
         self._stream = None  # torch's view of the burst stream, made on first eager use
 
-    def __call__(self, stream, slot: int = 0) -> None:
-        """Enqueue checksum, all-gather and the copy into ``hosts[slot]`` (captured into graph ``slot``)."""
+    def __call__(self, stream, graph_index: int = 0) -> None:
+        """Enqueue checksum, all-gather and the copy into ``hosts[graph_index]`` (captured into that graph)."""
         with self._on(stream):
             at = 0
             for v in self._views:
@@ -69,7 +69,7 @@ class RankCheck:
                 at += v.numel()
             torch.sum(self._flat * self._weights, dim=0, keepdim=True, out=self._sum)
             self.ctx.all_gather_into(self._all, self._sum)
-        _copy_to_host(self.backend, self.hosts[slot], self._all, stream)
+        _copy_to_host(self.backend, self.hosts[graph_index], self._all, stream)
 
     def _on(self, stream):
         """torch on the burst's stream: already so inside a torch capture, not in the eager warm-up."""
@@ -79,10 +79,10 @@ class RankCheck:
             self._stream = torch.cuda.ExternalStream(stream.ptr, device=self.ctx.device)
         return torch.cuda.stream(self._stream)
 
-    def verify(self, burst: int | None = None, slot: int = 0) -> None:
-        """Compare graph ``slot``'s copied checksums (after the drain's wait); raise on divergence."""
+    def verify(self, burst: int | None = None, graph_index: int = 0) -> None:
+        """Compare graph ``graph_index``'s copied checksums (after the drain's wait); raise on divergence."""
         self.bursts += 1
-        sums = self.hosts[slot].copy()
+        sums = self.hosts[graph_index].copy()
         bad = [r for r in range(len(sums)) if sums[r] != sums[0]]
         if bad:
             which = self.bursts if burst is None else burst

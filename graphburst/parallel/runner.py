@@ -54,7 +54,7 @@ class CheckedGraph(BurstGraph):
     """The :class:`BurstGraph` of a :class:`ParallelDecoder`: bounded drain, rank check verified.
 
     Each captured graph (two with ``gapless``) ends its rank check with a copy into its
-    own pinned vector (``RankCheck.hosts[slot]``). :meth:`drain` waits for the burst's
+    own pinned vector (``RankCheck.hosts[graph_index]``). :meth:`drain` waits for the burst's
     event by polling it for at most ``drain_timeout_s`` (:func:`dist.wait_until`: a peer
     that died mid-graph leaves the replayed collectives waiting forever, unseen by the
     NCCL watchdog), then drains and compares the ranks' checksums.
@@ -77,20 +77,21 @@ class CheckedGraph(BurstGraph):
         self.drain_timeout_s = float(timeout)
         super().__init__(dec, gapless=gapless)
 
-    def _program(self, slot: int) -> list[Call]:
-        program = super()._program(slot)
+    def _program(self, graph_index: int) -> list[Call]:
+        program = super()._program(graph_index)
         check = self.dec.check
-        # The check call of graph ``slot`` copies into that slot's own host vector.
-        return [Call(c.name, functools.partial(check, slot=slot)) if c.name == "rank_check" else c for c in program]
+        # The check call of graph ``graph_index`` copies into that graph's own host vector.
+        return [Call(c.name, functools.partial(check, graph_index=graph_index)) if c.name == "rank_check" else c
+                for c in program]
 
     def drain(self):
         if self._pending and self.backend.is_gpu:
             event = self._events[self._pending[0]]
             wait_until(lambda: event.done, self.drain_timeout_s,
                        f"rank {self.dec.ctx.rank}: burst {self.dec.bursts + 1} (waiting at drain for its graph)")
-        slot = self._pending[0] if self._pending else 0
+        graph_index = self._pending[0] if self._pending else 0
         tokens = super().drain()
-        self.dec.check.verify(self.dec.bursts, slot=slot)
+        self.dec.check.verify(self.dec.bursts, graph_index=graph_index)
         return tokens
 
 

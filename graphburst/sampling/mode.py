@@ -37,23 +37,24 @@ from .params import SamplingParams, check_sampling
 GREEDY = SamplingParams()
 
 
-def draft_sample_calls(ops, b: StreamBufs, j: int) -> list:
+def draft_sample_calls(ops, bufs: StreamBufs, j: int) -> list:
     """Draft step j's distribution and its sample (after ``draft_step(j)``), fused: the
-    proposal's race runs inside the probability kernels (``b`` is also their scratch)."""
+    proposal's race runs inside the probability kernels (``bufs`` is also their scratch)."""
     return [
-        (f"draft_probs_sample[{j}]", functools.partial(ops.draft_probs_sample, b.draft_logits, b.temperature, b.top_k,
-                                                       b.top_p, b.seed, b.pos_start, b.draft_logits, b.draft_tok,
-                                                       b.draft_conf, b, step=j)),
+        (f"draft_probs_sample[{j}]", functools.partial(ops.draft_probs_sample, bufs.draft_logits, bufs.temperature,
+                                                       bufs.top_k, bufs.top_p, bufs.seed, bufs.pos_start,
+                                                       bufs.draft_logits, bufs.draft_tok, bufs.draft_conf, bufs,
+                                                       step=j)),
     ]
 
 
-def verify_sample_calls(ops, b: StreamBufs) -> list:
+def verify_sample_calls(ops, bufs: StreamBufs) -> list:
     """The target's distributions and the lossless accept (after ``verify``)."""
     return [
-        ("target_probs", functools.partial(ops.probs_from_logits, b.tgt_logits, b.temperature, b.top_k, b.top_p,
-                                           b.tgt_logits, b)),
-        ("accept_sample", functools.partial(ops.accept_sample, b.vtok, b.tgt_logits, b.draft_logits, b.brk, b.seed,
-                                            b.pos_start, b.n_acc, b.last_pred, b)),
+        ("target_probs", functools.partial(ops.probs_from_logits, bufs.tgt_logits, bufs.temperature, bufs.top_k,
+                                           bufs.top_p, bufs.tgt_logits, bufs)),
+        ("accept_sample", functools.partial(ops.accept_sample, bufs.vtok, bufs.tgt_logits, bufs.draft_logits,
+                                            bufs.brk, bufs.seed, bufs.pos_start, bufs.n_acc, bufs.last_pred, bufs)),
     ]
 
 

@@ -28,7 +28,7 @@ from collections.abc import AsyncIterator, Iterator
 
 import numpy as np
 
-from ..burst import SpecDecoder
+from ..burst import BurstMode, SpecDecoder
 from .pipeline import BurstPipeline
 from ..capture import BurstGraph
 from .request import Request, RequestState
@@ -37,9 +37,11 @@ from .intake import RequestIntake
 from .timing import inter_token_latencies_us, percentiles
 from .slot_tokens import SlotTokens
 
-ENGINE_MODES = ("graph", "eager_sync")
+SERVE_MODES = (BurstMode.GRAPH, BurstMode.PER_ROUND_SYNC)  # ``pipelined`` makes the graph engine gapless
+ENGINE_MODES = tuple(m.value for m in SERVE_MODES) + ("eager_sync",)  # --engine choices; eager_sync: the old name
 
-__all__ = ["ENGINE_MODES", "Request", "RequestState", "ServeLoop", "inter_token_latencies_us", "percentiles"]
+__all__ = ["ENGINE_MODES", "SERVE_MODES", "Request", "RequestState", "ServeLoop", "inter_token_latencies_us",
+           "percentiles"]
 
 # Entries of ServeLoop.log (see there).
 LOG_TOKENS, LOG_ADMITTED, LOG_RETIRED = "tokens", "admitted", "retired"
@@ -52,9 +54,9 @@ class ServeLoop(RequestIntake):
     ----------
     target, draft : the models (a stub draft gets per-request acceptance and seed)
     k, m_rounds : int
-    engine : {"graph", "eager_sync"}
-        ``eager_sync`` runs the same loop through eager bursts that sync every round,
-        for comparison.
+    engine : BurstMode or str
+        ``GRAPH``, or ``PER_ROUND_SYNC`` (also spelt ``"eager_sync"``) to run the same
+        loop through eager bursts that sync every round, for comparison.
     pipelined : bool
         Graph engine only: keep a second burst in flight (gapless drain) while the host
         hands out the previous burst's tokens.
@@ -77,8 +79,7 @@ class ServeLoop(RequestIntake):
 
     def __init__(self, target, draft, *, k: int, m_rounds: int, engine: str = "graph", pipelined: bool = True,
                  sampling: bool = False):
-        if engine not in ENGINE_MODES:
-            raise ValueError(f"engine must be one of {ENGINE_MODES}, got {engine!r}")
+        engine = BurstMode.parse(engine, SERVE_MODES, name="engine")
         self.sampling = bool(sampling)
         self.dec = self._make_decoder(target, draft, k=k, m_rounds=m_rounds, sampling=self.sampling)
         self.engine = engine

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import collections
 
-from ..burst import SpecDecoder
+from ..burst import BurstMode, SpecDecoder
 from ..capture import BurstGraph
 from .timing import BurstClock
 
@@ -25,7 +25,8 @@ class BurstPipeline:
     Parameters
     ----------
     dec : SpecDecoder
-    engine : {"graph", "eager_sync"}
+    engine : BurstMode
+        ``GRAPH`` or ``PER_ROUND_SYNC``.
     pipelined : bool
         Graph engine only: keep a second burst in flight while the host works.
     make_graph : callable, optional
@@ -35,10 +36,10 @@ class BurstPipeline:
 
     def __init__(self, dec: SpecDecoder, engine: str, pipelined: bool, make_graph=None):
         self.dec = dec
-        self.pipelined = bool(pipelined) and engine == "graph"
+        self.pipelined = bool(pipelined) and engine == BurstMode.GRAPH
         if make_graph is None:
             make_graph = lambda gapless: BurstGraph(dec, gapless=gapless)  # noqa: E731
-        self.graph = make_graph(gapless=self.pipelined) if engine == "graph" else None
+        self.graph = make_graph(gapless=self.pipelined) if engine == BurstMode.GRAPH else None
         self.depth = self.graph.n_slots if self.pipelined else 1  # bursts kept in flight
         self.clock = BurstClock(dec.backend)
         self._in_flight: collections.deque = collections.deque()  # (timing events or None, steady) per burst
@@ -73,7 +74,7 @@ class BurstPipeline:
         events = self.clock.events()
         if events:
             events[0].record(self.dec.stream)
-        tokens = self.dec.run_burst(mode="per_round_sync")
+        tokens = self.dec.run_burst(mode=BurstMode.PER_ROUND_SYNC)
         if events:
             events[1].record(self.dec.stream)
         self.clock.account(events, steady)
