@@ -65,7 +65,7 @@ def random_target(spec: ModelSpec, *, batch: int, capacity: int, kv_slack: int, 
                   fold_gqa=fold_gqa)
     gen = torch.Generator(device=device).manual_seed(seed)
     for name, p in model.hf_tensors().items():  # per HF tensor: the same draws as before q/k/v and gate/up fused
-        if name.endswith("layernorm.weight") or name == "norm.weight":
+        if name.endswith("norm.weight"):  # every RMSNorm: layer norms, final norm, Qwen3's q/k norms
             p.fill_(1.0)
         else:
             p.normal_(0.0, INIT_STD, generator=gen)
