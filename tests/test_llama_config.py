@@ -83,3 +83,60 @@ def test_loaders_check_batch_and_capacity(tmp_path, field, value, error):
         load_llama(tmp_path, **sizes)
     with pytest.raises(error, match=field):
         tiny_random_pair(backend="numpy", **sizes)
+
+
+# ---------------------------------------------------------------------- architectures (issue 21, item 4)
+
+from graphburst.models.llama_config import CheckpointError  # noqa: E402
+
+
+@pytest.mark.parametrize("change,message", [
+    # Before: no model_type meant Llama, and the Mistral window was dropped silently.
+    ({"model_type": None, "architectures": ["MistralForCausalLM"], "sliding_window": 16},
+     "sliding_window 16 is not supported"),
+    # Before: only model_type was read, so a GPT-2 file labelled llama loaded.
+    ({"architectures": ["GPT2LMHeadModel"]},
+     "architectures 'GPT2LMHeadModel' is not supported \\(supported: LlamaForCausalLM, MistralForCausalLM, "
+     "Qwen2ForCausalLM, Qwen3ForCausalLM\\)"),
+    ({"architectures": ["LlamaForCausalLM", "Qwen2ForCausalLM"]}, "architectures must be a list of one name"),
+    ({"model_type": "gemma2", "architectures": None}, "model_type 'gemma2' is not supported"),
+    ({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": True},
+     "use_sliding_window True is not supported"),
+    ({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+      "layer_types": ["full_attention", "sliding_attention"]}, "layer_types entry 'sliding_attention'"),
+    ({"sliding_window": 4096}, "sliding_window 4096 is not supported"),
+    ({"final_logit_softcapping": 30.0}, "final_logit_softcapping 30.0 is not supported"),
+    ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping 50.0 is not supported"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5 is not supported"),
+    ({"architectures": ["MistralForCausalLM"], "model_type": "mistral", "attention_bias": True},
+     "attention_bias true is not supported for model_type 'mistral'"),
+    ({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "mlp_bias": True},
+     "mlp_bias true is not supported for model_type 'qwen3'"),
+])
+def test_architecture_and_function_changing_keys_are_checked(change, message):
+    cfg = base()
+    for key, value in change.items():
+        if value is None:
+            cfg.pop(key, None)
+        else:
+            cfg[key] = value
+    with pytest.raises(CheckpointError, match=message):
+        LlamaConfig.from_hf(cfg)
+
+
+@pytest.mark.parametrize("change,family", [
+    ({"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": None}, "mistral"),
+    # Released Qwen2.5 configs carry a window size with the window off.
+    ({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": False,
+      "sliding_window": 131072, "max_window_layers": 21}, "qwen2"),
+    ({"model_type": "qwen3", "architectures": None}, "qwen3"),
+    ({"model_type": None, "architectures": None}, "llama"),
+])
+def test_supported_families_are_read(change, family):
+    cfg = base()
+    for key, value in change.items():
+        if value is None:
+            cfg.pop(key, None)
+        else:
+            cfg[key] = value
+    assert LlamaConfig.from_hf(cfg).model_type == family
