@@ -137,14 +137,22 @@ def test_draft_shares_the_target_and_eps_zero_makes_them_one_function():
     assert torch.equal(target.layers[3].mlp.down_proj.weight, eps.initial[-1])  # restored, not compounded
 
 
-def test_hf_twin_shares_tensors_and_matches_logits():
-    target = tiny()
-    Epsilon(target, TINY.draft_layers).set(0.3)
+@pytest.mark.parametrize("name", ["tiny", "qwen3-tiny"])
+def test_hf_twin_shares_tensors_and_matches_logits(name):
+    """The twin is the family's transformers class (Qwen3ForCausalLM for qwen3-tiny: q/k norms, head_dim 24)."""
+    spec = MODELS[name]
+    target = random_target(spec, batch=2, capacity=32, kv_slack=6, dtype=torch.float32, device="cpu")
+    with torch.no_grad():
+        for n, p in target.hf_tensors().items():
+            if n.endswith("norm.weight"):
+                p.normal_(1.0, 0.2, generator=torch.Generator().manual_seed(3))  # a norm on the wrong heads shows
+    Epsilon(target, spec.draft_layers).set(0.3)
     hf = hf_twin(target)
+    assert type(hf).__name__ == ("Qwen3ForCausalLM" if name == "qwen3-tiny" else "LlamaForCausalLM")
     ptrs = {t.data_ptr() for t in target.hf_tensors().values()}  # q/k/v, gate/up: views into the fused weights
     assert all(p.data_ptr() in ptrs for p in hf.parameters())
     assert all(p.untyped_storage().data_ptr() in {q.data_ptr() for q in target.parameters()} for p in hf.parameters())
-    tokens = torch.randint(0, TINY.cfg.vocab_size, (2, 9))
+    tokens = torch.randint(0, spec.cfg.vocab_size, (2, 9))
     torch.testing.assert_close(forward(target, tokens), hf(tokens).logits.float(), rtol=1e-5, atol=1e-5)
 
 

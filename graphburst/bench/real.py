@@ -38,7 +38,7 @@ from .real_report import NOT_RUN, SAME_KERNEL_ORDER, plot, plot_problem, tables,
 
 # The torch-dependent modules (real_models, real_engines, real_checks) are imported when
 # the benchmark runs: the CLI imports this module for every command, torch or not.
-MODEL_NAMES = ("tiny", "small", "1b")  # real_models.MODELS
+MODEL_NAMES = ("tiny", "small", "1b", "qwen3-tiny", "qwen3-0.6b", "qwen3-8b")  # real_models.MODELS
 
 ENGINES = ("hf", "eager", "vllm", "graphburst", "gapless", "compile")
 DEFAULT_ENGINES = "hf,eager,vllm,graphburst,gapless"

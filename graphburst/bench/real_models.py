@@ -1,5 +1,5 @@
-"""The models of ``graphburst bench real``: random Llama targets, their early-exit drafts,
-the ε knob that sets acceptance, and transformers twins built from the same tensors.
+"""The models of ``graphburst bench real``: random Llama and Qwen3 targets, their early-exit
+drafts, the ε knob that sets acceptance, and transformers twins built from the same tensors.
 
 * **Target**: a :class:`~graphburst.models.llama.Llama` with random weights made on the device
   (normal, std 0.02; norm weights 1). Nothing is downloaded.
@@ -28,6 +28,15 @@ LLAMA32_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "
                 "original_max_position_embeddings": 8192}
 
 
+QWEN3 = dict(rope_theta=1e6, qk_norm=True, model_type="qwen3", rms_norm_eps=1e-6)
+QWEN3_TINY = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=24, tie_word_embeddings=True, **QWEN3)
+QWEN3_06B = LlamaConfig(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                        num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True, **QWEN3)
+QWEN3_8B = LlamaConfig(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                       num_attention_heads=32, num_key_value_heads=8, head_dim=128, **QWEN3)
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
     """One benchmark model: the target's config and the draft's depth."""
@@ -54,6 +63,17 @@ MODELS = {
                                       rope_theta=500000.0, rope_scaling=LLAMA32_ROPE, tie_word_embeddings=True),
                     2, "Llama-3.2-1B shape: 16 layers, d=2048, 32 q / 8 KV heads, FFN 8192, vocab 128256, "
                        "tied embeddings, llama3 rope"),
+    # CI/smoke size of the Qwen3 path: q/k norms, head_dim 24 != 64 / 4, tied head.
+    "qwen3-tiny": ModelSpec("qwen3-tiny", QWEN3_TINY, 2, "Qwen3 switches at CI size: 4 layers, d=64, 4 q / 2 KV "
+                                                         "heads of 24, q/k norms, FFN 128, vocab 512, tied"),
+    # Qwen3-0.6B's shape (head_dim 128 with hidden 1024: 16 x 128 = 2048 != 1024).
+    "qwen3-0.6b": ModelSpec("qwen3-0.6b", QWEN3_06B, 2, "Qwen3-0.6B shape: 28 layers, d=1024, 16 q / 8 KV heads "
+                                                        "of 128, q/k norms, FFN 3072, vocab 151936, tied"),
+    # Qwen3-8B's shape. The draft is its first layer with its embeddings, norm and head: the ε
+    # knob needs a draft sharing the target's weights; it streams 1.6 GB per token in bf16
+    # (a Qwen3-0.6B streams 1.2 GB, in 28 layers' launches rather than 1).
+    "qwen3-8b": ModelSpec("qwen3-8b", QWEN3_8B, 1, "Qwen3-8B shape: 36 layers, d=4096, 32 q / 8 KV heads of 128, "
+                                                   "q/k norms, FFN 12288, vocab 151936, untied; 1-layer self-draft"),
 }
 
 
@@ -159,10 +179,25 @@ def argmax_margins(model: Llama, prompts: torch.Tensor) -> dict:
 
 # ---------------------------------------------------------------------- transformers twins
 
+#: model_type -> transformers (config class, model class) names
+HF_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
+              "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}
+
+
 def hf_config(cfg: LlamaConfig, layers: int):
-    from transformers import LlamaConfig as HFConfig
+    """The transformers config of ``cfg``'s family with ``layers`` layers (no sliding window, never stops early)."""
+    import transformers
 
     extra = {} if cfg.rope_scaling is None else {"rope_scaling": dict(cfg.rope_scaling)}
+    if cfg.model_type == "llama":
+        extra.update(attention_bias=cfg.attention_bias, mlp_bias=cfg.mlp_bias)
+    elif cfg.model_type == "qwen3":
+        extra.update(attention_bias=cfg.attention_bias, use_sliding_window=False)
+    elif cfg.model_type == "qwen2":
+        extra.update(use_sliding_window=False)
+    else:
+        extra.update(sliding_window=None)
+    HFConfig = getattr(transformers, HF_CLASSES[cfg.model_type][0])  # noqa: N806 - a class
     return HFConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
                     num_hidden_layers=layers, num_attention_heads=cfg.num_attention_heads,
                     num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
@@ -171,7 +206,7 @@ def hf_config(cfg: LlamaConfig, layers: int):
 
 
 def hf_twin(src: Llama, *, layers: int | None = None):
-    """A ``transformers.LlamaForCausalLM`` whose parameters ARE ``src``'s (first ``layers`` blocks).
+    """A transformers model of ``src``'s family whose parameters ARE ``src``'s (first ``layers`` blocks).
 
     Built on the meta device, then every parameter is assigned ``src``'s tensor (HF's
     separate q/k/v and gate/up are views into ``src``'s fused ones, from
@@ -183,13 +218,12 @@ def hf_twin(src: Llama, *, layers: int | None = None):
     AssertionError
         If any parameter was copied rather than shared, or anything stayed on meta.
     """
-    from transformers import LlamaForCausalLM
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+    import transformers
 
     n = src.cfg.num_hidden_layers if layers is None else layers
     cfg = hf_config(src.cfg, n)
     with torch.device("meta"):
-        hf = LlamaForCausalLM(cfg)
+        hf = getattr(transformers, HF_CLASSES[src.cfg.model_type][1])(cfg)
     ours = {("lm_head." + name[len("lm_head."):] if name.startswith("lm_head.") else "model." + name): p
             for name, p in src.hf_tensors().items() if not name.startswith("layers.") or int(name.split(".")[1]) < n}
     if cfg.tie_word_embeddings:
@@ -198,7 +232,7 @@ def hf_twin(src: Llama, *, layers: int | None = None):
     if cfg.tie_word_embeddings:
         hf.lm_head.weight = hf.model.embed_tokens.weight
     device = next(src.parameters()).device
-    hf.model.rotary_emb = LlamaRotaryEmbedding(config=cfg).to(device)  # fp32 buffers, built off meta
+    hf.model.rotary_emb = type(hf.model.rotary_emb)(config=cfg).to(device)  # fp32 buffers, built off meta
     hf.eval()
     for name, t in [*hf.named_parameters(), *hf.named_buffers()]:
         assert not t.is_meta, f"HF twin: {name} was not set"
