@@ -256,3 +256,36 @@ def test_m_sweep_rule_is_the_common_prefix_rule():
     with pytest.raises(AssertionError, match="M sweep: gapless with M=2 differs from ref .same kernels. in sequence 1 "
                                              "at token 1"):
         check_common_prefix("M sweep: gapless with M=2", [[1, 2], [7, 9]], [[1, 2], [7, 8]], "ref")
+
+
+def test_a_draft_of_its_own_shape_is_the_targets_function_at_eps_zero():
+    """qwen3-tiny-pair (the qwen3-8b construction at CI size): a d=32 draft under a d=64 target.
+
+    At ε = 0 the target's logits are ~sqrt(64 / 32) x the draft's (the same argmax), so the
+    same-kernel engines accept every draft; at ε = 1 the target is its own function.
+    """
+    from graphburst.bench.real_engines import Burst
+    from graphburst.bench.real_models import draft_instance, subspace_draft
+
+    spec = MODELS["qwen3-tiny-pair"]
+    target = random_target(spec, batch=2, capacity=64, kv_slack=6, dtype=torch.float32, device="cpu")
+    draft = subspace_draft(target, spec)
+    assert draft.cfg.hidden_size == 32 and draft.cfg.num_hidden_layers == 2 and target.cfg.hidden_size == 64
+    eps = Epsilon(target, spec.draft_layers)
+    tokens = torch.randint(0, spec.cfg.vocab_size, (2, 7))
+    eps.set(0.0)
+    want = forward(draft_instance(target, draft), tokens)
+    got = forward(target, tokens)
+    # sqrt(2) up to the norms' eps (1e-6 against a mean square of ~4e-4 and ~2e-4)
+    torch.testing.assert_close(got, want * 2 ** 0.5, rtol=1e-2, atol=1e-5)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    prompts = [[1, 2, 3, 4], [5, 6, 7, 8]]
+    runs = {}
+    for name, eng in {"eager": TorchLoop(target, draft_layers=draft, batch=2, k=3),
+                      "graphburst": Burst(target, draft_layers=draft, batch=2, k=3, m=2, backend="numpy")}.items():
+        eng.prefill(prompts)
+        runs[name] = eng.run(4)
+    assert runs["eager"].tokens == runs["graphburst"].tokens
+    assert runs["graphburst"].accepted == 4 * 3 * 2  # every draft, every round, both rows
+    eps.set(1.0)
+    assert not torch.equal(forward(target, tokens).argmax(-1), want.argmax(-1))

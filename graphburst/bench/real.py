@@ -38,7 +38,7 @@ from .real_report import NOT_RUN, SAME_KERNEL_ORDER, plot, plot_problem, tables,
 
 # The torch-dependent modules (real_models, real_engines, real_checks) are imported when
 # the benchmark runs: the CLI imports this module for every command, torch or not.
-MODEL_NAMES = ("tiny", "small", "1b", "qwen3-tiny", "qwen3-0.6b", "qwen3-8b")  # real_models.MODELS
+MODEL_NAMES = ("tiny", "small", "1b", "qwen3-tiny", "qwen3-0.6b", "qwen3-8b", "qwen3-tiny-pair")  # real_models.MODELS
 
 ENGINES = ("hf", "eager", "vllm", "graphburst", "gapless", "compile")
 DEFAULT_ENGINES = "hf,eager,vllm,graphburst,gapless"
@@ -141,11 +141,11 @@ def check_args(args) -> None:
 
 # ---------------------------------------------------------------------- steps
 
-def calibrate(src, spec, s, prompts_for, eps_ctl) -> tuple[list, list]:
+def calibrate(src, draft, s, prompts_for, eps_ctl) -> tuple[list, list]:
     """ε grid -> measured acceptance (eager loop, B=4), then ε per wanted acceptance by interpolation."""
     from .real_engines import TorchLoop
 
-    loop = TorchLoop(src, draft_layers=spec.draft_layers, batch=CALIBRATION["batch"], k=s["k"])
+    loop = TorchLoop(src, draft_layers=draft, batch=CALIBRATION["batch"], k=s["k"])
     grid = []
     for eps in EPS_GRID:
         eps_ctl.set(eps)
@@ -166,11 +166,14 @@ def calibrate(src, spec, s, prompts_for, eps_ctl) -> tuple[list, list]:
     return grid, chosen
 
 
-def build_engines(src, spec, s, batch, backend, hf) -> tuple[dict, dict]:
-    """Every requested engine for one batch size; (engines, not_run reasons)."""
+def build_engines(src, draft, s, batch, backend, hf) -> tuple[dict, dict]:
+    """Every requested engine for one batch size; (engines, not_run reasons).
+
+    ``draft``: the self-draft's depth, or a draft model of its own (``real_models.draft_instance``).
+    """
     from .real_engines import Burst, TorchLoop
 
-    kw = dict(draft_layers=spec.draft_layers, batch=batch, k=s["k"])
+    kw = dict(draft_layers=draft, batch=batch, k=s["k"])
     engines, skipped = {}, {}
     if "compile" not in s["engines"]:
         skipped["compile"] = NOT_RUN["compile_off"]
@@ -269,7 +272,7 @@ def profile_all(engines, prompts, s, tokens, out_dir, tag, cuda) -> dict:
     return out
 
 
-def m_sweep(src, spec, s, backend, prompts, ref, floor_us, vllm) -> list:
+def m_sweep(src, draft, s, backend, prompts, ref, floor_us, vllm) -> list:
     """graphburst at B=1 over M: checked against the config's reference tokens, then timed."""
     from .real_checks import check_common_prefix
     from .real_engines import Burst
@@ -277,7 +280,7 @@ def m_sweep(src, spec, s, backend, prompts, ref, floor_us, vllm) -> list:
     rows = []
     for m in s["m_sweep"]:
         for gapless in (False, True):
-            eng = Burst(src, draft_layers=spec.draft_layers, batch=1, k=s["k"], m=m, backend=backend, gapless=gapless)
+            eng = Burst(src, draft_layers=draft, batch=1, k=s["k"], m=m, backend=backend, gapless=gapless)
             name = "gapless" if gapless else "graphburst"
             eng.prefill(prompts)
             checked = {name: eng.run(s["rounds"])}
@@ -296,7 +299,7 @@ def run(args, console: Console, backend) -> int:
 
     from .real_checks import check_config, fp32_check, reference_logits
     from .real_engines import HFAssisted
-    from .real_models import MODELS, Epsilon, argmax_margins, random_target, weight_bytes
+    from .real_models import MODELS, Epsilon, argmax_margins, random_target, subspace_draft, weight_bytes
 
     s = settings(args)
     cuda = backend.is_gpu
@@ -329,8 +332,13 @@ def run(args, console: Console, backend) -> int:
             prompts_for = lambda b: prompt_pool[:b]  # noqa: E731 - the first b prompts, the same in every config
             src = random_target(spec, batch=CALIBRATION["batch"], capacity=capacity, kv_slack=s["k"] + 2, dtype=dtype,
                                 device=device, seed=s["seed"])
+            # The self-draft's depth, or a draft of its own shape built into the target's subspace.
+            draft = spec.draft_layers if spec.draft_cfg is None else subspace_draft(src, spec, seed=s["seed"])
             eps_ctl = Epsilon(src, spec.draft_layers)
             info = dict(spec=spec.note, layers=spec.cfg.num_hidden_layers, draft_layers=spec.draft_layers,
+                        draft=None if spec.draft_cfg is None else dict(layers=spec.draft_cfg.num_hidden_layers,
+                                                                       hidden=spec.draft_cfg.hidden_size,
+                                                                       weight_bytes=weight_bytes(draft)),
                         weight_bytes=weight_bytes(src), margins=argmax_margins(
                             src, torch.tensor(prompts_for(CALIBRATION["batch"]), device=device)))
             if info["margins"]["median"] <= 0 or info["margins"]["ties"] > 0.25:
@@ -338,7 +346,7 @@ def run(args, console: Console, backend) -> int:
             if s["eps"]:
                 grid, levels = None, [dict(want=None, eps=e) for e in s["eps"]]
             else:
-                grid, levels = calibrate(src, spec, s, prompts_for, eps_ctl)
+                grid, levels = calibrate(src, draft, s, prompts_for, eps_ctl)
             info.update(eps_grid=grid, levels=levels)
             mid = levels[len(levels) // 2]
             hf, hf_reason = None, None
@@ -350,16 +358,16 @@ def run(args, console: Console, backend) -> int:
             if "hf" in s["engines"] and hf_reason is None:
                 eps_ctl.set(mid["eps"])
                 try:
-                    info["fp32_check"] = dict(eps=mid["eps"], **fp32_check(src, spec, s, backend, prompts_for(1)[0]))
+                    info["fp32_check"] = dict(eps=mid["eps"], **fp32_check(src, draft, s, backend, prompts_for(1)[0]))
                 except AssertionError as exc:  # reported, and the exit status says so; the run goes on
                     info["fp32_check"] = dict(eps=mid["eps"], failed=str(exc))
                     failures.append(f"{mname}: {exc}")
                 if 1 in s["batches"]:
-                    hf = HFAssisted(src, draft_layers=spec.draft_layers, k=s["k"])
+                    hf = HFAssisted(src, draft_layers=draft, k=s["k"])
             results["models"][mname] = info
             progress.advance(task)
             for batch in s["batches"]:
-                engines, skipped = build_engines(src, spec, s, batch, backend, hf)
+                engines, skipped = build_engines(src, draft, s, batch, backend, hf)
                 if hf_reason and "hf" in s["engines"]:
                     skipped["hf"] = hf_reason
                 vllm = engines.get("vllm")
@@ -390,12 +398,12 @@ def run(args, console: Console, backend) -> int:
                     if batch == 1 and level is mid and s["m_sweep"]:
                         ref = checked[next(n for n in SAME_KERNEL_ORDER if n in engines)].tokens
                         results["m_sweep"] += [dict(model=mname, eps=level["eps"], **r) for r in m_sweep(
-                            src, spec, s, backend, prompts, ref, floor, timed.get("vllm"))]
+                            src, draft, s, backend, prompts, ref, floor, timed.get("vllm"))]
                     progress.advance(task)
                 del engines
                 if cuda:
                     torch.cuda.empty_cache()
-            del hf, src, eps_ctl
+            del hf, src, draft, eps_ctl
     results["targets"] = targets(results)
     plotted = None
     if plot_path and not problem:

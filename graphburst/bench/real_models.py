@@ -12,6 +12,13 @@ drafts, the ε knob that sets acceptance, and transformers twins built from the 
   valid across a sweep.
 * **Instances**: every engine needs its own KV cache, so :func:`instance` builds a
   ``Llama`` whose modules are the shared ones and whose ``kv`` is new.
+* **A draft of another shape** (``ModelSpec.draft_cfg``: a Qwen3-0.6B-shaped draft for a
+  Qwen3-8B-shaped target): :func:`subspace_draft`. Independent random models would never
+  agree, so the target holds the draft's embeddings and head in its first columns (zeros
+  elsewhere) and the draft's blocks write nothing to its residual stream: at ε = 0 both
+  compute the same bigram function (target logits = sqrt(d_target / d_draft) x the
+  draft's), and ε moves the target away as before (every target block is scaled). Every
+  layer of both runs at full size, so the timing is the shapes'.
 """
 
 from __future__ import annotations
@@ -43,8 +50,9 @@ class ModelSpec:
 
     name: str
     cfg: LlamaConfig
-    draft_layers: int
+    draft_layers: int  # the self-draft's depth; 0 with draft_cfg (then every target block is scaled by ε)
     note: str
+    draft_cfg: LlamaConfig | None = None  # a draft of its own shape (subspace_draft)
 
 
 MODELS = {
@@ -69,19 +77,25 @@ MODELS = {
     # Qwen3-0.6B's shape (head_dim 128 with hidden 1024: 16 x 128 = 2048 != 1024).
     "qwen3-0.6b": ModelSpec("qwen3-0.6b", QWEN3_06B, 2, "Qwen3-0.6B shape: 28 layers, d=1024, 16 q / 8 KV heads "
                                                         "of 128, q/k norms, FFN 3072, vocab 151936, tied"),
-    # Qwen3-8B's shape. The draft is its first layer with its embeddings, norm and head: the ε
-    # knob needs a draft sharing the target's weights; it streams 1.6 GB per token in bf16
-    # (a Qwen3-0.6B streams 1.2 GB, in 28 layers' launches rather than 1).
-    "qwen3-8b": ModelSpec("qwen3-8b", QWEN3_8B, 1, "Qwen3-8B shape: 36 layers, d=4096, 32 q / 8 KV heads of 128, "
-                                                   "q/k norms, FFN 12288, vocab 151936, untied; 1-layer self-draft"),
+    # Qwen3-8B's shape with a Qwen3-0.6B-shaped draft (subspace_draft).
+    "qwen3-8b": ModelSpec("qwen3-8b", QWEN3_8B, 0, "Qwen3-8B shape: 36 layers, d=4096, 32 q / 8 KV heads of 128, "
+                                                   "q/k norms, FFN 12288, vocab 151936, untied; Qwen3-0.6B-shaped draft",
+                          draft_cfg=QWEN3_06B),
+    # CI size of the same construction: a 2-layer d=32 draft under the 4-layer d=64 qwen3-tiny.
+    "qwen3-tiny-pair": ModelSpec("qwen3-tiny-pair", QWEN3_TINY.replace(tie_word_embeddings=False), 0,
+                                 "qwen3-tiny target (untied) with a 2-layer d=32 draft of its own shape",
+                                 draft_cfg=QWEN3_TINY.replace(hidden_size=32, num_hidden_layers=2)),
 }
 
 
 @torch.no_grad()
 def random_target(spec: ModelSpec, *, batch: int, capacity: int, kv_slack: int, dtype, device, seed: int = 0,
-                  fold_gqa: bool = False) -> Llama:
-    """The target with seeded random weights drawn on ``device`` (fast even for 1B); ``fold_gqa`` as in :class:`Llama`."""
-    model = Llama(spec.cfg, batch=batch, capacity=capacity, dtype=dtype, device=device, kv_slack=kv_slack,
+                  fold_gqa: bool = False, cfg: LlamaConfig | None = None) -> Llama:
+    """The target with seeded random weights drawn on ``device`` (fast even for 1B); ``fold_gqa`` as in :class:`Llama`.
+
+    ``cfg``: another config than ``spec.cfg`` (the draft of :func:`subspace_draft`).
+    """
+    model = Llama(cfg or spec.cfg, batch=batch, capacity=capacity, dtype=dtype, device=device, kv_slack=kv_slack,
                   fold_gqa=fold_gqa)
     gen = torch.Generator(device=device).manual_seed(seed)
     for name, p in model.hf_tensors().items():  # per HF tensor: the same draws as before q/k/v and gate/up fused
@@ -90,6 +104,48 @@ def random_target(spec: ModelSpec, *, batch: int, capacity: int, kv_slack: int, 
         else:
             p.normal_(0.0, INIT_STD, generator=gen)
     return model
+
+
+@torch.no_grad()
+def subspace_draft(target: Llama, spec: ModelSpec, *, seed: int = 0) -> Llama:
+    """A random draft of shape ``spec.draft_cfg`` that ``target`` computes exactly at ε = 0 (module docstring).
+
+    Rewrites ``target``'s embeddings and head: columns ``[0, d_draft)`` become the draft's
+    (its tied embedding table when it ties), the rest zeros; zeroes the draft blocks'
+    residual outputs (``o_proj``, ``down_proj``). Call :class:`Epsilon` (with
+    ``draft_layers`` 0) afterwards.
+
+    Returns
+    -------
+    Llama
+        With ``target``'s batch, capacity, KV slack, dtype and device.
+    """
+    cfg, dc = target.cfg, spec.draft_cfg
+    if dc.vocab_size != cfg.vocab_size or dc.hidden_size > cfg.hidden_size:
+        raise ValueError(f"{spec.name}: a subspace draft needs the target's vocab and a hidden size <= its own")
+    if cfg.tie_word_embeddings and not dc.tie_word_embeddings:
+        raise ValueError(f"{spec.name}: a tied target needs a tied draft (its head is its embedding table)")
+    w = target.embed_tokens.weight
+    draft = random_target(spec, batch=target.batch, capacity=target.capacity, kv_slack=target.kv_slack, dtype=w.dtype,
+                          device=w.device, seed=seed + 1, cfg=dc)
+    for block in draft.layers:
+        block.self_attn.o_proj.weight.zero_()
+        block.mlp.down_proj.weight.zero_()
+    d = dc.hidden_size
+    w[:, d:] = 0
+    w[:, :d] = draft.embed_tokens.weight
+    if target.lm_head is not None:
+        target.lm_head.weight[:, d:] = 0
+        target.lm_head.weight[:, :d] = draft.head_weight()
+    return draft
+
+
+def draft_instance(src: Llama, draft: int | Llama, *, batch: int | None = None) -> Llama:
+    """The draft an engine runs: ``src``'s first ``draft`` blocks (an int), or ``draft`` itself (a
+    :func:`subspace_draft`), over the shared tensors with its own KV cache."""
+    if isinstance(draft, Llama):
+        return instance(draft, batch=batch)
+    return instance(src, layers=draft, batch=batch)
 
 
 def instance(src: Llama, *, layers: int | None = None, batch: int | None = None) -> Llama:
@@ -203,6 +259,11 @@ def hf_config(cfg: LlamaConfig, layers: int):
                     num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
                     rope_theta=cfg.rope_theta, tie_word_embeddings=cfg.tie_word_embeddings,
                     max_position_embeddings=131072, eos_token_id=None, bos_token_id=None, pad_token_id=None, **extra)
+
+
+def hf_draft_twin(src: Llama, draft: int | Llama):
+    """:func:`hf_twin` of the draft :func:`draft_instance` runs."""
+    return hf_twin(draft) if isinstance(draft, Llama) else hf_twin(src, layers=draft)
 
 
 def hf_twin(src: Llama, *, layers: int | None = None):
