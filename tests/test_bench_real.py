@@ -289,3 +289,10 @@ def test_a_draft_of_its_own_shape_is_the_targets_function_at_eps_zero():
     assert runs["graphburst"].accepted == 4 * 3 * 2  # every draft, every round, both rows
     eps.set(1.0)
     assert not torch.equal(forward(target, tokens).argmax(-1), want.argmax(-1))
+    # The start-up check: transformers' Qwen3 twins of the target and of the draft of its own shape.
+    from graphburst.backend import Backend
+    from graphburst.bench.real_checks import fp32_check
+
+    eps.set(0.3)
+    res = fp32_check(target, draft, dict(k=3), Backend("numpy"), [1, 2, 3, 4])
+    assert res["divergence"] is None and res["agreed"] == res["compared"] > 0, res

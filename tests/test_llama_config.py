@@ -112,6 +112,7 @@ from graphburst.models.llama_config import CheckpointError  # noqa: E402
      "attention_bias true is not supported for model_type 'mistral'"),
     ({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "mlp_bias": True},
      "mlp_bias true is not supported for model_type 'qwen3'"),
+    ({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "head_dim": None}, "head_dim is missing"),
 ])
 def test_architecture_and_function_changing_keys_are_checked(change, message):
     cfg = base()
@@ -129,7 +130,7 @@ def test_architecture_and_function_changing_keys_are_checked(change, message):
     # Released Qwen2.5 configs carry a window size with the window off.
     ({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": False,
       "sliding_window": 131072, "max_window_layers": 21}, "qwen2"),
-    ({"model_type": "qwen3", "architectures": None}, "qwen3"),
+    ({"model_type": "qwen3", "architectures": None, "head_dim": 16}, "qwen3"),
     ({"model_type": None, "architectures": None}, "llama"),
 ])
 def test_supported_families_are_read(change, family):

@@ -125,7 +125,7 @@ class LlamaConfig:
     mlp_bias: bool = False
     qkv_bias: bool = False  # biases on q, k and v only (Qwen2); attention_bias puts them on o_proj too
     qk_norm: bool = False  # RMSNorm over each q and k head (weights [head_dim]) before RoPE (Qwen3)
-    model_type: str = "llama"  # the HF family it was read from (for messages and docs; no switch reads it)
+    model_type: str = "llama"  # the HF family it was read from (messages, the bench's transformers twin; no layer reads it)
 
     @classmethod
     def from_hf(cls, cfg: dict, source: str = "config.json") -> LlamaConfig:
@@ -160,6 +160,10 @@ class LlamaConfig:
             raise CheckpointError(f"{source}: num_attention_heads {heads} is not a multiple of "
                              f"num_key_value_heads {kv_heads}")
         head_dim = cfg.get("head_dim")
+        if head_dim is None and family == "qwen3":
+            # transformers' Qwen3Config defaults it to 128, not hidden / heads: say so rather than guess.
+            raise CheckpointError(f"{source}: head_dim is missing (Qwen3 configs state it; transformers would assume "
+                                  f"128)")
         if head_dim is None:
             if cfg["hidden_size"] % heads:
                 raise CheckpointError(f"{source}: hidden_size {cfg['hidden_size']} is not a multiple of "
