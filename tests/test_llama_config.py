@@ -141,3 +141,39 @@ def test_supported_families_are_read(change, family):
         else:
             cfg[key] = value
     assert LlamaConfig.from_hf(cfg).model_type == family
+
+
+#: config.json of released checkpoints, as published (Qwen2.5-0.5B, Qwen3-0.6B, Mistral-7B-v0.3)
+RELEASED = {
+    "qwen2": {"architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643,
+              "eos_token_id": 151643, "hidden_act": "silu", "hidden_size": 896, "initializer_range": 0.02,
+              "intermediate_size": 4864, "max_position_embeddings": 32768, "max_window_layers": 24,
+              "model_type": "qwen2", "num_attention_heads": 14, "num_hidden_layers": 24, "num_key_value_heads": 2,
+              "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "sliding_window": 32768, "tie_word_embeddings": True,
+              "torch_dtype": "bfloat16", "transformers_version": "4.40.1", "use_cache": True,
+              "use_sliding_window": False, "vocab_size": 151936},
+    "qwen3": {"architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+              "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu",
+              "hidden_size": 1024, "initializer_range": 0.02, "intermediate_size": 3072,
+              "max_position_embeddings": 40960, "max_window_layers": 28, "model_type": "qwen3",
+              "num_attention_heads": 16, "num_hidden_layers": 28, "num_key_value_heads": 8, "rms_norm_eps": 1e-06,
+              "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None, "tie_word_embeddings": True,
+              "torch_dtype": "bfloat16", "transformers_version": "4.51.0", "use_cache": True,
+              "use_sliding_window": False, "vocab_size": 151936},
+    "mistral": {"architectures": ["MistralForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1,
+                "eos_token_id": 2, "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
+                "intermediate_size": 14336, "max_position_embeddings": 32768, "model_type": "mistral",
+                "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-05,
+                "rope_theta": 1000000.0, "sliding_window": None, "tie_word_embeddings": False,
+                "torch_dtype": "bfloat16", "transformers_version": "4.42.0.dev0", "use_cache": True,
+                "vocab_size": 32768},
+}
+
+
+@pytest.mark.parametrize("family", list(RELEASED))
+def test_released_configs_are_read_with_their_switches(family):
+    cfg = LlamaConfig.from_hf(RELEASED[family])
+    assert cfg.model_type == family and cfg.rope_theta == 1e6
+    assert cfg.qkv_bias == (family == "qwen2") and cfg.qk_norm == (family == "qwen3") and not cfg.attention_bias
+    assert cfg.head_dim == {"qwen2": 64, "qwen3": 128, "mistral": 128}[family]
+    assert cfg.tie_word_embeddings == (family != "mistral")
