@@ -81,16 +81,13 @@ def test_serve_jsonl_each_family_equals_transformers(pairs, family, tmp_path, ca
         assert recs[i]["tokens"] == hf_greedy(hf, prompt, NEW), (family, i)
 
 
-def test_http_text_prompts_with_the_model_directorys_tokenizer(pairs, tmp_path):
-    """``tokenizer.json`` in the model directory is picked up by ``serve --http`` with no flag.
-
-    One family (a server process costs seconds of CI): the tokenizer path reads only
-    ``tokenizer.json``, never the config, so it is the same code for every family.
-    """
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_http_text_prompts_with_the_model_directorys_tokenizer(pairs, family, tmp_path):
+    """``tokenizer.json`` in the model directory is picked up by ``serve --http`` with no flag."""
     from test_http_server import ServerProcess
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    hf, target_dir, draft_dir = pairs["qwen3"]
+    hf, target_dir, draft_dir = pairs[family]
     model = tmp_path / "model"
     shutil.copytree(target_dir, model)
     vocab = hf.config.vocab_size
