@@ -12,6 +12,7 @@ from . import bench
 from . import demo
 from . import serve_cli
 from .cli_args import FlagError, Parser
+from .models.llama_config import CheckpointError
 
 
 def main(argv=None) -> int:
@@ -33,6 +34,9 @@ def main(argv=None) -> int:
     console = Console() if sys.stdout.isatty() else Console(width=220)
     try:
         return run(args, console)
+    except CheckpointError as exc:  # a checkpoint that cannot be loaded: one line naming the file and key
+        print(f"graphburst {args.command}: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
     except BrokenPipeError:
         # The reader went away (``| head -1``): stop quietly. Point stdout at devnull so
         # the interpreter's final flush does not raise again.

@@ -7,7 +7,7 @@ acceptance, tokens per second and the host syncs the bursts took.
 
 Models: the stub pair by default (reference: the CPU greedy oracle); ``--model
 tiny-random`` for a small random Llama pair built in memory; ``--model DIR --draft DIR``
-for Hugging Face Llama checkpoints (reference for both: the target alone, re-running the
+for Hugging Face checkpoints of any supported family (reference for both: the target alone, re-running the
 whole prefix for every token).
 
 ``--temperature T`` (with ``--top-k``, ``--top-p``; slot b's seed is ``--seed`` * 2**16 + b)
@@ -41,8 +41,8 @@ def add_parser(sub) -> None:
                                     "decoding")
     p.add_argument("--backend", choices=BACKEND_NAMES, default="auto")
     p.add_argument("--model", default=None,
-                   help=f"'{TINY_RANDOM}' (a small random Llama pair, no files) or a Hugging Face Llama "
-                        "checkpoint directory; the stub models when absent")
+                   help=f"'{TINY_RANDOM}' (a small random Llama pair, no files) or a Hugging Face checkpoint "
+                        "directory (Llama, Mistral, Qwen2, Qwen3); the stub models when absent")
     p.add_argument("--draft", type=readable_dir, default=None, help="the draft's checkpoint directory (with --model DIR)")
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="weights and KV of a --model pair")
     p.add_argument("--batch", type=int_in(1, 4096), default=4)

@@ -23,6 +23,11 @@ from graphburst.parallel.models import TINY, random_pair
 from graphburst.parallel.runner import ParallelBurst, ParallelDecoder, build_pair, hash_parts
 
 CFG = TINY.replace(vocab_size=509)  # odd: the vocab-parallel head's padding is exercised
+if os.environ.get("GB_TEST_SWITCHES") == "1":
+    # Every architecture switch at once: Qwen2's q/k/v biases (sharded with their rows, random
+    # and non-zero here), Qwen3's per-head q/k norms (replicated) and a head_dim unrelated to
+    # hidden / heads. Not one HF family; it holds each switch's sharding against TP=1.
+    CFG = CFG.replace(qkv_bias=True, qk_norm=True, head_dim=24, model_type="qwen3")
 GPU = os.environ.get("GB_TEST_GPU") == "1"  # NCCL + cupy on cuda:LOCAL_RANK (tests/test_parallel_gpu.py)
 BATCH, K, M, CAP = 3, 3, 4, 1024
 BURSTS = int(os.environ.get("GB_TEST_BURSTS", "10"))

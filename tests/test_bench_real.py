@@ -138,14 +138,22 @@ def test_draft_shares_the_target_and_eps_zero_makes_them_one_function():
     assert torch.equal(target.layers[3].mlp.down_proj.weight, eps.initial[-1])  # restored, not compounded
 
 
-def test_hf_twin_shares_tensors_and_matches_logits():
-    target = tiny()
-    Epsilon(target, TINY.draft_layers).set(0.3)
+@pytest.mark.parametrize("name", ["tiny", "qwen3-tiny"])
+def test_hf_twin_shares_tensors_and_matches_logits(name):
+    """The twin is the family's transformers class (Qwen3ForCausalLM for qwen3-tiny: q/k norms, head_dim 24)."""
+    spec = MODELS[name]
+    target = random_target(spec, batch=2, capacity=32, kv_slack=6, dtype=torch.float32, device="cpu")
+    with torch.no_grad():
+        for n, p in target.hf_tensors().items():
+            if n.endswith("norm.weight"):
+                p.normal_(1.0, 0.2, generator=torch.Generator().manual_seed(3))  # a norm on the wrong heads shows
+    Epsilon(target, spec.draft_layers).set(0.3)
     hf = hf_twin(target)
+    assert type(hf).__name__ == ("Qwen3ForCausalLM" if name == "qwen3-tiny" else "LlamaForCausalLM")
     ptrs = {t.data_ptr() for t in target.hf_tensors().values()}  # q/k/v, gate/up: views into the fused weights
     assert all(p.data_ptr() in ptrs for p in hf.parameters())
     assert all(p.untyped_storage().data_ptr() in {q.data_ptr() for q in target.parameters()} for p in hf.parameters())
-    tokens = torch.randint(0, TINY.cfg.vocab_size, (2, 9))
+    tokens = torch.randint(0, spec.cfg.vocab_size, (2, 9))
     torch.testing.assert_close(forward(target, tokens), hf(tokens).logits.float(), rtol=1e-5, atol=1e-5)
 
 
@@ -249,3 +257,43 @@ def test_m_sweep_rule_is_the_common_prefix_rule():
     with pytest.raises(AssertionError, match="M sweep: gapless with M=2 differs from ref .same kernels. in sequence 1 "
                                              "at token 1"):
         check_common_prefix("M sweep: gapless with M=2", [[1, 2], [7, 9]], [[1, 2], [7, 8]], "ref")
+
+
+def test_a_draft_of_its_own_shape_is_the_targets_function_at_eps_zero():
+    """qwen3-tiny-pair (the qwen3-8b construction at CI size): a d=32 draft under a d=64 target.
+
+    At ε = 0 the target's logits are ~sqrt(64 / 32) x the draft's (the same argmax), so the
+    same-kernel engines accept every draft; at ε = 1 the target is its own function.
+    """
+    from graphburst.bench.real_engines import Burst
+    from graphburst.bench.real_models import draft_instance, subspace_draft
+
+    spec = MODELS["qwen3-tiny-pair"]
+    target = random_target(spec, batch=2, capacity=64, kv_slack=6, dtype=torch.float32, device="cpu")
+    draft = subspace_draft(target, spec)
+    assert draft.cfg.hidden_size == 32 and draft.cfg.num_hidden_layers == 2 and target.cfg.hidden_size == 64
+    eps = Epsilon(target, spec.draft_layers)
+    tokens = torch.randint(0, spec.cfg.vocab_size, (2, 7))
+    eps.set(0.0)
+    want = forward(draft_instance(target, draft), tokens)
+    got = forward(target, tokens)
+    # sqrt(2) up to the norms' eps (1e-6 against a mean square of ~4e-4 and ~2e-4)
+    torch.testing.assert_close(got, want * 2 ** 0.5, rtol=1e-2, atol=1e-5)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    prompts = [[1, 2, 3, 4], [5, 6, 7, 8]]
+    runs = {}
+    for name, eng in {"eager": TorchLoop(target, draft_layers=draft, batch=2, k=3),
+                      "graphburst": Burst(target, draft_layers=draft, batch=2, k=3, m=2, backend="numpy")}.items():
+        eng.prefill(prompts)
+        runs[name] = eng.run(4)
+    assert runs["eager"].tokens == runs["graphburst"].tokens
+    assert runs["graphburst"].accepted == 4 * 3 * 2  # every draft, every round, both rows
+    eps.set(1.0)
+    assert not torch.equal(forward(target, tokens).argmax(-1), want.argmax(-1))
+    # The start-up check: transformers' Qwen3 twins of the target and of the draft of its own shape.
+    from graphburst.backend import Backend
+    from graphburst.bench.real_checks import fp32_check
+
+    eps.set(0.3)
+    res = fp32_check(target, draft, dict(k=3), Backend("numpy"), [1, 2, 3, 4])
+    assert res["divergence"] is None and res["agreed"] == res["compared"] > 0, res

@@ -145,7 +145,7 @@ def test_missing_tensor_is_named(tmp_path, name):
 
 
 @pytest.mark.parametrize("change,message", [
-    ({"model_type": "mistral"}, "model_type must be 'llama'"),
+    ({"model_type": "mistral"}, "model_type 'mistral' does not match architectures 'LlamaForCausalLM'"),
     ({"vocab_size": None}, "vocab_size must be a positive int"),
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}}, "rope type 'yarn'"),
     ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0}}, "lacks 'low_freq_factor'"),

@@ -58,6 +58,15 @@ def test_tp2_and_pp2_tokens_equal_tp1_with_stage_local_tables(tmp_path):
     assert ranks[0]["pp2"]["stage"]["pos_ctr"] == ranks[1]["pp2"]["stage"]["pos_ctr"]
 
 
+def test_tp2_and_pp2_shard_every_architecture_switch(tmp_path):
+    """q/k/v biases, per-head q/k norms and head_dim != hidden/heads (Qwen2, Qwen3): TP and PP equal TP=1."""
+    proc, ranks, _ = launch("tokens", tmp_path, GB_TEST_SWITCHES="1", GB_TEST_BURSTS="3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for res in ranks:
+        for name in ("tp2", "tp2_sharded_draft", "pp2"):
+            assert res[name]["equal"], (res["rank"], name)
+
+
 def test_a_diverging_rank_fails_the_check_on_every_rank(tmp_path):
     proc, ranks, _ = launch("diverge", tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]

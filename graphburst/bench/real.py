@@ -39,7 +39,7 @@ from .real_report import NOT_RUN, SAME_KERNEL_ORDER, plot_problem, report
 
 # The torch-dependent modules (real_models, real_engines, real_checks) are imported when
 # the benchmark runs: the CLI imports this module for every command, torch or not.
-MODEL_NAMES = ("tiny", "small", "1b")  # real_models.MODELS
+MODEL_NAMES = ("tiny", "small", "1b", "qwen3-tiny", "qwen3-0.6b", "qwen3-8b", "qwen3-tiny-pair")  # real_models.MODELS
 
 ENGINES = ("hf", "eager", "vllm", "graphburst", "gapless", "compile")
 DEFAULT_ENGINES = "hf,eager,vllm,graphburst,gapless"
@@ -142,11 +142,11 @@ def check_args(args) -> None:
 
 # ---------------------------------------------------------------------- steps
 
-def calibrate(src, spec, s, prompts_for, eps_ctl) -> tuple[list, list]:
+def calibrate(src, draft, s, prompts_for, eps_ctl) -> tuple[list, list]:
     """ε grid -> measured acceptance (eager loop, B=4), then ε per wanted acceptance by interpolation."""
     from .real_engines import TorchLoop
 
-    loop = TorchLoop(src, draft_layers=spec.draft_layers, batch=CALIBRATION["batch"], k=s["k"])
+    loop = TorchLoop(src, draft_layers=draft, batch=CALIBRATION["batch"], k=s["k"])
     grid = []
     for eps in EPS_GRID:
         eps_ctl.set(eps)
@@ -167,11 +167,14 @@ def calibrate(src, spec, s, prompts_for, eps_ctl) -> tuple[list, list]:
     return grid, chosen
 
 
-def build_engines(src, spec, s, batch, backend, hf) -> tuple[dict, dict]:
-    """Every requested engine for one batch size; (engines, not_run reasons)."""
+def build_engines(src, draft, s, batch, backend, hf) -> tuple[dict, dict]:
+    """Every requested engine for one batch size; (engines, not_run reasons).
+
+    ``draft``: the self-draft's depth, or a draft model of its own (``real_models.draft_instance``).
+    """
     from .real_engines import Burst, TorchLoop
 
-    kw = dict(draft_layers=spec.draft_layers, batch=batch, k=s["k"])
+    kw = dict(draft_layers=draft, batch=batch, k=s["k"])
     engines, skipped = {}, {}
     if "compile" not in s["engines"]:
         skipped["compile"] = NOT_RUN["compile_off"]
@@ -257,7 +260,7 @@ def reference_model(engines):
     return next(e for e in engines.values() if isinstance(e, Burst)).dec.target.module
 
 
-def m_sweep(src, spec, s, backend, prompts, ref, floor_us, vllm) -> list:
+def m_sweep(src, draft, s, backend, prompts, ref, floor_us, vllm) -> list:
     """graphburst at B=1 over M: checked against the config's reference tokens, then timed."""
     from .real_checks import check_common_prefix
     from .real_engines import Burst
@@ -265,7 +268,7 @@ def m_sweep(src, spec, s, backend, prompts, ref, floor_us, vllm) -> list:
     rows = []
     for m in s["m_sweep"]:
         for gapless in (False, True):
-            eng = Burst(src, draft_layers=spec.draft_layers, batch=1, k=s["k"], m=m, backend=backend, gapless=gapless)
+            eng = Burst(src, draft_layers=draft, batch=1, k=s["k"], m=m, backend=backend, gapless=gapless)
             name = "gapless" if gapless else "graphburst"
             eng.prefill(prompts)
             checked = {name: eng.run(s["rounds"])}
@@ -330,7 +333,7 @@ def _build_model(mname, mi, s, backend, failures) -> dict:
 
     from .real_checks import fp32_check
     from .real_engines import HFAssisted
-    from .real_models import MODELS, Epsilon, argmax_margins, random_target, weight_bytes
+    from .real_models import MODELS, Epsilon, argmax_margins, random_target, subspace_draft, weight_bytes
 
     spec = MODELS[mname]
     device = _device(backend)
@@ -341,8 +344,13 @@ def _build_model(mname, mi, s, backend, failures) -> dict:
     capacity = s["prompt_len"] + max(s["rounds"], CALIBRATION["rounds"]) * (s["k"] + 1)
     src = random_target(spec, batch=CALIBRATION["batch"], capacity=capacity, kv_slack=s["k"] + 2,
                         dtype=getattr(torch, s["dtype"]), device=device, seed=s["seed"])
+    # The self-draft's depth, or a draft of its own shape built into the target's subspace.
+    draft = spec.draft_layers if spec.draft_cfg is None else subspace_draft(src, spec, seed=s["seed"])
     eps_ctl = Epsilon(src, spec.draft_layers)
     info = dict(spec=spec.note, layers=spec.cfg.num_hidden_layers, draft_layers=spec.draft_layers,
+                draft=None if spec.draft_cfg is None else dict(layers=spec.draft_cfg.num_hidden_layers,
+                                                               hidden=spec.draft_cfg.hidden_size,
+                                                               weight_bytes=weight_bytes(draft)),
                 weight_bytes=weight_bytes(src), margins=argmax_margins(
                     src, torch.tensor(prompts_for(CALIBRATION["batch"]), device=device)))
     if info["margins"]["median"] <= 0 or info["margins"]["ties"] > 0.25:
@@ -350,7 +358,7 @@ def _build_model(mname, mi, s, backend, failures) -> dict:
     if s["eps"]:
         grid, levels = None, [dict(want=None, eps=e) for e in s["eps"]]
     else:
-        grid, levels = calibrate(src, spec, s, prompts_for, eps_ctl)
+        grid, levels = calibrate(src, draft, s, prompts_for, eps_ctl)
     info.update(eps_grid=grid, levels=levels)
     mid = levels[len(levels) // 2]
     hf, hf_reason = None, None
@@ -362,13 +370,13 @@ def _build_model(mname, mi, s, backend, failures) -> dict:
     if "hf" in s["engines"] and hf_reason is None:
         eps_ctl.set(mid["eps"])
         try:
-            info["fp32_check"] = dict(eps=mid["eps"], **fp32_check(src, spec, s, backend, prompts_for(1)[0]))
+            info["fp32_check"] = dict(eps=mid["eps"], **fp32_check(src, draft, s, backend, prompts_for(1)[0]))
         except AssertionError as exc:  # reported, and the exit status says so; the run goes on
             info["fp32_check"] = dict(eps=mid["eps"], failed=str(exc))
             failures.append(f"{mname}: {exc}")
         if 1 in s["batches"]:
-            hf = HFAssisted(src, draft_layers=spec.draft_layers, k=s["k"])
-    return dict(name=mname, spec=spec, src=src, eps_ctl=eps_ctl, prompts_for=prompts_for, info=info,
+            hf = HFAssisted(src, draft_layers=draft, k=s["k"])
+    return dict(name=mname, spec=spec, src=src, draft=draft, eps_ctl=eps_ctl, prompts_for=prompts_for, info=info,
                 levels=levels, mid=mid, hf=hf, hf_reason=hf_reason)
 
 
@@ -377,7 +385,7 @@ def _run_batch(model, batch, args, s, backend, results, failures):
     from .real_checks import check_config, reference_logits
 
     cuda, info, mname, mid = backend.is_gpu, model["info"], model["name"], model["mid"]
-    engines, skipped = build_engines(model["src"], model["spec"], s, batch, backend, model["hf"])
+    engines, skipped = build_engines(model["src"], model["draft"], s, batch, backend, model["hf"])
     if model["hf_reason"] and "hf" in s["engines"]:
         skipped["hf"] = model["hf_reason"]
     vllm = engines.get("vllm")
@@ -404,6 +412,6 @@ def _run_batch(model, batch, args, s, backend, results, failures):
             info["profile"] = profile_all(engines, prompts, s, len(ref[0]), args.profile, mname, cuda)
         if batch == 1 and level is mid and s["m_sweep"]:
             results["m_sweep"] += [dict(model=mname, eps=level["eps"], **r) for r in m_sweep(
-                model["src"], model["spec"], s, backend, prompts, ref, floor, timed.get("vllm"))]
+                model["src"], model["draft"], s, backend, prompts, ref, floor, timed.get("vllm"))]
         yield dict(model=mname, batch=batch, eps=level["eps"], want=level["want"], floor_us=floor, engines=timed,
                    not_run={**skipped, **failed})

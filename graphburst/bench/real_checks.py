@@ -42,35 +42,45 @@ def compare_other(name, tokens, ref, prompt, oracle, tol) -> dict:
     return out
 
 
-def fp32_check(src, spec, s, backend, prompt) -> dict:
-    """HF fp32 against graphburst fp32 (eager bursts) on a short prefix, same weights upcast."""
+def fp32_check(src, draft, s, backend, prompt) -> dict:
+    """HF fp32 against graphburst fp32 (eager bursts) on a short prefix, same weights upcast.
+
+    ``draft``: the self-draft's depth, or a draft model of its own (upcast too).
+    """
     import torch
 
     from ..burst import SpecDecoder
     from ..models.llama import Llama
     from ..models.torch_adapter import TorchDraft, TorchTarget
     from .real_engines import HFAssisted
-    from .real_models import instance
+    from .real_models import draft_instance
 
     dev = next(src.parameters()).device
-    full = Llama(src.cfg, batch=1, capacity=src.capacity, dtype=torch.float32, device=dev, kv_slack=src.kv_slack)
-    with torch.no_grad():
-        for (_, dst), (_, p) in zip(full.named_parameters(), src.named_parameters()):
-            dst.copy_(p)
-    draft = instance(full, layers=spec.draft_layers)
+
+    def upcast(model):
+        out = Llama(model.cfg, batch=1, capacity=model.capacity, dtype=torch.float32, device=dev,
+                    kv_slack=model.kv_slack)
+        with torch.no_grad():
+            for (_, dst), (_, p) in zip(out.named_parameters(), model.named_parameters()):
+                dst.copy_(p)
+        return out
+
+    full = upcast(src)
+    own = draft if isinstance(draft, int) else upcast(draft)  # the depth, or the upcast draft of its own
+    draft = draft_instance(full, own)
     dec = SpecDecoder(TorchTarget(full, batch=1, capacity=full.capacity, backend=backend),
                       TorchDraft(draft, batch=1, capacity=full.capacity, backend=backend), k=s["k"], m_rounds=1)
     dec.prefill([prompt], max_new_tokens=FP32_CHECK_TOKENS)
     ours = []
     while len(ours) < FP32_CHECK_TOKENS:
         ours += dec.run_burst()[0].tolist()
-    hf = HFAssisted(full, draft_layers=spec.draft_layers, k=s["k"])
+    hf = HFAssisted(full, draft_layers=own, k=s["k"])
     hf.prefill([prompt])
     theirs = hf.target.generate(hf.prompt, attention_mask=torch.ones_like(hf.prompt), do_sample=False,
                                 max_new_tokens=FP32_CHECK_TOKENS)[0, len(prompt):].tolist()
     res = compare_other("HF fp32 vs graphburst fp32", theirs, ours, prompt,
                         lambda p, pre: reference_logits(full, p, pre), FP32_TOL)
-    del dec, hf, full, draft
+    del dec, hf, full, draft, own
     return res
 
 

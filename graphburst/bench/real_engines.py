@@ -31,8 +31,9 @@ import torch
 
 from ..burst import SpecDecoder
 from ..capture import BurstGraph
+from ..models.llama import Llama
 from ..models.torch_adapter import TorchDraft, TorchTarget
-from .real_models import hf_twin, instance, set_assistant
+from .real_models import draft_instance, hf_draft_twin, hf_twin, instance, set_assistant
 
 
 @dataclasses.dataclass
@@ -83,7 +84,9 @@ class TorchLoop:
     ----------
     src : Llama
         The target whose tensors this engine shares (it gets its own KV caches).
-    draft_layers, batch, k : int
+    draft_layers : int or Llama
+        The target's first ``draft_layers`` blocks, or a draft of its own (``real_models.draft_instance``).
+    batch, k : int
     graphs : bool
         Capture each forward (draft step j, verify) as a CUDA graph (vllm-style).
     compile_forward : bool
@@ -92,10 +95,10 @@ class TorchLoop:
 
     same_kernels = True
 
-    def __init__(self, src, *, draft_layers: int, batch: int, k: int, graphs: bool = False,
+    def __init__(self, src, *, draft_layers: int | Llama, batch: int, k: int, graphs: bool = False,
                  compile_forward: bool = False):
         self.k, self.batch = k, batch
-        self.target, self.draft = instance(src, batch=batch), instance(src, layers=draft_layers, batch=batch)
+        self.target, self.draft = instance(src, batch=batch), draft_instance(src, draft_layers, batch=batch)
         self.device = self.target.kv[0].device
         self.cuda = self.device.type == "cuda"
         dev = self.device
@@ -206,7 +209,9 @@ class Burst:
     Parameters
     ----------
     src : Llama
-    draft_layers, batch, k, m : int
+    draft_layers : int or Llama
+        As in :class:`TorchLoop`.
+    batch, k, m : int
     backend : Backend
         cupy with CUDA tensors, numpy with CPU tensors (a recorded program stands in for the graph).
     gapless : bool
@@ -215,9 +220,9 @@ class Burst:
 
     same_kernels = True
 
-    def __init__(self, src, *, draft_layers: int, batch: int, k: int, m: int, backend, gapless: bool = False,
+    def __init__(self, src, *, draft_layers: int | Llama, batch: int, k: int, m: int, backend, gapless: bool = False,
                  warm_prompt=None):
-        tgt, dft = instance(src, batch=batch), instance(src, layers=draft_layers, batch=batch)
+        tgt, dft = instance(src, batch=batch), draft_instance(src, draft_layers, batch=batch)
         cap = src.capacity
         self.dec = SpecDecoder(TorchTarget(tgt, batch=batch, capacity=cap, backend=backend),
                                TorchDraft(dft, batch=batch, capacity=cap, backend=backend), k=k, m_rounds=m)
@@ -280,8 +285,8 @@ class HFAssisted:
 
     same_kernels = False
 
-    def __init__(self, src, *, draft_layers: int, k: int):
-        self.target, self.draft = hf_twin(src), hf_twin(src, layers=draft_layers)
+    def __init__(self, src, *, draft_layers: int | Llama, k: int):
+        self.target, self.draft = hf_twin(src), hf_draft_twin(src, draft_layers)
         set_assistant(self.draft, k)
         self.k = k
         self.device = next(src.parameters()).device

@@ -1,5 +1,5 @@
-"""The models of ``graphburst bench real``: random Llama targets, their early-exit drafts,
-the ε knob that sets acceptance, and transformers twins built from the same tensors.
+"""The models of ``graphburst bench real``: random Llama and Qwen3 targets, their early-exit
+drafts, the ε knob that sets acceptance, and transformers twins built from the same tensors.
 
 * **Target**: a :class:`~graphburst.models.llama.Llama` with random weights made on the device
   (normal, std 0.02; norm weights 1). Nothing is downloaded.
@@ -12,6 +12,13 @@ the ε knob that sets acceptance, and transformers twins built from the same ten
   valid across a sweep.
 * **Instances**: every engine needs its own KV cache, so :func:`instance` builds a
   ``Llama`` whose modules are the shared ones and whose ``kv`` is new.
+* **A draft of another shape** (``ModelSpec.draft_cfg``: a Qwen3-0.6B-shaped draft for a
+  Qwen3-8B-shaped target): :func:`subspace_draft`. Independent random models would never
+  agree, so the target holds the draft's embeddings and head in its first columns (zeros
+  elsewhere) and the draft's blocks write nothing to its residual stream: at ε = 0 both
+  compute the same bigram function (target logits = sqrt(d_target / d_draft) x the
+  draft's), and ε moves the target away as before (every target block is scaled). Every
+  layer of both runs at full size, so the timing is the shapes'.
 """
 
 from __future__ import annotations
@@ -28,14 +35,24 @@ LLAMA32_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "
                 "original_max_position_embeddings": 8192}
 
 
+QWEN3 = dict(rope_theta=1e6, qk_norm=True, model_type="qwen3", rms_norm_eps=1e-6)
+QWEN3_TINY = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=24, tie_word_embeddings=True, **QWEN3)
+QWEN3_06B = LlamaConfig(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                        num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True, **QWEN3)
+QWEN3_8B = LlamaConfig(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                       num_attention_heads=32, num_key_value_heads=8, head_dim=128, **QWEN3)
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
     """One benchmark model: the target's config and the draft's depth."""
 
     name: str
     cfg: LlamaConfig
-    draft_layers: int
+    draft_layers: int  # the self-draft's depth; 0 with draft_cfg (then every target block is scaled by ε)
     note: str
+    draft_cfg: LlamaConfig | None = None  # a draft of its own shape (subspace_draft)
 
 
 MODELS = {
@@ -54,22 +71,81 @@ MODELS = {
                                       rope_theta=500000.0, rope_scaling=LLAMA32_ROPE, tie_word_embeddings=True),
                     2, "Llama-3.2-1B shape: 16 layers, d=2048, 32 q / 8 KV heads, FFN 8192, vocab 128256, "
                        "tied embeddings, llama3 rope"),
+    # CI/smoke size of the Qwen3 path: q/k norms, head_dim 24 != 64 / 4, tied head.
+    "qwen3-tiny": ModelSpec("qwen3-tiny", QWEN3_TINY, 2, "Qwen3 switches at CI size: 4 layers, d=64, 4 q / 2 KV "
+                                                         "heads of 24, q/k norms, FFN 128, vocab 512, tied"),
+    # Qwen3-0.6B's shape (head_dim 128 with hidden 1024: 16 x 128 = 2048 != 1024).
+    "qwen3-0.6b": ModelSpec("qwen3-0.6b", QWEN3_06B, 2, "Qwen3-0.6B shape: 28 layers, d=1024, 16 q / 8 KV heads "
+                                                        "of 128, q/k norms, FFN 3072, vocab 151936, tied"),
+    # Qwen3-8B's shape with a Qwen3-0.6B-shaped draft (subspace_draft).
+    "qwen3-8b": ModelSpec("qwen3-8b", QWEN3_8B, 0, "Qwen3-8B shape: 36 layers, d=4096, 32 q / 8 KV heads of 128, "
+                                                   "q/k norms, FFN 12288, vocab 151936, untied; Qwen3-0.6B-shaped draft",
+                          draft_cfg=QWEN3_06B),
+    # CI size of the same construction: a 2-layer d=32 draft under the 4-layer d=64 qwen3-tiny.
+    "qwen3-tiny-pair": ModelSpec("qwen3-tiny-pair", QWEN3_TINY.replace(tie_word_embeddings=False), 0,
+                                 "qwen3-tiny target (untied) with a 2-layer d=32 draft of its own shape",
+                                 draft_cfg=QWEN3_TINY.replace(hidden_size=32, num_hidden_layers=2)),
 }
 
 
 @torch.no_grad()
 def random_target(spec: ModelSpec, *, batch: int, capacity: int, kv_slack: int, dtype, device, seed: int = 0,
-                  fold_gqa: bool = False) -> Llama:
-    """The target with seeded random weights drawn on ``device`` (fast even for 1B); ``fold_gqa`` as in :class:`Llama`."""
-    model = Llama(spec.cfg, batch=batch, capacity=capacity, dtype=dtype, device=device, kv_slack=kv_slack,
+                  fold_gqa: bool = False, cfg: LlamaConfig | None = None) -> Llama:
+    """The target with seeded random weights drawn on ``device`` (fast even for 1B); ``fold_gqa`` as in :class:`Llama`.
+
+    ``cfg``: another config than ``spec.cfg`` (the draft of :func:`subspace_draft`).
+    """
+    model = Llama(cfg or spec.cfg, batch=batch, capacity=capacity, dtype=dtype, device=device, kv_slack=kv_slack,
                   fold_gqa=fold_gqa)
     gen = torch.Generator(device=device).manual_seed(seed)
     for name, p in model.hf_tensors().items():  # per HF tensor: the same draws as before q/k/v and gate/up fused
-        if name.endswith("layernorm.weight") or name == "norm.weight":
+        if name.endswith("norm.weight"):  # every RMSNorm: layer norms, final norm, Qwen3's q/k norms
             p.fill_(1.0)
         else:
             p.normal_(0.0, INIT_STD, generator=gen)
     return model
+
+
+@torch.no_grad()
+def subspace_draft(target: Llama, spec: ModelSpec, *, seed: int = 0) -> Llama:
+    """A random draft of shape ``spec.draft_cfg`` that ``target`` computes exactly at ε = 0 (module docstring).
+
+    Rewrites ``target``'s embeddings and head: columns ``[0, d_draft)`` become the draft's
+    (its tied embedding table when it ties), the rest zeros; zeroes the draft blocks'
+    residual outputs (``o_proj``, ``down_proj``). Call :class:`Epsilon` (with
+    ``draft_layers`` 0) afterwards.
+
+    Returns
+    -------
+    Llama
+        With ``target``'s batch, capacity, KV slack, dtype and device.
+    """
+    cfg, dc = target.cfg, spec.draft_cfg
+    if dc.vocab_size != cfg.vocab_size or dc.hidden_size > cfg.hidden_size:
+        raise ValueError(f"{spec.name}: a subspace draft needs the target's vocab and a hidden size <= its own")
+    if cfg.tie_word_embeddings and not dc.tie_word_embeddings:
+        raise ValueError(f"{spec.name}: a tied target needs a tied draft (its head is its embedding table)")
+    w = target.embed_tokens.weight
+    draft = random_target(spec, batch=target.batch, capacity=target.capacity, kv_slack=target.kv_slack, dtype=w.dtype,
+                          device=w.device, seed=seed + 1, cfg=dc)
+    for block in draft.layers:
+        block.self_attn.o_proj.weight.zero_()
+        block.mlp.down_proj.weight.zero_()
+    d = dc.hidden_size
+    w[:, d:] = 0
+    w[:, :d] = draft.embed_tokens.weight
+    if target.lm_head is not None:
+        target.lm_head.weight[:, d:] = 0
+        target.lm_head.weight[:, :d] = draft.head_weight()
+    return draft
+
+
+def draft_instance(src: Llama, draft: int | Llama, *, batch: int | None = None) -> Llama:
+    """The draft an engine runs: ``src``'s first ``draft`` blocks (an int), or ``draft`` itself (a
+    :func:`subspace_draft`), over the shared tensors with its own KV cache."""
+    if isinstance(draft, Llama):
+        return instance(draft, batch=batch)
+    return instance(src, layers=draft, batch=batch)
 
 
 def instance(src: Llama, *, layers: int | None = None, batch: int | None = None) -> Llama:
@@ -159,10 +235,25 @@ def argmax_margins(model: Llama, prompts: torch.Tensor) -> dict:
 
 # ---------------------------------------------------------------------- transformers twins
 
+#: model_type -> transformers (config class, model class) names
+HF_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
+              "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}
+
+
 def hf_config(cfg: LlamaConfig, layers: int):
-    from transformers import LlamaConfig as HFConfig
+    """The transformers config of ``cfg``'s family with ``layers`` layers (no sliding window, never stops early)."""
+    import transformers
 
     extra = {} if cfg.rope_scaling is None else {"rope_scaling": dict(cfg.rope_scaling)}
+    if cfg.model_type == "llama":
+        extra.update(attention_bias=cfg.attention_bias, mlp_bias=cfg.mlp_bias)
+    elif cfg.model_type == "qwen3":
+        extra.update(attention_bias=cfg.attention_bias, use_sliding_window=False)
+    elif cfg.model_type == "qwen2":
+        extra.update(use_sliding_window=False)
+    else:
+        extra.update(sliding_window=None)
+    HFConfig = getattr(transformers, HF_CLASSES[cfg.model_type][0])  # noqa: N806 - a class
     return HFConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
                     num_hidden_layers=layers, num_attention_heads=cfg.num_attention_heads,
                     num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
@@ -170,8 +261,13 @@ def hf_config(cfg: LlamaConfig, layers: int):
                     max_position_embeddings=131072, eos_token_id=None, bos_token_id=None, pad_token_id=None, **extra)
 
 
+def hf_draft_twin(src: Llama, draft: int | Llama):
+    """:func:`hf_twin` of the draft :func:`draft_instance` runs."""
+    return hf_twin(draft) if isinstance(draft, Llama) else hf_twin(src, layers=draft)
+
+
 def hf_twin(src: Llama, *, layers: int | None = None):
-    """A ``transformers.LlamaForCausalLM`` whose parameters ARE ``src``'s (first ``layers`` blocks).
+    """A transformers model of ``src``'s family whose parameters ARE ``src``'s (first ``layers`` blocks).
 
     Built on the meta device, then every parameter is assigned ``src``'s tensor (HF's
     separate q/k/v and gate/up are views into ``src``'s fused ones, from
@@ -183,13 +279,12 @@ def hf_twin(src: Llama, *, layers: int | None = None):
     AssertionError
         If any parameter was copied rather than shared, or anything stayed on meta.
     """
-    from transformers import LlamaForCausalLM
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+    import transformers
 
     n = src.cfg.num_hidden_layers if layers is None else layers
     cfg = hf_config(src.cfg, n)
     with torch.device("meta"):
-        hf = LlamaForCausalLM(cfg)
+        hf = getattr(transformers, HF_CLASSES[src.cfg.model_type][1])(cfg)
     ours = {("lm_head." + name[len("lm_head."):] if name.startswith("lm_head.") else "model." + name): p
             for name, p in src.hf_tensors().items() if not name.startswith("layers.") or int(name.split(".")[1]) < n}
     if cfg.tie_word_embeddings:
@@ -198,7 +293,7 @@ def hf_twin(src: Llama, *, layers: int | None = None):
     if cfg.tie_word_embeddings:
         hf.lm_head.weight = hf.model.embed_tokens.weight
     device = next(src.parameters()).device
-    hf.model.rotary_emb = LlamaRotaryEmbedding(config=cfg).to(device)  # fp32 buffers, built off meta
+    hf.model.rotary_emb = type(hf.model.rotary_emb)(config=cfg).to(device)  # fp32 buffers, built off meta
     hf.eval()
     for name, t in [*hf.named_parameters(), *hf.named_buffers()]:
         assert not t.is_meta, f"HF twin: {name} was not set"

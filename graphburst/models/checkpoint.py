@@ -1,9 +1,16 @@
-"""Load Hugging Face Llama checkpoints into :class:`graphburst.models.llama.Llama`, and build pairs.
+"""Load Hugging Face checkpoints into :class:`graphburst.models.llama.Llama`, and build pairs.
 
 A checkpoint directory holds ``config.json`` and either ``model.safetensors`` or a
 sharded ``model.safetensors.index.json`` (its ``weight_map`` names each tensor's shard).
-Tensors are read one at a time with ``safetensors.safe_open`` and copied into the
-model's preallocated parameters, so peak memory is the model plus one tensor.
+The architecture comes from ``config.json`` (Llama, Mistral, Qwen2/2.5, Qwen3: see
+``llama_config.py``). Tensors are read one at a time with ``safetensors.safe_open`` and
+copied into the model's preallocated parameters, so peak memory is the model plus one
+tensor.
+
+Every way a checkpoint can be unusable (a missing or malformed file, invalid JSON, a
+truncated or corrupt safetensors file, an unsupported architecture or key, a missing,
+unused or misshapen tensor, draft and target vocabularies that differ) raises one
+:class:`CheckpointError` (a ``ValueError``) whose message names the file and the key.
 """
 
 from __future__ import annotations
@@ -12,13 +19,17 @@ import json
 from pathlib import Path
 
 from ..backend import Backend, get_backend
-from .torch_adapter import TorchDraft, TorchTarget, _torch
 from ..validate import check_int
+from .llama_config import CheckpointError
+from .torch_adapter import TorchDraft, TorchTarget, _torch
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 DTYPES = ("float32", "bfloat16", "float16")
-HF_PREFIX = "model."  # HF nests everything but lm_head under LlamaForCausalLM.model
+HF_PREFIX = "model."  # HF nests everything but lm_head under <Family>ForCausalLM.model
+#: checkpoint tensors that carry no weights: older Llama files saved the RoPE frequencies
+#: (recomputed here from the config); a tied model's file may still hold its head (HF ties it anyway)
+IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
 def hf_name(name: str) -> str:
@@ -26,32 +37,50 @@ def hf_name(name: str) -> str:
     return name if name.startswith("lm_head.") else HF_PREFIX + name
 
 
+def read_json(path: Path):
+    """The JSON value in ``path``; CheckpointError naming the file for unreadable or invalid JSON."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path}: invalid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})") from None
+    except (OSError, UnicodeDecodeError, RecursionError) as exc:
+        raise CheckpointError(f"{path}: cannot read: {' '.join(str(exc).split()) or type(exc).__name__}") from None
+
+
 def read_config(model_dir):
-    """:class:`LlamaConfig` from ``model_dir/config.json`` (ValueError naming a bad key)."""
+    """:class:`LlamaConfig` from ``model_dir/config.json`` (CheckpointError naming the file and a bad key)."""
     from .llama import LlamaConfig
 
     path = Path(model_dir) / "config.json"
     if not path.is_file():
-        raise ValueError(f"{model_dir}: no config.json (expected a Hugging Face checkpoint directory)")
-    with open(path) as f:
-        return LlamaConfig.from_hf(json.load(f))
+        raise CheckpointError(f"{model_dir}: no config.json (expected a Hugging Face checkpoint directory)")
+    return LlamaConfig.from_hf(read_json(path), source=str(path))
+
+
+def _open(path: Path):
+    """``safe_open(path)``; a truncated, empty or garbage file is a CheckpointError naming it."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(path, framework="pt")
+    except (SafetensorError, OSError) as exc:
+        raise CheckpointError(f"{path}: not a readable safetensors file: {' '.join(str(exc).split())}") from None
 
 
 def tensor_files(model_dir) -> dict[str, Path]:
     """Map every tensor name in the checkpoint to the safetensors file holding it."""
-    from safetensors import safe_open
-
     root = Path(model_dir)
     if (root / INDEX_FILE).is_file():
-        with open(root / INDEX_FILE) as f:
-            weight_map = json.load(f).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise ValueError(f"{root / INDEX_FILE}: no 'weight_map' object")
+        index = read_json(root / INDEX_FILE)
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{root / INDEX_FILE}: no 'weight_map' object of tensor name -> file name")
         return {name: root / shard for name, shard in weight_map.items()}
     if (root / SINGLE_FILE).is_file():
-        with safe_open(root / SINGLE_FILE, framework="pt") as f:
+        with _open(root / SINGLE_FILE) as f:
             return {name: root / SINGLE_FILE for name in f.keys()}
-    raise ValueError(f"{model_dir}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
+    raise CheckpointError(f"{model_dir}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
 
 
 def torch_dtype(dtype):
@@ -79,13 +108,15 @@ def load_llama(model_dir, *, batch: int, capacity: int, dtype="float32", device=
 
     Raises
     ------
+    CheckpointError (a ValueError)
+        Naming the file and the bad config key, the missing, unused or misshapen tensor,
+        or the corrupt file.
     ValueError
-        Naming the missing config key, the missing tensor or the one whose shape differs,
-        or a batch or capacity below 1.
+        For a batch or capacity below 1.
     TypeError
         When batch or capacity is not an int.
     """
-    from safetensors import safe_open
+    from safetensors import SafetensorError
 
     from .llama import Llama
 
@@ -99,16 +130,30 @@ def load_llama(model_dir, *, batch: int, capacity: int, dtype="float32", device=
     by_file: dict[Path, list[str]] = {}
     for name in wanted:
         if name not in files:
-            raise ValueError(f"{model_dir}: checkpoint lacks tensor {name!r}")
+            raise CheckpointError(f"{model_dir}: checkpoint lacks tensor {name!r} (config.json: model_type "
+                                  f"{cfg.model_type!r})")
         by_file.setdefault(files[name], []).append(name)
+    # A tensor the config does not account for (a bias, a q_norm) means the config describes
+    # another function than the weights: refused rather than silently dropped.
+    tied_head = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+    unused = sorted(n for n in files if n not in wanted and n not in tied_head and not n.endswith(IGNORED_SUFFIXES))
+    if unused:
+        raise CheckpointError(f"{model_dir}: checkpoint tensor {unused[0]!r} is not used by config.json's model "
+                              f"(model_type {cfg.model_type!r}; {len(unused)} such tensors)")
     with torch.no_grad():
         for path, names in by_file.items():
-            with safe_open(path, framework="pt") as f:
+            if not path.is_file():
+                raise CheckpointError(f"{path}: missing (named by {INDEX_FILE} for {names[0]!r})")
+            with _open(path) as f:
                 for name in names:
-                    src, dst = f.get_tensor(name), wanted[name]
+                    try:
+                        src = f.get_tensor(name)
+                    except SafetensorError as exc:
+                        raise CheckpointError(f"{path}: cannot read tensor {name!r}: {exc}") from None
+                    dst = wanted[name]
                     if tuple(src.shape) != tuple(dst.shape):
-                        raise ValueError(f"{model_dir}: tensor {name!r} has shape {tuple(src.shape)}, "
-                                         f"config.json implies {tuple(dst.shape)}")
+                        raise CheckpointError(f"{path}: tensor {name!r} has shape {tuple(src.shape)}, "
+                                              f"config.json implies {tuple(dst.shape)}")
                     dst.copy_(src)
     return model
 
@@ -123,7 +168,8 @@ def _device_of(backend: Backend, device):
 def wrap_pair(target_module, draft_module, *, batch: int, capacity: int, backend, p_min: float = 0.0):
     """Wrap two torch modules as a (TorchTarget, TorchDraft) pair; the vocabularies must match."""
     if target_module.vocab != draft_module.vocab:
-        raise ValueError(f"target vocab {target_module.vocab} != draft vocab {draft_module.vocab}")
+        raise CheckpointError(f"target vocab_size {target_module.vocab} != draft vocab_size {draft_module.vocab}: "
+                              f"a draft must share its target's vocabulary")
     target = TorchTarget(target_module, batch=batch, capacity=capacity, backend=backend)
     draft = TorchDraft(draft_module, batch=batch, capacity=capacity, backend=backend, p_min=p_min)
     return target, draft
@@ -139,6 +185,11 @@ def load_pair(model_dir, draft_dir, *, batch: int, capacity: int, backend: Backe
     """
     backend = get_backend(backend)
     device = _device_of(backend, device)
+    # Both configs first: a vocabulary mismatch or a bad draft config fails before any tensor is read.
+    t_cfg, d_cfg = read_config(model_dir), read_config(draft_dir)
+    if t_cfg.vocab_size != d_cfg.vocab_size:
+        raise CheckpointError(f"{draft_dir}/config.json: vocab_size {d_cfg.vocab_size} differs from the target's "
+                              f"{t_cfg.vocab_size} ({model_dir}); a draft must share its target's vocabulary")
     target = load_llama(model_dir, batch=batch, capacity=capacity, dtype=dtype, device=device)
     draft = load_llama(draft_dir, batch=batch, capacity=capacity, dtype=dtype, device=device)
     return wrap_pair(target, draft, batch=batch, capacity=capacity, backend=backend, p_min=p_min)

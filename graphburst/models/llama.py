@@ -1,4 +1,9 @@
-"""A Llama-architecture model in PyTorch, written to run inside a burst graph.
+"""A Llama-architecture decoder in PyTorch, written to run inside a burst graph.
+
+One module for every family graphburst loads (Llama, Mistral, Qwen2/2.5, Qwen3; the
+table is in ``llama_config.py``): they differ by config switches read in the layers
+below (q/k/v biases, o_proj and MLP biases, per-head q/k RMSNorm), never by a copy of
+this file. ``DecoderLM`` is the family-neutral name of :class:`Llama`.
 
 Read top to bottom: RMSNorm, attention with a static KV cache, the SwiGLU MLP, the
 decoder block, the model (the config is in ``llama_config.py``, RoPE with the ``llama3``
@@ -49,7 +54,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..constants import MAX_K
-from .llama_config import LLAMA3_KEYS, ROPE_TYPES, LlamaConfig  # noqa: F401 (re-exported)
+from .llama_config import LLAMA3_KEYS, ROPE_TYPES, CheckpointError, LlamaConfig  # noqa: F401 (re-exported)
 from .rope import apply_rope, rope_inv_freq, rope_rotation, rope_tables, rotate  # noqa: F401 (re-exported)
 
 #: rows past ``capacity`` in every KV tensor: a chain of up to MAX_K drafts plus the
@@ -114,8 +119,12 @@ class Attention(nn.Module):
         self.backends = DETERMINISTIC_SDPA if deterministic else None  # None: torch's choice
         d, bias, hd = cfg.hidden_size, cfg.attention_bias, cfg.head_dim
         self.qkv_proj = FusedLinear(d, {"q_proj": self.n_heads * hd, "k_proj": self.n_kv * hd,
-                                        "v_proj": self.n_kv * hd}, bias, **factory)
+                                        "v_proj": self.n_kv * hd}, bias or cfg.qkv_bias, **factory)
         self.o_proj = nn.Linear(self.n_heads * hd, d, bias=bias, **factory)
+        self.qk_norm = cfg.qk_norm
+        if self.qk_norm:  # Qwen3: HF names self_attn.q_norm / k_norm, one [head_dim] weight each
+            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, **factory)
+            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, **factory)
 
     def forward(self, x, cos, sin, kv, length, rows, index=None):
         """
@@ -139,7 +148,11 @@ class Attention(nn.Module):
                      rope_rotation(cos.to(x.dtype), sin.to(x.dtype), h + kvh, kvh))
         flat, mask, rot = index
         # One GEMM for q, k, v; one rotation for all three (v by the identity): [R, T, H + 2 KV, D].
-        qkv = rotate(self.qkv_proj(x).view(r, t, h + 2 * kvh, hd), rot)
+        qkv = self.qkv_proj(x).view(r, t, h + 2 * kvh, hd)
+        if self.qk_norm:  # per head, before RoPE (HF Qwen3); v is not normalised
+            q, k, v = qkv.split((h, kvh, kvh), dim=2)
+            qkv = torch.cat((self.q_norm(q), self.k_norm(k), v), dim=2)
+        qkv = rotate(qkv, rot)
         # K and V sit side by side: one index_copy_ of the [2, R*T, KV, D] view into the flat cache.
         kv.view(2, -1, kvh, hd).index_copy_(1, flat, qkv[:, :, h:].reshape(r * t, 2, kvh, hd).transpose(0, 1))
         keys, vals = (kv[0], kv[1]) if r == kv.shape[1] else (kv[0, rows], kv[1, rows])  # [R, S, n_kv, D]
@@ -310,7 +323,7 @@ class Llama(nn.Module):
         """
         gen = torch.Generator().manual_seed(seed)
         for name, t in self.hf_tensors().items():
-            host = torch.ones(t.shape) if name.endswith("layernorm.weight") or name == "norm.weight" \
+            host = torch.ones(t.shape) if name.endswith("norm.weight") \
                 else torch.randn(t.shape, generator=gen) * std
             t.copy_(host)
         return self
@@ -403,3 +416,7 @@ class Llama(nn.Module):
             logits = self(tokens, zero, [zero] * len(self.layers), rows, logits_at=last)
             seq.append(int(logits[0, -1].argmax()))
         return seq[len(prompt):]
+
+
+#: the family-neutral name: the same class computes every architecture of ``llama_config.ARCHITECTURES``
+DecoderLM = Llama
