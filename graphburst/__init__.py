@@ -10,6 +10,7 @@ from .burst import CapacityError, SpecDecoder
 from .constants import NO_EOS, PLACEHOLDER_TOKEN, UNBOUNDED_BUDGET
 from .kernels.digest import greedy_reference
 from .protocol import DraftModel, TargetModel
+from .models.ngram import NgramDraft
 from .models.stubs import StubDraft, StubTarget, stub_pair
 
 __version__ = "0.1.0"
@@ -21,6 +22,7 @@ __all__ = [
     "KVCache",
     "KVLayer",
     "NO_EOS",
+    "NgramDraft",
     "PLACEHOLDER_TOKEN",
     "PtrTable",
     "SpecDecoder",
