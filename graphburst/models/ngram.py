@@ -38,7 +38,7 @@ from ..guard import Watched
 from ..protocol import DraftModel
 from ..validate import check_int
 
-__all__ = ["DEFAULT_NGRAM_MAX", "DEFAULT_NGRAM_MIN", "NgramDraft", "check_ngram_range"]
+__all__ = ["DEFAULT_NGRAM_MAX", "DEFAULT_NGRAM_MIN", "NgramDraft", "check_ngram_range", "ngram_for"]
 
 DEFAULT_NGRAM_MIN = 1  # a single repeated token already predicts copies in code and quoting
 DEFAULT_NGRAM_MAX = 4  # longer suffixes pick the right one of several earlier occurrences
@@ -171,3 +171,9 @@ class NgramDraft(Watched, DraftModel):
             self._host_range[slot] = self.default_range if rng is None else rng
         if settings:
             self._upload_range(stream)
+
+
+def ngram_for(target, *, n_min: int = DEFAULT_NGRAM_MIN, n_max: int = DEFAULT_NGRAM_MAX) -> NgramDraft:
+    """A prompt-lookup draft sized for ``target``: its batch, vocabulary, KV capacity and backend."""
+    cache = target.cache
+    return NgramDraft(cache.batch, target.vocab, cache.capacity, n_min=n_min, n_max=n_max, backend=cache.backend)
