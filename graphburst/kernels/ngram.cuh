@@ -14,6 +14,7 @@
 #define GB_NGRAM_MAX 16       // longest n-gram the search tries (n_max <= this)
 #define GB_NGRAM_THREADS 512  // threads per sequence of the search (a power of two, <= 1024)
 #define GB_NGRAM_NONE (-1LL)  // search key of "no match"
+#define GB_NGRAM_UNROLL 8     // history loads each search thread keeps in flight
 
 // Threads: one per (prompt token, sequence); grid y walks the batch.
 // hist[b, i] = prompt[b, i] for i < P = prompt_len[b], hist_len[b] = P; rows with
@@ -72,12 +73,24 @@ extern "C" __global__ void ngram_search(int k, int capacity, int write_vtok,
     if (live && lo <= hi) {
         int last = s_suf[0];
         // Most ends fail on the first compare, so the scan is about one coalesced load per
-        // history token; the rare hits walk back through L1.
-        for (int e = tid; e < P; e += GB_NGRAM_THREADS) {
-            if (h[e] != last) continue;
-            int m = 1;
-            while (m < hi && e - m >= 0 && h[e - m] == s_suf[m]) ++m;
-            if (m >= lo) best = max(best, gb_ngram_key(m, e));
+        // history token; the rare hits walk back through L1. Each thread issues its
+        // GB_NGRAM_UNROLL loads of a tile before comparing any, so a tile costs one memory
+        // latency rather than GB_NGRAM_UNROLL of them (8k tokens: two tiles).
+        for (int base = 0; base < P; base += GB_NGRAM_THREADS * GB_NGRAM_UNROLL) {
+            int tok[GB_NGRAM_UNROLL];
+#pragma unroll
+            for (int u = 0; u < GB_NGRAM_UNROLL; ++u) {
+                int e = base + u * GB_NGRAM_THREADS + tid;
+                tok[u] = e < P ? h[e] : ~last;  // ~last != last: past the end never matches
+            }
+#pragma unroll
+            for (int u = 0; u < GB_NGRAM_UNROLL; ++u) {
+                int e = base + u * GB_NGRAM_THREADS + tid;
+                if (tok[u] != last) continue;
+                int m = 1;
+                while (m < hi && e - m >= 0 && h[e - m] == s_suf[m]) ++m;
+                if (m >= lo) best = max(best, gb_ngram_key(m, e));
+            }
         }
     }
     for (int off = 16; off > 0; off >>= 1) best = max(best, __shfl_xor_sync(0xffffffffu, best, off));
