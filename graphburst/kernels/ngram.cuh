@@ -16,7 +16,7 @@
 #define GB_NGRAM_NONE (-1LL)  // search key of "no match"
 #define GB_NGRAM_UNROLL 8     // history loads each search thread keeps in flight
 
-// Threads: one per (prompt token, sequence); grid y walks the batch.
+// Threads: one per (sequence, prompt token); grid x walks the batch (up to 2**31 - 1 rows).
 // hist[b, i] = prompt[b, i] for i < P = prompt_len[b], hist_len[b] = P; rows with
 // prompt_len = NO_PREFILL are left alone.
 extern "C" __global__ void ngram_prefill(int p_max, int capacity,
@@ -24,8 +24,8 @@ extern "C" __global__ void ngram_prefill(int p_max, int capacity,
                                          const int* __restrict__ prompt_len,  // [B]
                                          int* __restrict__ hist,              // [B, capacity]
                                          int* __restrict__ hist_len) {        // [B]
-    int b = blockIdx.y;
-    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    int b = blockIdx.x;
+    int i = blockIdx.y * blockDim.x + threadIdx.x;
     int n = prompt_len[b];
     if (n == GB_NO_PREFILL) return;
     n = min(max(n, 0), min(p_max, capacity));
@@ -126,7 +126,7 @@ extern "C" __global__ void ngram_search(int k, int capacity, int write_vtok,
     }
 }
 
-// Threads: one per (vocabulary entry, sequence); grid y walks the batch.
+// Threads: one per (sequence, vocabulary entry); grid x walks the batch.
 // Sampling mode: draft row `step` as logits of the one-hot q of a deterministic proposal,
 // draft_logits[b, step, v] = 0 at v = tok, -inf elsewhere, with tok = prop[b, step] for
 // step < brk[b, 0] and 0 past the break (a defined row the accept never reads). A token
@@ -135,15 +135,15 @@ extern "C" __global__ void ngram_onehot_logits(int k, int vocab, int step,
                                                const int* __restrict__ prop,   // [B, k]
                                                const int* __restrict__ brk,    // [B, 2]
                                                float* __restrict__ logits) {   // [B, k, V]
-    int b = blockIdx.y;
-    long long v = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    int b = blockIdx.x;
+    long long v = (long long)blockIdx.y * blockDim.x + threadIdx.x;
     if (v >= vocab) return;
     int tok = step < brk[2 * b] ? prop[(long long)b * k + step] : 0;
     if (tok < 0 || tok >= vocab) tok = 0;
     logits[((long long)b * k + step) * vocab + v] = v == tok ? 0.0f : __int_as_float(0xff800000);
 }
 
-// Threads: one per (draft slot, sequence); grid y walks the batch.
+// Threads: one per (sequence, draft slot); grid x walks the batch.
 // Sampling mode, after the last draw: hist[b, pos_ctr[b] + 1 + j] = draft_tok[b, j] for
 // j < brk[b, 0] (inside capacity), so the history holds the drafts the verify will see.
 extern "C" __global__ void ngram_append(int k, int capacity,
@@ -151,8 +151,8 @@ extern "C" __global__ void ngram_append(int k, int capacity,
                                         const int* __restrict__ pos_ctr,    // [B]
                                         const int* __restrict__ brk,        // [B, 2]
                                         int* __restrict__ hist) {           // [B, capacity]
-    int b = blockIdx.y;
-    int j = blockIdx.x * blockDim.x + threadIdx.x;
+    int b = blockIdx.x;
+    int j = blockIdx.y * blockDim.x + threadIdx.x;
     if (j >= k || j >= brk[2 * b]) return;
     int p = pos_ctr[b] + 1 + j;
     if (p >= 0 && p < capacity) hist[(long long)b * capacity + p] = draft_tok[(long long)b * k + j];

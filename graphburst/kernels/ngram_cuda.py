@@ -17,7 +17,7 @@ def ngram_prefill(prompt, prompt_len, hist, hist_len, *, stream):
     hist_len : [B] int32, written
     """
     batch, p_max = prompt.shape
-    grid = (_blocks(p_max, THREADS_PER_BLOCK), batch)
+    grid = (batch, _blocks(p_max, THREADS_PER_BLOCK))
     block = (THREADS_PER_BLOCK,)
     _launch("ngram_prefill", grid, block, (_i32(p_max), _i32(hist.shape[1]), prompt, prompt_len, hist, hist_len),
             stream)
@@ -55,7 +55,7 @@ def ngram_onehot_logits(prop, brk, logits, *, step, stream):
     logits : [B, k, V] float32, row ``step`` written
     """
     batch, k, vocab = logits.shape
-    grid = (_blocks(vocab, THREADS_PER_BLOCK), batch)
+    grid = (batch, _blocks(vocab, THREADS_PER_BLOCK))
     block = (THREADS_PER_BLOCK,)
     _launch("ngram_onehot_logits", grid, block, (_i32(k), _i32(vocab), _i32(step), prop, brk, logits), stream)
 
@@ -71,6 +71,6 @@ def ngram_append(draft_tok, pos_ctr, brk, hist, *, stream):
     hist : [B, capacity] int32, written
     """
     batch, k = draft_tok.shape
-    grid = (_blocks(k, THREADS_PER_BLOCK), batch)
+    grid = (batch, _blocks(k, THREADS_PER_BLOCK))
     block = (THREADS_PER_BLOCK,)
     _launch("ngram_append", grid, block, (_i32(k), _i32(hist.shape[1]), draft_tok, pos_ctr, brk, hist), stream)
