@@ -89,8 +89,8 @@ def search_inputs(rng, batch, k, capacity, alphabet=3, poison=True):
 ORDER = ("vtok", "pos_ctr", "budget", "n_min", "n_max", "hist", "hist_len", "draft_tok", "draft_conf", "brk")
 
 
-def run_search(ops, arrays, write_vtok):
-    ops.ngram_search(*(arrays[n] for n in ORDER), write_vtok=write_vtok, stream=None)
+def run_search(ops, arrays, write_vtok, stream=None):
+    ops.ngram_search(*(arrays[n] for n in ORDER), write_vtok=write_vtok, stream=stream)
 
 
 def test_twin_equals_spec_and_writes_the_history(rng):
@@ -120,12 +120,16 @@ def test_twin_equals_spec_and_writes_the_history(rng):
 
 
 def as_backend(backend, arrays):
-    return {n: backend.asarray(a) for n, a in arrays.items()}
+    """Device copies of ``arrays`` and a stream ordered after their upload."""
+    dev = {n: backend.asarray(a) for n, a in arrays.items()}
+    stream = backend.new_stream()
+    backend.order_after_current(stream)  # the copies ran on the current stream
+    return dev, stream
 
 
-def assert_same(backend, got, want):
+def assert_same(backend, got, want, stream):
     for name, w in want.items():
-        g = backend.to_host(got[name], None)
+        g = backend.to_host(got[name], stream)
         assert g.dtype == w.dtype and (g == w).all(), name
 
 
@@ -134,10 +138,10 @@ def assert_same(backend, got, want):
 def test_search_kernel_equals_twin(backend, rng, batch, write_vtok):
     for k, cap, alphabet in ((1, 5, 2), (4, 37, 3), (7, 700, 2), (64, 1300, 5)):
         inp = search_inputs(rng, batch, k, cap, alphabet)
-        dev = as_backend(backend, inp)
+        dev, stream = as_backend(backend, inp)
         run_search(reference, inp, write_vtok)
-        run_search(backend.ops, dev, write_vtok)
-        assert_same(backend, dev, inp)
+        run_search(backend.ops, dev, write_vtok, stream)
+        assert_same(backend, dev, inp, stream)
 
 
 @pytest.mark.parametrize("batch", [1, 7, 19, 257])
@@ -147,28 +151,28 @@ def test_prefill_append_logits_kernels_equal_twins(backend, rng, batch):
     lens[rng.random(batch) < 0.3] = NO_PREFILL
     arrays = dict(prompt=rng.integers(0, vocab, (batch, p_max)).astype(np.int32), prompt_len=lens,
                   hist=rng.integers(-3, 9, (batch, cap)).astype(np.int32), hist_len=np.full(batch, 7, np.int32))
-    dev = as_backend(backend, arrays)
+    dev, stream = as_backend(backend, arrays)
     reference.ngram_prefill(*arrays.values())
-    backend.ops.ngram_prefill(*dev.values(), stream=None)
-    assert_same(backend, dev, arrays)
+    backend.ops.ngram_prefill(*dev.values(), stream=stream)
+    assert_same(backend, dev, arrays, stream)
 
     pos = rng.integers(0, cap, batch).astype(np.int32)
     pos[0] = cap - 2  # drafts past the capacity are not stored
     brk = np.stack([rng.integers(0, k + 1, batch), rng.integers(0, 2, batch)], 1).astype(np.int32)
     prop = rng.integers(-2, vocab + 2, (batch, k)).astype(np.int32)  # out-of-range tokens fall back to 0
     arrays = dict(draft_tok=prop, pos_ctr=pos, brk=brk, hist=rng.integers(0, 9, (batch, cap)).astype(np.int32))
-    dev = as_backend(backend, arrays)
+    dev, stream = as_backend(backend, arrays)
     reference.ngram_append(*arrays.values())
-    backend.ops.ngram_append(*dev.values(), stream=None)
-    assert_same(backend, dev, arrays)
+    backend.ops.ngram_append(*dev.values(), stream=stream)
+    assert_same(backend, dev, arrays, stream)
 
     logits = np.full((batch, k, vocab), 5.0, np.float32)
     arrays = dict(prop=prop, brk=brk, logits=logits)
-    dev = as_backend(backend, arrays)
+    dev, stream = as_backend(backend, arrays)
     for step in (0, k - 1):
         reference.ngram_onehot_logits(*arrays.values(), step=step)
-        backend.ops.ngram_onehot_logits(*dev.values(), step=step, stream=None)
-    assert_same(backend, dev, arrays)
+        backend.ops.ngram_onehot_logits(*dev.values(), step=step, stream=stream)
+    assert_same(backend, dev, arrays, stream)
     assert (np.isfinite(logits[:, 0]).sum(axis=1) == 1).all() and (logits[:, 1:k - 1] == 5.0).all()
 
 

@@ -8,13 +8,15 @@ the proposals may differ; the tokens cannot, since greedy speculation is lossles
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from transformers import LlamaConfig as HFConfig
 from transformers import LlamaForCausalLM
 
 from graphburst import NgramDraft, SpecDecoder
 from graphburst.capture import BurstGraph
-from graphburst.models.checkpoint import load_llama
+from graphburst.models.checkpoint import load_llama, tiny_random_pair
+from graphburst.models.ngram import ngram_for
 from graphburst.models.torch_adapter import TorchTarget
 
 torch.set_num_threads(1)
@@ -49,3 +51,22 @@ def test_tokens_match_transformers_prompt_lookup(tmp_path):
             got[b] += tokens[b].tolist()
     assert got == want
     assert dec.accept_counters()[2, 0] > 0  # the looping sequence accepted lookups
+
+
+@pytest.mark.parametrize("backend", ["numpy", pytest.param("cupy", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("sampling", [False, True])
+def test_tiny_llama_with_lookup_equals_its_greedy(backend, sampling):
+    """A torch target (captured by torch on the GPU) with the lookup draft: the burst's tokens
+    are the target's own full-recompute greedy tokens (temperature 0 in sampling mode)."""
+    target, _ = tiny_random_pair(batch=3, capacity=160, backend=backend, seed=5)
+    dec = SpecDecoder(target, ngram_for(target, n_min=1, n_max=3), k=4, m_rounds=4, sampling=sampling)
+    prompts = [[3, 1, 4, 1, 5, 3, 1, 4], [9, 2], [7] * 6]
+    graph = BurstGraph(dec)
+    dec.prefill(prompts, max_new_tokens=40, **({"temperature": 0.0} if sampling else {}))
+    got = [[] for _ in prompts]
+    while dec.host_left.any():
+        for b, t in enumerate(graph.run()):
+            got[b] += t.tolist()
+    for b, prompt in enumerate(prompts):
+        assert got[b] == target.module.greedy(prompt, 40, row=b)
+    assert dec.accept_counters()[:, 0].sum() > 0
