@@ -97,14 +97,14 @@ def check_args(args) -> None:
 def _search_part(console, backend, s) -> tuple:
     reps = 10 * s["reps"]
     table = new_table(f"ngram_search, us per round (k={s['k']}, n={s['n_min']}..{s['n_max']}) - {label(backend)}",
-                      ["B", "history", "checked", "drafts", "us median", "us min"])
+                      ["B", "history", "checked", "drafts", "us median", "us min", "host numpy twin us"])
     rows = run_search_bench(backend, batches=s["batches"], histories=s["histories"], k=s["k"], n_min=s["n_min"],
                             n_max=s["n_max"], reps=reps,
                             progress=lambda r: console.print(f"search B={r['batch']} H={r['history']}: "
                                                              f"{r['us_median']:.2f} us"))
     for r in rows:
         table.add_row(str(r["batch"]), str(r["history"]), "yes", str(r["drafts_proposed"]), fmt(r["us_median"]),
-                      fmt(r["us_min"]))
+                      fmt(r["us_min"]), fmt(r["host_twin_us"], 0))
     return table, rows
 
 

@@ -48,17 +48,19 @@ def _args(draft, bufs):
             bufs.draft_tok, bufs.draft_conf, bufs.brk)
 
 
-def check(backend, draft, bufs, stream) -> int:
+def check(backend, draft, bufs, stream) -> tuple[int, float]:
     """Run the search on the backend and the twin on host copies; raise AssertionError on any
-    difference. Returns the drafts proposed over the batch."""
+    difference. Returns (drafts proposed over the batch, the twin's host µs)."""
     host = [backend.to_host(a, stream) for a in _args(draft, bufs)]
     backend.ops.ngram_search(*_args(draft, bufs), write_vtok=True, stream=stream)
+    t0 = time.perf_counter()
     reference.ngram_search(*host, write_vtok=True)
+    twin_us = (time.perf_counter() - t0) * 1e6
     names = ("vtok", "pos_ctr", "budget", "n_min", "n_max", "hist", "hist_len", "draft_tok", "draft_conf", "brk")
     for name, want, got in zip(names, host, (backend.to_host(a, stream) for a in _args(draft, bufs))):
         if not np.array_equal(want, got):
             raise AssertionError(f"ngram_search: {name} differs from the numpy twin")
-    return int(host[-1][:, 0].sum())
+    return int(host[-1][:, 0].sum()), twin_us
 
 
 def time_search(backend, draft, bufs, stream, *, reps: int) -> list[float]:
@@ -101,11 +103,12 @@ def run_search_bench(backend, *, batches, histories, k: int, n_min: int, n_max: 
             draft, bufs = setup(backend, batch, history, k=k, n_min=n_min, n_max=n_max)
             stream = backend.new_stream()
             backend.order_after_current(stream)
-            drafts = check(backend, draft, bufs, stream)
+            drafts, twin_us = check(backend, draft, bufs, stream)
             times = time_search(backend, draft, bufs, stream, reps=reps)
             rows.append(dict(batch=batch, history=history, k=k, n_min=n_min, n_max=n_max, checked=True,
                              drafts_proposed=drafts, us_median=statistics.median(times), us_min=min(times),
-                             reps=reps, searches_per_graph=SEARCHES_PER_GRAPH if backend.is_gpu else 1))
+                             host_twin_us=twin_us, reps=reps,
+                             searches_per_graph=SEARCHES_PER_GRAPH if backend.is_gpu else 1))
             if progress is not None:
                 progress(rows[-1])
     return rows
