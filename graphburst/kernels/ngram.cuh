@@ -36,6 +36,9 @@ extern "C" __global__ void ngram_prefill(int p_max, int capacity,
 // Key of a candidate: longer match first, then the most recent (largest end) one.
 __device__ __forceinline__ long long gb_ngram_key(int m, int e) { return ((long long)m << 32) | (unsigned)e; }
 
+// The larger key (spelled out: no reliance on a 64-bit max overload under NVRTC).
+__device__ __forceinline__ long long gb_ngram_best(long long a, long long b) { return a > b ? a : b; }
+
 // Threads: one block of GB_NGRAM_THREADS per sequence.
 // With P = pos_ctr[b] and L = P + 1 history tokens (hist[P] = vtok[b, 0], the pending
 // token): among window ends e in [0, L - 2], m(e) = the longest common suffix of
@@ -89,16 +92,16 @@ extern "C" __global__ void ngram_search(int k, int capacity, int write_vtok,
                 if (tok[u] != last) continue;
                 int m = 1;
                 while (m < hi && e - m >= 0 && h[e - m] == s_suf[m]) ++m;
-                if (m >= lo) best = max(best, gb_ngram_key(m, e));
+                if (m >= lo) best = gb_ngram_best(best, gb_ngram_key(m, e));
             }
         }
     }
-    for (int off = 16; off > 0; off >>= 1) best = max(best, __shfl_xor_sync(0xffffffffu, best, off));
+    for (int off = 16; off > 0; off >>= 1) best = gb_ngram_best(best, __shfl_xor_sync(0xffffffffu, best, off));
     if ((tid & 31) == 0) s_best[tid >> 5] = best;
     __syncthreads();
     if (tid < 32) {
         best = tid < GB_NGRAM_THREADS / 32 ? s_best[tid] : GB_NGRAM_NONE;
-        for (int off = 16; off > 0; off >>= 1) best = max(best, __shfl_xor_sync(0xffffffffu, best, off));
+        for (int off = 16; off > 0; off >>= 1) best = gb_ngram_best(best, __shfl_xor_sync(0xffffffffu, best, off));
         if (tid == 0) s_best[0] = best;
     }
     __syncthreads();
