@@ -204,13 +204,18 @@ def add_ngram_flags(parser) -> None:
                         help=f"--draft ngram: longest n-gram looked up, tried first (default {DEFAULT_NGRAM_MAX})")
 
 
-def check_ngram_flags(args) -> None:
-    """Refuse ``--ngram-min/max`` without ``--draft ngram``; with it fill in the defaults, min <= max."""
+def check_ngram_flags(args, *, parallel: bool = False) -> None:
+    """Refuse ``--ngram-min/max`` without ``--draft ngram``; with it fill in the defaults, min <= max.
+
+    ``parallel``: the command runs tensor or pipeline parallel, where the lookup draft is not wired in.
+    """
     if args.draft != NGRAM_DRAFT:
         for flag in ("--ngram-min", "--ngram-max"):
             if getattr(args, flag[2:].replace("-", "_")) is not None:
                 raise FlagError(flag, f"applies to --draft {NGRAM_DRAFT} only")
         return
+    if parallel:
+        raise FlagError("--draft", f"--draft {NGRAM_DRAFT} is not wired into --tp/--pp yet")
     args.ngram_min = DEFAULT_NGRAM_MIN if args.ngram_min is None else args.ngram_min
     args.ngram_max = max(DEFAULT_NGRAM_MAX, args.ngram_min) if args.ngram_max is None else args.ngram_max
     if args.ngram_min > args.ngram_max:

@@ -83,9 +83,7 @@ def check_args(args) -> None:
         from .parallel import launch
 
         launch.check_args(args)
-    check_ngram_flags(args)
-    if args.draft == NGRAM_DRAFT and (args.tp > 1 or args.pp > 1):
-        raise FlagError("--draft", f"--draft {NGRAM_DRAFT} is not wired into --tp/--pp yet")
+    check_ngram_flags(args, parallel=args.tp > 1 or args.pp > 1)
     if args.model is None and args.draft not in (None, NGRAM_DRAFT):
         raise FlagError("--draft", "needs --model DIR")
     if args.model not in (None, TINY_RANDOM):

@@ -115,13 +115,9 @@ def check_args(args) -> None:
         serve_tp.check_args(args)
     if same_file(args.requests, args.output):
         raise FlagError("--output", f"{args.output!r} is the --requests file; writing there would empty it")
-    check_ngram_flags(args)
-    if args.draft == NGRAM_DRAFT and args.tp > 1:
-        raise FlagError("--draft", f"--draft {NGRAM_DRAFT} is not wired into tensor-parallel serving yet")
+    check_ngram_flags(args, parallel=args.tp > 1)
     if args.model is None:
-        for flag in ("--draft", "--dtype", "--p-min"):
-            if flag == "--draft" and args.draft == NGRAM_DRAFT:
-                continue
+        for flag in [f for f in ("--draft", "--dtype", "--p-min") if (f, args.draft) != ("--draft", NGRAM_DRAFT)]:
             if getattr(args, flag[2:].replace("-", "_")) is not None:
                 raise FlagError(flag, "applies to --model only (the stub models are the default)")
         for name, value in STUB_DEFAULTS.items():
@@ -143,9 +139,7 @@ def check_args(args) -> None:
                                    "vocabulary)")
     else:
         for flag, path in (("--model", args.model), ("--draft", args.draft)):
-            if path == NGRAM_DRAFT and flag == "--draft":
-                continue
-            if not os.path.isdir(path):
+            if not os.path.isdir(path) and (flag, path) != ("--draft", NGRAM_DRAFT):
                 raise FlagError(flag, f"{path!r} is not a directory")
         if args.tokenizer is None and os.path.isfile(os.path.join(args.model, "tokenizer.json")):
             args.tokenizer = args.model  # the model directory's own tokenizer, unless told otherwise
