@@ -12,6 +12,7 @@ from .capture import BurstGraph
 from .constants import NO_EOS, PLACEHOLDER_TOKEN, UNBOUNDED_BUDGET
 from .kernels.digest import greedy_reference
 from .protocol import DraftModel, TargetModel
+from .models.ngram import NgramDraft
 from .models.stubs import StubDraft, StubTarget, stub_pair
 
 __version__ = "0.1.0"
@@ -41,6 +42,7 @@ __all__ = [
     "KVCache",
     "KVLayer",
     "NO_EOS",
+    "NgramDraft",
     "PLACEHOLDER_TOKEN",
     "PtrTable",
     "SpecDecoder",

@@ -12,6 +12,12 @@ import math
 import os
 import sys
 
+from .constants import NGRAM_MAX
+from .models.ngram import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN
+
+#: ``--draft`` value that picks prompt-lookup drafting (models/ngram.py) instead of a draft model.
+NGRAM_DRAFT = "ngram"
+
 #: Largest memory the stub KV caches of one command may take; a larger size is a typo.
 MAX_KV_BYTES = 16 * 2**30
 
@@ -139,6 +145,11 @@ def readable_dir(text: str, flag: str | None = None) -> str:
     raise argparse.ArgumentTypeError(why)
 
 
+def draft_dir_or_ngram(text: str) -> str:
+    """``type=`` for ``--draft``: a readable checkpoint directory, or ``ngram`` (prompt lookup)."""
+    return text if text == NGRAM_DRAFT else readable_dir(text)
+
+
 def writable_file(text: str) -> str:
     """``type=`` for a file that can be created or overwritten, or ``-`` for stdout."""
     if text == "-":
@@ -183,3 +194,29 @@ def check_backend(name: str) -> None:
     if name == "cupy" and not cuda_available():
         raise FlagError("--backend", "cupy needs cupy and a CUDA device, and none was found; "
                                      "use --backend numpy (or auto)")
+
+
+def add_ngram_flags(parser) -> None:
+    """``--ngram-min`` / ``--ngram-max`` (with ``--draft ngram``); None until :func:`check_ngram_flags`."""
+    parser.add_argument("--ngram-min", type=int_in(1, NGRAM_MAX), default=None,
+                        help=f"--draft ngram: shortest n-gram looked up (default {DEFAULT_NGRAM_MIN})")
+    parser.add_argument("--ngram-max", type=int_in(1, NGRAM_MAX), default=None,
+                        help=f"--draft ngram: longest n-gram looked up, tried first (default {DEFAULT_NGRAM_MAX})")
+
+
+def check_ngram_flags(args, *, parallel: bool = False) -> None:
+    """Refuse ``--ngram-min/max`` without ``--draft ngram``; with it fill in the defaults, min <= max.
+
+    ``parallel``: the command runs tensor or pipeline parallel, where the lookup draft is not wired in.
+    """
+    if args.draft != NGRAM_DRAFT:
+        for flag in ("--ngram-min", "--ngram-max"):
+            if getattr(args, flag[2:].replace("-", "_")) is not None:
+                raise FlagError(flag, f"applies to --draft {NGRAM_DRAFT} only")
+        return
+    if parallel:
+        raise FlagError("--draft", f"--draft {NGRAM_DRAFT} is not wired into --tp/--pp yet")
+    args.ngram_min = DEFAULT_NGRAM_MIN if args.ngram_min is None else args.ngram_min
+    args.ngram_max = max(DEFAULT_NGRAM_MAX, args.ngram_min) if args.ngram_max is None else args.ngram_max
+    if args.ngram_min > args.ngram_max:
+        raise FlagError("--ngram-min", f"{args.ngram_min} is above --ngram-max {args.ngram_max}")

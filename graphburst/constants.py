@@ -33,3 +33,7 @@ GREEDY_TEMPERATURE = 0.0  # temperature[b] that turns a row into a one-hot at it
 TOP_K_OFF = 0  # top_k[b] that keeps every token
 TOP_P_OFF = 1.0  # top_p[b] that keeps every token
 SEED_LIMIT = 2**64  # seeds are uint64: [0, SEED_LIMIT)
+
+# Prompt-lookup drafting (kernels/ngram.cuh; ngram_ref.py is its numpy twin)
+NGRAM_MAX = 16  # longest n-gram the search tries (GB_NGRAM_MAX)
+NGRAM_THREADS = 512  # threads per sequence of the search (GB_NGRAM_THREADS)

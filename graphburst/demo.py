@@ -25,7 +25,8 @@ from rich.table import Table
 
 from .backend import BACKEND_NAMES, get_backend
 from .burst import BurstMode, SpecDecoder
-from .cli_args import FlagError, check_backend, check_kv_memory, int_in, readable_dir, real_in
+from .cli_args import NGRAM_DRAFT, FlagError, add_ngram_flags, check_backend, check_kv_memory, check_ngram_flags, \
+    draft_dir_or_ngram, int_in, readable_dir, real_in
 from .constants import MAX_K
 from .kernels.digest import greedy_reference
 from .sampling.params import check_sampling
@@ -43,7 +44,10 @@ def add_parser(sub) -> None:
     p.add_argument("--model", default=None,
                    help=f"'{TINY_RANDOM}' (a small random Llama pair, no files) or a Hugging Face checkpoint "
                         "directory (Llama, Mistral, Qwen2, Qwen3); the stub models when absent")
-    p.add_argument("--draft", type=readable_dir, default=None, help="the draft's checkpoint directory (with --model DIR)")
+    p.add_argument("--draft", type=draft_dir_or_ngram, default=None,
+                   help=f"the draft's checkpoint directory (with --model DIR), or {NGRAM_DRAFT!r}: prompt lookup, no "
+                        "draft model (with the stubs or any --model)")
+    add_ngram_flags(p)
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="weights and KV of a --model pair")
     p.add_argument("--batch", type=int_in(1, 4096), default=4)
     p.add_argument("-k", type=int_in(1, MAX_K), default=4, help="drafts per round")
@@ -79,7 +83,8 @@ def check_args(args) -> None:
         from .parallel import launch
 
         launch.check_args(args)
-    if args.model is None and args.draft is not None:
+    check_ngram_flags(args, parallel=args.tp > 1 or args.pp > 1)
+    if args.model is None and args.draft not in (None, NGRAM_DRAFT):
         raise FlagError("--draft", "needs --model DIR")
     if args.model not in (None, TINY_RANDOM):
         readable_dir(args.model, flag="--model")
@@ -103,6 +108,15 @@ def _capacity(args) -> int:
 
 def _build(args, backend, capacity):
     """(target, draft, vocab, reference) where ``reference(prompt, n)`` is the greedy truth."""
+    target, draft, vocab, reference = _build_pair(args, backend, capacity)
+    if args.draft == NGRAM_DRAFT:  # prompt lookup replaces the draft model built beside the target
+        from .models.ngram import ngram_for
+
+        draft = ngram_for(target, n_min=args.ngram_min, n_max=args.ngram_max)
+    return target, draft, vocab, reference
+
+
+def _build_pair(args, backend, capacity):
     p_min = args.p_min if args.p_min is not None else (STUB_P_MIN if args.model is None else 0.0)
     if args.model is None:
         from .models.stubs import stub_pair
@@ -116,6 +130,10 @@ def _build(args, backend, capacity):
     if args.model == TINY_RANDOM:
         target, draft = checkpoint.tiny_random_pair(batch=args.batch, capacity=capacity, backend=backend,
                                                     dtype=args.dtype, seed=args.seed, p_min=p_min)
+    elif args.draft == NGRAM_DRAFT:
+        target = checkpoint.load_target(args.model, batch=args.batch, capacity=capacity, backend=backend,
+                                        dtype=args.dtype)
+        draft = None
     else:
         target, draft = checkpoint.load_pair(args.model, args.draft, batch=args.batch, capacity=capacity,
                                              backend=backend, dtype=args.dtype, p_min=p_min)
@@ -182,7 +200,7 @@ def run(args, console: Console) -> int:
         want = _eager_reference(args, backend, capacity, prompts)
     else:
         want = [reference(prompts[b], len(out[b])) for b in range(args.batch)]
-    model = "stub" if args.model is None else args.model
+    model = ("stub" if args.model is None else args.model) + (" + prompt lookup" if args.draft == NGRAM_DRAFT else "")
     table = Table(title=f"{model}: k={args.k}, M={args.rounds}, {args.bursts} bursts, mode={args.mode}, "
                         f"backend={backend.name}")
     check = f"matches eager (T={args.temperature:g})" if sampling else "matches greedy"

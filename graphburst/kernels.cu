@@ -8,3 +8,4 @@
 #include "kernels/burst.cuh"
 #include "kernels/stubs.cuh"
 #include "kernels/sampling.cuh"
+#include "kernels/ngram.cuh"

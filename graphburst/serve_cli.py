@@ -28,9 +28,10 @@ from rich.live import Live
 from rich.table import Table
 
 from .backend import BACKEND_NAMES, get_backend
-from .cli_args import FlagError, check_backend, check_kv_memory, int_in, readable_file, real_in, same_file, \
-    writable_file
+from .cli_args import NGRAM_DRAFT, FlagError, add_ngram_flags, check_backend, check_kv_memory, check_ngram_flags, \
+    int_in, readable_file, real_in, same_file, writable_file
 from .constants import MAX_K
+from .models.ngram import ngram_for
 from .models.stubs import stub_pair
 from .serving.loop import ENGINE_MODES, LOG_RETIRED, Request, ServeLoop
 
@@ -67,7 +68,10 @@ def add_parser(sub) -> None:
     m.add_argument("--model", default=None, metavar="DIR",
                    help=f"target checkpoint directory (Hugging Face Llama), or {TINY_RANDOM!r} (a small random "
                         "pair built in memory)")
-    m.add_argument("--draft", default=None, metavar="DIR", help="draft checkpoint directory (with a --model DIR)")
+    m.add_argument("--draft", default=None, metavar="DIR",
+                   help=f"draft checkpoint directory (with a --model DIR), or {NGRAM_DRAFT!r}: prompt lookup, no "
+                        "draft model (with the stubs or any --model)")
+    add_ngram_flags(m)
     m.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="weights and KV (default float32)")
     m.add_argument("--p-min", type=real_in(0.0, 1.0), default=None,
                    help="draft: stop drafting below this probability (default 0)")
@@ -111,8 +115,9 @@ def check_args(args) -> None:
         serve_tp.check_args(args)
     if same_file(args.requests, args.output):
         raise FlagError("--output", f"{args.output!r} is the --requests file; writing there would empty it")
+    check_ngram_flags(args, parallel=args.tp > 1)
     if args.model is None:
-        for flag in ("--draft", "--dtype", "--p-min"):
+        for flag in [f for f in ("--draft", "--dtype", "--p-min") if (f, args.draft) != ("--draft", NGRAM_DRAFT)]:
             if getattr(args, flag[2:].replace("-", "_")) is not None:
                 raise FlagError(flag, "applies to --model only (the stub models are the default)")
         for name, value in STUB_DEFAULTS.items():
@@ -126,14 +131,15 @@ def check_args(args) -> None:
             raise FlagError(flag, f"applies to the stub models only; with --model the checkpoint sets the model "
                                   f"(drop {flag})")
     if args.model == TINY_RANDOM:
-        if args.draft is not None:
-            raise FlagError("--draft", f"--model {TINY_RANDOM} builds its own draft; drop --draft")
+        if args.draft not in (None, NGRAM_DRAFT):
+            raise FlagError("--draft", f"--model {TINY_RANDOM} builds its own draft; drop --draft (or use "
+                                       f"--draft {NGRAM_DRAFT})")
     elif args.draft is None:
         raise FlagError("--draft", f"--model {args.model!r} needs --draft DIR (a smaller checkpoint with the same "
                                    "vocabulary)")
     else:
         for flag, path in (("--model", args.model), ("--draft", args.draft)):
-            if not os.path.isdir(path):
+            if not os.path.isdir(path) and (flag, path) != ("--draft", NGRAM_DRAFT):
                 raise FlagError(flag, f"{path!r} is not a directory")
         if args.tokenizer is None and os.path.isfile(os.path.join(args.model, "tokenizer.json")):
             args.tokenizer = args.model  # the model directory's own tokenizer, unless told otherwise
@@ -163,17 +169,22 @@ def build_loop(args, backend) -> ServeLoop:
     ValueError, OSError, ImportError
         A checkpoint that cannot be loaded (the message names the file or key).
     """
+    lookup = args.draft == NGRAM_DRAFT
     if args.model is None:
         target, draft = stub_pair(args.batch, args.vocab, args.layers, 1, args.capacity, accept_prob=args.accept,
                                   cost_ns=int(args.cost_us * 1000), backend=backend)
     else:
         from .models import checkpoint  # torch and safetensors: only when a model is asked for
 
-        kw = dict(batch=args.batch, capacity=args.capacity, backend=backend, dtype=args.dtype, p_min=args.p_min)
+        kw = dict(batch=args.batch, capacity=args.capacity, backend=backend, dtype=args.dtype)
         if args.model == TINY_RANDOM:
-            target, draft = checkpoint.tiny_random_pair(**kw)
+            target, draft = checkpoint.tiny_random_pair(**kw, p_min=args.p_min)
+        elif lookup:
+            target, draft = checkpoint.load_target(args.model, **kw), None
         else:
-            target, draft = checkpoint.load_pair(args.model, args.draft, **kw)
+            target, draft = checkpoint.load_pair(args.model, args.draft, **kw, p_min=args.p_min)
+    if lookup:  # the built draft model (stub or tiny) is dropped: prompt lookup replaces it
+        draft = ngram_for(target, n_min=args.ngram_min, n_max=args.ngram_max)
     return ServeLoop(target, draft, k=args.k, m_rounds=args.rounds, engine=args.engine,
                      pipelined=not args.no_pipeline, sampling=getattr(args, "sampling", False))
 

@@ -37,6 +37,8 @@ CU = kernel_source()  # kernels.cu with its sections inlined
         ("GB_SEL_THREADS", constants.SELECT_THREADS),
         ("GB_SEL_DIGIT", constants.SELECT_DIGIT),
         ("GB_RACES_PER_ROW", constants.RACES_PER_ROW),
+        ("GB_NGRAM_MAX", constants.NGRAM_MAX),
+        ("GB_NGRAM_THREADS", constants.NGRAM_THREADS),
     ],
 )
 def test_cuda_macros_match_python_constants(macro, value):

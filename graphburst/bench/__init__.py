@@ -16,15 +16,17 @@ from ..backend import get_backend
 from ..cli_args import check_backend
 from . import capture
 from . import latency
+from . import ngram
 from . import real
 from . import serve
 
-BENCHMARKS = {"latency": latency, "serve": serve, "capture": capture, "real": real}
+BENCHMARKS = {"latency": latency, "serve": serve, "capture": capture, "real": real, "ngram": ngram}
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks: latency of every burst mode, the serving loop, capture costs, real models")
-    kinds = p.add_subparsers(dest="benchmark", required=True, metavar="{latency,serve,capture,real}")
+    p = sub.add_parser("bench", help="benchmarks: latency of every burst mode, the serving loop, capture costs, real models, "
+                                       "prompt lookup")
+    kinds = p.add_subparsers(dest="benchmark", required=True, metavar="{latency,serve,capture,real,ngram}")
     for module in BENCHMARKS.values():
         module.add_parser(kinds)
 

@@ -17,6 +17,7 @@ from .burst_cuda import (
     empty_node,
 )
 from .launch import KERNEL_NAMES, kernel, warm_up
+from .ngram_cuda import ngram_append, ngram_onehot_logits, ngram_prefill, ngram_search
 from .sampling_cuda import (
     accept_pick,
     accept_sample,
@@ -49,6 +50,10 @@ __all__ = [
     "empty_node",
     "epilogue",
     "kernel",
+    "ngram_append",
+    "ngram_onehot_logits",
+    "ngram_prefill",
+    "ngram_search",
     "probs_from_logits",
     "probs_normalize",
     "probs_select",

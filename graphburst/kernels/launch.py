@@ -36,6 +36,10 @@ KERNEL_NAMES = (
     "spec_race_pick",
     "spec_accept_tiles",
     "spec_accept_pick",
+    "ngram_prefill",
+    "ngram_search",
+    "ngram_onehot_logits",
+    "ngram_append",
 )
 _i32 = np.int32
 _i64 = np.int64

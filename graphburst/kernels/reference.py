@@ -15,6 +15,7 @@ from .burst_ref import (
     rollback_stream,
     epilogue,
 )
+from .ngram_ref import ngram_append, ngram_onehot_logits, ngram_prefill, ngram_search
 from .sampling_ref import (
     accept_sample,
     draft_probs_sample,
@@ -37,6 +38,10 @@ __all__ = [
     "draft_probs_sample",
     "epilogue",
     "ftz",
+    "ngram_append",
+    "ngram_onehot_logits",
+    "ngram_prefill",
+    "ngram_search",
     "probs_from_logits",
     "ring_commit",
     "rollback_stream",

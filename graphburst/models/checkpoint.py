@@ -175,6 +175,15 @@ def wrap_pair(target_module, draft_module, *, batch: int, capacity: int, backend
     return target, draft
 
 
+def load_target(model_dir, *, batch: int, capacity: int, backend: Backend | str = "auto", dtype="float32",
+                device=None):
+    """Load a target checkpoint alone, as a :class:`TorchTarget` (for a draft with no weights, such as
+    :class:`~graphburst.models.ngram.NgramDraft`)."""
+    backend = get_backend(backend)
+    module = load_llama(model_dir, batch=batch, capacity=capacity, dtype=dtype, device=_device_of(backend, device))
+    return TorchTarget(module, batch=batch, capacity=capacity, backend=backend)
+
+
 def load_pair(model_dir, draft_dir, *, batch: int, capacity: int, backend: Backend | str = "auto",
               dtype="float32", device=None, p_min: float = 0.0):
     """Load a target and a draft checkpoint as a graphburst pair.
