@@ -35,6 +35,8 @@ MAX_SPLITS = 64
 #: bf16 ``tl.dot`` operands as raw bits: there the operands are widened to fp32 first
 #: (after rounding p to bf16, as the GPU path does), which computes the same products.
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+#: the most query rows (tokens x group heads) per program; more take a third grid axis.
+MAX_BLOCK_M = 64
 #: finite stand-in for -inf as the running max: exp2(-inf - (-inf)) would be NaN on a fully masked row.
 NEG_BIG = -1.0e30
 
@@ -42,12 +44,13 @@ NEG_BIG = -1.0e30
 @triton.jit
 def _split_attention(q_ptr, kv_ptr, len_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
                      sq_b, sq_t, sq_h, skv_2, skv_b, skv_s, skv_h, so_b, so_t, so_h,
-                     scale_log2, s_rows,
-                     T: tl.constexpr, G: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr,
+                     scale_log2, s_rows, T,
+                     G: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PREC: tl.constexpr,
                      DOT_F32: tl.constexpr):
     pid = tl.program_id(0)  # b * KVH + kv head
     split = tl.program_id(1)
+    m_block = tl.program_id(2)  # query rows beyond one tile (T * G > BLOCK_M: long verify chunks, wide groups)
     b = pid // KVH
     kvh = pid % KVH
     length = tl.load(len_ptr + b)
@@ -58,7 +61,7 @@ def _split_attention(q_ptr, kv_ptr, len_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
         return
     end = tl.minimum(start + per, n_valid)
 
-    offs_m = tl.arange(0, BLOCK_M)  # query rows ordered (t, g)
+    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)  # query rows ordered (t, g)
     t_m = offs_m // G
     head = kvh * G + offs_m % G
     m_ok = offs_m < T * G
@@ -106,8 +109,8 @@ def _split_attention(q_ptr, kv_ptr, len_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
 
 
 @triton.jit
-def _combine(mid_o_ptr, mid_lse_ptr, len_ptr, out_ptr, so_b, so_t, so_h, s_rows,
-             T: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr):
+def _combine(mid_o_ptr, mid_lse_ptr, len_ptr, out_ptr, so_b, so_t, so_h, s_rows, T, H,
+             D: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr):
     pid = tl.program_id(0)  # (b * T + t) * H + head
     b = pid // (T * H)
     t = (pid // H) % T
@@ -156,7 +159,7 @@ def decode_attention(q: torch.Tensor, kv: torch.Tensor, length: torch.Tensor, ou
     -------
     out : [B, T, H, D]
 
-    grid ``(B * KVH, splits)`` for the attention, ``(B * T * H,)`` for the combine; 4 warps each.
+    grid ``(B * KVH, splits, cdiv(T * G, BLOCK_M))`` for the attention, ``(B * T * H,)`` for the combine; 4 warps each.
     """
     b, t, h, d = q.shape
     kvh, s_rows = kv.shape[3], kv.shape[2]
@@ -167,7 +170,7 @@ def decode_attention(q: torch.Tensor, kv: torch.Tensor, length: torch.Tensor, ou
     if splits is None:
         splits = default_splits(b, kvh, s_rows, q.device)
     assert splits & (splits - 1) == 0 and 1 <= splits <= MAX_SPLITS
-    block_m = max(16, triton.next_power_of_2(t * g))
+    block_m = min(MAX_BLOCK_M, max(16, triton.next_power_of_2(t * g)))
     prec = "ieee" if q.dtype == torch.float32 else "tf32"  # fp32: no TF32 rounding of q.k
     scale_log2 = (1.0 / math.sqrt(d)) * math.log2(math.e)
     if splits == 1:
@@ -175,14 +178,14 @@ def decode_attention(q: torch.Tensor, kv: torch.Tensor, length: torch.Tensor, ou
     else:
         mid_o = torch.empty((b, t, h, splits, d), dtype=torch.float32, device=q.device)  # partial outputs
         mid_lse = torch.empty((b, t, h, splits), dtype=torch.float32, device=q.device)  # their log2-sum-exp
-    grid = (b * kvh, splits)
+    grid = (b * kvh, splits, triton.cdiv(t * g, block_m))
     _split_attention[grid](q, kv, length, out, mid_o, mid_lse,
                            q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), kv.stride(2),
-                           kv.stride(3), out.stride(0), out.stride(1), out.stride(2), scale_log2, s_rows,
-                           T=t, G=g, KVH=kvh, D=d, BLOCK_M=block_m, BLOCK_N=BLOCK_N, SPLITS=splits, PREC=prec,
+                           kv.stride(3), out.stride(0), out.stride(1), out.stride(2), scale_log2, s_rows, t,
+                           G=g, KVH=kvh, D=d, BLOCK_M=block_m, BLOCK_N=BLOCK_N, SPLITS=splits, PREC=prec,
                            DOT_F32=INTERPRETED and q.dtype != torch.float32, num_warps=4)
     if splits > 1:
         grid = (b * t * h,)
-        _combine[grid](mid_o, mid_lse, length, out, out.stride(0), out.stride(1), out.stride(2), s_rows,
-                       T=t, H=h, D=d, BLOCK_N=BLOCK_N, SPLITS=splits, num_warps=4)
+        _combine[grid](mid_o, mid_lse, length, out, out.stride(0), out.stride(1), out.stride(2), s_rows, t, h,
+                       D=d, BLOCK_N=BLOCK_N, SPLITS=splits, num_warps=4)
     return out

@@ -67,8 +67,8 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
 
 @triton.jit
 def _rope_kv_write(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, len_ptr, kv_ptr,
-                   skv_2, skv_b, skv_s, skv_h, s_rows, n_pos,
-                   T: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr):
+                   skv_2, skv_b, skv_s, skv_h, s_rows, n_pos, T,
+                   H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr):
     tok = tl.program_id(0)  # b * T + t
     b = tok // T
     t = tok % T
@@ -122,7 +122,7 @@ def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start
     assert qkv.is_contiguous() and kv.is_contiguous() and nh == n_heads + 2 * kvh and kv.shape[4] == d
     grid = (b * t,)
     _rope_kv_write[grid](qkv, cos, sin, start_pos, length, kv, kv.stride(0), kv.stride(1), kv.stride(2),
-                         kv.stride(3), kv.shape[2], cos.shape[0], T=t, H=n_heads, KVH=kvh, D=d,
+                         kv.stride(3), kv.shape[2], cos.shape[0], t, H=n_heads, KVH=kvh, D=d,
                          BLOCK_H=triton.next_power_of_2(nh), num_warps=4)
 
 
