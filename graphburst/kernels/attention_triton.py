@@ -18,6 +18,7 @@ reference.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -129,12 +130,18 @@ def _combine(mid_o_ptr, mid_lse_ptr, len_ptr, out_ptr, so_b, so_t, so_h, s_rows,
     tl.store(out_ptr + b * so_b + t * so_t + head * so_h + offs_d, y.to(out_ptr.dtype.element_ty))
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def default_splits(batch: int, kv_heads: int, rows: int, device: torch.device) -> int:
     """Splits per (sequence, KV head): enough programs to fill the GPU, no more than the rows' tiles.
 
     A power of two; depends only on shapes and the device, so a captured grid stays valid.
     """
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else 4  # the interpreter: any small count
     want = -(-PROGRAMS_PER_SM * sms // (batch * kv_heads))
     cap = 1 << max(0, (-(-rows // BLOCK_N)).bit_length() - 1)  # largest power of two <= the tiles
     return max(1, min(MAX_SPLITS, cap, 1 << max(0, (want - 1).bit_length())))
