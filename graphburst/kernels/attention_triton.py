@@ -39,7 +39,7 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 #: the most query rows (tokens x group heads) per program; more take a third grid axis.
 MAX_BLOCK_M = 64
 #: finite stand-in for -inf as the running max: exp2(-inf - (-inf)) would be NaN on a fully masked row.
-NEG_BIG = -1.0e30
+NEG_BIG = tl.constexpr(-1.0e30)
 
 
 @triton.jit
