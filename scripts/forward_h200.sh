@@ -7,7 +7,7 @@ set -u
 OUT=${1:?OUT dir}; mkdir -p "$OUT"
 export PYTHONPATH=. PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1
 Q=${2:-}
-pf() { local s=$1; shift; timeout "$s" python3 scripts/profile_forward.py --trials 15 "$@" 2>&1 | grep -v '^{' ; }
+pf() { local s=$1; shift; timeout "$s" python3 scripts/profile_forward.py --trials 15 "$@" 2>&1 | tee -a "$OUT/records.jsonl" | grep -v '^{' ; }
 pf 60 --shape 1b --batch 1 --capacity 1024 16384 --valid 512 --kernels auto off --json "$OUT/pf_1b_b1.json"
 pf 30 --no-profile --shape 1b --batch 64 --capacity 1024 4096 16384 --valid 512 --t 5 --kernels auto \
     --json "$OUT/pf_1b_b64.json"

@@ -67,9 +67,13 @@ def check(model, tok, pos, lengths) -> float:
         kv.copy_(s)
     err = (got - want).abs().max().item()
     scale = want.abs().max().item()
-    if not err <= 0.05 * scale + 1e-3:  # bf16 over a whole model: a wiring bug is O(scale)
+    # bf16 through a random-weight model: the fused kernels round RoPE, norms and softmax once
+    # where SDPA's path rounds each product, and 32 layers amplify it (8b: 6% of the largest
+    # logit on the H200); a wiring bug is O(scale). tests/test_decode_kernels_gpu.py holds
+    # the same forward to 1e-5 in fp32.
+    if not err <= 0.25 * scale + 1e-3:
         raise SystemExit(f"fused forward disagrees with SDPA: max |diff| {err:.4g} (logits up to {scale:.4g})")
-    return err
+    return err / max(scale, 1e-9)
 
 
 def profile_one(fn, layers: int, top: int) -> dict:
@@ -87,6 +91,19 @@ def profile_one(fn, layers: int, top: int) -> dict:
     return {"kernel_sum_us": round(sum(us for _, us in per.values()), 1), "kernels": n,
             "per_layer": round(n / layers, 1), "nongemm_per_layer_us": round(nongemm / layers, 2),
             "top": [(nm[:90], c, round(us, 1)) for nm, (c, us) in rows]}
+
+
+def table_of(records: list) -> Table:
+    """One row per timed config (profiled fields shown when present)."""
+    table = Table(title="Llama forward, bf16, CUDA-graph replay medians (µs)")
+    for col in ("shape", "B", "T", "cap", "valid", "path", "graph µs", "floor µs", "x floor", "non-GEMM µs/layer",
+                "kernels/layer"):
+        table.add_column(col, justify="right")
+    for r in records:
+        table.add_row(r["shape"], str(r["batch"]), str(r["T"]), str(r["capacity"]), str(r["valid"]), r["path"],
+                      f"{r['graph_us']:.0f}", f"{r['floor_us']:.0f}", f"{r['x_floor']:.2f}",
+                      str(r.get("nongemm_per_layer_us", "-")), str(r.get("per_layer", "-")))
+    return table
 
 
 def main(argv=None):
@@ -131,25 +148,17 @@ def main(argv=None):
                     prof = {} if a.no_profile else profile_one(fn, cfg.num_hidden_layers, a.top)
                 fl = floor_us(cfg, wbytes, b, t, valid, 2)
                 rec = {"shape": name, "batch": b, "T": t, "capacity": cap, "valid": valid, "attention": attn,
-                       "kernels": "fused" if model.decode_ops is not None else "sdpa", "graph_us": round(g_us, 1),
+                       "path": "fused" if model.decode_ops is not None else "sdpa", "graph_us": round(g_us, 1),
                        "floor_us": round(fl, 1), "x_floor": round(g_us / fl, 2),
-                       "check_max_abs_diff": err, **prof}
+                       "check_rel_diff": None if err is None else round(err, 4), **prof}
                 out.append(rec)
                 print(json.dumps(rec), flush=True)
         del model, lengths
         torch.cuda.empty_cache()
-    table = Table(title="Llama forward, bf16, CUDA-graph replay medians (µs)")
-    for col in ("shape", "B", "T", "cap", "valid", "path", "graph µs", "floor µs", "x floor", "non-GEMM µs/layer",
-                "kernels/layer"):
-        table.add_column(col, justify="right")
-    for r in out:
-        table.add_row(r["shape"], str(r["batch"]), str(r["T"]), str(r["capacity"]), str(r["valid"]), r["kernels"],
-                      f"{r['graph_us']:.0f}", f"{r['floor_us']:.0f}", f"{r['x_floor']:.2f}",
-                      str(r.get("nongemm_per_layer_us", "-")), str(r.get("per_layer", "-")))
-    Console(width=160).print(table)
-    if a.json:
+    if a.json:  # before the table: a rendering problem must not cost the measurements
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)
+    Console(width=160).print(table_of(out))
     return 0
 
 
