@@ -1,28 +1,44 @@
-"""Where a Llama forward's time goes on the GPU: kernel count, the top kernels by device
-time, and graph-replay time against the sum of kernel times (the launch gaps).
+"""Where a Llama forward's time goes on the GPU: graph-replay time against a bandwidth floor,
+kernel count, the non-GEMM time per layer and the top kernels by device time.
 
-    PYTHONPATH=. python3 scripts/profile_forward.py --shape 1b 8b --batch 1 16 --attention gqa fold
+    PYTHONPATH=. python3 scripts/profile_forward.py --shape 1b 8b --batch 1 64 \\
+        --capacity 1024 4096 16384 --valid 512 --kernels auto off --json out.json
 
-One verify-shaped forward (T = k + 1) and one draft-shaped forward (T = 1) per shape and
-attention layout (``gqa``: SDPA with ``enable_gqa``; ``fold``: ``Llama(fold_gqa=True)``,
-the query groups folded into the query length). ``--shape 8b-tp2`` is one rank's shard
-of the 8B shape under TP=2, without the collectives: the per-rank compute floor.
+One verify-shaped forward (T = k + 1) and one draft-shaped forward (T = 1) per shape,
+batch, capacity, attention layout and decode kernels (``auto``: the fused Triton decode
+path on CUDA; ``off``: SDPA over the whole cache with an additive mask). ``--valid`` sets
+every sequence's valid KV rows (default capacity / 2), so a capacity sweep at a fixed
+``--valid`` shows whether the forward follows the bytes it must read or the bytes it
+allocated. floor = (weight bytes + valid KV bytes read + KV bytes written) / 4.8 TB/s.
+``--attention fold`` is ``Llama(fold_gqa=True)``; ``--shape 8b-tp2`` is one rank's shard
+of the 8B shape under TP=2, without the collectives.
+
+Correctness first: each config's fused forward is checked against the SDPA forward on
+the same weights and KV (``--kernels`` containing ``auto``) before it is timed.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from collections import defaultdict
 
 import torch
+from rich.console import Console
+from rich.table import Table
 from torch.profiler import ProfilerActivity, profile
 
 from graphburst.bench.real_models import MODELS, random_target
 from graphburst.parallel.models import LLAMA_8B
 from graphburst.parallel.tp import local_config
 from tp_floor import graph_us  # scripts/ is on sys.path when a script runs
+
+#: HBM bandwidth the floor divides by (H200: 4.8 TB/s)
+HBM_BYTES_PER_S = 4.8e12
+#: kernels that are GEMMs (cuBLAS / cuBLASLt / CUTLASS names on the H200); everything else is "non-GEMM"
+GEMM_KERNEL = re.compile(r"gemm|nvjet|cutlass|xmma|cublas|splitK|gemv", re.IGNORECASE)
 
 
 def shape(name):
@@ -32,52 +48,117 @@ def shape(name):
     return LLAMA_8B if name == "8b" else MODELS[name].cfg
 
 
+def floor_us(cfg, wbytes: int, b: int, t: int, valid: int, elem: int) -> float:
+    """(weights + valid KV rows read + new KV rows written) / HBM bandwidth, in µs."""
+    row = 2 * cfg.num_key_value_heads * cfg.head_dim * elem * cfg.num_hidden_layers  # K and V, every layer
+    return (wbytes + b * (valid + t) * row + b * t * row) / HBM_BYTES_PER_S * 1e6
+
+
+def check(model, tok, pos, lengths) -> float:
+    """Max |fused - SDPA| logits over the same weights and KV (the KV is restored after)."""
+    saved = [kv.clone() for kv in model.kv]
+    ops, model.decode_ops = model.decode_ops, None
+    want = model(tok, pos, lengths)
+    for kv, s in zip(model.kv, saved):
+        kv.copy_(s)
+    model.decode_ops = ops
+    got = model(tok, pos, lengths)
+    for kv, s in zip(model.kv, saved):
+        kv.copy_(s)
+    err = (got - want).abs().max().item()
+    scale = want.abs().max().item()
+    # bf16 through a random-weight model: the fused kernels round RoPE, norms and softmax once
+    # where SDPA's path rounds each product, and 32 layers amplify it (8b: 6% of the largest
+    # logit on the H200); a wiring bug is O(scale). tests/test_decode_kernels_gpu.py holds
+    # the same forward to 1e-5 in fp32.
+    if not err <= 0.25 * scale + 1e-3:
+        raise SystemExit(f"fused forward disagrees with SDPA: max |diff| {err:.4g} (logits up to {scale:.4g})")
+    return err / max(scale, 1e-9)
+
+
+def profile_one(fn, layers: int, top: int) -> dict:
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    per = defaultdict(lambda: [0, 0.0])
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            per[ev.name][0] += 1
+            per[ev.name][1] += ev.device_time
+    n = sum(c for c, _ in per.values())
+    nongemm = sum(us for nm, (_, us) in per.items() if not GEMM_KERNEL.search(nm))
+    rows = sorted(per.items(), key=lambda kv: -kv[1][1])[:top]
+    return {"kernel_sum_us": round(sum(us for _, us in per.values()), 1), "kernels": n,
+            "per_layer": round(n / layers, 1), "nongemm_per_layer_us": round(nongemm / layers, 2),
+            "top": [(nm[:90], c, round(us, 1)) for nm, (c, us) in rows]}
+
+
+def table_of(records: list) -> Table:
+    """One row per timed config (profiled fields shown when present)."""
+    table = Table(title="Llama forward, bf16, CUDA-graph replay medians (µs)")
+    for col in ("shape", "B", "T", "cap", "valid", "path", "graph µs", "floor µs", "x floor", "non-GEMM µs/layer",
+                "kernels/layer"):
+        table.add_column(col, justify="right")
+    for r in records:
+        table.add_row(r["shape"], str(r["batch"]), str(r["T"]), str(r["capacity"]), str(r["valid"]), r["path"],
+                      f"{r['graph_us']:.0f}", f"{r['floor_us']:.0f}", f"{r['x_floor']:.2f}",
+                      str(r.get("nongemm_per_layer_us", "-")), str(r.get("per_layer", "-")))
+    return table
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", nargs="+", default=["1b", "8b"])
     ap.add_argument("--batch", nargs="+", type=int, default=[1])
-    ap.add_argument("--capacity", type=int, default=512)
+    ap.add_argument("--capacity", nargs="+", type=int, default=[1024])
+    ap.add_argument("--valid", type=int, help="valid KV rows per sequence (default: capacity / 2)")
     ap.add_argument("--k", type=int, default=4)
-    ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--t", nargs="+", type=int, help="tokens per forward (default: k + 1 and 1)")
+    ap.add_argument("--top", type=int, default=8)
     ap.add_argument("--attention", nargs="+", choices=("gqa", "fold"), default=["gqa"])
+    ap.add_argument("--kernels", nargs="+", choices=("auto", "off"), default=["auto"],
+                    help="decode kernels: auto (fused Triton path on CUDA) or off (SDPA)")
+    ap.add_argument("--trials", type=int, default=20)
+    ap.add_argument("--no-profile", action="store_true", help="graph timings only (no per-kernel profile)")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     out = []
-    for name, b, attn in [(n, b, at) for n in a.shape for b in a.batch for at in a.attention]:
+    configs = [(n, b, c, at) for n in a.shape for b in a.batch for c in a.capacity for at in a.attention]
+    for name, b, cap, attn in configs:
         cfg = shape(name)
-        model = random_target(type("S", (), {"cfg": cfg})(), batch=b, capacity=a.capacity, kv_slack=a.k + 2,
+        valid = cap // 2 if a.valid is None else a.valid
+        if not 0 <= valid <= cap - a.k - 1:
+            raise SystemExit(f"--valid {valid} must be in [0, capacity - k - 1 = {cap - a.k - 1}]")
+        model = random_target(type("S", (), {"cfg": cfg})(), batch=b, capacity=cap, kv_slack=a.k + 2,
                               dtype=torch.bfloat16, device="cuda", fold_gqa=attn == "fold")
-        lengths = [torch.full((b,), a.capacity // 2, dtype=torch.int32, device="cuda")] * cfg.num_hidden_layers
-        pos = torch.full((b,), a.capacity // 2, dtype=torch.int32, device="cuda")
+        fused = model.decode_ops
+        for kv in model.kv:
+            kv.normal_()
+        lengths = [torch.full((b,), valid, dtype=torch.int32, device="cuda")] * cfg.num_hidden_layers
+        pos = torch.full((b,), valid, dtype=torch.int32, device="cuda")
         wbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        for t in (a.k + 1, 1):
+        for t in a.t or (a.k + 1, 1):
             tok = torch.randint(0, cfg.vocab_size, (b, t), device="cuda")
             fn = lambda: model(tok, pos, lengths)  # noqa: E731
-            with torch.no_grad():
-                g_us = graph_us(fn, reps=1, trials=20)
-                with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                    fn()
-                    torch.cuda.synchronize()
-            per = defaultdict(lambda: [0, 0.0])
-            n = 0
-            for ev in prof.events():
-                if ev.device_type == torch.autograd.DeviceType.CUDA:
-                    n += 1
-                    per[ev.name][0] += 1
-                    per[ev.name][1] += ev.device_time
-            k_us = sum(v[1] for v in per.values())
-            rows = sorted(per.items(), key=lambda kv: -kv[1][1])[: a.top]
-            rec = {"shape": name, "batch": b, "T": t, "attention": attn, "graph_us": round(g_us, 1),
-                   "kernel_sum_us": round(k_us, 1), "kernels": n, "per_layer": round(n / cfg.num_hidden_layers, 1),
-                   "bw_floor_us": round(wbytes / 4.8e12 * 1e6, 1),
-                   "top": [(nm[:90], c, round(us, 1)) for nm, (c, us) in rows]}
-            out.append(rec)
-            print(json.dumps(rec, indent=1), flush=True)
-        del model
+            for kern in a.kernels:
+                model.decode_ops = fused if kern == "auto" else None
+                with torch.no_grad():
+                    err = check(model, tok, pos, lengths) if model.decode_ops is not None else None
+                    g_us = graph_us(fn, reps=1, trials=a.trials)
+                    prof = {} if a.no_profile else profile_one(fn, cfg.num_hidden_layers, a.top)
+                fl = floor_us(cfg, wbytes, b, t, valid, 2)
+                rec = {"shape": name, "batch": b, "T": t, "capacity": cap, "valid": valid, "attention": attn,
+                       "path": "fused" if model.decode_ops is not None else "sdpa", "graph_us": round(g_us, 1),
+                       "floor_us": round(fl, 1), "x_floor": round(g_us / fl, 2),
+                       "check_rel_diff": None if err is None else round(err, 4), **prof}
+                out.append(rec)
+                print(json.dumps(rec), flush=True)
+        del model, lengths
         torch.cuda.empty_cache()
-    if a.json:
+    if a.json:  # before the table: a rendering problem must not cost the measurements
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)
+    Console(width=160).print(table_of(out))
     return 0
 
 

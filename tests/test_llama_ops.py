@@ -260,7 +260,8 @@ def test_gpu_deterministic_attention_runs_the_memory_efficient_kernel_not_cudnn(
             torch.cuda.synchronize()
         return out, " ".join(ev.name for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA)
 
-    plain = Llama(cfg, batch=2, capacity=256, dtype=torch.bfloat16, device=dev).init_random_(6)
+    # decode_kernels="off": this test is about which SDPA kernel runs (the fused decode path has no SDPA).
+    plain = Llama(cfg, batch=2, capacity=256, dtype=torch.bfloat16, device=dev, decode_kernels="off").init_random_(6)
     det = Llama(cfg, batch=2, capacity=256, dtype=torch.bfloat16, device=dev,
                 deterministic_attention=True).init_random_(6)
     tokens = torch.randint(0, cfg.vocab_size, (2, t), device=dev)

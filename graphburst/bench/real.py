@@ -187,6 +187,13 @@ def build_engines(src, draft, s, batch, backend, hf) -> tuple[dict, dict]:
             continue
         if name == "compile":
             t0 = time.perf_counter()
+            if src.kv[0].is_cuda:  # a compiler segfault cannot be caught in-process: try it in a child first
+                from .compile_probe import probe
+
+                why = probe(spec, batch, s["k"], src.capacity, s["prompt_len"], s["dtype"])
+                if why is not None:
+                    skipped[name] = why
+                    continue
             try:
                 eng = TorchLoop(src, compile_forward=True, **kw)
                 eng.prefill([[0] * s["prompt_len"]] * batch)  # torch.compile works at the first calls: do them here

@@ -13,8 +13,11 @@ how often the host waits:
   sync per round. Its graphs also give the floor: the round's forwards alone.
 * :class:`Burst` (**graphburst**): ``SpecDecoder`` + ``BurstGraph``, one sync per burst.
 * :class:`HFAssisted`: transformers ``generate(assistant_model=...)``, batch 1.
-* ``TorchLoop`` with ``compile_forward=True``: forwards through
-  ``torch.compile(mode="reduce-overhead")`` (optional; its kernels differ).
+* ``TorchLoop`` with ``compile_forward=True`` (**gpt-fast anchor**): the vllm-style loop
+  with every forward through ``torch.compile`` (inductor, over the SDPA forward, as
+  gpt-fast compiles its model) and captured in our own CUDA graphs (optional; its
+  kernels differ). On CUDA ``graphburst bench real`` first builds it in a child process
+  (:mod:`graphburst.bench.compile_probe`), so a compiler crash costs only the engine.
 
 A draft step proposes ``softmax(logits).max()``'s token, as graphburst's ``TorchDraft``
 does (not ``argmax``, whose tie-breaking could differ), and after the k-th proposal one
@@ -90,7 +93,11 @@ class TorchLoop:
     graphs : bool
         Capture each forward (draft step j, verify) as a CUDA graph (vllm-style).
     compile_forward : bool
-        Run forwards through ``torch.compile(mode="reduce-overhead")`` instead.
+        Run forwards through ``torch.compile`` (default mode: inductor kernels, no
+        cudagraph trees) and, on CUDA, capture them as the vllm-style graphs. Every
+        compile happens in the warm-up before capture, with one fixed-address input per
+        forward shape (draft steps copy their token in), so dynamo sees two shapes per
+        module and nothing recompiles at replay.
     """
 
     same_kernels = True
@@ -107,13 +114,19 @@ class TorchLoop:
         self.pos = torch.zeros(batch, dtype=torch.int32, device=dev)  # [B] int32
         self.vtok = torch.zeros(batch, k + 1, dtype=torch.int64, device=dev)  # [B, k+1]: pending, k proposals
         self.tgt = torch.zeros(batch, k + 1, dtype=torch.int64, device=dev)  # [B, k+1] target greedy tokens
+        self.tok1 = torch.zeros(batch, 1, dtype=torch.int64, device=dev)  # [B, 1] a draft step's input
         self._fwd_t, self._fwd_d = self.target, self.draft
+        self.compiled = compile_forward
         if compile_forward:
             self.same_kernels = False  # inductor fuses: other kernels, other bf16 rounding
-            self._fwd_t = torch.compile(self.target, mode="reduce-overhead", dynamic=False)
-            self._fwd_d = torch.compile(self.draft, mode="reduce-overhead", dynamic=False)
+            # gpt-fast compiles its SDPA forward; dynamo need not trace the Triton decode kernels.
+            self.target.decode_ops = self.draft.decode_ops = None
+            # The default mode: "reduce-overhead" adds cudagraph trees, which crashed (rc 139)
+            # beside the other engines' graphs; the forwards are captured below instead.
+            self._fwd_t = torch.compile(self.target, dynamic=False)
+            self._fwd_d = torch.compile(self.draft, dynamic=False)
         self.steps = [lambda j=j: self._draft_step(j) for j in range(k + 1)] + [self._verify]
-        self.graphed = graphs and self.cuda
+        self.graphed = (graphs or compile_forward) and self.cuda
         if self.graphed:
             self._capture()
 
@@ -123,7 +136,10 @@ class TorchLoop:
     def _draft_step(self, j: int) -> None:
         """Forward ``vtok[:, j]`` at ``pos + j``; for j < k propose ``vtok[:, j + 1]``."""
         p = self.pos + j  # [B] int32: position and draft length
-        logits = self._fwd_d(self.vtok[:, j: j + 1], p, [p] * len(self.draft.layers), None)[:, -1]  # [B, V]
+        tok = self.vtok[:, j: j + 1]  # [B, 1]
+        if self.compiled:  # one input tensor for every step: dynamo compiles the draft once
+            tok = self.tok1.copy_(tok)
+        logits = self._fwd_d(tok, p, [p] * len(self.draft.layers), None)[:, -1]  # [B, V]
         if j < self.k:
             self.vtok[:, j + 1].copy_(torch.softmax(logits, dim=-1).max(dim=-1).indices)
 

@@ -54,6 +54,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..constants import MAX_K
+from . import llama_decode
 from .llama_config import LLAMA3_KEYS, ROPE_TYPES, CheckpointError, LlamaConfig  # noqa: F401 (re-exported)
 from .rope import apply_rope, rope_inv_freq, rope_rotation, rope_tables, rotate  # noqa: F401 (re-exported)
 
@@ -67,6 +68,11 @@ KV_ROW_MULTIPLE = 16
 #: cannot run (the CPU). cuDNN's attention, torch's default for bf16 on the H200, is not in
 #: torch's deterministic set, and a replicated bf16 draft using it diverged across two GPUs.
 DETERMINISTIC_SDPA = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+#: ``Llama(decode_kernels=...)``: ``auto`` runs decode/verify forwards (T <= MAX_K + 1, all
+#: rows) on the fused Triton kernels on CUDA and on SDPA elsewhere; ``triton`` and
+#: ``reference`` force the fused path (the latter on its plain-torch references); ``off``
+#: keeps SDPA everywhere. Prefill always runs SDPA.
+DECODE_KERNELS = ("auto", "triton", "reference", "off")
 
 
 # ---------------------------------------------------------------------- layers
@@ -266,11 +272,18 @@ class Llama(nn.Module):
         (``DETERMINISTIC_SDPA``, over folded groups): for a model that several ranks
         compute each on its own and must agree on (a replicated draft). Slower on the
         H200 than the default (cuDNN) kernel: ~21 vs ~9 µs per layer at T = 1.
+    decode_kernels : str
+        One of :data:`DECODE_KERNELS`: how forwards of T <= MAX_K + 1 tokens over all
+        rows run (``models/llama_decode.py``: attention over each sequence's valid KV
+        rows only, and a layer's non-GEMM work in a few fused kernels).
     """
 
     def __init__(self, cfg: LlamaConfig, *, batch: int, capacity: int, dtype=torch.float32, device="cpu",
-                 kv_slack: int = DEFAULT_KV_SLACK, fold_gqa: bool = False, deterministic_attention: bool = False):
+                 kv_slack: int = DEFAULT_KV_SLACK, fold_gqa: bool = False, deterministic_attention: bool = False,
+                 decode_kernels: str = "auto"):
         super().__init__()
+        if decode_kernels not in DECODE_KERNELS:
+            raise ValueError(f"decode_kernels must be one of {DECODE_KERNELS}, got {decode_kernels!r}")
         self.cfg, self.batch, self.capacity = cfg, batch, capacity
         self.vocab = cfg.vocab_size
         meta = {"device": "meta", "dtype": dtype}  # no init work; to_empty() places the storage
@@ -289,6 +302,18 @@ class Llama(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
         shape = (2, batch, rows, cfg.num_key_value_heads, cfg.head_dim)
         self.kv = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers]  # per layer, K then V
+        self.decode_ops = self._decode_ops(decode_kernels, torch.device(device))  # None: SDPA only
+
+    def _decode_ops(self, choice: str, device: torch.device):
+        """The fused decode kernels this model runs (``decode_kernels``), or None for SDPA."""
+        if choice == "off" or (choice == "auto" and (device.type != "cuda" or not llama_decode.triton_available())):
+            return None
+        why = llama_decode.unsupported(self)
+        if why is not None:
+            if choice == "auto":
+                return None
+            raise ValueError(f"decode_kernels={choice!r}: {why}")
+        return llama_decode.reference_ops() if choice == "reference" else llama_decode.triton_ops()
 
     def kv_layers(self) -> list[torch.Tensor | None]:
         """Each layer's KV storage (graphburst pairs each with a length it owns)."""
@@ -388,6 +413,8 @@ class Llama(nn.Module):
         [R, T, vocab] float32, or [R, 1, vocab] with ``logits_at``
         """
         r, t = tokens.shape
+        if self.decode_ops is not None and rows is None and logits_at is None and t <= MAX_K + 1:
+            return llama_decode.fused_forward(self, tokens, start_pos, lengths, self.decode_ops)
         if rows is None:
             rows = torch.arange(r, device=tokens.device)
         x = self.embed_tokens(tokens)

@@ -1,0 +1,51 @@
+"""Runs the decode kernels' checks under Triton's CPU interpreter (``tests/test_decode_kernels.py`` starts it).
+
+``TRITON_INTERPRET=1`` must be set before ``triton.jit`` decorates the kernels, so this
+runs in its own process: ``python tests/decode_interp.py GROUP`` with GROUP one of
+``attention``, ``fused``, ``model``. Exit status 0 and ``ok N`` on success.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+os.environ["TRITON_INTERPRET"] = "1"
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # decode_cases
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # graphburst
+
+import torch  # noqa: E402
+
+import decode_cases as dc  # noqa: E402
+
+
+def main(group: str) -> int:
+    torch.set_num_threads(1)
+    from graphburst.kernels import attention_triton, fused_triton
+
+    assert attention_triton.INTERPRETED, "TRITON_INTERPRET was not seen by the kernels"
+    n = 0
+    if group == "attention":
+        for i, case in enumerate(dc.CI_ATTENTION):
+            dc.check_attention(attention_triton.decode_attention, case, "cpu", seed=i)
+            n += 1
+    elif group == "fused":
+        for i, case in enumerate(dc.CI_NORM):
+            dc.check_add_rmsnorm(fused_triton.add_rmsnorm, case, "cpu", seed=i)
+        for i, case in enumerate(dc.CI_ROPE):
+            dc.check_rope_kv_write(fused_triton.rope_kv_write, case, "cpu", seed=i)
+        for i, case in enumerate(dc.CI_SILU):
+            dc.check_silu_mul(fused_triton.silu_mul, case, "cpu", seed=i)
+        n = len(dc.CI_NORM) + len(dc.CI_ROPE) + len(dc.CI_SILU)
+    elif group == "model":
+        dc.check_model("triton", "cpu", torch.float32)
+        n = 1
+    else:
+        raise SystemExit(f"unknown group {group!r}")
+    print(f"ok {n}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

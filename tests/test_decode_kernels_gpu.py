@@ -1,0 +1,81 @@
+"""The decode kernels on the GPU: every awkward case against the plain-torch references, the fused
+forward against SDPA, and the fused forward inside a CUDA graph reading lengths on the device.
+
+    PYTHONPATH=. python3 -m pytest -m gpu -q tests/test_decode_kernels_gpu.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import decode_cases as dc
+from graphburst.constants import MAX_K
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def ops():
+    pytest.importorskip("triton")
+    from graphburst.kernels import attention_triton, fused_triton
+    return attention_triton, fused_triton
+
+
+def test_attention_every_case(ops):
+    """T = 1..MAX_K + 1 x B 1, 3, 19 x groups 1, 4, 8 x head_dim 64, 128; fp32 and bf16; 1..16 splits."""
+    for i, case in enumerate(dc.gpu_attention_cases()):
+        dc.check_attention(ops[0].decode_attention, case, "cuda", seed=i)
+    for i, case in enumerate(dc.CI_ATTENTION):
+        dc.check_attention(ops[0].decode_attention, case, "cuda", seed=i)
+
+
+def test_fused_kernels(ops):
+    fused = ops[1]
+    for i, case in enumerate(dc.CI_NORM + [(64, 4096, torch.bfloat16, True), (5, 2048, torch.float32, True)]):
+        dc.check_add_rmsnorm(fused.add_rmsnorm, case, "cuda", seed=i)
+    for i, case in enumerate(dc.CI_ROPE + [(64, 5, 32, 8, 64, torch.bfloat16), (1, 5, 32, 8, 128, torch.bfloat16)]):
+        dc.check_rope_kv_write(fused.rope_kv_write, case, "cuda", seed=i)
+    for i, case in enumerate(dc.CI_SILU + [(64, 8192, torch.bfloat16), (5, 14336, torch.bfloat16)]):
+        dc.check_silu_mul(fused.silu_mul, case, "cuda", seed=i)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_forward_matches_sdpa(ops, dtype):
+    dc.check_model("triton", "cuda", dtype, batch=3, ts=(1, 5, MAX_K + 1))
+
+
+def test_fused_forward_in_a_graph(ops):
+    """Captured once; replays at other lengths and positions (written on the device) match eager forwards."""
+    from graphburst.models.llama import Llama, LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=8, num_key_value_heads=2, head_dim=64)
+    b, t = 3, 5
+    model = Llama(cfg, batch=b, capacity=256, dtype=torch.bfloat16, device="cuda").init_random_(0)
+    assert model.decode_ops is not None, "auto must pick the Triton kernels on CUDA"
+    tokens = torch.randint(0, cfg.vocab_size, (b, t), device="cuda")
+    length = torch.zeros(b, dtype=torch.int32, device="cuda")
+    for kv in model.kv:
+        kv.normal_()
+    fill = [kv.clone() for kv in model.kv]
+    fwd = lambda: model(tokens, length, [length] * cfg.num_hidden_layers)  # noqa: E731
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.no_grad(), torch.cuda.stream(side):
+        fwd()  # compile and autotune outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(g):
+        out = fwd()
+    for lens in ([0, 1, 63], [200, 17, 251], [5, 5, 5]):
+        for kv, f in zip(model.kv, fill):
+            kv.copy_(f)
+        length.copy_(torch.tensor(lens, dtype=torch.int32))
+        g.replay()
+        got = out.clone()
+        for kv, f in zip(model.kv, fill):
+            kv.copy_(f)
+        with torch.no_grad():
+            want = fwd()
+        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=lambda m: f"lengths {lens}: {m}")
