@@ -64,7 +64,11 @@ def test_first_signal_stops_reading_a_file_and_finishes_what_was_read(tmp_path):
     proc = subprocess.Popen([*CMD, *SMALL, "--max-queue", "4", "--requests", str(src)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, env=ENV)
     try:
-        first = proc.stdout.readline()  # serving is under way
+        first = b""
+        while b"\n" not in first:  # a record: serving is under way (os.read: communicate() reads the fd too)
+            chunk = os.read(proc.stdout.fileno(), 1 << 16)
+            assert chunk, "stdout closed before the first record"
+            first += chunk
         proc.send_signal(signal.SIGINT)
         rest, err = proc.communicate(timeout=120)
     finally:
