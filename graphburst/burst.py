@@ -174,7 +174,7 @@ class SpecDecoder(Watched):
         stops = per_slot("eos", eos, self.batch)
         rows = {}
         for b in slots:
-            rows[b], limits[b], stops[b] = self.check_request(prompts[b], limits[b], stops[b], index=b)
+            rows[b], limits[b], stops[b] = self.check_first_burst_fits(prompts[b], limits[b], stops[b], index=b)
         return rows, limits, stops, self._check_sampling_args(slots, temperature, top_k, top_p, seed)
 
     def _stage_prompts(self, rows: dict):
@@ -221,8 +221,10 @@ class SpecDecoder(Watched):
         s.synchronize()
         self._update_fits()
 
-    def check_request(self, prompt, max_new_tokens=None, eos=None, *, index: int | None = None):
-        """Validate one slot's prefill arguments without touching the device.
+    def check_first_burst_fits(self, prompt, max_new_tokens=None, eos=None, *, index: int | None = None):
+        """Validate one slot's prefill arguments without touching the device: the prompt plus
+        one burst of its tokens must fit the cache (the serving loop's stricter rule, and
+        why they differ: ``graphburst.serving.request.check_whole_request_fits``).
 
         Returns ``(prompt [n] int32, budget, stop token)`` with the sentinels filled in
         (``UNBOUNDED_BUDGET``, ``NO_EOS``). ``index`` names the slot in messages.

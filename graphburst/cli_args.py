@@ -13,11 +13,9 @@ import os
 import sys
 
 from .constants import NGRAM_MAX
-from .models.ngram import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN
+from .models.ngram import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, NGRAM_DRAFT
 
 #: ``--draft`` value that picks prompt-lookup drafting (models/ngram.py) instead of a draft model.
-NGRAM_DRAFT = "ngram"
-
 #: Largest memory the stub KV caches of one command may take; a larger size is a typo.
 MAX_KV_BYTES = 16 * 2**30
 

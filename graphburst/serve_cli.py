@@ -1,48 +1,29 @@
-"""``graphburst serve``: serve JSONL requests through one captured burst graph.
+"""``graphburst serve``: serve JSONL requests (or HTTP, or ``--tp`` ranks) through one captured burst graph.
 
-Each input line is ``{"id": "r1", "prompt": [12, 7, 99], "max_new_tokens": 64, "eos": 2}``
-(``eos`` and ``id`` optional; ``temperature``, ``top_k``, ``top_p`` and ``seed`` are the
-request's sampling settings, temperature > 0 needing ``--sampling``; any other key is a
-per-request model option, such as the stub draft's ``accept_prob``, and a key no model
-claims is an error). Input is served as it arrives:
-a reader thread hands lines over one at a time, so a request from a pipe starts before
-EOF, and its record is written as soon as it finishes. Every non-blank line yields
-exactly one output line carrying its ``line`` number: the request's record (``id``,
-``tokens``, ``finish_reason``, timings, and ``error`` if the loop had to give up on it),
-or ``{"error": ..., "line": N}`` for a line that could not be served. A bad line
-(bad JSON or UTF-8, nesting too deep, a duplicate id in flight...) costs only itself.
+This command only turns its flags into a :class:`~graphburst.serving.factory.ServeConfig`
+(parse), builds the loop (:func:`~graphburst.serving.factory.build_loop`), runs it
+(JSONL: :mod:`graphburst.serving.jsonl`, HTTP: :mod:`graphburst.serving.http`, tensor
+parallel: :mod:`graphburst.parallel.serve_tp`) and reports. The JSONL format and the
+signals are described in :mod:`graphburst.serving.jsonl` and docs/serving.md.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import queue
-import signal
+import dataclasses
 import sys
-import threading
-import time
 
 from rich.console import Console
-from rich.live import Live
-from rich.table import Table
 
-from .backend import BACKEND_NAMES, get_backend
-from .cli_args import NGRAM_DRAFT, FlagError, add_ngram_flags, check_backend, check_kv_memory, check_ngram_flags, \
-    int_in, readable_file, real_in, same_file, writable_file
+from .backend import BACKEND_NAMES
+from .cli_args import NGRAM_DRAFT, FlagError, add_ngram_flags, check_backend, check_kv_memory, \
+    check_ngram_flags, int_in, readable_file, real_in, same_file, writable_file
 from .constants import MAX_K
-from .models.ngram import ngram_for
-from .models.stubs import stub_pair
-from .serving.loop import ENGINE_MODES, LOG_RETIRED, Request, ServeLoop
+from .serving.factory import STUB_DEFAULTS, TINY_RANDOM, ConfigError, ServeConfig, build_loop
+from .serving.jsonl import error_text
+from .serving.loop import ENGINE_MODES, ServeLoop
 
-STUB_DEFAULTS = {"vocab": 32000, "layers": 4, "accept": 0.7, "cost_us": 0.0}
-TINY_RANDOM = "tiny-random"  # --model value: checkpoint.tiny_random_pair, no files
-SAMPLING_FIELDS = {"temperature", "top_k", "top_p", "seed"}  # Request's sampling settings, not model options
-FIELDS = {"prompt", "max_new_tokens", "eos", "id"} | SAMPLING_FIELDS  # every other key is a model option
-MAX_ERROR_CHARS = 300  # an error record stays one short line, whatever the input was
-LIVE_PERIOD_S = 0.25  # the rich Live view is redrawn at most this often (not once per burst)
-READ_CHUNK = 1 << 16  # bytes per read of the requests
-STOP_POLL_S = 0.5  # an idle JSONL loop wakes this often to see a stop signal (a blocking get would not)
+# ServeConfig fields whose flag is not "--" + the field's name with dashes
+FIELD_FLAGS = {"k": "-k", "rounds": "--rounds", "pipelined": "--no-pipeline"}
 
 
 def add_parser(sub) -> None:
@@ -80,11 +61,12 @@ def add_parser(sub) -> None:
     p.add_argument("--no-pipeline", action="store_true",
                    help="graph engine: drain each burst before enqueueing the next")
     p.add_argument("--live", action="store_true", help="show the live view even when stderr is not a terminal")
-    # --- HTTP mode (graphburst/http_server.py) ---
+    # --- HTTP mode (graphburst/serving/http.py) ---
     h = p.add_argument_group("HTTP server (--http)")
     h.add_argument("--http", nargs="?", const="127.0.0.1:8000", default=None, metavar="[HOST:]PORT",
                    help="serve the OpenAI completions API over HTTP instead of JSONL (default 127.0.0.1:8000)")
-    h.add_argument("--max-queue", type=int_in(1, 1_000_000), default=256, help="waiting requests before 429")
+    h.add_argument("--max-queue", type=int_in(1, 1_000_000), default=256,
+                   help="requests waiting for a batch slot: HTTP answers 429 beyond it, JSONL reads no further ahead")
     h.add_argument("--drain-timeout", type=real_in(0.0, 3600.0), default=10.0,
                    help="seconds to finish requests on SIGTERM")
     h.add_argument("--tokenizer", default=None, metavar="DIR", help="model dir with tokenizer.json (text I/O)")
@@ -104,9 +86,9 @@ def add_parser(sub) -> None:
 def check_args(args) -> None:
     """Checks across flags, before anything is opened (FlagError names the flag).
 
-    Fills in the stub defaults without ``--model``; with it, a stub-only flag given
-    explicitly is an error (the checkpoint decides the vocabulary and layers, and a real
-    draft has no agreement probability or emulated cost).
+    The model rules (stub flags only without ``--model``, ``--draft`` with a checkpoint
+    directory...) are the :class:`ServeConfig`'s; its ConfigError is turned into a
+    FlagError naming the flag of the field.
     """
     check_backend(args.backend)
     if args.tp > 1:  # tensor-parallel serving (graphburst/parallel/serve_tp.py)
@@ -115,284 +97,61 @@ def check_args(args) -> None:
         serve_tp.check_args(args)
     if same_file(args.requests, args.output):
         raise FlagError("--output", f"{args.output!r} is the --requests file; writing there would empty it")
+    if not args.http:  # started with <&- or >&-: say so now, not with a traceback later
+        for flag, stream, name in (("--requests", sys.stdin, "input"), ("--output", sys.stdout, "output")):
+            if getattr(args, flag[2:]) == "-" and stream is None:
+                raise FlagError(flag, f"'-' is the standard {name}, which is closed; give {flag} FILE")
     check_ngram_flags(args, parallel=args.tp > 1)
-    if args.model is None:
-        for flag in [f for f in ("--draft", "--dtype", "--p-min") if (f, args.draft) != ("--draft", NGRAM_DRAFT)]:
-            if getattr(args, flag[2:].replace("-", "_")) is not None:
-                raise FlagError(flag, "applies to --model only (the stub models are the default)")
-        for name, value in STUB_DEFAULTS.items():
-            if getattr(args, name) is None:
-                setattr(args, name, value)
-        check_kv_memory(args.batch, args.capacity, args.layers + 1)
-        return
-    for name in STUB_DEFAULTS:
-        if getattr(args, name) is not None:
-            flag = "--" + name.replace("_", "-")
-            raise FlagError(flag, f"applies to the stub models only; with --model the checkpoint sets the model "
-                                  f"(drop {flag})")
-    if args.model == TINY_RANDOM:
-        if args.draft not in (None, NGRAM_DRAFT):
-            raise FlagError("--draft", f"--model {TINY_RANDOM} builds its own draft; drop --draft (or use "
-                                       f"--draft {NGRAM_DRAFT})")
-    elif args.draft is None:
-        raise FlagError("--draft", f"--model {args.model!r} needs --draft DIR (a smaller checkpoint with the same "
-                                   "vocabulary)")
-    else:
-        for flag, path in (("--model", args.model), ("--draft", args.draft)):
-            if not os.path.isdir(path) and (flag, path) != ("--draft", NGRAM_DRAFT):
-                raise FlagError(flag, f"{path!r} is not a directory")
-        if args.tokenizer is None and os.path.isfile(os.path.join(args.model, "tokenizer.json")):
-            args.tokenizer = args.model  # the model directory's own tokenizer, unless told otherwise
-    args.dtype = args.dtype or "float32"
-    args.p_min = 0.0 if args.p_min is None else args.p_min
+    config = parse(args)
+    if config.stubs:
+        check_kv_memory(config.batch, config.capacity, config.layers + 1)
 
 
-def model_name(args) -> str:
-    """The name the model is served as: ``--served-model-name``, else taken from ``--model``."""
-    if args.served_model_name is not None:
-        return args.served_model_name
-    if args.model is None:
-        return "graphburst-stub"
-    return TINY_RANDOM if args.model == TINY_RANDOM else os.path.basename(os.path.normpath(args.model))
-
-
-def build_loop(args, backend) -> ServeLoop:
-    """The models and the loop the serve flags describe; the one builder of JSONL and HTTP serving.
-
-    Stubs by default; ``--model DIR --draft DIR`` loads a Llama pair with
-    :func:`graphburst.models.checkpoint.load_pair` (torch on the backend's device: the GPU the
-    cupy backend uses, else the CPU), ``--model tiny-random`` builds
-    :func:`graphburst.models.checkpoint.tiny_random_pair`.
-
-    Raises
-    ------
-    ValueError, OSError, ImportError
-        A checkpoint that cannot be loaded (the message names the file or key).
-    """
-    lookup = args.draft == NGRAM_DRAFT
-    if args.model is None:
-        target, draft = stub_pair(args.batch, args.vocab, args.layers, 1, args.capacity, accept_prob=args.accept,
-                                  cost_ns=int(args.cost_us * 1000), backend=backend)
-    else:
-        from .models import checkpoint  # torch and safetensors: only when a model is asked for
-
-        kw = dict(batch=args.batch, capacity=args.capacity, backend=backend, dtype=args.dtype)
-        if args.model == TINY_RANDOM:
-            target, draft = checkpoint.tiny_random_pair(**kw, p_min=args.p_min)
-        elif lookup:
-            target, draft = checkpoint.load_target(args.model, **kw), None
-        else:
-            target, draft = checkpoint.load_pair(args.model, args.draft, **kw, p_min=args.p_min)
-    if lookup:  # the built draft model (stub or tiny) is dropped: prompt lookup replaces it
-        draft = ngram_for(target, n_min=args.ngram_min, n_max=args.ngram_max)
-    return ServeLoop(target, draft, k=args.k, m_rounds=args.rounds, engine=args.engine,
-                     pipelined=not args.no_pipeline, sampling=getattr(args, "sampling", False))
-
-
-def parse_line(text: str) -> Request:
-    """A request from one JSONL line; raises ValueError/TypeError naming what is wrong."""
+def parse(args) -> ServeConfig:
+    """The ServeConfig of the serve flags (FlagError naming the flag of a field it refuses)."""
+    fields = {f.name for f in dataclasses.fields(ServeConfig)}
+    values = {name: getattr(args, name) for name in fields if name != "pipelined"}
     try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"bad JSON: {exc.msg} at column {exc.colno}") from exc
-    except RecursionError as exc:
-        raise ValueError("bad JSON: nested too deeply") from exc
-    if not isinstance(obj, dict):
-        raise TypeError(f"a request must be a JSON object, got {type(obj).__name__}")
-    missing = [f for f in ("prompt", "max_new_tokens") if f not in obj]
-    if missing:
-        raise ValueError(f"missing field(s): {', '.join(missing)}")
-    # Other keys are per-request model options, e.g. the stub draft's accept_prob and
-    # seed; the models refuse any key they do not claim, so a typo is an error record.
-    options = {k: v for k, v in obj.items() if k not in FIELDS}
-    req = Request(**{k: v for k, v in obj.items() if k in FIELDS}, options=options or None)
-    if req.id is not None:
-        if not isinstance(req.id, (str, int)) or isinstance(req.id, bool):
-            raise TypeError(f"id must be a string or an integer, got {type(req.id).__name__}")
-        req.id = str(req.id)
-    return req
+        return ServeConfig(**values, pipelined=not args.no_pipeline)
+    except ConfigError as exc:
+        flag = FIELD_FLAGS.get(exc.field, "--" + exc.field.replace("_", "-"))
+        raise FlagError(flag, exc.why) from None
 
 
-def _error_text(exc: BaseException) -> str:
-    text = " ".join(str(exc).split()) or type(exc).__name__
-    if not isinstance(exc, (ValueError, TypeError)):
-        text = f"{type(exc).__name__}: {text}"
-    return text if len(text) <= MAX_ERROR_CHARS else text[: MAX_ERROR_CHARS - 3] + "..."
-
-
-def _record(state) -> dict:
-    rec = {"id": state.request.id, "line": state.line, "tokens": state.tokens,
-           "finish_reason": state.finish_reason, **state.stats()}
-    if state.error is not None:
-        rec["error"] = state.error
-    if state.sampling is not None and state.sampling.temperature > 0:
-        rec["seed"] = state.sampling.seed  # drawn at random when the line had none: replays the request
-    return rec
-
-
-_EOF = object()
-
-
-def _read_lines(fd: int, lines: queue.Queue) -> None:
-    """Reader thread: put ``(line number, bytes)`` per line as it arrives, then _EOF.
-
-    Reads the descriptor with ``os.read``, not through a buffered reader: a stop signal
-    ends the server while this thread still waits on an open stdin, and a thread blocked
-    inside a buffered reader holds its lock, which aborts the interpreter at exit.
-    """
-    n, tail = 0, b""
+def build(config: ServeConfig, err: Console) -> ServeLoop | None:
+    """The loop (None after a one-line error on stderr)."""
     try:
-        while chunk := os.read(fd, READ_CHUNK):
-            *whole, tail = (tail + chunk).split(b"\n")
-            for raw in whole:
-                n += 1
-                lines.put((n, raw))
-        if tail:
-            lines.put((n + 1, tail))
-    except Exception as exc:  # noqa: BLE001 - reported by the main thread
-        lines.put(exc)
-    finally:
-        lines.put(_EOF)
+        loop = build_loop(config)
+    except (ValueError, TypeError, RuntimeError, OSError, ImportError) as exc:
+        print(f"graphburst serve: {error_text(exc)}", file=sys.stderr)
+        return None
+    if not loop.dec.backend.is_gpu:
+        err.print("graphburst serve: no GPU in use; running the numpy reference backend")
+    return loop
 
 
-def _view(loop: ServeLoop) -> Table:
-    s = loop.stats()
-    table = Table(title="graphburst serve")
-    for col in ("active slots", "queued", "bursts", "tokens", "tokens/s", "GPU idle"):
-        table.add_column(col, justify="right")
-    idle = "-" if s["gpu_idle_fraction"] is None else f"{s['gpu_idle_fraction']:.1%}"
-    table.add_row(str(s["active_slots"]), str(s["queued"]), str(s["bursts"]), str(s["tokens"]),
-                  f"{s['tokens_per_s']:.0f}", idle)
-    return table
-
-
-def run(args, console: Console, loop: ServeLoop | None = None) -> int:
-    """Serve JSONL or HTTP; ``loop``: one built by the caller (rank 0 of ``--tp``, parallel/serve_tp.py)."""
-    if args.tp > 1 and loop is None:  # every rank of a tensor-parallel server; rank 0 comes back here
-        from .parallel import serve_tp
-
-        return serve_tp.run(args, console)
-    if args.http:  # --- HTTP mode: aiohttp and prometheus_client come with the [serve] extra ---
+def serve(config: ServeConfig, loop: ServeLoop | None, console: Console) -> int:
+    """Run JSONL or HTTP serving over ``loop`` (HTTP builds its own when None); the exit status."""
+    if config.http:  # --- HTTP mode: aiohttp and prometheus_client come with the [serve] extra ---
         try:
             from .serving import http as http_server
         except ImportError as exc:
             print(f"graphburst serve --http: {exc}; install graphburst[serve]", file=sys.stderr)
             return 2
-        return http_server.run(args, console, loop=loop)
-    try:
-        backend = get_backend(args.backend) if loop is None else loop.dec.backend
-        loop = build_loop(args, backend) if loop is None else loop
-    except (ValueError, TypeError, RuntimeError, OSError, ImportError) as exc:
-        print(f"graphburst serve: {_error_text(exc)}", file=sys.stderr)
-        return 2
-    err = Console(stderr=True)
-    if not backend.is_gpu:
-        err.print("graphburst serve: no GPU in use; running the numpy reference backend")
-    source = sys.stdin.buffer if args.requests == "-" else open(args.requests, "rb")  # noqa: SIM115 - closed below
-    sink = sys.stdout if args.output == "-" else open(args.output, "w")  # noqa: SIM115
-    lines: queue.Queue = queue.Queue()
-    threading.Thread(target=_read_lines, args=(source.fileno(), lines), daemon=True,
-                     name="graphburst-serve-reader").start()
-    counts = {"lines": 0, "rejected": 0, "served": 0, "failed": 0}
-    pending: list = []  # submitted, record not yet written
+        return http_server.run(config, console, loop=loop)
+    from .serving import jsonl
 
-    def emit(rec: dict) -> None:
-        sink.write(json.dumps(rec) + "\n")
-
-    def take(n: int, raw: bytes) -> None:
-        if not raw.strip():
-            return
-        counts["lines"] += 1
-        try:
-            pending.append(loop.submit(parse_line(raw.decode("utf-8")), line=n))
-        except Exception as exc:  # noqa: BLE001 - a bad line costs only itself
-            emit({"error": _error_text(exc), "line": n})
-            counts["rejected"] += 1
-
-    live = Live(_view(loop), console=err, refresh_per_second=4, transient=False,
-                auto_refresh=False) if (err.is_terminal or args.live) else None
-    if live:
-        live.start()
-    eof, read_error = False, None
-    loop.log = []  # what each step retired: records are written only then
-    next_view = 0.0
-    stop = threading.Event()  # SIGTERM/SIGINT: read no more lines, finish every request already read
-    restore = _stop_on_signals(stop)
-    try:
-        while True:
-            if stop.is_set() and not eof:
-                eof = True
-                err.print(f"graphburst serve: stopping; finishing {len(pending)} request(s) already read "
-                          f"(a second signal aborts)")
-            block = loop.idle  # nothing to serve: wait for the next line
-            # (a --tp rank 0 wakes every heartbeat_s to keep its followers' plan wait alive)
-            wait = (getattr(loop, "heartbeat_s", None) or STOP_POLL_S) if block else None
-            while not eof:
-                try:
-                    item = lines.get(block=block, timeout=wait)
-                except queue.Empty:
-                    break
-                block = False
-                if item is _EOF:
-                    eof = True
-                elif isinstance(item, Exception):
-                    read_error = item
-                else:
-                    take(*item)
-            if not loop.idle:
-                loop.step()
-            # Per burst only the loop's log is read: pending is scanned when something finished.
-            if any(entry[0] is LOG_RETIRED for entry in loop.log):
-                still = []
-                for s in pending:
-                    if s.done:
-                        emit(_record(s))
-                        counts["failed" if s.error else "served"] += 1
-                    else:
-                        still.append(s)
-                pending[:] = still
-                sink.flush()
-            loop.log.clear()
-            if live and time.monotonic() >= next_view:
-                live.update(_view(loop), refresh=True)
-                next_view = time.monotonic() + LIVE_PERIOD_S
-            if eof and loop.idle and not pending:
-                break
-    finally:
-        restore()
-        if live:
-            live.update(_view(loop), refresh=True)
-            live.stop()
-        if source is not sys.stdin.buffer:
-            source.close()
-        if sink is not sys.stdout:
-            sink.close()
-    stats = loop.stats()
-    err.print(f"served {counts['served']} requests ({counts['rejected']} lines rejected, {counts['failed']} failed) "
-              f"in {stats['bursts']} bursts, {stats['tokens']} tokens, {stats['tokens_per_s']:.0f} tokens/s")
-    if read_error is not None:
-        err.print(f"graphburst serve: reading the requests failed: {_error_text(read_error)}")
-        return 1
-    # Exit 1 when no line was served: every input line was rejected (or failed).
-    return 1 if counts["lines"] and not counts["served"] else 0
+    return jsonl.run(config, loop)
 
 
-def _stop_on_signals(stop: threading.Event):
-    """Until the returned undo is called: the first SIGTERM or SIGINT sets ``stop`` (the JSONL
-    loop then drains and exits 0), and puts the previous handlers back, so a second one acts
-    as before (aborts). Only the main thread may install handlers; elsewhere a no-op."""
-    if threading.current_thread() is not threading.main_thread():
-        return lambda: None
-    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+def run(args, console: Console) -> int:
+    """``graphburst serve``: parse the flags, build the loop, serve, report through the exit status."""
+    config = parse(args)
+    if config.tp > 1:  # every rank of a tensor-parallel server builds its own loop and serves or follows
+        from .parallel import serve_tp
 
-    def undo() -> None:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-    def on_signal(signum, frame) -> None:
-        stop.set()
-        undo()
-
-    for sig in previous:
-        signal.signal(sig, on_signal)
-    return undo
+        return serve_tp.run(config, console)
+    if config.http:
+        return serve(config, None, console)  # the HTTP server builds its loop after checking its own flags
+    loop = build(config, Console(stderr=True))
+    return 2 if loop is None else serve(config, loop, console)

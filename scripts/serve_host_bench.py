@@ -31,7 +31,7 @@ from graphburst.bench.common import stub_models  # noqa: E402
 from graphburst.capture import RecordedProgram  # noqa: E402
 from graphburst.serving.loop import Request, ServeLoop  # noqa: E402
 
-PHASES = {"drain": ("bursts_in_flight", "drain"), "launch": ("bursts_in_flight", "launch"),
+PHASES = {"drain": ("pipeline", "drain"), "launch": ("pipeline", "launch"),
           "deliver": (None, "_deliver"), "boundary": (None, "_boundary")}
 STEADY_BURSTS = 300  # x at most M * (k + 1) = 40 tokens per slot: far below the budget
 WARM_BURSTS = 4  # real bursts before the model work is skipped: the output block then holds real tokens

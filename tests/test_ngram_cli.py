@@ -10,7 +10,8 @@ import pytest
 from graphburst import NgramDraft, greedy_reference
 from graphburst.backend import Backend
 from graphburst import serve_cli
-from graphburst.serve_cli import build_loop, check_args
+from graphburst.serve_cli import check_args
+from graphburst.serving.factory import build_loop
 
 from test_cli import SMALL, cli, one_line_error
 
@@ -34,7 +35,7 @@ def test_build_loop_makes_the_ngram_draft():
     args = parser.parse_args(["serve", "--backend", "numpy", "--batch", "2", "--capacity", "64", "--draft", "ngram",
                               "--ngram-min", "2"])
     check_args(args)
-    loop = build_loop(args, Backend("numpy"))
+    loop = build_loop(serve_cli.parse(args), Backend("numpy"))
     assert isinstance(loop.dec.draft, NgramDraft) and loop.dec.draft.default_range == (2, 4)
     assert loop.dec.draft.capacity == 64
 

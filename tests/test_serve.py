@@ -10,7 +10,7 @@ import pytest
 
 from graphburst import greedy_reference, stub_pair
 from graphburst.serving.loop import Request, ServeLoop
-from graphburst.serve_cli import parse_line
+from graphburst.serving.jsonl import parse_line
 from graphburst.cli import main
 
 VOCAB = 5003

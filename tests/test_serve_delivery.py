@@ -10,7 +10,8 @@ import pytest
 
 from graphburst import greedy_reference, stub_pair
 from graphburst.serving.engine_thread import EngineThread, Ticket
-from graphburst.serving.loop import LOG_ADMITTED, LOG_RETIRED, LOG_TOKENS, Request, ServeLoop
+from graphburst.serving.events import Admitted, Retired, Tokens
+from graphburst.serving.loop import Request, ServeLoop
 from graphburst.serving.timing import BurstClock
 
 VOCAB = 997
@@ -53,7 +54,7 @@ def test_loop_tags_bursts_steady_when_every_slot_runs(pipelined):
     shared = sum(1 for t in set(times) if times.count(t) == 2)
     steady = loop.stats()["steady_bursts"]
     if pipelined:
-        assert shared <= steady <= shared + loop.bursts_in_flight.depth * len(states)
+        assert shared <= steady <= shared + loop.pipeline.depth * len(states)
     else:
         assert steady == shared
     assert 0 < steady < loop.stats()["bursts"]
@@ -72,19 +73,21 @@ def test_log_carries_every_token_in_order_and_each_admission_and_finish_once():
         steps += 1
         if steps == 3:
             loop.cancel(cancelled)
-        for entry in loop.log:
-            if entry[0] is LOG_TOKENS:
-                _, when, sts, rows, counts, ring, acc = entry
-                assert acc.shape == (len(rows), 2) and np.all(acc[:, 1] >= 1)  # at least this burst's rounds
-                assert len(sts) == len(rows) and np.all(counts[rows] > 0)
-                for s, b in zip(sts, rows):
-                    assert id(s) in got and not s.done or s.finished >= when
-                    got[id(s)] += ring[b, 1 : 1 + counts[b]].tolist()
-            elif entry[0] is LOG_ADMITTED:
-                admitted.append(entry[1])
-            else:
-                assert entry[0] is LOG_RETIRED
-                retired.append(entry[1])
+        for event in loop.log:
+            match event:
+                case Tokens(when, sts, rows, counts, ring, acc):
+                    assert acc.shape == (len(rows), 2) and np.all(acc[:, 1] >= 1)  # at least this burst's rounds
+                    assert len(sts) == len(rows) and np.all(counts[rows] > 0)
+                    for i, (s, b) in enumerate(zip(sts, rows)):
+                        assert id(s) in got and not s.done or s.finished >= when
+                        assert event.tokens_of(i) == ring[b, 1 : 1 + counts[b]].tolist()
+                        got[id(s)] += event.tokens_of(i)
+                case Admitted(state):
+                    admitted.append(state)
+                case Retired(state):
+                    retired.append(state)
+                case _:
+                    raise AssertionError(f"not a loop event: {event!r}")
         loop.log.clear()
     for s in states:
         assert got[id(s)] == s.tokens == greedy_reference(s.request.prompt, s.request.max_new_tokens, VOCAB)

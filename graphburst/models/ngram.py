@@ -38,7 +38,9 @@ from ..guard import Watched
 from ..protocol import DraftModel
 from ..validate import check_int
 
-__all__ = ["DEFAULT_NGRAM_MAX", "DEFAULT_NGRAM_MIN", "NgramDraft", "check_ngram_range", "ngram_for"]
+__all__ = ["DEFAULT_NGRAM_MAX", "DEFAULT_NGRAM_MIN", "NGRAM_DRAFT", "NgramDraft", "check_ngram_range", "ngram_for"]
+
+NGRAM_DRAFT = "ngram"  # the draft name (--draft, ServeConfig.draft) that selects prompt lookup
 
 DEFAULT_NGRAM_MIN = 1  # a single repeated token already predicts copies in code and quoting
 DEFAULT_NGRAM_MAX = 4  # longer suffixes pick the right one of several earlier occurrences

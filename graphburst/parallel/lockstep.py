@@ -185,7 +185,7 @@ class LockstepLoop(ServeLoop):
                 # (or its options dict) must not reach the followers, whatever rank 0 runs.
                 wire = json.loads(json.dumps(_wire(state), default=_json_scalar))
             except (TypeError, ValueError) as exc:  # cannot reach the other ranks: refused like a bad field
-                self.queue.remove(state)
+                self.intake.withdraw(state)
                 self._retire(state)
                 raise ValueError(f"options must be JSON values under --tp (they are sent to every rank): "
                                  f"{exc}") from None
@@ -232,7 +232,7 @@ class LockstepLoop(ServeLoop):
 
     def fingerprint(self) -> tuple:
         """What every rank's schedule must agree on between steps."""
-        return (self.bursts, len(self.bursts_in_flight), self.active, len(self.queue), self.tokens_out)
+        return (self.bursts, len(self.pipeline), self.active, len(self.intake), self.tokens_out)
 
     def finish(self) -> None:
         """Rank 0: send the stop plan; every rank: drain the bursts still in flight (their checks included).
@@ -246,8 +246,8 @@ class LockstepLoop(ServeLoop):
         try:
             if self.leader:
                 self._send(STOP)
-            while self.bursts_in_flight:
-                self.bursts_in_flight.drain()  # runs each burst's rank check; nobody is left to hand tokens to
+            while self.pipeline:
+                self.pipeline.drain()  # runs each burst's rank check; nobody is left to hand tokens to
         finally:
             self._stepping.release()
 
@@ -270,7 +270,7 @@ class LockstepLoop(ServeLoop):
                 if op == "submit":
                     super().submit(Request(**arg))
                 elif op == "cancel":
-                    state = self._live_ids.get(arg)
+                    state = self.intake.lookup(arg)
                     if state is None:
                         raise RankDivergence(f"rank {self.ctx.rank}: rank 0 cancelled request {arg!r}, which is "
                                              f"not in flight here")

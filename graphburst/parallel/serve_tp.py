@@ -1,7 +1,9 @@
 """``serve --tp N`` on every rank: flag checks before any group, this rank's loop, the run.
 
-Rank 0 serves (JSONL or HTTP, through :func:`graphburst.serve_cli.run` with the loop
-built here) and the other ranks follow its plans (:class:`.lockstep.LockstepLoop`).
+Rank 0 serves (JSONL through :func:`graphburst.serving.jsonl.run`, or HTTP through
+:func:`graphburst.serving.http.run`, with the loop built here from the command's
+:class:`~graphburst.serving.factory.ServeConfig`) and the other ranks follow its plans
+(:class:`.lockstep.LockstepLoop`).
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import signal
 import sys
 
+from ..serving.factory import TINY_RANDOM
 from .dist import Context, Layout
 from .lockstep import LockstepLoop, PlanChannel
 
@@ -17,7 +20,7 @@ def check_args(args) -> None:
     """FlagError for ``serve --tp N`` that cannot run, before any process group."""
     from ..cli_args import FlagError
     from . import dist
-    from .launch import TINY_RANDOM, check_draft
+    from .launch import check_draft
 
     if args.model is None:
         raise FlagError("--tp", f"needs --model {TINY_RANDOM} or --model DIR --draft DIR (the stub models are not "
@@ -39,52 +42,63 @@ def check_args(args) -> None:
     check_draft(draft_cfg, args.tp, args.draft_mode)
 
 
-def build(args, ctx: Context, backend) -> LockstepLoop:
-    """This rank's models and loop, after the ranks agreed on the model and flags."""
+def build(config, ctx: Context, backend) -> LockstepLoop:
+    """This rank's models and loop (``config``: a ServeConfig), after the ranks agreed on the model and flags."""
     import torch
 
     from .models import TINY, random_pair
     from .runner import build_pair, hash_parts
 
-    layout = Layout(tp=args.tp)
-    dtype = getattr(torch, args.dtype or "float32")
-    if args.model == "tiny-random":
+    layout = Layout(tp=config.tp)
+    dtype = getattr(torch, config.dtype or "float32")
+    if config.model == TINY_RANDOM:
         full_t, full_d = random_pair(TINY, batch=1, capacity=16, device=ctx.device, dtype=dtype, seed=0)
     else:
         from ..models.checkpoint import load_llama
 
-        full_t = load_llama(args.model, batch=1, capacity=16, dtype=dtype, device=ctx.device)
-        full_d = load_llama(args.draft, batch=1, capacity=16, dtype=dtype, device=ctx.device)
-    flags = {f: getattr(args, f, None) for f in ("k", "rounds", "batch", "capacity", "dtype", "p_min", "sampling",
-                                                  "no_pipeline", "draft_mode")}
+        full_t = load_llama(config.model, batch=1, capacity=16, dtype=dtype, device=ctx.device)
+        full_d = load_llama(config.draft, batch=1, capacity=16, dtype=dtype, device=ctx.device)
+    flags = {f: getattr(config, f) for f in ("k", "rounds", "batch", "capacity", "dtype", "p_min", "sampling",
+                                             "pipelined", "draft_mode")}
     ctx.agree_on("model and flags", *hash_parts(full_t, full_d, layout, **flags))
-    target, draft = build_pair(full_t, full_d, ctx, layout, batch=args.batch, capacity=args.capacity,
-                               backend=backend, p_min=args.p_min or 0.0, draft_mode=args.draft_mode)
+    target, draft = build_pair(full_t, full_d, ctx, layout, batch=config.batch, capacity=config.capacity,
+                               backend=backend, p_min=config.p_min or 0.0, draft_mode=config.draft_mode)
     del full_t, full_d
-    return LockstepLoop(target, draft, ctx, PlanChannel(ctx), k=args.k, m_rounds=args.rounds,
-                        pipelined=not args.no_pipeline, sampling=getattr(args, "sampling", False))
+    return LockstepLoop(target, draft, ctx, PlanChannel(ctx), k=config.k, m_rounds=config.rounds,
+                        pipelined=config.pipelined, sampling=config.sampling)
 
 
-def run(args, console) -> int:
-    """``serve --tp N`` on every rank: rank 0 serves (JSONL or HTTP), the others follow."""
-    from .. import serve_cli
+def _serve(config, loop: LockstepLoop, console) -> int:
+    """Rank 0: JSONL or HTTP serving over this rank's loop."""
+    if config.http:
+        from ..serving import http  # aiohttp: only when asked for (the [serve] extra)
+
+        return http.run(config, console, loop=loop)
+    from ..serving import jsonl
+
+    return jsonl.run(config, loop)
+
+
+def run(config, console) -> int:
+    """``serve --tp N`` on every rank (``config``: a ServeConfig): rank 0 serves (JSONL or HTTP), the others
+    follow."""
     from ..backend import Backend, get_backend
     from . import dist
     from .runner import drop_graphs
 
-    gpu = get_backend(args.backend).is_gpu
+    gpu = get_backend(config.backend).is_gpu
     ctx = loop = None
     ok = False
     code = 1
     try:
-        ctx = dist.init(gpu=gpu, timeout_s=args.dist_timeout)
+        ctx = dist.init(gpu=gpu, timeout_s=config.dist_timeout)
         backend = Backend("cupy", ctx.local_rank) if gpu else Backend("numpy")
-        loop = build(args, ctx, backend)
+        loop = build(config, ctx, backend)
         if loop.leader:
-            if args.http:
+            if config.http:
                 # A peer that fails stops the server the way SIGTERM does; the exit code says it failed.
                 loop.on_fatal = lambda: signal.raise_signal(signal.SIGTERM)
-            code = serve_cli.run(args, console, loop=loop)
+            code = _serve(config, loop, console)
             if loop.fatal is None:
                 loop.finish()
             else:

@@ -6,8 +6,9 @@ condition variable; the engine thread applies the inbox between bursts, runs one
 ``loop.step()``, and hands what the step did back to the asyncio event loop with ONE
 ``call_soon_threadsafe`` per step (a wake-up of the event loop is a syscall).
 
-The hand-off is the loop's own log (``ServeLoop.log``): per drained burst the receiving
-states, slots, counts and the ring as arrays, exactly as the loop appended them. The
+The hand-off is the loop's own log (``ServeLoop.log``, typed events of
+:mod:`graphburst.serving.events`): per drained burst a :class:`~.events.Tokens` with the
+receiving states, slots, counts and the ring as arrays, exactly as the loop appended it. The
 engine thread does no per-request work for a request that only received tokens; it
 visits a request only when it is admitted or finishes (to keep the wait count for 429s
 and to build its final update). Splitting the burst into per-request updates, host-side
@@ -27,12 +28,10 @@ import threading
 import time
 import traceback
 
-import numpy as np
-
-from .loop import LOG_ADMITTED, LOG_RETIRED, LOG_TOKENS, Request, RequestState, ServeLoop
+from .events import Admitted, Retired, Tokens
+from .loop import Request, RequestState, ServeLoop
 
 STATS_PERIOD_S = 0.05  # loop.stats() snapshots for /metrics, at most this often
-_FINAL = "final"  # hand-off entry (_FINAL, ticket, Update): a request's last update
 
 
 @dataclasses.dataclass
@@ -51,6 +50,14 @@ class Update:
     error: str | None = None
     accepted: int = 0  # drafts accepted over the request's life (final update only)
     rounds: int = 0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Final:
+    """Hand-off entry beside the loop's :class:`~.events.Tokens`: a request's last update."""
+
+    ticket: "Ticket"
+    update: Update
 
 
 @dataclasses.dataclass(eq=False)
@@ -191,13 +198,13 @@ class EngineThread(threading.Thread):
 
     def _close(self, ticket: Ticket, reason: str, events: list, *, error: str | None = None) -> None:
         """Final update for ``ticket``; cancel its request in the loop if it still runs."""
-        self._live.pop(id(ticket), None)  # before loop.cancel: its LOG_RETIRED entry is then skipped
+        self._live.pop(id(ticket), None)  # before loop.cancel: its Retired event is then skipped
         state = ticket.state
         if state is not None and not state.done:
             self.loop.cancel(state)  # slot freed at the next burst boundary
         self._left_queue(ticket)
         acc = (state.accepted, state.rounds) if state is not None else (0, 0)
-        events.append((_FINAL, ticket, Update(ticket.index, [], time.perf_counter(), reason, error, *acc)))
+        events.append(Final(ticket, Update(ticket.index, [], time.perf_counter(), reason, error, *acc)))
 
     def _left_queue(self, ticket: Ticket) -> None:
         if not ticket.admitted:
@@ -209,22 +216,21 @@ class EngineThread(threading.Thread):
         """Move the loop's log into ``events``: token entries as they are (arrays), a final
         update per request that finished; only admitted and finished requests are visited."""
         log, self.loop.log = self.loop.log, []
-        for entry in log:
-            kind = entry[0]
-            if kind is LOG_TOKENS:
-                events.append(entry)
-                continue
-            state: RequestState = entry[1]
-            ticket = state.owner
-            if ticket is None or id(ticket) not in self._live:
-                continue  # closed by the engine already (cancel, stop): its final update is out
-            self._left_queue(ticket)
-            if kind is LOG_RETIRED:
-                del self._live[id(ticket)]
-                events.append((_FINAL, ticket, Update(ticket.index, [], state.finished, state.finish_reason,
-                                                      state.error, state.accepted, state.rounds)))
-            else:
-                assert kind is LOG_ADMITTED, kind
+        for event in log:
+            match event:
+                case Tokens():
+                    events.append(event)
+                case Admitted(state) | Retired(state):
+                    ticket = state.owner
+                    if ticket is None or id(ticket) not in self._live:
+                        continue  # closed by the engine already (cancel, stop): its final update is out
+                    self._left_queue(ticket)
+                    if isinstance(event, Retired):
+                        del self._live[id(ticket)]
+                        events.append(Final(ticket, Update(ticket.index, [], state.finished, state.finish_reason,
+                                                           state.error, state.accepted, state.rounds)))
+                case _:
+                    raise AssertionError(f"unknown loop event {event!r}")
 
     def _snapshot(self) -> None:
         now = time.perf_counter()
@@ -249,14 +255,16 @@ class EngineThread(threading.Thread):
         handler gets nothing but the final ``cancelled`` update.
         """
         for entry in events:
-            if entry[0] is _FINAL:
-                _, ticket, update = entry
+            if isinstance(entry, Final):
+                ticket, update = entry.ticket, entry.update
                 if ticket.final is None and (not ticket.cancelled or update.reason == "cancelled"):
                     ticket.sink(ticket, update)
                     ticket.final = update.reason
                 continue
-            _, when, states, rows, counts, ring, acc = entry
-            for j, (state, b, n) in enumerate(zip(states.tolist(), rows.tolist(), counts[rows].tolist())):
+            assert isinstance(entry, Tokens), entry
+            when, ring, acc, rows = entry.time, entry.ring, entry.acc, entry.rows
+            for j, (state, b, n) in enumerate(zip(entry.states.tolist(), rows.tolist(),
+                                                  entry.counts[rows].tolist())):
                 ticket = state.owner
                 if ticket is None or ticket.final is not None or ticket.cancelled:
                     continue

@@ -30,8 +30,8 @@ from . import openai_api as api
 from ..backend import get_backend
 from .engine_thread import EngineThread, Ticket
 from .metrics import CONTENT_TYPE, Metrics
+from .factory import build_loop, model_name
 from .loop import Request, ServeLoop
-from ..serve_cli import build_loop, model_name
 
 DEFAULT_ADDRESS = "127.0.0.1:8000"
 MAX_BODY_BYTES = 16 * 2**20  # long token-id prompts are JSON numbers: ~6 bytes a token

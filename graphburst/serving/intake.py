@@ -1,14 +1,14 @@
-"""Submission to the serving loop: validation, request ids, the waiting queue, cancellation.
+"""Submission to the serving loop: validation, request ids, the waiting queue.
 
-A request is validated once, when it is submitted (:func:`~graphburst.serving.request.check_request`
+A request is validated once, when it is submitted (:func:`~graphburst.serving.request.check_whole_request_fits`
 and :func:`~graphburst.serving.request.check_request_sampling`); the validated values go on its
 :class:`~graphburst.serving.request.RequestState`, which waits in ``queue`` until the loop admits
-it at a burst boundary. Every request queued or running is known by id in ``_live_ids``:
+it at a burst boundary. Every request queued or running is known by id in ``live``:
 an id already in flight is refused, and a made-up id never equals one.
 
-:class:`RequestIntake` is a mixin of :class:`~graphburst.serving.loop.ServeLoop`, which provides
-``vocab``, ``sampling``, ``dec`` (``capacity``, ``slot_options``) and ``_retire`` (the end
-of a request's life, which also touches its batch slot). This module never touches slots.
+:class:`RequestIntake` is a part the loop owns (``ServeLoop.intake``). It never touches
+batch slots: the loop pops admitted requests with :meth:`RequestIntake.next_waiting` and
+tells it when one finishes (:meth:`RequestIntake.forget`).
 """
 
 from __future__ import annotations
@@ -16,24 +16,44 @@ from __future__ import annotations
 import collections
 import itertools
 import time
+from collections.abc import Callable
 
-from .request import Request, RequestState, check_request, check_request_sampling
+from .request import Request, RequestState, check_request_sampling, check_whole_request_fits
 from ..sampling.params import SamplingParams
 
 
 class RequestIntake:
-    """The front door of a serving loop: ``submit``, ``validate``, ``cancel``.
+    """The front door of a serving loop: ``submit`` and ``validate``, ids, the waiting queue.
+
+    Parameters
+    ----------
+    vocab, capacity : int
+        The models' vocabulary and KV entries per slot (the request checks).
+    sampling : bool
+        Whether the loop decodes with rejection sampling (temperature > 0 allowed).
+    slot_options : callable
+        ``slot_options(options)``: the models' validated view of a request's options
+        (``SpecDecoder.slot_options``); raises ValueError/TypeError for a key no model claims.
 
     Attributes
     ----------
     queue : collections.deque of RequestState
-        Submitted requests waiting for a batch slot, oldest first.
+        Submitted requests waiting for a batch slot, oldest first (cancelled ones are
+        skipped by :meth:`next_waiting`).
+    live : dict
+        id -> RequestState, for every request queued or running.
     """
 
-    def _init_intake(self) -> None:
+    def __init__(self, *, vocab: int, capacity: int, sampling: bool, slot_options: Callable):
+        self.vocab, self.capacity, self.sampling = vocab, capacity, bool(sampling)
+        self._slot_options = slot_options
         self.queue: collections.deque[RequestState] = collections.deque()
         self._ids = itertools.count()
-        self._live_ids: dict = {}  # id -> RequestState, for every request queued or running
+        self.live: dict = {}
+
+    def __len__(self) -> int:
+        """Requests waiting for a slot (cancelled ones not yet popped included)."""
+        return len(self.queue)
 
     def validate(self, req: Request) -> Request:
         """Raise ValueError/TypeError naming the bad field; fill in a missing id.
@@ -42,7 +62,7 @@ class RequestIntake:
         the same prompts (numpy integers and arrays included). An id already in flight
         is refused; a made-up id never equals one.
         """
-        check_request(req, vocab=self.vocab, capacity=self.dec.capacity)
+        check_whole_request_fits(req, vocab=self.vocab, capacity=self.capacity)
         self._check_id(req)
         return req
 
@@ -51,8 +71,8 @@ class RequestIntake:
             req.id = self._new_id()
         elif not isinstance(req.id, str):
             raise TypeError(f"id must be a str, got {type(req.id).__name__}")
-        elif req.id in self._live_ids:
-            other = self._live_ids[req.id]
+        elif req.id in self.live:
+            other = self.live[req.id]
             where = "" if other.line is None else f" (line {other.line})"
             raise ValueError(f"id {req.id!r} is already in flight{where}")
 
@@ -63,37 +83,42 @@ class RequestIntake:
     def _new_id(self) -> str:
         while True:
             rid = f"req-{next(self._ids)}"
-            if rid not in self._live_ids:
+            if rid not in self.live:
                 return rid
 
     def submit(self, req: Request, *, line: int | None = None) -> RequestState:
-        """Queue a request (validated now); it is admitted at the next burst boundary.
+        """Queue a request (validated now); the loop admits it at a burst boundary.
 
         The loop serves the request as it was at submission: the validated prompt, budget
         and stop token are kept on its state, and later changes to ``req`` are not read.
-
-        Parameters
-        ----------
-        req : Request
-        line : int, optional
-            Input line number, kept on the state for the caller's records.
+        ``line``: the input line number, kept on the state for the caller's records.
         """
-        row, limit, eos = check_request(req, vocab=self.vocab, capacity=self.dec.capacity)
+        row, limit, eos = check_whole_request_fits(req, vocab=self.vocab, capacity=self.capacity)
         self._check_id(req)
         state = RequestState(req, submitted=time.perf_counter(), line=line,
-                             slot_options=self.dec.slot_options(req.options), sampling=self.check_sampling(req),
+                             slot_options=self._slot_options(req.options), sampling=self.check_sampling(req),
                              row=row, limit=limit, eos=eos)
-        self._live_ids[req.id] = state
+        self.live[req.id] = state
         self.queue.append(state)
         return state
 
-    def cancel(self, state: RequestState) -> None:
-        """Cancel a request: from now on it receives no token, and it is done.
+    def next_waiting(self) -> RequestState | None:
+        """Pop the oldest waiting request that is not done (cancelled while waiting); None if none."""
+        while self.queue:
+            state = self.queue.popleft()
+            if not state.done:
+                return state
+        return None
 
-        Its slot is freed at the next burst boundary; tokens of bursts already in
-        flight for it are dropped. Cancelling a finished request changes nothing.
-        """
-        if state.done:
-            return
-        state.cancelled = True
-        self._retire(state)
+    def withdraw(self, state: RequestState) -> None:
+        """Take a request that was never admitted out of the queue (a submit undone by the caller)."""
+        self.queue.remove(state)
+
+    def lookup(self, rid: str) -> RequestState | None:
+        """The request in flight with this id, if any."""
+        return self.live.get(rid)
+
+    def forget(self, state: RequestState) -> None:
+        """A request finished: its id may be used again."""
+        if self.live.get(state.request.id) is state:
+            del self.live[state.request.id]

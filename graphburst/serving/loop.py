@@ -12,12 +12,14 @@ A failure inside :meth:`ServeLoop.step` costs only the requests it touches: they
 with ``error`` set (``finish_reason == "error"``), the tokens already handed out stay,
 and the loop goes on serving the others.
 
-The pieces: requests and their validation (:mod:`graphburst.serving.request`), submission,
-ids, the waiting queue and cancellation (:mod:`graphburst.serving.intake`), the bursts in
-flight (:mod:`graphburst.serving.pipeline`), the per-slot token rows
-(:mod:`graphburst.serving.slot_tokens`) and the timing figures (:mod:`graphburst.serving.timing`).
-This module holds the loop itself: admission at burst boundaries, the step, delivery,
-a request's retirement, streaming and the loop's counters.
+The parts the loop owns: its intake (``loop.intake``: validation at submission, ids, the
+waiting queue; :mod:`graphburst.serving.intake`), its pipeline (``loop.pipeline``: the
+bursts in flight; :mod:`graphburst.serving.pipeline`) and its per-slot token rows
+(:mod:`graphburst.serving.slot_tokens`); requests are :mod:`graphburst.serving.request`,
+timing figures :mod:`graphburst.serving.timing`, and what a step did is told as typed events
+(:mod:`graphburst.serving.events`). This module holds the loop itself: admission at burst
+boundaries, the step, delivery, cancellation, a request's retirement, streaming and the
+loop's counters.
 """
 
 from __future__ import annotations
@@ -29,13 +31,14 @@ from collections.abc import AsyncIterator, Iterator
 import numpy as np
 
 from ..burst import BurstMode, SpecDecoder
-from .pipeline import BurstPipeline
 from ..capture import BurstGraph
-from .request import Request, RequestState
 from ..sampling.params import SamplingParams
+from .events import Admitted, Retired, Tokens
 from .intake import RequestIntake
-from .timing import inter_token_latencies_us, percentiles
+from .pipeline import BurstPipeline
+from .request import Request, RequestState
 from .slot_tokens import SlotTokens
+from .timing import inter_token_latencies_us, percentiles
 
 SERVE_MODES = (BurstMode.GRAPH, BurstMode.PER_ROUND_SYNC)  # ``pipelined`` makes the graph engine gapless
 ENGINE_MODES = tuple(m.value for m in SERVE_MODES) + ("eager_sync",)  # --engine choices; eager_sync: the old name
@@ -43,11 +46,8 @@ ENGINE_MODES = tuple(m.value for m in SERVE_MODES) + ("eager_sync",)  # --engine
 __all__ = ["ENGINE_MODES", "SERVE_MODES", "Request", "RequestState", "ServeLoop", "inter_token_latencies_us",
            "percentiles"]
 
-# Entries of ServeLoop.log (see there).
-LOG_TOKENS, LOG_ADMITTED, LOG_RETIRED = "tokens", "admitted", "retired"
 
-
-class ServeLoop(RequestIntake):
+class ServeLoop:
     """Continuous batching of requests over one captured burst graph.
 
     Parameters
@@ -67,14 +67,16 @@ class ServeLoop(RequestIntake):
 
     Attributes
     ----------
+    intake : RequestIntake
+        Validation at submission, request ids, the queue of requests waiting for a slot.
+    pipeline : BurstPipeline
+        The bursts in flight (launch, refill, drain).
     log : list or None
-        None (the default) or a list the loop appends to, in order, for a consumer that
-        forwards tokens elsewhere (the HTTP engine thread): ``(LOG_TOKENS, time, states [r]
-        object, rows [r] int, counts [B] int, ring [B, 1 + R] int32, acc [r, 2] int64)`` per
-        drained burst (row ``rows[i]`` of ``ring`` holds ``counts[rows[i]]`` tokens of
-        ``states[i]`` from column 1; ``acc[i]`` its accepted drafts and rounds so far, a
-        copy), ``(LOG_ADMITTED, state)`` when a request takes a slot and
-        ``(LOG_RETIRED, state)`` when one finishes for any reason. The consumer empties it.
+        None (the default) or a list of :mod:`~graphburst.serving.events` the loop appends
+        to, in order, for a consumer that forwards tokens elsewhere (JSONL writer, HTTP
+        engine thread): a :class:`~.events.Tokens` per drained burst, an
+        :class:`~.events.Admitted` when a request takes a slot, a :class:`~.events.Retired`
+        when one finishes for any reason. The consumer empties it.
     """
 
     def __init__(self, target, draft, *, k: int, m_rounds: int, engine: str = "graph", pipelined: bool = True,
@@ -83,9 +85,9 @@ class ServeLoop(RequestIntake):
         self.sampling = bool(sampling)
         self.dec = self._make_decoder(target, draft, k=k, m_rounds=m_rounds, sampling=self.sampling)
         self.engine = engine
-        self.bursts_in_flight = BurstPipeline(self.dec, engine, pipelined, make_graph=self._make_graph)
-        self.pipelined = self.bursts_in_flight.pipelined
-        self.graph = self.bursts_in_flight.graph
+        self.pipeline = BurstPipeline(self.dec, engine, pipelined, make_graph=self._make_graph)
+        self.pipelined = self.pipeline.pipelined
+        self.graph = self.pipeline.graph
         self.vocab = target.vocab
         batch = self.dec.batch
         self.slots: list[RequestState | None] = [None] * batch
@@ -96,7 +98,8 @@ class ServeLoop(RequestIntake):
         self._running = np.zeros(batch, bool)  # [B] slot holds a request that is not done
         self._n_occupied = 0  # slots holding a request (done or not)
         self._n_stale = 0  # slots holding a request that is done: freed at the next boundary
-        self._init_intake()  # queue, _live_ids (serve_intake)
+        self.intake = RequestIntake(vocab=self.vocab, capacity=self.dec.capacity, sampling=self.sampling,
+                                    slot_options=self.dec.slot_options)
         self.log: list | None = None
         self.errors = 0  # requests finished with an error by the loop
         self.bursts = 0
@@ -114,7 +117,29 @@ class ServeLoop(RequestIntake):
         return BurstGraph(self.dec, gapless=gapless)
 
     # ------------------------------------------------------------------ requests
-    # submit, validate, check_sampling and cancel come from RequestIntake (serve_intake).
+
+    def submit(self, req: Request, *, line: int | None = None) -> RequestState:
+        """Queue a request, validated now (:meth:`RequestIntake.submit`); admitted at a burst boundary."""
+        return self.intake.submit(req, line=line)
+
+    def validate(self, req: Request) -> Request:
+        """:meth:`RequestIntake.validate`: ValueError/TypeError naming a bad field; fills in a missing id."""
+        return self.intake.validate(req)
+
+    def check_sampling(self, req: Request) -> SamplingParams:
+        """:meth:`RequestIntake.check_sampling`."""
+        return self.intake.check_sampling(req)
+
+    def cancel(self, state: RequestState) -> None:
+        """Cancel a request: from now on it receives no token, and it is done.
+
+        Its slot is freed at the next burst boundary; tokens of bursts already in
+        flight for it are dropped. Cancelling a finished request changes nothing.
+        """
+        if state.done:
+            return
+        state.cancelled = True
+        self._retire(state)
 
     def _retire(self, state: RequestState, now: float | None = None, error: str | None = None) -> None:
         """Mark a request finished (once) and forget its id."""
@@ -128,10 +153,9 @@ class ServeLoop(RequestIntake):
             self._n_stale += 1  # its slot is freed at the next boundary
             state._detach()
         state.finished = now or time.perf_counter()
-        if self._live_ids.get(state.request.id) is state:
-            del self._live_ids[state.request.id]
+        self.intake.forget(state)
         if self.log is not None:
-            self.log.append((LOG_RETIRED, state))
+            self.log.append(Retired(state))
 
     @property
     def active(self) -> int:
@@ -140,7 +164,7 @@ class ServeLoop(RequestIntake):
     @property
     def idle(self) -> bool:
         """Nothing queued, running or in flight."""
-        return not self.queue and self._n_occupied == 0 and not self.bursts_in_flight
+        return not self.intake.queue and self._n_occupied == 0 and not self.pipeline
 
     # ------------------------------------------------------------------ admission
 
@@ -161,17 +185,13 @@ class ServeLoop(RequestIntake):
         self._free(freed)
         self._n_stale = 0
         self.dec.release(freed)
-        if not self.queue or self._n_occupied == self.dec.batch:
+        if not self.intake.queue or self._n_occupied == self.dec.batch:
             return
         batch = self.dec.batch
         prompts, limits, stops = [None] * batch, [None] * batch, [None] * batch
         options, admitted = {}, []
         for b in (b for b, s in enumerate(self.slots) if s is None):
-            state = None
-            while self.queue and state is None:
-                state = self.queue.popleft()
-                if state.done:  # cancelled while waiting: never admitted
-                    state = None
+            state = self.intake.next_waiting()  # one cancelled while waiting is never admitted
             if state is None:
                 break
             prompts[b], limits[b], stops[b] = state.row, state.limit, state.eos
@@ -188,7 +208,7 @@ class ServeLoop(RequestIntake):
             self.slots[b]._store = self.store
         self._running[admitted] = True
         if self.log is not None:
-            self.log += [(LOG_ADMITTED, self.slots[b]) for b in admitted]
+            self.log += [Admitted(self.slots[b]) for b in admitted]
         try:
             self.dec.set_slot_options(options)
             self.dec.prefill(prompts, max_new_tokens=limits, eos=stops, **self._sampling_args(admitted))
@@ -221,7 +241,7 @@ class ServeLoop(RequestIntake):
 
     def _needs_boundary(self) -> bool:
         """A request waits for a free slot, or a slot still holds a finished request."""
-        return bool(self.queue and self._n_occupied < self.dec.batch) or self._n_stale > 0
+        return bool(self.intake.queue and self._n_occupied < self.dec.batch) or self._n_stale > 0
 
     # ------------------------------------------------------------------ the loop
 
@@ -251,10 +271,10 @@ class ServeLoop(RequestIntake):
         for b in touched:
             self._retire(self.slots[b], now, error=msg)
         delivered = 0
-        pipe = self.bursts_in_flight
+        pipeline = self.pipeline
         if self.graph is not None:
-            while pipe:  # launched bursts still hold the other requests' tokens
-                delivered += self._deliver(*pipe.drain())
+            while pipeline:  # launched bursts still hold the other requests' tokens
+                delivered += self._deliver(*pipeline.drain())
         if self.dec.outstanding:  # a burst failed part-way through being enqueued
             self.dec.abandon_enqueued()
         self._boundary()
@@ -265,31 +285,31 @@ class ServeLoop(RequestIntake):
         return self._n_occupied == self.dec.batch and self._n_stale == 0
 
     def _step(self) -> int:
-        pipe = self.bursts_in_flight
-        if not pipe and self._n_occupied == 0:
+        pipeline = self.pipeline
+        if not pipeline and self._n_occupied == 0:
             # Nothing runs and no request holds a slot: the GPU's next gap is the loop
             # waiting for work, not host overhead between bursts, so it is not counted.
-            pipe.clock.forget_gap()
+            pipeline.clock.forget_gap()
         if self.graph is None:
             self._boundary()
-            return self._deliver(*pipe.run_eager(self._steady())) if self._n_occupied else 0
+            return self._deliver(*pipeline.run_eager(self._steady())) if self._n_occupied else 0
         delivered = 0
         if self._needs_boundary() or not self.pipelined or self._n_occupied == 0:
-            while pipe:
-                delivered += self._deliver(*pipe.drain())
+            while pipeline:
+                delivered += self._deliver(*pipeline.drain())
             self._boundary()
         if self._n_occupied == 0:
             return delivered
         steady = self._steady()
-        pipe.fill(steady)
-        if not pipe:
+        pipeline.fill(steady)
+        if not pipeline:
             return delivered
-        drained = pipe.drain()
+        drained = pipeline.drain()
         # Refill before handing the drained tokens out: while the host delivers burst n,
         # bursts n+1 and n+2 are both queued, so the GPU has work even if delivery is slow.
         try:
             if self.pipelined:
-                pipe.fill(steady)
+                pipeline.fill(steady)
         finally:  # a launch that fails (a capacity error, say) must not lose the drained tokens
             delivered += self._deliver(*drained)
         return delivered
@@ -308,7 +328,7 @@ class ServeLoop(RequestIntake):
         rows = np.flatnonzero(running & (counts > 0))
         self.store.append(tokens.data, counts, rows, acc, now)
         if self.log is not None and rows.size:
-            self.log.append((LOG_TOKENS, now, self._slot_state[rows], rows, counts, tokens.data, self.store.acc[rows]))
+            self.log.append(Tokens(now, self._slot_state[rows], rows, counts, tokens.data, self.store.acc[rows]))
         finished = running & (self.dec.host_left == 0)
         if finished.any():
             done = np.flatnonzero(finished).tolist()
@@ -362,13 +382,13 @@ class ServeLoop(RequestIntake):
         batch slot running (ramp-up and ramp-down left out). None without GPU timing.
         """
         elapsed = time.perf_counter() - self.started
-        clock = self.bursts_in_flight.clock
+        clock = self.pipeline.clock
         return {
             "bursts": self.bursts,
             "tokens": self.tokens_out,
             "tokens_per_s": self.tokens_out / elapsed if elapsed > 0 else 0.0,
             "active_slots": self.active,
-            "queued": len(self.queue),
+            "queued": len(self.intake),
             "errors": self.errors,
             "gpu_idle_fraction": clock.overall.idle_fraction,
             "gpu_idle_fraction_steady": clock.steady.idle_fraction,

@@ -1,6 +1,6 @@
 """A serving request and its state in flight: what the caller sends, what the loop keeps.
 
-:class:`Request` is what a caller submits; :func:`check_request` and
+:class:`Request` is what a caller submits; :func:`check_whole_request_fits` and
 :func:`check_request_sampling` validate it once, at submission, and the validated values
 (the prompt as a ``[n] int32`` row, the budget, the stop token, the sampling settings)
 are kept on its :class:`RequestState`. The loop admits from those, so a caller changing
@@ -59,11 +59,19 @@ class Request:
     seed: int | None = None
 
 
-def check_request(req: Request, *, vocab: int, capacity: int) -> tuple[np.ndarray, int, int | None]:
-    """Validate a request's prompt, budget and stop token (not its id).
+def check_whole_request_fits(req: Request, *, vocab: int, capacity: int) -> tuple[np.ndarray, int, int | None]:
+    """Validate a request's prompt, budget and stop token (not its id): the whole request must fit.
 
     Returns ``(prompt [n] int32, max_new_tokens, eos)``; raises ValueError/TypeError naming
-    the bad field. The prompt check is the one ``SpecDecoder.prefill`` uses.
+    the bad field. The prompt and token checks are the ones ``SpecDecoder.prefill`` uses.
+
+    The capacity rules differ, on purpose. The serving loop's rule (this one): the prompt
+    plus the whole ``max_new_tokens`` budget must fit one slot's KV cache, so a request
+    the loop accepts can never run out of cache half-way and lose its work.
+    :meth:`graphburst.burst.SpecDecoder.check_first_burst_fits` (the decoder's, at prefill)
+    only needs the prompt plus the tokens of one burst to fit; a caller driving the
+    decoder directly may ask for more and is stopped by a ``CapacityError`` at the launch
+    of a burst that would overflow.
     """
     if not isinstance(req, Request):
         raise TypeError(f"request must be a graphburst.serving.loop.Request, got {type(req).__name__}")
@@ -113,7 +121,7 @@ class RequestState:
     owner: object = None  # whoever forwards its tokens (the HTTP engine's Ticket), found from ServeLoop.log
     slot_options: object = None  # the models' validated view of request.options (SpecDecoder.slot_options)
     sampling: SamplingParams | None = None  # validated sampling settings, seed filled in (check_request_sampling)
-    # Validated at submission (check_request); admission reads these, never the Request.
+    # Validated at submission (check_whole_request_fits); admission reads these, never the Request.
     row: np.ndarray | None = None  # [n] int32 prompt
     limit: int = 0  # max_new_tokens
     eos: int | None = None

@@ -1,0 +1,56 @@
+"""What a serving loop did, as typed events: the entries of ``ServeLoop.log``.
+
+A consumer that forwards tokens elsewhere (the JSONL writer, the HTTP engine thread, a
+test) sets ``loop.log = []``; every step then appends, in order, one :class:`Tokens` per
+drained burst that delivered tokens, one :class:`Admitted` when a request takes a batch
+slot and one :class:`Retired` when a request finishes for any reason (stop, length,
+cancel, error). The consumer reads them by type (``isinstance`` or ``match``) and
+empties the list. The events are frozen: the arrays they carry belong to the consumer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from .request import RequestState
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Tokens:
+    """One drained burst's tokens, for every request that received some.
+
+    Row ``rows[i]`` of ``ring`` holds ``counts[rows[i]]`` tokens of ``states[i]``, from
+    column 1. The engine thread splits these per request on the event loop, off the
+    burst's critical path, so the loop does no per-request work here.
+    """
+
+    time: float  # perf_counter when the burst's tokens were handed out
+    states: np.ndarray  # [r] object: the RequestState of each receiving slot
+    rows: np.ndarray  # [r] int64: their batch slots
+    counts: np.ndarray  # [B] int: tokens per slot in this burst
+    ring: np.ndarray  # [B, 1 + R] int32: the drained ring (column 0 is the committed token before the burst)
+    acc: np.ndarray  # [r, 2] int64: accepted drafts and rounds so far of each receiving request (a copy)
+
+    def tokens_of(self, i: int) -> list:
+        """The new tokens of ``states[i]`` as a list."""
+        b = int(self.rows[i])
+        return self.ring[b, 1 : 1 + int(self.counts[b])].tolist()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Admitted:
+    """A request took a batch slot (``state.slot``)."""
+
+    state: RequestState
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Retired:
+    """A request finished: ``state.finish_reason`` says why; no token reaches it after this."""
+
+    state: RequestState
+
+
+Event = Tokens | Admitted | Retired

@@ -1,0 +1,238 @@
+"""What a serving process runs, as one validated :class:`ServeConfig`, and the loop it describes.
+
+:func:`build_loop` is the one builder of a serving loop, for JSONL
+(:mod:`graphburst.serving.jsonl`) and HTTP (:mod:`graphburst.serving.http`) serving alike;
+the ``graphburst serve`` command (``serve_cli``) only turns its flags into a ServeConfig,
+and tensor-parallel serving (``parallel/serve_tp``) builds its own lockstep loop from the
+same config. Nothing here knows about argparse.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+import os
+
+from ..backend import BACKEND_NAMES, get_backend
+from ..constants import MAX_K
+from ..models.ngram import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, NGRAM_DRAFT, check_ngram_range, ngram_for
+from ..models.stubs import stub_pair
+from .loop import ENGINE_MODES, ServeLoop
+
+STUB_DEFAULTS = {"vocab": 32000, "layers": 4, "accept": 0.7, "cost_us": 0.0}
+TINY_RANDOM = "tiny-random"  # model value: checkpoint.tiny_random_pair, no files
+DTYPES = ("float32", "bfloat16")
+DRAFT_MODES = ("sharded", "replicated")
+STUB_MODEL_NAME = "graphburst-stub"
+
+
+class ConfigError(ValueError):
+    """A ServeConfig field that cannot run; ``field`` names it (the command maps it to its flag)."""
+
+    def __init__(self, field: str, why: str):
+        super().__init__(f"{field}: {why}")
+        self.field, self.why = field, why
+
+
+# field -> (minimum, maximum) of the numbers a ServeConfig takes (the flags' ranges)
+INT_RANGES = {"batch": (1, 65536), "k": (1, MAX_K), "rounds": (1, 1024), "capacity": (1, 2**31 - 1),
+              "vocab": (2, 2**31 - 1), "layers": (1, 4096), "max_queue": (1, 1_000_000), "tp": (1, 64)}
+REAL_RANGES = {"accept": (0.0, 1.0), "cost_us": (0.0, 1e6), "p_min": (0.0, 1.0), "drain_timeout": (0.0, 3600.0),
+               "dist_timeout": (1.0, 3600.0)}
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeConfig:
+    """Everything a serving process needs, validated at construction.
+
+    Models: the stub pair by default (``vocab``, ``layers``, ``accept``, ``cost_us``; None
+    takes :data:`STUB_DEFAULTS`), or ``model=DIR, draft=DIR`` (a Hugging Face Llama pair,
+    ``dtype``, ``p_min``), or ``model="tiny-random"`` (a small random pair built in memory).
+    A stub field given with ``model``, or a model field without it, is refused.
+
+    Raises
+    ------
+    ConfigError (a ValueError)
+        Naming the field and the value: a number out of range, a choice not offered, a
+        checkpoint directory that is not one, or fields that do not go together.
+    """
+
+    # the loop
+    backend: str = "auto"
+    engine: str = "graph"
+    batch: int = 64
+    k: int = 4
+    rounds: int = 8
+    capacity: int = 4096  # KV entries per slot
+    sampling: bool = False
+    pipelined: bool = True  # graph engine: keep a second burst in flight while the host hands out tokens
+    # stub models (the default)
+    vocab: int | None = None
+    layers: int | None = None
+    accept: float | None = None
+    cost_us: float | None = None
+    # Llama models
+    model: str | None = None
+    draft: str | None = None  # a checkpoint directory, or NGRAM_DRAFT: prompt lookup (stubs or any model)
+    ngram_min: int | None = None  # prompt lookup: shortest n-gram (None: DEFAULT_NGRAM_MIN with draft="ngram")
+    ngram_max: int | None = None  # longest n-gram, tried first
+    dtype: str | None = None
+    p_min: float | None = None
+    # intake: requests waiting for a slot (HTTP: before 429; JSONL: how far the reader reads ahead)
+    max_queue: int = 256
+    # JSONL serving
+    requests: str = "-"  # '-': stdin
+    output: str = "-"  # '-': stdout
+    live: bool = False  # the rich live view even when stderr is not a terminal
+    # HTTP serving
+    http: str | None = None  # [HOST:]PORT, None: JSONL
+    drain_timeout: float = 10.0
+    tokenizer: str | None = None
+    served_model_name: str | None = None
+    # tensor-parallel serving (parallel/serve_tp)
+    tp: int = 1
+    draft_mode: str = "sharded"
+    dist_timeout: float = 60.0
+
+    def __post_init__(self):
+        for name, (lo, hi) in INT_RANGES.items():
+            value = getattr(self, name)
+            if value is not None:
+                self._set(name, _int_in(name, value, lo, hi))
+        for name, (lo, hi) in REAL_RANGES.items():
+            value = getattr(self, name)
+            if value is not None:
+                self._set(name, _real_in(name, value, lo, hi))
+        for name, choices in (("backend", BACKEND_NAMES), ("engine", ENGINE_MODES), ("draft_mode", DRAFT_MODES)):
+            if getattr(self, name) not in choices:
+                raise ConfigError(name, f"must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ConfigError("dtype", f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        for name in ("sampling", "pipelined", "live"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(name, f"must be a bool, got {getattr(self, name)!r}")
+        self._check_ngram()
+        if self.model is None:
+            self._check_stubs()
+        else:
+            self._check_model()
+
+    def _check_ngram(self) -> None:
+        if not self.lookup:
+            for name in ("ngram_min", "ngram_max"):
+                if getattr(self, name) is not None:
+                    raise ConfigError(name, f"applies to draft={NGRAM_DRAFT!r} only, got {getattr(self, name)!r}")
+            return
+        if self.tp > 1:
+            raise ConfigError("draft", f"{NGRAM_DRAFT!r} is not wired into tensor-parallel serving (tp={self.tp})")
+        lo = DEFAULT_NGRAM_MIN if self.ngram_min is None else self.ngram_min
+        hi = max(DEFAULT_NGRAM_MAX, lo) if self.ngram_max is None else self.ngram_max
+        try:
+            lo, hi = check_ngram_range(lo, hi)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError("ngram_min" if "min" in str(exc).split(" ")[0] else "ngram_max", str(exc)) from None
+        self._set("ngram_min", lo)
+        self._set("ngram_max", hi)
+
+    def _set(self, name: str, value) -> None:
+        object.__setattr__(self, name, value)  # frozen: only __post_init__ fills in and normalises
+
+    def _check_stubs(self) -> None:
+        for name in ("draft", "dtype", "p_min"):
+            if getattr(self, name) is not None and not (name == "draft" and self.lookup):
+                raise ConfigError(name, f"applies to a model checkpoint only (the stub models are the "
+                                        f"default), got {getattr(self, name)!r}")
+        for name, value in STUB_DEFAULTS.items():
+            if getattr(self, name) is None:
+                self._set(name, value)
+
+    def _check_model(self) -> None:
+        for name in STUB_DEFAULTS:
+            if getattr(self, name) is not None:
+                raise ConfigError(name, f"applies to the stub models only; a model checkpoint sets the model "
+                                        f"(got {getattr(self, name)!r})")
+        if self.model == TINY_RANDOM:
+            if self.draft is not None and not self.lookup:
+                raise ConfigError("draft", f"model {TINY_RANDOM!r} builds its own draft (or use {NGRAM_DRAFT!r}), "
+                                           f"got {self.draft!r}")
+        elif self.draft is None:
+            raise ConfigError("draft", f"model {self.model!r} needs a draft directory (a smaller checkpoint with the "
+                                       "same vocabulary)")
+        else:
+            for name in ("model",) if self.lookup else ("model", "draft"):
+                if not os.path.isdir(getattr(self, name)):
+                    raise ConfigError(name, f"{getattr(self, name)!r} is not a directory")
+            if self.tokenizer is None and os.path.isfile(os.path.join(self.model, "tokenizer.json")):
+                self._set("tokenizer", self.model)  # the model directory's own tokenizer, unless told otherwise
+        self._set("dtype", self.dtype or "float32")
+        self._set("p_min", 0.0 if self.p_min is None else self.p_min)
+
+    @property
+    def stubs(self) -> bool:
+        return self.model is None
+
+    @property
+    def lookup(self) -> bool:
+        """Prompt-lookup drafting (``draft="ngram"``): no draft model."""
+        return self.draft == NGRAM_DRAFT
+
+
+def _int_in(name: str, value, lo: int, hi: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ConfigError(name, f"must be an int, got {type(value).__name__} {value!r}")
+    if not lo <= value <= hi:
+        raise ConfigError(name, f"must be in {lo}..{hi}, got {value}")
+    return int(value)
+
+
+def _real_in(name: str, value, lo: float, hi: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ConfigError(name, f"must be a number, got {type(value).__name__} {value!r}")
+    if math.isnan(value) or not lo <= value <= hi:
+        raise ConfigError(name, f"must be in [{lo:g}, {hi:g}], got {value}")
+    return float(value)
+
+
+def model_name(config: ServeConfig) -> str:
+    """The name the model is served as: ``served_model_name``, else taken from ``model``."""
+    if config.served_model_name is not None:
+        return config.served_model_name
+    if config.model is None:
+        return STUB_MODEL_NAME
+    return TINY_RANDOM if config.model == TINY_RANDOM else os.path.basename(os.path.normpath(config.model))
+
+
+def build_loop(config: ServeConfig, backend=None) -> ServeLoop:
+    """The models and the loop ``config`` describes; ``backend`` defaults to ``config.backend``'s.
+
+    Stubs by default; ``model=DIR, draft=DIR`` loads a Llama pair with
+    :func:`graphburst.models.checkpoint.load_pair` (torch on the backend's device: the GPU the
+    cupy backend uses, else the CPU), ``model="tiny-random"`` builds
+    :func:`graphburst.models.checkpoint.tiny_random_pair`.
+
+    Raises
+    ------
+    ValueError, OSError, ImportError
+        A checkpoint that cannot be loaded (the message names the file or key).
+    """
+    if not isinstance(config, ServeConfig):
+        raise TypeError(f"build_loop takes a ServeConfig, got {type(config).__name__}")
+    backend = get_backend(config.backend) if backend is None else backend
+    if config.stubs:
+        target, draft = stub_pair(config.batch, config.vocab, config.layers, 1, config.capacity,
+                                  accept_prob=config.accept, cost_ns=int(config.cost_us * 1000), backend=backend)
+    else:
+        from ..models import checkpoint  # torch and safetensors: only when a model is asked for
+
+        kw = dict(batch=config.batch, capacity=config.capacity, backend=backend, dtype=config.dtype)
+        if config.model == TINY_RANDOM:
+            target, draft = checkpoint.tiny_random_pair(**kw, p_min=config.p_min)
+        elif config.lookup:
+            target, draft = checkpoint.load_target(config.model, **kw), None
+        else:
+            target, draft = checkpoint.load_pair(config.model, config.draft, **kw, p_min=config.p_min)
+    if config.lookup:  # the built draft model (stub or tiny) is dropped: prompt lookup replaces it
+        draft = ngram_for(target, n_min=config.ngram_min, n_max=config.ngram_max)
+    return ServeLoop(target, draft, k=config.k, m_rounds=config.rounds, engine=config.engine,
+                     pipelined=config.pipelined, sampling=config.sampling)
