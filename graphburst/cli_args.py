@@ -14,6 +14,11 @@ import sys
 
 #: Largest memory the stub KV caches of one command may take; a larger size is a typo.
 MAX_KV_BYTES = 16 * 2**30
+#: Largest memory any other sized thing of one command may take (a benchmark's models, its tokens).
+MAX_FLAG_BYTES = MAX_KV_BYTES
+#: Host bytes one kept output token costs: a list slot and a Python int (most token ids are past
+#: the small-int cache).
+TOKEN_BYTES = 36
 
 
 class FlagError(Exception):
@@ -31,10 +36,33 @@ class FlagError(Exception):
         self.flag, self.why = flag, why
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Adds each flag's default to its help, unless the help already says it or there is none to say."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        default = action.default
+        if (action.option_strings and default not in (None, False, argparse.SUPPRESS) and "default" not in text
+                and text != argparse.SUPPRESS and not isinstance(action, argparse._HelpAction)):
+            text += " (default: %(default)s)"
+        return text
+
+
+class DeprecatedAlias(argparse.Action):
+    """An old spelling of a renamed flag: stores like the new one and says once, on stderr, to use it."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        new = next((a.option_strings[0] for a in parser._actions
+                    if a.dest == self.dest and a is not self and a.option_strings), self.dest)
+        print(f"{parser.prog}: note: {option_string} is deprecated here; use {new}", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
 class Parser(argparse.ArgumentParser):
     """An ArgumentParser whose errors are one line naming the flag as typed, exit 2."""
 
     def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
         super().__init__(*args, **kwargs)
         self.argv: list[str] = []
 
@@ -174,6 +202,13 @@ def check_kv_memory(batch: int, capacity: int, kv_layers: int, flags=("--batch",
         raise FlagError(flags[0], f"{batch} slots x {capacity} entries x {kv_layers} KV layers x 4 bytes = "
                                   f"{need / 2**30:.1f} GiB of KV cache, over the {MAX_KV_BYTES // 2**30} GiB limit "
                                   f"(lower {', '.join(flags)})")
+
+
+def check_memory(need: int, what: str, flags) -> None:
+    """Raise FlagError (naming ``flags[0]``) when ``what`` would take over MAX_FLAG_BYTES of memory."""
+    if need > MAX_FLAG_BYTES:
+        raise FlagError(flags[0], f"{what} take {need / 2**30:.1f} GiB, over the {MAX_FLAG_BYTES // 2**30} GiB "
+                                  f"limit (lower {', '.join(flags)})")
 
 
 def check_backend(name: str) -> None:

@@ -33,6 +33,7 @@ from .cli_args import FlagError, check_backend, check_kv_memory, int_in, readabl
 from .constants import MAX_K
 from .models.stubs import stub_pair
 from .serving.loop import ENGINE_MODES, LOG_RETIRED, Request, ServeLoop
+from .validate import parse_json
 
 STUB_DEFAULTS = {"vocab": 32000, "layers": 4, "accept": 0.7, "cost_us": 0.0}
 TINY_RANDOM = "tiny-random"  # --model value: checkpoint.tiny_random_pair, no files
@@ -48,11 +49,14 @@ def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="serve JSONL requests (file or stdin) over one captured burst graph")
     p.add_argument("--requests", type=readable_file, default="-", help="JSONL file, '-' for stdin")
     p.add_argument("--output", type=writable_file, default="-", help="JSONL results, '-' for stdout")
-    p.add_argument("--backend", choices=BACKEND_NAMES, default="auto")
-    p.add_argument("--engine", choices=ENGINE_MODES, default="graph")
+    p.add_argument("--backend", choices=BACKEND_NAMES, default="auto",
+                   help="cupy (GPU), numpy (CPU reference) or auto (cupy when a GPU is usable)")
+    p.add_argument("--engine", choices=ENGINE_MODES, default="graph",
+                   help="graph: one captured burst graph per burst; eager_sync: eager bursts with a host sync "
+                        "per round (for comparison)")
     p.add_argument("--batch", type=int_in(1, 65536), default=64, help="batch slots")
-    p.add_argument("-k", type=int_in(1, MAX_K), default=4)
-    p.add_argument("-m", "--rounds", type=int_in(1, 1024), default=8)
+    p.add_argument("-k", type=int_in(1, MAX_K), default=4, help="drafts per round")
+    p.add_argument("-m", "--rounds", type=int_in(1, 1024), default=8, help="rounds per burst")
     p.add_argument("--capacity", type=int_in(1, 2**31 - 1), default=4096, help="KV entries per slot")
     # Stub-only flags default to None so that giving one with --model can be refused.
     s = p.add_argument_group("stub models (the default; not with --model)")
@@ -83,6 +87,10 @@ def add_parser(sub) -> None:
     h.add_argument("--max-queue", type=int_in(1, 1_000_000), default=256, help="waiting requests before 429")
     h.add_argument("--drain-timeout", type=real_in(0.0, 3600.0), default=10.0,
                    help="seconds to finish requests on SIGTERM")
+    h.add_argument("--header-timeout", type=real_in(0.1, 3600.0), default=30.0,
+                   help="seconds a connection may stay idle, or take to send a whole request head")
+    h.add_argument("--body-timeout", type=real_in(0.1, 3600.0), default=30.0,
+                   help="seconds a request may take to send its body")
     h.add_argument("--tokenizer", default=None, metavar="DIR", help="model dir with tokenizer.json (text I/O)")
     h.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default graphburst-stub, or the --model directory's name)")
@@ -180,12 +188,7 @@ def build_loop(args, backend) -> ServeLoop:
 
 def parse_line(text: str) -> Request:
     """A request from one JSONL line; raises ValueError/TypeError naming what is wrong."""
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"bad JSON: {exc.msg} at column {exc.colno}") from exc
-    except RecursionError as exc:
-        raise ValueError("bad JSON: nested too deeply") from exc
+    obj = parse_json(text)
     if not isinstance(obj, dict):
         raise TypeError(f"a request must be a JSON object, got {type(obj).__name__}")
     missing = [f for f in ("prompt", "max_new_tokens") if f not in obj]
@@ -195,11 +198,9 @@ def parse_line(text: str) -> Request:
     # seed; the models refuse any key they do not claim, so a typo is an error record.
     options = {k: v for k, v in obj.items() if k not in FIELDS}
     req = Request(**{k: v for k, v in obj.items() if k in FIELDS}, options=options or None)
-    if req.id is not None:
-        if not isinstance(req.id, (str, int)) or isinstance(req.id, bool):
-            raise TypeError(f"id must be a string or an integer, got {type(req.id).__name__}")
-        req.id = str(req.id)
-    return req
+    if req.id is not None and (not isinstance(req.id, (str, int)) or isinstance(req.id, bool)):
+        raise TypeError(f"id must be a string or an integer, got {type(req.id).__name__}")
+    return req  # an int id stays an int: 7 and "7" are two ids, written back as given
 
 
 def _error_text(exc: BaseException) -> str:
@@ -274,7 +275,8 @@ def run(args, console: Console, loop: ServeLoop | None = None) -> int:
     except (ValueError, TypeError, RuntimeError, OSError, ImportError) as exc:
         print(f"graphburst serve: {_error_text(exc)}", file=sys.stderr)
         return 2
-    err = Console(stderr=True)
+    # A log file gets plain lines: rich would wrap them at 80 columns, mid-phrase.
+    err = Console(stderr=True) if sys.stderr.isatty() else Console(stderr=True, soft_wrap=True, highlight=False)
     if not backend.is_gpu:
         err.print("graphburst serve: no GPU in use; running the numpy reference backend")
     source = sys.stdin.buffer if args.requests == "-" else open(args.requests, "rb")  # noqa: SIM115 - closed below

@@ -4,7 +4,8 @@ A request is validated once, when it is submitted (:func:`~graphburst.serving.re
 and :func:`~graphburst.serving.request.check_request_sampling`); the validated values go on its
 :class:`~graphburst.serving.request.RequestState`, which waits in ``queue`` until the loop admits
 it at a burst boundary. Every request queued or running is known by id in ``_live_ids``:
-an id already in flight is refused, and a made-up id never equals one.
+an id already in flight is refused, and a made-up id (``auto-N``, a form refused from callers)
+never equals one.
 
 :class:`RequestIntake` is a mixin of :class:`~graphburst.serving.loop.ServeLoop`, which provides
 ``vocab``, ``sampling``, ``dec`` (``capacity``, ``slot_options``) and ``_retire`` (the end
@@ -15,10 +16,16 @@ from __future__ import annotations
 
 import collections
 import itertools
+import numbers
+import re
 import time
 
 from .request import Request, RequestState, check_request, check_request_sampling
 from ..sampling.params import SamplingParams
+
+#: The form of a made-up id (``auto-0``, ``auto-1``, ...). A caller's id of this form is refused, so a
+#: made-up id never equals a caller's, whichever comes first.
+MADE_UP_ID = re.compile(r"auto-[0-9]+")
 
 
 class RequestIntake:
@@ -46,11 +53,18 @@ class RequestIntake:
         self._check_id(req)
         return req
 
+    #: True where ids come from a loop that made them up already (the followers of a lockstep group).
+    replays_ids = False
+
     def _check_id(self, req: Request) -> None:
+        # Ids are compared as given: 7 and "7" are two ids (a JSON reader sees two different values).
         if req.id is None:
             req.id = self._new_id()
-        elif not isinstance(req.id, str):
-            raise TypeError(f"id must be a str, got {type(req.id).__name__}")
+        elif isinstance(req.id, bool) or not isinstance(req.id, (str, numbers.Integral)):
+            raise TypeError(f"id must be a str or an int, got {type(req.id).__name__}")
+        elif isinstance(req.id, str) and MADE_UP_ID.fullmatch(req.id) and not self.replays_ids:
+            raise ValueError(f"id {req.id!r} has the form of the ids made up for requests without one "
+                             "(auto-N); choose another")
         elif req.id in self._live_ids:
             other = self._live_ids[req.id]
             where = "" if other.line is None else f" (line {other.line})"
@@ -61,10 +75,7 @@ class RequestIntake:
         return check_request_sampling(req, sampling=self.sampling)
 
     def _new_id(self) -> str:
-        while True:
-            rid = f"req-{next(self._ids)}"
-            if rid not in self._live_ids:
-                return rid
+        return f"auto-{next(self._ids)}"  # no caller's id has this form (MADE_UP_ID)
 
     def submit(self, req: Request, *, line: int | None = None) -> RequestState:
         """Queue a request (validated now); it is admitted at the next burst boundary.
