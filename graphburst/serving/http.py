@@ -161,7 +161,10 @@ class Server:
 
     def _error(self, exc: api.APIError, headers=None) -> web.Response:
         self.metrics.rejected.labels(str(exc.status)).inc()
-        return web.json_response(exc.body(), status=exc.status, headers=headers)
+        resp = web.json_response(exc.body(), status=exc.status, headers=headers)
+        if exc.status in (408, 413):  # the rest of the body was never read: the connection cannot be reused
+            resp.force_close()
+        return resp
 
     # ------------------------------------------------------------------ completions
 
@@ -295,7 +298,10 @@ async def _serve(args, loop: ServeLoop, host: str, port: int, tokenizer) -> int:
     # aiohttp's keep-alive timer runs from the connection's start until a whole request head has
     # arrived, and between requests: so it bounds an idle connection and a half-sent head alike.
     runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None, shutdown_timeout=CANCEL_GRACE_S,
-                           keepalive_timeout=getattr(args, "header_timeout", HEADER_TIMEOUT_S))
+                           keepalive_timeout=getattr(args, "header_timeout", HEADER_TIMEOUT_S),
+                           # after an answer that left the body unread (408, 413), aiohttp reads on for this
+                           # long before it closes: no longer than the body itself was given
+                           lingering_time=getattr(args, "body_timeout", BODY_TIMEOUT_S))
     await runner.setup()
     try:
         try:
