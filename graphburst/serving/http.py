@@ -124,6 +124,8 @@ class Server:
             return self._error(_http_error(request, exc), headers={k: v for k, v in exc.headers.items()
                                                                    if k.lower() == "allow"})
         except Exception as exc:  # noqa: BLE001 - a bug costs this request only, never the server
+            if request.get("streaming"):  # the SSE head is out: no other response can follow it
+                raise
             print(f"graphburst serve: {request.method} {request.path}: {type(exc).__name__}: {exc}",
                   file=sys.stderr, flush=True)
             return self._error(api.APIError(f"internal error: {type(exc).__name__}", status=500,
@@ -246,6 +248,7 @@ class Server:
                       queue: asyncio.Queue) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
+        request["streaming"] = True  # read by _json_errors
         n = len(comp.prompts)
         chunks = api.StreamChunks(cid, api.now(), self.model)
         detok = [_Detokenizer(self.tokenizer) for _ in range(n)]
