@@ -28,7 +28,9 @@ def main(argv=None) -> int:
     commands = {"demo": (demo.check_args, demo.run), "bench": (bench.check_args, bench.run),
                 "serve": (serve_cli.check_args, serve_cli.run)}
     check, run = commands[args.command]
-    subparser = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[args.command]
+    subparser = parser  # the innermost command's parser ("graphburst bench real"), which names it in errors
+    while (subs := [a for a in subparser._actions if isinstance(a, argparse._SubParsersAction)]):
+        subparser = subs[0].choices[getattr(args, subs[0].dest)]
     try:
         check(args)
     except FlagError as exc:

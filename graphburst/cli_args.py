@@ -204,11 +204,12 @@ def check_kv_memory(batch: int, capacity: int, kv_layers: int, flags=("--batch",
                                   f"(lower {', '.join(flags)})")
 
 
-def check_memory(need: int, what: str, flags) -> None:
-    """Raise FlagError (naming ``flags[0]``) when ``what`` would take over MAX_FLAG_BYTES of memory."""
-    if need > MAX_FLAG_BYTES:
-        raise FlagError(flags[0], f"{what} take {need / 2**30:.1f} GiB, over the {MAX_FLAG_BYTES // 2**30} GiB "
-                                  f"limit (lower {', '.join(flags)})")
+def check_memory(need: int, what: str, flags, limit: int | None = None, where: str = "limit") -> None:
+    """Raise FlagError (naming ``flags[0]``) when ``what`` would take over ``limit`` bytes (MAX_FLAG_BYTES)."""
+    limit = MAX_FLAG_BYTES if limit is None else limit
+    if need > limit:
+        raise FlagError(flags[0], f"{what} take {need / 2**30:.1f} GiB, over the {limit / 2**30:.0f} GiB {where} "
+                                  f"(lower {', '.join(flags)})")
 
 
 def check_backend(name: str) -> None:

@@ -221,3 +221,18 @@ def test_readme_has_two_fresh_machine_commands_and_the_cpu_path_beside_the_gpu_o
     # chosen by what the machine has, so the CPU path is the same command.
     assert "nvidia-smi" in main and "'.[cuda12]'" in main and "echo .)" in main
     assert re.search(r"tests? (takes?|took|ran in) .*minutes? on (a )?2[- ]core", text), "no test time in README"
+
+
+# ---------------------------------------------------------------- item 16: the suite's CPU use
+
+
+def test_test_processes_use_one_cpu_thread_unless_told_otherwise():
+    """conftest sets OMP_NUM_THREADS=1 (and the BLAS pools') for the suite and every subprocess it
+    starts: idle pool threads spinning on a shared 2-core machine made the suite several times slower."""
+    torch = pytest.importorskip("torch")
+    assert "OMP_NUM_THREADS" in os.environ  # set by conftest, or given outside
+    if os.environ["OMP_NUM_THREADS"] == "1":
+        assert torch.get_num_threads() == 1
+    child = subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"], env=ENV,
+                           capture_output=True, text=True, timeout=60)
+    assert child.stdout.strip() == os.environ["OMP_NUM_THREADS"], child.stderr

@@ -147,7 +147,9 @@ def check_args(args) -> None:
         # graphburst would run on the GPU and the models on the CPU: nothing meaningful to time.
         raise FlagError("--backend", f"{args.backend} picks the GPU but this torch build has no CUDA; "
                                      "install CUDA torch or use --backend numpy")
-    check_run_memory(s)
+    gpu = args.backend != "numpy" and cuda_available()
+    # A GPU run is bounded by the device's memory (an H200 takes far more than a host-side limit).
+    check_run_memory(s, torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory if gpu else None)
 
 
 def _capacity(s) -> int:
@@ -155,8 +157,9 @@ def _capacity(s) -> int:
     return s["prompt_len"] + max(s["rounds"], CALIBRATION["rounds"]) * (s["k"] + 1)
 
 
-def check_run_memory(s) -> None:
-    """Refuse sizes whose caches and logits would pass cli_args.MAX_FLAG_BYTES (rather than a 24 GB surprise)."""
+def check_run_memory(s, device_bytes: int | None = None) -> None:
+    """Refuse sizes whose caches and logits would pass the GPU's memory, or cli_args.MAX_FLAG_BYTES on the
+    CPU (rather than a 24 GB surprise)."""
     from .real_models import MODELS, run_bytes
 
     batch, engines = max(s["batches"]), len(s["engines"]) + 1  # + the source model they share weights with
@@ -164,7 +167,8 @@ def check_run_memory(s) -> None:
         need = run_bytes(MODELS[name], batch=batch, capacity=_capacity(s), k=s["k"], prompt_len=s["prompt_len"],
                          item=2 if s["dtype"] == "bfloat16" else 4, engines=engines)
         check_memory(need, f"{engines} engines x batch {batch} of model {name} ({_capacity(s)} positions)",
-                     ("--batches", "--rounds", "--prompt-len", "--engines"))
+                     ("--batches", "--rounds", "--prompt-len", "--engines"), limit=device_bytes,
+                     where="limit" if device_bytes is None else "of the GPU")
 
 
 # ---------------------------------------------------------------------- steps
