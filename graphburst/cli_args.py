@@ -58,12 +58,22 @@ class DeprecatedAlias(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
+class _Commands(argparse._SubParsersAction):
+    """Subcommands whose own --help starts with the line the parent's list shows for them."""
+
+    def add_parser(self, name, **kwargs):
+        if "help" in kwargs:
+            kwargs.setdefault("description", kwargs["help"])
+        return super().add_parser(name, **kwargs)
+
+
 class Parser(argparse.ArgumentParser):
     """An ArgumentParser whose errors are one line naming the flag as typed, exit 2."""
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("formatter_class", HelpFormatter)
         super().__init__(*args, **kwargs)
+        self.register("action", "parsers", _Commands)
         self.argv: list[str] = []
 
     def parse_args(self, args=None, namespace=None):

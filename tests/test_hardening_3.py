@@ -197,6 +197,7 @@ def test_every_flag_has_help_and_every_default_is_shown():
             if action.default not in (None, False) and "default" not in text:
                 hidden.append(f"{name} {action.option_strings[-1]}")
     assert not missing and not hidden, (missing, hidden)
+    assert all(parser.description for _, parser in _parsers(root)), "a command's --help says nothing of it"
     demo = " ".join(dict(_parsers(root))["graphburst demo"].format_help().split())
     assert "--bursts BURSTS bursts of M rounds to run and check (default: 4)" in demo
 
