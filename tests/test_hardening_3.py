@@ -118,6 +118,20 @@ def test_a_made_up_id_never_turns_away_a_later_user_id():
     assert auto.tokens == greedy_reference([1], 4, VOCAB) and user.tokens == greedy_reference([2], 4, VOCAB)
 
 
+def test_a_loop_that_replays_another_loops_requests_takes_its_made_up_ids():
+    """A lockstep follower (parallel/lockstep.py: replays_ids) submits rank 0's requests, made-up ids included."""
+    from graphburst.parallel.lockstep import LockstepLoop
+
+    assert LockstepLoop.replays_ids.fget(type("Follower", (), {"leader": False})())
+    target, draft = stub_pair(2, VOCAB, [True], [True], 64, backend="numpy")
+    follower = type("Follower", (ServeLoop,), {"replays_ids": True})(target, draft, k=2, m_rounds=1)
+    state = follower.submit(Request([1], 3, id="auto-0"))
+    with pytest.raises(ValueError, match="already in flight"):
+        follower.submit(Request([1], 3, id="auto-0"))
+    follower.run_until_idle()
+    assert state.tokens == greedy_reference([1], 3, VOCAB)
+
+
 def test_int_and_string_ids_are_two_ids():
     loop = _loop()
     a = loop.submit(parse_line('{"id": 7, "prompt": [1], "max_new_tokens": 4}'), line=1)
