@@ -1,4 +1,7 @@
-"""The ``graphburst`` command line: ``demo``, ``bench`` and ``serve``."""
+"""The graphburst command line: demo, bench and serve.
+
+Speculative decoding with a whole M-round burst captured as one CUDA graph (the numpy
+reference backend on a machine without a GPU). Each command has its own --help."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ from rich.console import Console
 from . import bench
 from . import demo
 from . import serve_cli
+from .backend import cuda_available
 from .cli_args import FlagError, Parser
 from .models.llama_config import CheckpointError
 
@@ -25,11 +29,17 @@ def main(argv=None) -> int:
     commands = {"demo": (demo.check_args, demo.run), "bench": (bench.check_args, bench.run),
                 "serve": (serve_cli.check_args, serve_cli.run)}
     check, run = commands[args.command]
-    subparser = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[args.command]
+    subparser = parser  # the innermost command's parser ("graphburst bench real"), which names it in errors
+    while (subs := [a for a in subparser._actions if isinstance(a, argparse._SubParsersAction)]):
+        subparser = subs[0].choices[getattr(args, subs[0].dest)]
     try:
         check(args)
     except FlagError as exc:
         subparser.flag_error(exc)
+    if getattr(args, "backend", None) == "auto":
+        # Resolved here: every command says itself when it runs on the CPU, so the library's
+        # fallback RuntimeWarning (for Python callers) would say it a second time.
+        args.backend = "cupy" if cuda_available() else "numpy"
     # Wide tables stay readable when the output is a log file rather than a terminal.
     console = Console() if sys.stdout.isatty() else Console(width=220)
     try:

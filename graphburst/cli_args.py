@@ -18,6 +18,11 @@ from .models.ngram import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, NGRAM_DRAFT
 #: ``--draft`` value that picks prompt-lookup drafting (models/ngram.py) instead of a draft model.
 #: Largest memory the stub KV caches of one command may take; a larger size is a typo.
 MAX_KV_BYTES = 16 * 2**30
+#: Largest memory any other sized thing of one command may take (a benchmark's models, its tokens).
+MAX_FLAG_BYTES = MAX_KV_BYTES
+#: Host bytes one kept output token costs: a list slot and a Python int (most token ids are past
+#: the small-int cache).
+TOKEN_BYTES = 36
 
 
 class FlagError(Exception):
@@ -35,11 +40,44 @@ class FlagError(Exception):
         self.flag, self.why = flag, why
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Adds each flag's default to its help, unless the help already says it or there is none to say."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        default = action.default
+        if (action.option_strings and default not in (None, False, argparse.SUPPRESS) and "default" not in text
+                and text != argparse.SUPPRESS and not isinstance(action, argparse._HelpAction)):
+            text += " (default: %(default)s)"
+        return text
+
+
+class DeprecatedAlias(argparse.Action):
+    """An old spelling of a renamed flag: stores like the new one and says once, on stderr, to use it."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        new = next((a.option_strings[0] for a in parser._actions
+                    if a.dest == self.dest and a is not self and a.option_strings), self.dest)
+        print(f"{parser.prog}: note: {option_string} is deprecated here; use {new}", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+class _Commands(argparse._SubParsersAction):
+    """Subcommands whose own --help starts with the line the parent's list shows for them."""
+
+    def add_parser(self, name, **kwargs):
+        if "help" in kwargs:
+            kwargs.setdefault("description", kwargs["help"])
+        return super().add_parser(name, **kwargs)
+
+
 class Parser(argparse.ArgumentParser):
     """An ArgumentParser whose errors are one line naming the flag as typed, exit 2."""
 
     def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
         super().__init__(*args, **kwargs)
+        self.register("action", "parsers", _Commands)
         self.argv: list[str] = []
 
     def parse_args(self, args=None, namespace=None):
@@ -182,6 +220,14 @@ def check_kv_memory(batch: int, capacity: int, kv_layers: int, flags=("--batch",
     if need > MAX_KV_BYTES:
         raise FlagError(flags[0], f"{batch} slots x {capacity} entries x {kv_layers} KV layers x 4 bytes = "
                                   f"{need / 2**30:.1f} GiB of KV cache, over the {MAX_KV_BYTES // 2**30} GiB limit "
+                                  f"(lower {', '.join(flags)})")
+
+
+def check_memory(need: int, what: str, flags, limit: int | None = None, where: str = "limit") -> None:
+    """Raise FlagError (naming ``flags[0]``) when ``what`` would take over ``limit`` bytes (MAX_FLAG_BYTES)."""
+    limit = MAX_FLAG_BYTES if limit is None else limit
+    if need > limit:
+        raise FlagError(flags[0], f"{what} take {need / 2**30:.1f} GiB, over the {limit / 2**30:.0f} GiB {where} "
                                   f"(lower {', '.join(flags)})")
 
 

@@ -27,7 +27,7 @@ from .backend import BACKEND_NAMES, get_backend
 from .burst import BurstMode, SpecDecoder
 from .cli_args import NGRAM_DRAFT, FlagError, add_ngram_flags, check_backend, check_kv_memory, check_ngram_flags, \
     draft_dir_or_ngram, int_in, readable_dir, real_in
-from .constants import MAX_K
+from .constants import MAX_K, TOP_K_OFF, TOP_P_OFF
 from .kernels.digest import greedy_reference
 from .sampling.params import check_sampling
 
@@ -40,7 +40,8 @@ STUB_P_MIN = 0.05
 def add_parser(sub) -> None:
     p = sub.add_parser("demo", help="run a few bursts (graph replay by default) and check them against greedy "
                                     "decoding")
-    p.add_argument("--backend", choices=BACKEND_NAMES, default="auto")
+    p.add_argument("--backend", choices=BACKEND_NAMES, default="auto",
+                   help="cupy (GPU), numpy (CPU reference) or auto (cupy when a GPU is usable)")
     p.add_argument("--model", default=None,
                    help=f"'{TINY_RANDOM}' (a small random Llama pair, no files) or a Hugging Face checkpoint "
                         "directory (Llama, Mistral, Qwen2, Qwen3); the stub models when absent")
@@ -49,10 +50,10 @@ def add_parser(sub) -> None:
                         "draft model (with the stubs or any --model)")
     add_ngram_flags(p)
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="weights and KV of a --model pair")
-    p.add_argument("--batch", type=int_in(1, 4096), default=4)
+    p.add_argument("--batch", type=int_in(1, 4096), default=4, help="sequences decoded together")
     p.add_argument("-k", type=int_in(1, MAX_K), default=4, help="drafts per round")
     p.add_argument("-m", "--rounds", type=int_in(1, 1024), default=8, help="rounds per burst")
-    p.add_argument("--bursts", type=int_in(1, 10_000), default=4)
+    p.add_argument("--bursts", type=int_in(1, 10_000), default=4, help="bursts of M rounds to run and check")
     p.add_argument("--layers", type=int_in(1, 4096), default=8, help="stub target KV layers (every third absent)")
     p.add_argument("--accept", type=real_in(0.0, 1.0), default=0.7, help="stub draft agreement probability")
     p.add_argument("--p-min", type=real_in(0.0, 1.0), default=None,
@@ -61,12 +62,16 @@ def add_parser(sub) -> None:
     p.add_argument("--vocab", type=int_in(2, 2**31 - 1), default=32000, help="stub vocabulary")
     p.add_argument("--mode", choices=DEMO_MODES, default=BurstMode.GRAPH.value,
                    help="graph replay (default), graph with the gapless drain, or an eager mode")
-    p.add_argument("--seed", type=int_in(0, 2**32 - 1), default=0)
+    p.add_argument("--seed", type=int_in(0, 2**32 - 1), default=0,
+                   help="the prompts, the stub models (or tiny-random weights) and, when sampling, each slot's "
+                        "sampling seed (--seed * 2**16 + slot)")
     p.add_argument("--temperature", type=real_in(0.0, 1e6), default=0.0,
                    help="sample at this temperature (0: greedy decoding, checked against the greedy reference)")
-    p.add_argument("--top-k", type=int_in(0, 2**31 - 1), default=0,
-                   help="sampling: keep the k likeliest tokens (0: off)")
-    p.add_argument("--top-p", type=real_in(1e-9, 1.0), default=1.0, help="sampling: nucleus mass in (0, 1] (1: off)")
+    # None (not 0 / 1.0) so that check_args can tell a --top-k given without --temperature.
+    p.add_argument("--top-k", type=int_in(0, 2**31 - 1), default=None,
+                   help="sampling (needs --temperature > 0): keep the k likeliest tokens (0: off)")
+    p.add_argument("--top-p", type=real_in(1e-9, 1.0), default=None,
+                   help="sampling (needs --temperature > 0): nucleus mass in (0, 1] (1: off)")
     # Multi-GPU (docs/parallel.md): launch with torchrun --nproc_per_node N -m graphburst demo ...
     p.add_argument("--tp", type=int_in(1, 64), default=1, help="tensor-parallel ranks (torchrun, --model only)")
     p.add_argument("--pp", type=int_in(1, 64), default=1, help="pipeline stages (torchrun, --model only)")
@@ -90,6 +95,14 @@ def check_args(args) -> None:
         readable_dir(args.model, flag="--model")
         if args.draft is None:
             raise FlagError("--model", f"a checkpoint directory needs --draft DIR (or use --model {TINY_RANDOM})")
+    if args.temperature == 0:
+        # Greedy decoding has no distribution to filter: a filter given here would be ignored.
+        for flag, value in (("--top-k", args.top_k), ("--top-p", args.top_p)):
+            if value is not None:
+                raise FlagError(flag, "filters sampling, and without --temperature (> 0) the demo decodes greedily; "
+                                      "add --temperature T or drop " + flag)
+    args.top_k = TOP_K_OFF if args.top_k is None else args.top_k
+    args.top_p = TOP_P_OFF if args.top_p is None else args.top_p
     try:
         check_sampling(args.temperature, args.top_k, args.top_p)
     except ValueError as exc:

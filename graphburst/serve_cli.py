@@ -19,7 +19,7 @@ from .cli_args import NGRAM_DRAFT, FlagError, add_ngram_flags, check_backend, ch
     check_ngram_flags, int_in, readable_file, real_in, same_file, writable_file
 from .constants import MAX_K
 from .serving.factory import STUB_DEFAULTS, TINY_RANDOM, ConfigError, ServeConfig, build_loop
-from .serving.jsonl import error_text
+from .serving.jsonl import error_text, stderr_console
 from .serving.loop import ENGINE_MODES, ServeLoop
 
 # ServeConfig fields whose flag is not "--" + the field's name with dashes
@@ -30,11 +30,14 @@ def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="serve JSONL requests (file or stdin) over one captured burst graph")
     p.add_argument("--requests", type=readable_file, default="-", help="JSONL file, '-' for stdin")
     p.add_argument("--output", type=writable_file, default="-", help="JSONL results, '-' for stdout")
-    p.add_argument("--backend", choices=BACKEND_NAMES, default="auto")
-    p.add_argument("--engine", choices=ENGINE_MODES, default="graph")
+    p.add_argument("--backend", choices=BACKEND_NAMES, default="auto",
+                   help="cupy (GPU), numpy (CPU reference) or auto (cupy when a GPU is usable)")
+    p.add_argument("--engine", choices=ENGINE_MODES, default="graph",
+                   help="graph: one captured burst graph per burst; per_round_sync (or eager_sync): eager bursts "
+                        "with a host sync per round (for comparison)")
     p.add_argument("--batch", type=int_in(1, 65536), default=64, help="batch slots")
-    p.add_argument("-k", type=int_in(1, MAX_K), default=4)
-    p.add_argument("-m", "--rounds", type=int_in(1, 1024), default=8)
+    p.add_argument("-k", type=int_in(1, MAX_K), default=4, help="drafts per round")
+    p.add_argument("-m", "--rounds", type=int_in(1, 1024), default=8, help="rounds per burst")
     p.add_argument("--capacity", type=int_in(1, 2**31 - 1), default=4096, help="KV entries per slot")
     # Stub-only flags default to None so that giving one with --model can be refused.
     s = p.add_argument_group("stub models (the default; not with --model)")
@@ -69,6 +72,10 @@ def add_parser(sub) -> None:
                    help="requests waiting for a batch slot: HTTP answers 429 beyond it, JSONL reads no further ahead")
     h.add_argument("--drain-timeout", type=real_in(0.0, 3600.0), default=10.0,
                    help="seconds to finish requests on SIGTERM")
+    h.add_argument("--header-timeout", type=real_in(0.1, 3600.0), default=30.0,
+                   help="seconds a connection may stay idle, or take to send a whole request head")
+    h.add_argument("--body-timeout", type=real_in(0.1, 3600.0), default=30.0,
+                   help="seconds a request may take to send its body")
     h.add_argument("--tokenizer", default=None, metavar="DIR", help="model dir with tokenizer.json (text I/O)")
     h.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default graphburst-stub, or the --model directory's name)")
@@ -153,5 +160,5 @@ def run(args, console: Console) -> int:
         return serve_tp.run(config, console)
     if config.http:
         return serve(config, None, console)  # the HTTP server builds its loop after checking its own flags
-    loop = build(config, Console(stderr=True))
+    loop = build(config, stderr_console())
     return 2 if loop is None else serve(config, loop, console)

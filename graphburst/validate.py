@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import numbers
+import sys
 from collections.abc import Sequence
 
 import numpy as np
@@ -112,3 +114,50 @@ def per_slot(name: str, value, batch: int) -> list:
     if len(value) != batch:
         raise ValueError(f"{name} must be a scalar or have one entry per slot ({batch}), got {len(value)}")
     return value
+
+
+class _LongInt:
+    """Stands in for an over-long integer while a request is decoded again; the walk names its field."""
+
+    def __init__(self, digits: int):
+        self.digits = digits
+
+
+def _find_long_int(obj):
+    """Path (``max_new_tokens``, ``prompt[3]``) and value of the first _LongInt in ``obj``; iterative
+    because ``obj`` may be nested as deep as the parser allows."""
+    todo = [("", obj)]
+    while todo:
+        path, value = todo.pop()
+        if isinstance(value, _LongInt):
+            return path or "the value", value
+        if isinstance(value, dict):
+            todo += reversed([(f"{path}.{k}" if path else str(k), v) for k, v in value.items()])
+        elif isinstance(value, list):
+            todo += reversed([(f"{path}[{i}]", v) for i, v in enumerate(value)])
+    return "the value", None
+
+
+def parse_json(text: str):
+    """Decode one request (a JSONL line, an HTTP body); raise ValueError with a one-line reason.
+
+    The reason names the column of a syntax error, says when the nesting is too deep for
+    the parser, and names the field of an integer longer than Python converts
+    (``sys.get_int_max_str_digits()``, 4300 by default) rather than Python's advice to raise it.
+    """
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"bad JSON: {exc.msg} at column {exc.colno}") from None
+    except RecursionError:
+        raise ValueError("bad JSON: nested too deeply") from None
+    except ValueError:  # an integer over the conversion limit: decode again (slowly) to find its field
+        limit = sys.get_int_max_str_digits()
+
+        def parse_int(digits: str):
+            n = len(digits) - digits.startswith("-")
+            return _LongInt(n) if n > limit else int(digits)
+
+        path, value = _find_long_int(json.loads(text, parse_int=parse_int))
+        raise ValueError(f"{path}: an integer of {value.digits if value else 'too many'} digits, over the "
+                         f"{limit}-digit limit") from None

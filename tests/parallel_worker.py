@@ -81,13 +81,12 @@ def parallel(ctx, layout: Layout, seed: int, draft_mode="sharded", diverge_at=No
 
 def lockstep_loop(ctx):
     """This rank's ``serve --tp 2 --model tiny-random`` loop (small, unpipelined: each step one burst)."""
-    from types import SimpleNamespace
-
     from graphburst.parallel.serve_tp import build
+    from graphburst.serving.factory import ServeConfig
 
-    args = SimpleNamespace(model="tiny-random", draft=None, dtype="float32", k=K, rounds=M, batch=2, capacity=256,
-                           p_min=None, sampling=False, no_pipeline=True, draft_mode="sharded", tp=2)
-    return build(args, ctx, backend_of(ctx))
+    config = ServeConfig(model="tiny-random", dtype="float32", k=K, rounds=M, batch=2, capacity=256,
+                         pipelined=False, draft_mode="sharded", tp=2)
+    return build(config, ctx, backend_of(ctx))
 
 
 def lockstep(ctx, scenario: str) -> dict:

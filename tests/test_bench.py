@@ -32,7 +32,7 @@ def test_bench_capture_on_numpy(tmp_path):
 
 
 def test_bench_serve_on_numpy(tmp_path):
-    res = bench("serve", "--requests", "3", "--new-tokens", "5", "--refill-requests", "70", tmp_path=tmp_path)
+    res = bench("serve", "--num-requests", "3", "--new-tokens", "5", "--refill-requests", "70", tmp_path=tmp_path)
     burst = [r for r in res["results"] if r["workload"] == "burst"]
     refill = [r for r in res["results"] if r["workload"] == "refill"]
     assert [r["tokens"] for r in burst] == [15] * 6
@@ -45,8 +45,8 @@ def test_bench_serve_http_on_numpy(tmp_path):
     """The server runs as a subprocess on loopback; concurrent httpx clients check every stream's tokens."""
     pytest.importorskip("aiohttp")
     pytest.importorskip("httpx")
-    res = bench("serve", "--requests", "4", "--new-tokens", "9", "--refill-requests", "0", "--http", "--http-timeout",
-                "60", tmp_path=tmp_path)
+    res = bench("serve", "--num-requests", "4", "--new-tokens", "9", "--refill-requests", "0", "--http",
+                "--http-timeout", "60", tmp_path=tmp_path)
     http = [r for r in res["results"] if r["transport"] == "http"]
     assert [r["engine"] for r in http] == ["graph pipelined", "graph"]
     assert all(r["tokens"] == 36 and r["clients"] == 4 and r["bursts"] > 0 for r in http)

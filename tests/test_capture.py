@@ -44,7 +44,11 @@ EQUIV_CONFIGS = [
 @pytest.mark.parametrize("batch, k, m, n_layers, accept", EQUIV_CONFIGS)
 def test_replay_equals_eager_and_reference(backend, batch, k, m, n_layers, accept):
     """graph replay == eager pre-issued == eager per-round sync == numpy == greedy."""
-    bursts = 4
+    gpu = backend.is_gpu
+    # The numpy backend runs every kernel on the host: the largest config (64 x 32 rounds x 128
+    # layers) replays 2 bursts there, not 4; the second burst still starts from the first's
+    # rolled-back state, which is what the later bursts add.
+    bursts = 4 if gpu or m * n_layers < 1024 else 2
     lay = layout(n_layers)
     prompts = prompts_for(batch, seed=n_layers)
     decs = {
@@ -52,20 +56,19 @@ def test_replay_equals_eager_and_reference(backend, batch, k, m, n_layers, accep
         "pre_issued": make(backend, batch, k, m, lay, (True, False), accept, bursts=bursts),
         "per_round_sync": make(backend, batch, k, m, lay, (True, False), accept, bursts=bursts),
         "graph_separate": make(backend, batch, k, m, lay, (True, False), accept, bursts=bursts),
-        "numpy_graph": make(Backend("numpy"), batch, k, m, lay, (True, False), accept, bursts=bursts),
     }
+    if gpu:  # on the numpy backend "graph" is this one already
+        decs["numpy_graph"] = make(Backend("numpy"), batch, k, m, lay, (True, False), accept, bursts=bursts)
     decs["graph_separate"].fused = False
     decs["graph_separate"].assemble = True  # the draft's own vtok writes and assemble_verify must agree
     decs["per_round_sync"].fused = False
     for d in decs.values():
         d.prefill(prompts)
-    graphs = {name: BurstGraph(decs[name]) for name in ("graph", "graph_separate", "numpy_graph")}
+    graphs = {name: BurstGraph(decs[name]) for name in ("graph", "graph_separate", "numpy_graph") if name in decs}
     out = {name: [[] for _ in range(batch)] for name in decs}
     for _ in range(bursts):
         runs = {
-            "graph": graphs["graph"].run(),
-            "graph_separate": graphs["graph_separate"].run(),
-            "numpy_graph": graphs["numpy_graph"].run(),
+            **{name: g.run() for name, g in graphs.items()},
             "pre_issued": decs["pre_issued"].run_burst(mode="pre_issued"),
             "per_round_sync": decs["per_round_sync"].run_burst(mode="per_round_sync"),
         }

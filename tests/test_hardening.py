@@ -190,7 +190,7 @@ def test_duplicate_ids_in_flight_are_refused_and_made_up_ids_never_collide():
         loop.submit(Request([2], 5, id="req-0"))
     auto = loop.submit(Request([3], 5))
     assert auto.request.id != "req-0"
-    with pytest.raises(ValueError, match="already in flight"):
+    with pytest.raises(ValueError, match="form of the ids made up"):  # issue 21 item 11: a form callers cannot use
         loop.submit(Request([2], 5, id=auto.request.id))
     loop.run_until_idle()
     again = loop.submit(Request([2], 5, id="req-0"))  # the first one is done: its id is free again

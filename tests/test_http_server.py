@@ -256,6 +256,79 @@ def test_bad_bodies_get_400_naming_the_field(server, body, param, named):
     assert err["param"] == param and named in err["message"], err
 
 
+# ---------------------------------------------------------------------- issue 21, item 10 (and 12)
+
+
+def test_bodies_json_cannot_take_get_a_400_naming_why(server):
+    r = httpx.post(server.url + "/v1/completions", content="[" * 100_000, timeout=10)
+    assert r.status_code == 400 and "nested too deeply" in r.json()["error"]["message"], r.text
+    r = httpx.post(server.url + "/v1/completions", content='{"prompt": [1], "max_tokens": %s}' % ("9" * 5000),
+                   timeout=10)
+    err = r.json()["error"]
+    assert r.status_code == 400 and "max_tokens: an integer of 5000 digits, over the 4300-digit limit" in \
+        err["message"] and "set_int_max_str_digits" not in err["message"], err
+
+
+def test_errors_raised_around_the_handlers_are_openai_json_and_counted(server):
+    before = metric_values(httpx.get(server.url + "/metrics", timeout=10).text)
+    got = {}
+    r = httpx.get(server.url + "/v1/completions", timeout=10)
+    got[405] = r
+    assert r.headers["Allow"] == "POST" and "use POST" in r.json()["error"]["message"]
+    r = httpx.post(server.url + "/v1/chat/completions", json={"messages": []}, timeout=10)
+    got[404] = r
+    assert "/v1/chat/completions" in r.json()["error"]["message"]
+    r = httpx.post(server.url + "/v1/completions", content=b" " * (16 * 2**20 + 1), timeout=30)
+    got[413] = r
+    assert r.json()["error"]["param"] == "body" and "16 MiB" in r.json()["error"]["message"]
+    for status, resp in got.items():
+        assert resp.status_code == status and resp.headers["Content-Type"].startswith("application/json"), resp.text
+        assert set(resp.json()["error"]) == {"message", "type", "param", "code"}
+    after = metric_values(httpx.get(server.url + "/metrics", timeout=10).text)
+    for status in got:
+        key = ("graphburst_http_rejected_total", (("code", str(status)),))
+        assert after[key] - before.get(key, 0.0) == 1, status
+
+
+def test_idle_and_half_sent_requests_are_cut_off_by_the_read_timeouts():
+    import socket
+
+    s = ServerProcess(*SMALL, "--header-timeout", "1", "--body-timeout", "1")
+    try:
+        host, port = s.url.split("//")[1].split(":")
+
+        def connect():
+            c = socket.create_connection((host, int(port)), timeout=10)
+            return c
+
+        def closed_after(c) -> float:  # seconds until the server closes (recv returns b"")
+            t0 = time.monotonic()
+            data = b""
+            while chunk := c.recv(65536):
+                data += chunk
+            c.close()
+            return time.monotonic() - t0, data
+
+        idle = connect()
+        elapsed, data = closed_after(idle)
+        assert data == b"" and elapsed < 8
+        half_head = connect()
+        half_head.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        elapsed, data = closed_after(half_head)
+        assert elapsed < 8
+        half_body = connect()
+        half_body.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"prompt\"")
+        elapsed, data = closed_after(half_body)
+        head, _, body = data.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408") and elapsed < 8, data
+        assert b"--body-timeout" in body
+        # A whole request on a fresh connection is still served.
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": [4], "max_tokens": 3}, timeout=10)
+        assert r.json()["choices"][0]["token_ids"] == greedy_reference([4], 3, VOCAB)
+    finally:
+        assert s.terminate() == 0, s.errors()
+
+
 def test_good_requests_after_bad_ones_and_known_fields(server):
     r = httpx.post(server.url + "/v1/completions", timeout=10, json={
         "prompt": [3, 1], "max_tokens": 5, "temperature": 0, "user": "u", "whatever": 1, "model": MODEL})

@@ -91,7 +91,8 @@ def test_a_rank_that_raises_stops_the_other_with_a_clear_error(tmp_path):
 
 
 def test_lockstep_a_follower_whose_schedule_differs_stops_before_any_collective(tmp_path):
-    proc, ranks, wall = launch("lockstep_schedule_diverges", tmp_path)
+    # Rank 0 learns of it only when its next plan times out: a short group timeout keeps that wait short.
+    proc, ranks, wall = launch("lockstep_schedule_diverges", tmp_path, GB_TEST_TIMEOUT="8")
     assert ranks[1] is not None, proc.stderr[-3000:]
     assert ranks[1]["raised"].startswith("RankDivergence: rank 1: lockstep schedule diverged from rank 0 before "
                                          "step 1"), ranks[1]

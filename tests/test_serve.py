@@ -128,7 +128,7 @@ def test_parse_line_errors():
         parse_line('{"prompt": [1]}')
     with pytest.raises(TypeError, match="JSON object"):
         parse_line("[1, 2]")
-    assert parse_line('{"id": 3, "prompt": [1], "max_new_tokens": 2}').id == "3"
+    assert parse_line('{"id": 3, "prompt": [1], "max_new_tokens": 2}').id == 3  # kept as given: 3 and "3" are two ids
 
 
 def test_cli_serve_writes_records_and_errors(tmp_path, capsys):

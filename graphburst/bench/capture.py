@@ -14,7 +14,7 @@ import time
 from rich.console import Console
 
 from ..capture import BurstGraph
-from ..cli_args import int_in, writable_file
+from ..cli_args import TOKEN_BYTES, check_kv_memory, check_memory, int_in, writable_file
 from .common import check_greedy, label, new_table, write_results, build_decoder
 
 CFG = dict(batch=1, k=4, m=8, layers=4, accept=0.7, cost_us=0)
@@ -22,8 +22,12 @@ PROMPT = [1, 2, 3]
 CHECK_BURSTS = 5
 
 
+def _capacity(bursts: int) -> int:
+    return 64 + bursts * CFG["m"] * (CFG["k"] + 1)
+
+
 def _decoder(backend, bursts):
-    return build_decoder(backend, CFG, 64 + bursts * CFG["m"] * (CFG["k"] + 1), prompts=[PROMPT] * CFG["batch"])
+    return build_decoder(backend, CFG, _capacity(bursts), prompts=[PROMPT] * CFG["batch"])
 
 
 def guard_cost_ns(graph, n=200_000) -> float:
@@ -63,9 +67,18 @@ def idle_gaps_us(backend, gapless: bool, bursts: int) -> tuple[float, float]:
 
 def add_parser(sub) -> None:
     p = sub.add_parser("capture", help="address-guard cost and the idle gap between bursts")
-    p.add_argument("--backend", choices=("auto", "cupy", "numpy"), default="auto")
-    p.add_argument("--json", type=writable_file, default="capture_bench.json")
-    p.add_argument("--bursts", type=int_in(1, 1_000_000), default=2000)
+    p.add_argument("--backend", choices=("auto", "cupy", "numpy"), default="auto",
+                   help="cupy (GPU), numpy (CPU reference: the guard cost only) or auto")
+    p.add_argument("--json", type=writable_file, default="capture_bench.json", help="results file (JSON)")
+    p.add_argument("--bursts", type=int_in(1, 1_000_000), default=2000,
+                   help="timed bursts per idle-gap run (GPU only), after the checked warm-up bursts")
+
+
+def check_args(args) -> None:
+    """The KV caches and kept tokens the timed bursts need must fit before anything runs."""
+    tokens = _capacity(args.bursts + CHECK_BURSTS + 5)
+    check_kv_memory(CFG["batch"], tokens, CFG["layers"] + 1, flags=("--bursts",))
+    check_memory(tokens * TOKEN_BYTES, f"{tokens} kept tokens", ("--bursts",))
 
 
 def run(args, console: Console, backend) -> int:

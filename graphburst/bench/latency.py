@@ -194,7 +194,8 @@ def detail_table(result, title_label):
 
 def add_parser(sub) -> None:
     p = sub.add_parser("latency", help="latency of every burst mode (rich tables + JSON)")
-    p.add_argument("--backend", choices=("auto", "cupy", "numpy"), default="auto")
+    p.add_argument("--backend", choices=("auto", "cupy", "numpy"), default="auto",
+                   help="cupy (GPU), numpy (CPU reference) or auto (cupy when a GPU is usable)")
     p.add_argument("--quick", action="store_true", help="a few configs, under a minute")
     p.add_argument("--reps", type=int_in(1, 1000), default=None,
                    help="rotations over the modes per config (default 5 on a GPU, 1 on the numpy backend)")

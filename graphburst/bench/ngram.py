@@ -39,7 +39,8 @@ def _ints(text):
 
 def add_parser(sub) -> None:
     p = sub.add_parser("ngram", help="prompt-lookup drafting: the search's us per round, acceptance and tokens/s")
-    p.add_argument("--backend", choices=("auto", "cupy", "numpy"), default="auto")
+    p.add_argument("--backend", choices=("auto", "cupy", "numpy"), default="auto",
+                   help="cupy (GPU), numpy (CPU reference) or auto")
     p.add_argument("--smoke", action="store_true", help="tiny model and sizes: every code path in seconds (CI)")
     p.add_argument("--parts", default="search,e2e", help="comma list of search,e2e")
     p.add_argument("--batches", default=None, help="search: comma list of B (default 1,8,64,256)")
@@ -47,17 +48,19 @@ def add_parser(sub) -> None:
     p.add_argument("--model", choices=MODEL_NAMES, default=None, help="e2e target shape (default 1b)")
     p.add_argument("--e2e-batches", default=None, help="e2e: comma list of B (default 1,16; HF runs B=1 only)")
     p.add_argument("--workloads", default=None, help="e2e: comma list of random,repeat,echo")
-    p.add_argument("--prompt-len", type=int_in(4, 16384), default=None)
-    p.add_argument("--new-tokens", type=int_in(2, 16384), default=None)
+    p.add_argument("--prompt-len", type=int_in(4, 16384), default=None, help="e2e: prompt tokens (default 512)")
+    p.add_argument("--new-tokens", type=int_in(2, 16384), default=None, help="e2e: tokens generated (default 256)")
     p.add_argument("-k", type=int_in(1, MAX_K), default=4, help="drafts per round")
     p.add_argument("-m", type=int_in(1, 64), default=None, help="rounds per burst (default 8)")
-    p.add_argument("--ngram-min", type=int_in(1, NGRAM_MAX), default=DEFAULT_NGRAM_MIN)
-    p.add_argument("--ngram-max", type=int_in(1, NGRAM_MAX), default=DEFAULT_NGRAM_MAX)
+    p.add_argument("--ngram-min", type=int_in(1, NGRAM_MAX), default=DEFAULT_NGRAM_MIN,
+                   help="shortest n-gram looked up")
+    p.add_argument("--ngram-max", type=int_in(1, NGRAM_MAX), default=DEFAULT_NGRAM_MAX,
+                   help="longest n-gram looked up, tried first")
     p.add_argument("--reps", type=int_in(1, 1000), default=None, help="timed runs per config (search: x10)")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default=None, help="default bf16 on GPU, fp32 on CPU")
     p.add_argument("--tol", type=real_in(0.0, 1.0), default=0.01, help="near-tie tolerance (as bench real)")
-    p.add_argument("--seed", type=int_in(0, 2**31 - 1), default=0)
-    p.add_argument("--json", type=writable_file, default="ngram_bench.json")
+    p.add_argument("--seed", type=int_in(0, 2**31 - 1), default=0, help="seed of the weights, prompts and histories")
+    p.add_argument("--json", type=writable_file, default="ngram_bench.json", help="results file (JSON)")
 
 
 def settings(args) -> dict:

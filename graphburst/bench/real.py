@@ -24,6 +24,7 @@ tiny model, seconds), through the same engines, checks and writers.
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import time
@@ -32,7 +33,7 @@ import numpy as np
 from rich.console import Console
 from rich.progress import Progress
 
-from ..cli_args import FlagError, int_in, real_in, writable_file
+from ..cli_args import FlagError, check_memory, int_in, real_in, writable_file
 from .common import label
 from .real_profile import profile_all
 from .real_report import NOT_RUN, SAME_KERNEL_ORDER, plot_problem, report
@@ -59,7 +60,8 @@ def _floats(text):
 
 def add_parser(sub) -> None:
     p = sub.add_parser("real", help="random-weight Llama models: graphburst vs HF, eager and vllm-style loops")
-    p.add_argument("--backend", choices=("auto", "cupy", "numpy"), default="auto")
+    p.add_argument("--backend", choices=("auto", "cupy", "numpy"), default="auto",
+                   help="cupy (GPU), numpy (CPU reference, models on CPU torch) or auto")
     p.add_argument("--smoke", action="store_true", help="tiny model, few rounds: every code path in seconds (CI)")
     p.add_argument("--models", default=None, help=f"comma list of {','.join(MODEL_NAMES)} (default small,1b)")
     p.add_argument("--batches", default=None, help="comma list of batch sizes (default 1,4,16)")
@@ -69,18 +71,18 @@ def add_parser(sub) -> None:
     p.add_argument("-k", type=int_in(1, 16), default=4, help="drafts per round")
     p.add_argument("-m", type=int_in(1, 64), default=None, help="rounds per burst (default 8)")
     p.add_argument("--m-sweep", default=None, help="graphburst M values at B=1 (default 1,2,4,8,16)")
-    p.add_argument("--no-m-sweep", action="store_true")
+    p.add_argument("--no-m-sweep", action="store_true", help="skip the M sweep")
     p.add_argument("--rounds", type=int_in(1, 4096), default=None, help="rounds per timed run (default 32)")
     p.add_argument("--reps", type=int_in(1, 100), default=None, help="timed rotations over the engines (default 3)")
-    p.add_argument("--prompt-len", type=int_in(1, 4096), default=16)
-    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    p.add_argument("--prompt-len", type=int_in(1, 4096), default=16, help="prompt tokens per sequence")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="weights and KV")
     p.add_argument("--hf-tol", type=real_in(0.0, 1.0), default=0.01,
                    help="near-tie tolerance for engines with other kernels, relative to max(1, |top logit|)")
-    p.add_argument("--seed", type=int_in(0, 2**31 - 1), default=0)
-    p.add_argument("--json", type=writable_file, default="real_bench.json")
+    p.add_argument("--seed", type=int_in(0, 2**31 - 1), default=0, help="seed of the random weights and prompts")
+    p.add_argument("--json", type=writable_file, default="real_bench.json", help="results file (JSON)")
     p.add_argument("--plot", type=writable_file, default=None,
                    help=f"PNG of tokens/s against acceptance (default {DEFAULT_PLOT} for a full GPU run, else none)")
-    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--no-plot", action="store_true", help="write no PNG")
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="torch.profiler traces of one B=1 run per engine and model (mid ε) into DIR; top kernels "
                         "per round in the JSON")
@@ -110,10 +112,18 @@ def check_args(args) -> None:
                 values = parse(text)
             except ValueError:
                 raise FlagError(flag, f"a comma list of numbers is needed, got {text!r}") from None
-            if not values or min(values) < 0 or (flag in ("--batches", "--m-sweep") and min(values) < 1):
-                raise FlagError(flag, f"needs positive values, got {text!r}")
-            if flag == "--accepts" and max(values) > 1:
-                raise FlagError(flag, f"acceptance levels are in [0, 1], got {text!r}")
+            if not values:
+                raise FlagError(flag, f"needs at least one value, got {text!r}")
+            if flag in ("--batches", "--m-sweep") and min(values) < 1:
+                raise FlagError(flag, f"needs positive integers, got {text!r}")
+            # ε near 0 makes the target compute the draft's function, 1 is the random model as drawn; at 0
+            # the blocks past the draft vanish. An acceptance level of 0 has no ε to calibrate to.
+            bad = [v for v in values if not (math.isfinite(v) and 0 < v <= 1)]
+            if flag == "--accepts" and bad:
+                raise FlagError(flag, f"acceptance levels are in (0, 1], got {bad[0]} in {text!r}")
+            if flag == "--eps" and bad:
+                raise FlagError(flag, f"each ε must be a finite number in (0, 1] (0: the target is the draft, "
+                                      f"1: the random model as drawn), got {bad[0]} in {text!r}")
     s = settings(args)
     bad = [m for m in s["models"] if m not in MODEL_NAMES]
     if bad:
@@ -138,6 +148,28 @@ def check_args(args) -> None:
         # graphburst would run on the GPU and the models on the CPU: nothing meaningful to time.
         raise FlagError("--backend", f"{args.backend} picks the GPU but this torch build has no CUDA; "
                                      "install CUDA torch or use --backend numpy")
+    gpu = args.backend != "numpy" and cuda_available()
+    # A GPU run is bounded by the device's memory (an H200 takes far more than a host-side limit).
+    check_run_memory(s, torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory if gpu else None)
+
+
+def _capacity(s) -> int:
+    # Every engine decodes --rounds rounds; the start-up calibration runs its own number.
+    return s["prompt_len"] + max(s["rounds"], CALIBRATION["rounds"]) * (s["k"] + 1)
+
+
+def check_run_memory(s, device_bytes: int | None = None) -> None:
+    """Refuse sizes whose caches and logits would pass the GPU's memory, or cli_args.MAX_FLAG_BYTES on the
+    CPU (rather than a 24 GB surprise)."""
+    from .real_models import MODELS, run_bytes
+
+    batch, engines = max(s["batches"]), len(s["engines"]) + 1  # + the source model they share weights with
+    for name in s["models"]:
+        need = run_bytes(MODELS[name], batch=batch, capacity=_capacity(s), k=s["k"], prompt_len=s["prompt_len"],
+                         item=2 if s["dtype"] == "bfloat16" else 4, engines=engines)
+        check_memory(need, f"{engines} engines x batch {batch} of model {name} ({_capacity(s)} positions)",
+                     ("--batches", "--rounds", "--prompt-len", "--engines"), limit=device_bytes,
+                     where="limit" if device_bytes is None else "of the GPU")
 
 
 # ---------------------------------------------------------------------- steps
@@ -167,9 +199,10 @@ def calibrate(src, draft, s, prompts_for, eps_ctl) -> tuple[list, list]:
     return grid, chosen
 
 
-def build_engines(src, draft, s, batch, backend, hf) -> tuple[dict, dict]:
+def build_engines(src, spec, draft, s, batch, backend, hf) -> tuple[dict, dict]:
     """Every requested engine for one batch size; (engines, not_run reasons).
 
+    ``spec``: the model's ``real_models.ModelSpec`` (the compile probe rebuilds it in a child);
     ``draft``: the self-draft's depth, or a draft model of its own (``real_models.draft_instance``).
     """
     from .real_engines import Burst, TorchLoop
@@ -347,8 +380,7 @@ def _build_model(mname, mi, s, backend, failures) -> dict:
     rng = np.random.default_rng(s["seed"] + mi)
     prompt_pool = rng.integers(0, spec.cfg.vocab_size, (max(s["batches"] + [4]), s["prompt_len"])).tolist()
     prompts_for = lambda b: prompt_pool[:b]  # noqa: E731 - the first b prompts, the same in every config
-    # Every engine decodes --rounds rounds; the start-up calibration runs its own number.
-    capacity = s["prompt_len"] + max(s["rounds"], CALIBRATION["rounds"]) * (s["k"] + 1)
+    capacity = _capacity(s)
     src = random_target(spec, batch=CALIBRATION["batch"], capacity=capacity, kv_slack=s["k"] + 2,
                         dtype=getattr(torch, s["dtype"]), device=device, seed=s["seed"])
     # The self-draft's depth, or a draft of its own shape built into the target's subspace.
@@ -392,7 +424,7 @@ def _run_batch(model, batch, args, s, backend, results, failures):
     from .real_checks import check_config, reference_logits
 
     cuda, info, mname, mid = backend.is_gpu, model["info"], model["name"], model["mid"]
-    engines, skipped = build_engines(model["src"], model["draft"], s, batch, backend, model["hf"])
+    engines, skipped = build_engines(model["src"], model["spec"], model["draft"], s, batch, backend, model["hf"])
     if model["hf_reason"] and "hf" in s["engines"]:
         skipped["hf"] = model["hf_reason"]
     vllm = engines.get("vllm")

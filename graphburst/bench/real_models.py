@@ -88,6 +88,19 @@ MODELS = {
 }
 
 
+def run_bytes(spec: ModelSpec, *, batch: int, capacity: int, k: int, prompt_len: int, item: int, engines: int) -> int:
+    """Memory a benchmark run of ``spec`` at ``batch`` takes, beyond the weights.
+
+    Every engine holds a target and a draft KV cache (``[2, batch, capacity + slack,
+    kv_heads, head_dim]`` per layer, ``item`` bytes an entry) and float32 logits of the
+    ``k + 1`` verified positions; the prompt pool holds ``batch x prompt_len`` int64.
+    """
+    cfg = spec.cfg
+    kv_row = (capacity + k + 2) * (cfg.num_hidden_layers + spec.draft_layers) * 2 * cfg.num_key_value_heads \
+        * cfg.head_dim * item
+    return engines * batch * (kv_row + (k + 1) * cfg.vocab_size * 4) + batch * prompt_len * 8
+
+
 @torch.no_grad()
 def random_target(spec: ModelSpec, *, batch: int, capacity: int, kv_slack: int, dtype, device, seed: int = 0,
                   fold_gqa: bool = False, cfg: LlamaConfig | None = None) -> Llama:

@@ -13,19 +13,21 @@ cost of admission."""
 
 from __future__ import annotations
 
+import argparse
 import time
 
 import numpy as np
 from rich.console import Console
 
 from ..burst import BurstMode
-from ..cli_args import FlagError, int_in, writable_file
+from ..cli_args import TOKEN_BYTES, DeprecatedAlias, FlagError, check_kv_memory, check_memory, int_in, writable_file
 from ..serving.loop import Request, ServeLoop, inter_token_latencies_us, percentiles
 from .common import VOCAB, check_greedy, fmt, label, new_table, stub_models, write_results
 
 ENGINES = ((BurstMode.GRAPH, True), (BurstMode.GRAPH, False), (BurstMode.PER_ROUND_SYNC, False))
 COSTS_US = (0, 100)
 BATCH = 64
+STUB_LAYERS = 4  # common.stub_models' default target KV layers
 
 
 def _request(prompt, max_new_tokens, seed=None) -> Request:
@@ -33,8 +35,12 @@ def _request(prompt, max_new_tokens, seed=None) -> Request:
     return Request(prompt, max_new_tokens, options=None if seed is None else {"seed": seed})
 
 
+def _capacity(new_tokens: int, k: int = 4, m: int = 8) -> int:
+    return 64 + new_tokens + m * (k + 1)
+
+
 def run_one(backend, engine, pipelined, cost_us, n_req, new_tokens, batch=BATCH, k=4, m=8, workload="burst") -> dict:
-    target, draft = stub_models(backend, batch=batch, capacity=64 + new_tokens + m * (k + 1), cost_us=cost_us)
+    target, draft = stub_models(backend, batch=batch, capacity=_capacity(new_tokens, k, m), cost_us=cost_us)
     loop = ServeLoop(target, draft, k=k, m_rounds=m, engine=engine, pipelined=pipelined)
     name = str(engine) + (" pipelined" if loop.pipelined else "")
     warm = loop.submit(_request([1, 2, 3], m * (k + 1)))  # one checked warm-up request through the same loop
@@ -61,22 +67,33 @@ def run_one(backend, engine, pipelined, cost_us, n_req, new_tokens, batch=BATCH,
 
 def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="serving loop: tokens/s, inter-token latency, TTFT per engine")
-    p.add_argument("--backend", choices=("auto", "cupy", "numpy"), default="auto")
-    p.add_argument("--json", type=writable_file, default="serve_bench.json")
-    p.add_argument("--new-tokens", type=int_in(1, 1_000_000), default=256)
-    p.add_argument("--requests", type=int_in(1, 1_000_000), default=64)
+    p.add_argument("--backend", choices=("auto", "cupy", "numpy"), default="auto",
+                   help="cupy (GPU), numpy (CPU reference) or auto (cupy when a GPU is usable)")
+    p.add_argument("--json", type=writable_file, default="serve_bench.json", help="results file (JSON)")
+    p.add_argument("--new-tokens", type=int_in(1, 1_000_000), default=256, help="new tokens per request")
+    # ``serve --requests`` is a file; here it is a count, hence --num-requests (the old spelling still works).
+    p.add_argument("--num-requests", type=int_in(1, 1_000_000), default=64,
+                   help="requests of the burst workload (and concurrent clients with --http)")
+    p.add_argument("--requests", type=int_in(1, 1_000_000), dest="num_requests", action=DeprecatedAlias,
+                   help=argparse.SUPPRESS)
     p.add_argument("--refill-requests", type=int_in(0, 1_000_000), default=4 * BATCH,
                    help="requests of the refill workload (graph pipelined, more requests than the 64 slots, so "
                         "slots refill at burst boundaries); 0 skips it")
     p.add_argument("--http", action="store_true",
-                   help="also run the HTTP server in a subprocess (127.0.0.1, ephemeral port) under --requests "
+                   help="also run the HTTP server in a subprocess (127.0.0.1, ephemeral port) under --num-requests "
                         "concurrent streaming httpx clients, pipelined and not, stub cost 0")
     p.add_argument("--http-timeout", type=int_in(1, 3600), default=120,
                    help="seconds the HTTP clients of one run may take in all")
 
 
 def check_args(args) -> None:
-    """``--http`` needs the server's packages and the httpx client; say so before any work."""
+    """Sizes against the memory they take; ``--http`` needs the server's packages and httpx."""
+    # One loop's KV caches at the largest request, and every request's tokens kept to the end.
+    check_kv_memory(BATCH, _capacity(args.new_tokens), STUB_LAYERS + 1, flags=("--new-tokens",))
+    n_req = max(args.num_requests, args.refill_requests)
+    check_memory(n_req * args.new_tokens * TOKEN_BYTES, f"{n_req} requests x {args.new_tokens} new tokens",
+                 ("--num-requests" if args.num_requests >= args.refill_requests else "--refill-requests",
+                  "--new-tokens"))
     if not args.http:
         return
     import importlib.util
@@ -87,7 +104,7 @@ def check_args(args) -> None:
 
 
 def run(args, console: Console, backend) -> int:
-    rows = [run_one(backend, engine, pipelined, cost, args.requests, args.new_tokens)
+    rows = [run_one(backend, engine, pipelined, cost, args.num_requests, args.new_tokens)
             for cost in COSTS_US for engine, pipelined in ENGINES]
     if args.refill_requests:
         rows += [run_one(backend, "graph", True, cost, args.refill_requests, args.new_tokens, workload="refill")
@@ -97,9 +114,9 @@ def run(args, console: Console, backend) -> int:
     if args.http:
         from .serve_http import run_http
 
-        rows += [run_http(backend.name, pipelined=pipelined, cost_us=0, clients=args.requests,
+        rows += [run_http(backend.name, pipelined=pipelined, cost_us=0, clients=args.num_requests,
                           new_tokens=args.new_tokens, timeout_s=args.http_timeout) for pipelined in (True, False)]
-    table = new_table(f"serve: B={BATCH}, k=4, M=8, {args.new_tokens} tokens per request; burst: {args.requests} "
+    table = new_table(f"serve: B={BATCH}, k=4, M=8, {args.new_tokens} tokens per request; burst: {args.num_requests} "
                       f"requests, refill: {args.refill_requests}; {label(backend)}",
                       ["transport", "workload", "engine", "stub µs/call", "tokens/s", "ITL p50 µs", "ITL p99 µs",
                        "delivery gap p50 µs", "delivery gap p99 µs", "TTFT p50 ms", "GPU idle (all)",
@@ -111,7 +128,7 @@ def run(args, console: Console, backend) -> int:
                       fmt(r["ttft_ms"]["p50"]), _pct(r["gpu_idle_fraction"]), _pct(r["gpu_idle_fraction_steady"]),
                       f"{r['bursts']} ({r['steady_bursts']})")
     write_results(console, args.json, backend=backend, tables=[table], results=rows,
-                  requests=args.requests, refill_requests=args.refill_requests, new_tokens=args.new_tokens,
+                  requests=args.num_requests, refill_requests=args.refill_requests, new_tokens=args.new_tokens,
                   idle_note="gpu_idle_fraction: every gap while a request held a slot (the earlier figure); "
                             "gpu_idle_fraction_steady: gaps before bursts launched with every slot running")
     return 0

@@ -139,6 +139,10 @@ class LockstepLoop(ServeLoop):
     def leader(self) -> bool:
         return self.ctx.rank == 0
 
+    @property
+    def replays_ids(self) -> bool:  # a follower submits rank 0's requests, made-up ids included
+        return not self.leader
+
     # ------------------------------------------------------------------ ServeLoop hooks
 
     def _make_decoder(self, target, draft, **kw):

@@ -39,7 +39,7 @@ class ConfigError(ValueError):
 INT_RANGES = {"batch": (1, 65536), "k": (1, MAX_K), "rounds": (1, 1024), "capacity": (1, 2**31 - 1),
               "vocab": (2, 2**31 - 1), "layers": (1, 4096), "max_queue": (1, 1_000_000), "tp": (1, 64)}
 REAL_RANGES = {"accept": (0.0, 1.0), "cost_us": (0.0, 1e6), "p_min": (0.0, 1.0), "drain_timeout": (0.0, 3600.0),
-               "dist_timeout": (1.0, 3600.0)}
+               "header_timeout": (0.1, 3600.0), "body_timeout": (0.1, 3600.0), "dist_timeout": (1.0, 3600.0)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +88,8 @@ class ServeConfig:
     # HTTP serving
     http: str | None = None  # [HOST:]PORT, None: JSONL
     drain_timeout: float = 10.0
+    header_timeout: float = 30.0  # seconds a connection may stay idle, or take to send a request head
+    body_timeout: float = 30.0  # seconds a request may take to send its body
     tokenizer: str | None = None
     served_model_name: str | None = None
     # tensor-parallel serving (parallel/serve_tp)

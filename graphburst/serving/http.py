@@ -28,6 +28,7 @@ from aiohttp import web
 
 from . import openai_api as api
 from ..backend import get_backend
+from ..validate import parse_json
 from .engine_thread import EngineThread, Ticket
 from .metrics import CONTENT_TYPE, Metrics
 from .factory import build_loop, model_name
@@ -36,6 +37,8 @@ from .loop import Request, ServeLoop
 DEFAULT_ADDRESS = "127.0.0.1:8000"
 MAX_BODY_BYTES = 16 * 2**20  # long token-id prompts are JSON numbers: ~6 bytes a token
 RETRY_AFTER_S = 1
+HEADER_TIMEOUT_S = 30.0  # default --header-timeout
+BODY_TIMEOUT_S = 30.0  # default --body-timeout
 CANCEL_GRACE_S = 2.0  # after the drain timeout: time for cancelled handlers to send their last chunk
 # The engine thread and the event loop share the GIL. When the engine's drain returns, it
 # waits for the GIL until the event loop gives it up, at the latest after the switch
@@ -92,8 +95,9 @@ class Server:
     """Routes and request lifecycle; runs on the event loop thread only."""
 
     def __init__(self, engine: EngineThread, metrics: Metrics, *, model: str, vocab: int, capacity: int,
-                 max_queue: int, tokenizer=None, sampling: bool = False):
+                 max_queue: int, tokenizer=None, sampling: bool = False, body_timeout: float = BODY_TIMEOUT_S):
         self.engine, self.metrics = engine, metrics
+        self.body_timeout = body_timeout
         self.sampling = sampling
         self.model, self.vocab, self.capacity = model, vocab, capacity
         self.max_queue, self.tokenizer = max_queue, tokenizer
@@ -103,10 +107,44 @@ class Server:
         self.drained = asyncio.Event()
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY_BYTES)
+        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._json_errors])
         app.add_routes([web.post("/v1/completions", self.completions), web.get("/v1/models", self.models),
                         web.get("/health", self.health), web.get("/metrics", self.metrics_text)])
         return app
+
+    @web.middleware
+    async def _json_errors(self, request: web.Request, handler) -> web.StreamResponse:
+        """Every error aiohttp raises around a handler (404, 405, 413, ...) as an OpenAI error body, counted
+        in the rejection metric like the handlers' own; an unexpected exception is a JSON 500."""
+        try:
+            return await handler(request)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            return self._error(_http_error(request, exc), headers={k: v for k, v in exc.headers.items()
+                                                                   if k.lower() == "allow"})
+        except Exception as exc:  # noqa: BLE001 - a bug costs this request only, never the server
+            if request.get("streaming"):  # the SSE head is out: no other response can follow it
+                raise
+            print(f"graphburst serve: {request.method} {request.path}: {type(exc).__name__}: {exc}",
+                  file=sys.stderr, flush=True)
+            return self._error(api.APIError(f"internal error: {type(exc).__name__}", status=500,
+                                            type="server_error"))
+
+    async def _read_json(self, request: web.Request):
+        """The body as JSON, read within --body-timeout (a half-sent body must not hold a handler forever)."""
+        try:
+            text = await asyncio.wait_for(request.text(), self.body_timeout)
+        except asyncio.TimeoutError:
+            raise api.APIError(f"the body was not received within {self.body_timeout:g} s (--body-timeout)",
+                               status=408, param="body") from None
+        except UnicodeDecodeError as exc:
+            raise api.APIError(f"the body is not valid UTF-8: {exc.reason} at byte {exc.start}",
+                               param="body") from None
+        try:
+            return parse_json(text)  # the server side ignores Content-Type (curl -d sends a form type)
+        except ValueError as exc:
+            raise api.APIError(f"the body is not valid JSON: {exc}", param="body") from None
 
     # ------------------------------------------------------------------ small routes
 
@@ -125,7 +163,10 @@ class Server:
 
     def _error(self, exc: api.APIError, headers=None) -> web.Response:
         self.metrics.rejected.labels(str(exc.status)).inc()
-        return web.json_response(exc.body(), status=exc.status, headers=headers)
+        resp = web.json_response(exc.body(), status=exc.status, headers=headers)
+        if exc.status in (408, 413):  # the rest of the body was never read: the connection cannot be reused
+            resp.force_close()
+        return resp
 
     # ------------------------------------------------------------------ completions
 
@@ -151,10 +192,7 @@ class Server:
                                             f"the engine failed: {self.engine.failed}", status=503,
                                             type="service_unavailable"))
         try:
-            body = await request.json()  # the server side ignores Content-Type (curl -d sends a form type)
-        except ValueError as exc:
-            return self._error(api.APIError(f"the body is not valid JSON: {exc}", param="body"))
-        try:
+            body = await self._read_json(request)
             comp = api.parse_completion(body, model=self.model, vocab=self.vocab, capacity=self.capacity,
                                         tokenizer=self.tokenizer, max_prompts=self.max_queue,
                                         sampling=self.sampling)
@@ -210,6 +248,7 @@ class Server:
                       queue: asyncio.Queue) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
+        request["streaming"] = True  # read by _json_errors
         n = len(comp.prompts)
         chunks = api.StreamChunks(cid, api.now(), self.model)
         detok = [_Detokenizer(self.tokenizer) for _ in range(n)]
@@ -233,17 +272,39 @@ class Server:
         return resp
 
 
+def _http_error(request: web.Request, exc: web.HTTPException) -> api.APIError:
+    """aiohttp's own error (raised before or around a handler) as the APIError a client can read."""
+    if exc.status == 404:
+        routes = "POST /v1/completions, GET /v1/models, GET /health, GET /metrics"
+        return api.APIError(f"no route {request.method} {request.path}; this server has {routes}", status=404,
+                            type="not_found_error")
+    if exc.status == 405:
+        return api.APIError(f"{request.method} is not allowed on {request.path}; use "
+                            f"{exc.headers.get('Allow', 'another method')}", status=405)
+    if exc.status == 413:
+        return api.APIError(f"the body is over the {MAX_BODY_BYTES // 2**20} MiB limit", status=413, param="body")
+    return api.APIError(exc.text or exc.reason, status=exc.status,
+                        type="server_error" if exc.status >= 500 else "invalid_request_error")
+
+
 async def _serve(args, loop: ServeLoop, host: str, port: int, tokenizer) -> int:
     aloop = asyncio.get_running_loop()
     engine = EngineThread(loop, aloop)
     metrics = Metrics(engine)
     server = Server(engine, metrics, model=model_name(args), vocab=loop.vocab, capacity=loop.dec.capacity,
-                    max_queue=args.max_queue, tokenizer=tokenizer, sampling=loop.sampling)
+                    max_queue=args.max_queue, tokenizer=tokenizer, sampling=loop.sampling,
+                    body_timeout=args.body_timeout)
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         aloop.add_signal_handler(sig, stop.set)
     engine.start()
-    runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None, shutdown_timeout=CANCEL_GRACE_S)
+    # aiohttp's keep-alive timer runs from the connection's start until a whole request head has
+    # arrived, and between requests: so it bounds an idle connection and a half-sent head alike.
+    runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None, shutdown_timeout=CANCEL_GRACE_S,
+                           keepalive_timeout=args.header_timeout,
+                           # after an answer that left the body unread (408, 413), aiohttp reads on for this
+                           # long before it closes: no longer than the body itself was given
+                           lingering_time=args.body_timeout)
     await runner.setup()
     try:
         try:

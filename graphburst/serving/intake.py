@@ -4,7 +4,8 @@ A request is validated once, when it is submitted (:func:`~graphburst.serving.re
 and :func:`~graphburst.serving.request.check_request_sampling`); the validated values go on its
 :class:`~graphburst.serving.request.RequestState`, which waits in ``queue`` until the loop admits
 it at a burst boundary. Every request queued or running is known by id in ``live``:
-an id already in flight is refused, and a made-up id never equals one.
+an id already in flight is refused, and a made-up id (``auto-N``, a form refused from callers)
+never equals one.
 
 :class:`RequestIntake` is a part the loop owns (``ServeLoop.intake``). It never touches
 batch slots: the loop pops admitted requests with :meth:`RequestIntake.next_waiting` and
@@ -15,11 +16,17 @@ from __future__ import annotations
 
 import collections
 import itertools
+import numbers
+import re
 import time
 from collections.abc import Callable
 
 from .request import Request, RequestState, check_request_sampling, check_whole_request_fits
 from ..sampling.params import SamplingParams
+
+#: The form of a made-up id (``auto-0``, ``auto-1``, ...). A caller's id of this form is refused, so a
+#: made-up id never equals a caller's, whichever comes first.
+MADE_UP_ID = re.compile(r"auto-[0-9]+")
 
 
 class RequestIntake:
@@ -44,8 +51,11 @@ class RequestIntake:
         id -> RequestState, for every request queued or running.
     """
 
-    def __init__(self, *, vocab: int, capacity: int, sampling: bool, slot_options: Callable):
+    def __init__(self, *, vocab: int, capacity: int, sampling: bool, slot_options: Callable,
+                 replays_ids: bool = False):
         self.vocab, self.capacity, self.sampling = vocab, capacity, bool(sampling)
+        # True where ids come from a loop that made them up already (the followers of a lockstep group).
+        self.replays_ids = bool(replays_ids)
         self._slot_options = slot_options
         self.queue: collections.deque[RequestState] = collections.deque()
         self._ids = itertools.count()
@@ -67,10 +77,14 @@ class RequestIntake:
         return req
 
     def _check_id(self, req: Request) -> None:
+        # Ids are compared as given: 7 and "7" are two ids (a JSON reader sees two different values).
         if req.id is None:
             req.id = self._new_id()
-        elif not isinstance(req.id, str):
-            raise TypeError(f"id must be a str, got {type(req.id).__name__}")
+        elif isinstance(req.id, bool) or not isinstance(req.id, (str, numbers.Integral)):
+            raise TypeError(f"id must be a str or an int, got {type(req.id).__name__}")
+        elif isinstance(req.id, str) and MADE_UP_ID.fullmatch(req.id) and not self.replays_ids:
+            raise ValueError(f"id {req.id!r} has the form of the ids made up for requests without one "
+                             "(auto-N); choose another")
         elif req.id in self.live:
             other = self.live[req.id]
             where = "" if other.line is None else f" (line {other.line})"
@@ -81,10 +95,7 @@ class RequestIntake:
         return check_request_sampling(req, sampling=self.sampling)
 
     def _new_id(self) -> str:
-        while True:
-            rid = f"req-{next(self._ids)}"
-            if rid not in self.live:
-                return rid
+        return f"auto-{next(self._ids)}"  # no caller's id has this form (MADE_UP_ID)
 
     def submit(self, req: Request, *, line: int | None = None) -> RequestState:
         """Queue a request (validated now); the loop admits it at a burst boundary.

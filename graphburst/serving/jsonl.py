@@ -35,6 +35,7 @@ from rich.live import Live
 from rich.table import Table
 
 from .loop import Request, RequestState, ServeLoop
+from ..validate import parse_json
 from .events import Retired
 
 SAMPLING_FIELDS = {"temperature", "top_k", "top_p", "seed"}  # Request's sampling settings, not model options
@@ -50,14 +51,14 @@ class OutputError(OSError):
     """The records cannot be written (a full disk, a closed file); not a broken pipe."""
 
 
+def stderr_console() -> Console:
+    """A console on stderr; a log file (not a terminal) gets plain lines: rich would wrap them at 80 columns."""
+    return Console(stderr=True) if sys.stderr.isatty() else Console(stderr=True, soft_wrap=True, highlight=False)
+
+
 def parse_line(text: str) -> Request:
     """A request from one JSONL line; raises ValueError/TypeError naming what is wrong."""
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"bad JSON: {exc.msg} at column {exc.colno}") from exc
-    except RecursionError as exc:
-        raise ValueError("bad JSON: nested too deeply") from exc
+    obj = parse_json(text)
     if not isinstance(obj, dict):
         raise TypeError(f"a request must be a JSON object, got {type(obj).__name__}")
     missing = [f for f in ("prompt", "max_new_tokens") if f not in obj]
@@ -67,11 +68,9 @@ def parse_line(text: str) -> Request:
     # seed; the models refuse any key they do not claim, so a typo is an error record.
     options = {k: v for k, v in obj.items() if k not in FIELDS}
     req = Request(**{k: v for k, v in obj.items() if k in FIELDS}, options=options or None)
-    if req.id is not None:
-        if not isinstance(req.id, (str, int)) or isinstance(req.id, bool):
-            raise TypeError(f"id must be a string or an integer, got {type(req.id).__name__}")
-        req.id = str(req.id)
-    return req
+    if req.id is not None and (not isinstance(req.id, (str, int)) or isinstance(req.id, bool)):
+        raise TypeError(f"id must be a string or an integer, got {type(req.id).__name__}")
+    return req  # an int id stays an int: 7 and "7" are two ids, written back as given
 
 
 def error_text(exc: BaseException) -> str:
@@ -355,7 +354,7 @@ def run(config, loop: ServeLoop, err: Console | None = None) -> int:
     records cannot be written (one line on stderr, never a traceback), ``128 + signal``
     after a second stop signal. A broken pipe on the output propagates (the caller stops quietly).
     """
-    err = err or Console(stderr=True)
+    err = err or stderr_console()
     for name, stream, flag in (("input", sys.stdin, "--requests"), ("output", sys.stdout, "--output")):
         if getattr(config, flag[2:]) == "-" and stream is None:  # started with <&- or >&-
             print(f"graphburst serve: standard {name} is closed; give {flag} FILE", file=sys.stderr)

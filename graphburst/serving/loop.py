@@ -79,6 +79,10 @@ class ServeLoop:
         when one finishes for any reason. The consumer empties it.
     """
 
+    #: True where request ids come from a loop that made them up already (a lockstep follower):
+    #: the intake then takes ids of the made-up form.
+    replays_ids = False
+
     def __init__(self, target, draft, *, k: int, m_rounds: int, engine: str = "graph", pipelined: bool = True,
                  sampling: bool = False):
         engine = BurstMode.parse(engine, SERVE_MODES, name="engine")
@@ -99,7 +103,7 @@ class ServeLoop:
         self._n_occupied = 0  # slots holding a request (done or not)
         self._n_stale = 0  # slots holding a request that is done: freed at the next boundary
         self.intake = RequestIntake(vocab=self.vocab, capacity=self.dec.capacity, sampling=self.sampling,
-                                    slot_options=self.dec.slot_options)
+                                    slot_options=self.dec.slot_options, replays_ids=self.replays_ids)
         self.log: list | None = None
         self.errors = 0  # requests finished with an error by the loop
         self.bursts = 0

@@ -40,8 +40,9 @@ class Request:
     options : dict, optional
         Per-request model options (protocol ``option_keys``), for example the stub
         draft's ``{"accept_prob": 0.9, "seed": 7}``. A key no model claims is refused.
-    id : str, optional
-        Made up when absent; never equal to the id of another request in flight.
+    id : str or int, optional
+        Made up when absent (``auto-N``, a form refused from callers); never equal to the id
+        of another request in flight. 7 and "7" are different ids.
     temperature, top_k, top_p, seed : optional
         Sampling settings (``sampling_params.check_sampling``); None: greedy (temperature
         0), filters off. Temperature > 0 needs ``ServeLoop(..., sampling=True)``; a
@@ -51,7 +52,7 @@ class Request:
     prompt: list
     max_new_tokens: int
     eos: int | None = None
-    id: str | None = None
+    id: str | int | None = None
     options: dict | None = None
     temperature: float | None = None
     top_k: int | None = None
