@@ -142,6 +142,18 @@ def test_openai_client_matches_greedy_reference(server):
     check_openai_client(server.url)
 
 
+def test_the_serving_docs_client_example_runs(server, capsys):
+    """docs/serving.md's Python example, as written, against a running server (only its address differs)."""
+    doc = (ROOT / "docs" / "serving.md").read_text()
+    code = doc.split("```python\n", 1)[1].split("```", 1)[0]
+    assert 'OpenAI(base_url="http://127.0.0.1:8000/v1"' in code
+    exec(compile(code.replace("http://127.0.0.1:8000", server.url), "docs/serving.md", "exec"), {})
+    ref = greedy_reference([1, 2, 3], 16, VOCAB)
+    want = ref[: ref.index(2) + 1] if 2 in ref else ref
+    printed = capsys.readouterr().out
+    assert printed.startswith(str(want)), (printed, want)
+
+
 @pytest.mark.gpu
 @requires_gpu
 def test_openai_client_on_the_gpu_backend():
