@@ -194,5 +194,6 @@ def test_serve_reports_a_bad_checkpoint_in_one_line(pairs, tmp_path, kind, http,
     needle = _break(kind, bad)
     requests = tmp_path / "one.jsonl"
     requests.write_text(json.dumps({"prompt": [1, 2], "max_new_tokens": 2}) + "\n")
-    argv = ["serve", "--model", str(bad), "--draft", str(draft_dir), *SERVE, "--requests", str(requests)]
-    one_line_exit_2(capsys, argv + (["--http", "127.0.0.1:0"] if http else []), "graphburst serve:", needle)
+    argv = ["serve", "--model", str(bad), "--draft", str(draft_dir), *SERVE]
+    mode = ["--http", "127.0.0.1:0"] if http else ["--requests", str(requests)]  # --requests is JSONL's only
+    one_line_exit_2(capsys, argv + mode, "graphburst serve:", needle)

@@ -148,6 +148,48 @@ def test_reading_ahead_is_bounded_by_the_queue_limit(tmp_path):
     assert peak["taken_before_first_step"] <= max_queue
 
 
+def test_a_line_over_the_limit_costs_only_itself(tmp_path):
+    """A line of more than MAX_LINE_BYTES is one error record, read in linear time and without being held
+    (it was re-copied on every 64 KiB read, and kept whole); the lines around it are served."""
+    from graphburst.serving import jsonl
+
+    src = tmp_path / "long.jsonl"
+    with open(src, "wb") as f:
+        f.write(_lines(1, 3))
+        f.write(b'{"prompt": [' + b"1, " * (jsonl.MAX_LINE_BYTES // 3 + 10) + b'1], "max_new_tokens": 2}\n')
+        f.write(_lines(1, 3))
+    res = subprocess.run([*CMD, *SMALL, "--requests", str(src)], capture_output=True, env=ENV, timeout=120)
+    assert res.returncode == 0, res.stderr.decode()
+    recs = {r["line"]: r for r in _records(res.stdout)}
+    assert sorted(recs) == [1, 2, 3]
+    assert "over the 16 MiB limit" in recs[2]["error"] and "tokens" not in recs[2]
+    assert recs[1]["finish_reason"] == recs[3]["finish_reason"] == "length"
+
+
+def test_a_loop_that_fails_still_writes_a_record_for_every_line_taken(tmp_path):
+    """A loop that raises (a device error, a lost --tp peer) ended the command with a traceback and
+    without the records of the lines it had taken; now each gets one, with the error, and exit 1."""
+    src = tmp_path / "three.jsonl"
+    src.write_bytes(_lines(3, 40))
+    loop = build_loop(ServeConfig(backend="numpy", batch=2, vocab=VOCAB, capacity=128))
+    step, calls = loop.step, []
+
+    def failing_step():
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("device lost")
+        return step()
+
+    loop.step = failing_step
+    sink, err = io.StringIO(), io.StringIO()
+    with open(src, "rb") as source:
+        rc = JsonlServer(loop, source.fileno(), sink, max_queue=8, err=Console(file=err)).serve()
+    assert rc == 1 and "the serving loop failed: RuntimeError: device lost" in err.getvalue()
+    recs = _records(sink.getvalue().encode())
+    assert sorted(r["line"] for r in recs) == [1, 2, 3]
+    assert all(r["finish_reason"] == "error" and "device lost" in r["error"] for r in recs)
+
+
 # ---------------------------------------------------------------------- output and terminal errors
 
 
@@ -197,6 +239,32 @@ def test_serve_config_names_the_field_and_value(kw, field):
     assert isinstance(info.value, ConfigError) and info.value.field == field
     msg, value = str(info.value), kw[field]
     assert msg.startswith(f"{field}: ") and (repr(value) in msg or str(value) in msg), msg
+
+
+@pytest.mark.parametrize("kw, field", [(dict(tokenizer="/tmp"), "tokenizer"), (dict(served_model_name="m"),
+                                        "served_model_name"), (dict(http="127.0.0.1:0", requests="r.jsonl"), "requests"),
+                                        (dict(http="127.0.0.1:0", live=True), "live"),
+                                        (dict(draft="ngram", accept=0.9), "accept"),
+                                        (dict(model="tiny-random", draft="ngram", p_min=0.1), "p_min")])
+def test_a_field_the_mode_would_ignore_is_refused(kw, field):
+    """Fields of the other serving mode, or of the draft model that prompt lookup replaces, were accepted
+    and dropped; each is refused now, naming the field."""
+    with pytest.raises(ConfigError) as info:
+        ServeConfig(**kw)
+    assert info.value.field == field
+
+
+def test_validate_then_submit_and_refused_requests_use_no_id():
+    """validate() made up an id, which submit() then refused as a made-up form; a refused submit used one up."""
+    from graphburst.serving.loop import Request
+
+    loop = build_loop(ServeConfig(backend="numpy", batch=2, vocab=VOCAB, capacity=128))
+    req = Request([1, 2], 4)
+    loop.validate(req)
+    assert req.id is None
+    with pytest.raises(ValueError):
+        loop.submit(Request([1], 4, options={"no_such_option": 1}))
+    assert loop.submit(req).request.id == "auto-0"
 
 
 def test_serve_config_fills_the_stub_defaults_and_builds_that_loop():

@@ -114,13 +114,30 @@ class ServeConfig:
         for name in ("sampling", "pipelined", "live"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(name, f"must be a bool, got {getattr(self, name)!r}")
+        self._check_mode()
         self._check_ngram()
         if self.model is None:
             self._check_stubs()
         else:
             self._check_model()
 
+    def _check_mode(self) -> None:
+        """A field of the other serving mode would be ignored: refuse it rather than drop it."""
+        if self.http is None:
+            for name in ("tokenizer", "served_model_name"):
+                if getattr(self, name) is not None:
+                    raise ConfigError(name, f"applies to HTTP serving only (http), got {getattr(self, name)!r}")
+        else:
+            for name, unset in (("requests", "-"), ("output", "-"), ("live", False)):
+                if getattr(self, name) != unset:
+                    raise ConfigError(name, f"applies to JSONL serving only (no http), got {getattr(self, name)!r}")
+
     def _check_ngram(self) -> None:
+        if self.lookup:
+            for name in ("accept", "p_min"):  # settings of the draft model that prompt lookup replaces
+                if getattr(self, name) is not None:
+                    raise ConfigError(name, f"sets the draft model, which draft={NGRAM_DRAFT!r} replaces; got "
+                                            f"{getattr(self, name)!r}")
         if not self.lookup:
             for name in ("ngram_min", "ngram_max"):
                 if getattr(self, name) is not None:

@@ -66,11 +66,12 @@ class RequestIntake:
         return len(self.queue)
 
     def validate(self, req: Request) -> Request:
-        """Raise ValueError/TypeError naming the bad field; fill in a missing id.
+        """Raise ValueError/TypeError naming the bad field; the request is not changed.
 
         The prompt check is the one ``SpecDecoder.prefill`` uses, so the loop accepts
         the same prompts (numpy integers and arrays included). An id already in flight
-        is refused; a made-up id never equals one.
+        is refused. A missing id is made up by :meth:`submit`, once every check passed (so a
+        refused request uses up no id, and validate-then-submit accepts what validate did).
         """
         check_whole_request_fits(req, vocab=self.vocab, capacity=self.capacity)
         self._check_id(req)
@@ -79,8 +80,8 @@ class RequestIntake:
     def _check_id(self, req: Request) -> None:
         # Ids are compared as given: 7 and "7" are two ids (a JSON reader sees two different values).
         if req.id is None:
-            req.id = self._new_id()
-        elif isinstance(req.id, bool) or not isinstance(req.id, (str, numbers.Integral)):
+            return  # made up by submit, after every check
+        if isinstance(req.id, bool) or not isinstance(req.id, (str, numbers.Integral)):
             raise TypeError(f"id must be a str or an int, got {type(req.id).__name__}")
         elif isinstance(req.id, str) and MADE_UP_ID.fullmatch(req.id) and not self.replays_ids:
             raise ValueError(f"id {req.id!r} has the form of the ids made up for requests without one "
@@ -106,8 +107,10 @@ class RequestIntake:
         """
         row, limit, eos = check_whole_request_fits(req, vocab=self.vocab, capacity=self.capacity)
         self._check_id(req)
-        state = RequestState(req, submitted=time.perf_counter(), line=line,
-                             slot_options=self._slot_options(req.options), sampling=self.check_sampling(req),
+        options, sampling = self._slot_options(req.options), self.check_sampling(req)
+        if req.id is None:
+            req.id = self._new_id()
+        state = RequestState(req, submitted=time.perf_counter(), line=line, slot_options=options, sampling=sampling,
                              row=row, limit=limit, eos=eos)
         self.live[req.id] = state
         self.queue.append(state)

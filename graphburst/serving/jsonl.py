@@ -93,6 +93,11 @@ def record(state: RequestState) -> dict:
 
 
 _EOF = object()
+MAX_LINE_BYTES = 16 * 2**20  # one request line at most (the HTTP server's body limit too)
+
+
+class LineTooLong(int):
+    """The size of a request line over MAX_LINE_BYTES, handed over instead of its bytes."""
 
 
 class LineReader(threading.Thread):
@@ -125,21 +130,42 @@ class LineReader(threading.Thread):
         return False
 
     def run(self) -> None:
-        n, tail = 0, b""
+        # A line is gathered in one bytearray and each chunk is searched once, so a long line
+        # costs linear time; past MAX_LINE_BYTES its bytes are dropped up to the newline and
+        # the line becomes one error record (a bad input costs only itself, in time and memory).
+        n, buf, dropped = 0, bytearray(), 0
         try:
             while not self._stop.is_set() and (chunk := os.read(self.fd, READ_CHUNK)):
-                *whole, tail = (tail + chunk).split(b"\n")
-                for raw in whole:
+                start = 0
+                while (end := chunk.find(b"\n", start)) >= 0:
                     n += 1
-                    if not self._put((n, raw)):
+                    item = self._line(n, buf, dropped, chunk[start:end])
+                    buf.clear()
+                    dropped = 0
+                    if not self._put(item):
                         return
                     self.handed += 1
-            if tail and not self._stop.is_set() and self._put((n + 1, tail)):
+                    start = end + 1
+                rest = chunk[start:]
+                if dropped or len(buf) + len(rest) > MAX_LINE_BYTES:
+                    dropped += len(buf) + len(rest)
+                    buf.clear()
+                else:
+                    buf += rest
+            if (buf or dropped) and not self._stop.is_set() and self._put(self._line(n + 1, buf, dropped, b"")):
                 self.handed += 1
         except Exception as exc:  # noqa: BLE001 - reported by the main thread
             self._put(exc)
         finally:
             self._put(_EOF)
+
+    @staticmethod
+    def _line(n: int, buf: bytearray, dropped: int, last: bytes) -> tuple:
+        """``(n, line bytes)``, or ``(n, LineTooLong)`` for a line over MAX_LINE_BYTES."""
+        size = dropped + len(buf) + len(last)
+        if size > MAX_LINE_BYTES:
+            return n, LineTooLong(size)
+        return n, bytes(buf) + last
 
 
 class StopSignals:
@@ -250,6 +276,12 @@ class JsonlServer:
     # ------------------------------------------------------------------ input
 
     def _take(self, n: int, raw: bytes) -> None:
+        if isinstance(raw, LineTooLong):
+            self.counts["lines"] += 1
+            self.counts["rejected"] += 1
+            self._emit({"error": f"the line is {int(raw)} bytes, over the {MAX_LINE_BYTES // 2**20} MiB limit",
+                        "line": n})
+            return
         if not raw.strip():
             return
         self.counts["lines"] += 1
@@ -298,7 +330,12 @@ class JsonlServer:
                                    f"read (a second signal cancels them)")
                 self._take_lines()
                 if not self.loop.idle:
-                    self.loop.step()
+                    try:
+                        self.loop.step()
+                    except (OutputError, BrokenPipeError):
+                        raise
+                    except Exception as exc:  # noqa: BLE001 - the loop is dead: fail what it held, with records
+                        return self._loop_failed(exc)
                 # Per burst only the loop's log is read: pending is scanned when something finished.
                 if any(isinstance(event, Retired) for event in self.loop.log):
                     self._write_finished()
@@ -319,6 +356,21 @@ class JsonlServer:
             return 1
         # Exit 1 when no line was served: every input line was rejected (or failed).
         return 1 if self.counts["lines"] and not self.counts["served"] else 0
+
+    def _loop_failed(self, exc: BaseException) -> int:
+        """The loop raised (a device error, a lost --tp peer): every taken line still gets a record."""
+        why = f"the serving loop failed: {error_text(exc)}"
+        self._write_finished()  # what finished before the failure keeps its tokens
+        for s in self.pending:
+            rec = record(s)
+            rec.update(error=why, finish_reason="error")
+            self._emit(rec)
+            self.counts["failed"] += 1
+        self.pending = []
+        self._flush()
+        self._summary()
+        self.err.print(f"graphburst serve: {why}")
+        return 1
 
     def _abort(self, signum: int) -> int:
         """A second signal: cancel what still runs or waits, write every record, exit 128 + signal."""

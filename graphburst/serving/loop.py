@@ -127,7 +127,7 @@ class ServeLoop:
         return self.intake.submit(req, line=line)
 
     def validate(self, req: Request) -> Request:
-        """:meth:`RequestIntake.validate`: ValueError/TypeError naming a bad field; fills in a missing id."""
+        """:meth:`RequestIntake.validate`: ValueError/TypeError naming a bad field; ``req`` is not changed."""
         return self.intake.validate(req)
 
     def check_sampling(self, req: Request) -> SamplingParams:
