@@ -40,7 +40,9 @@ def main(group: str) -> int:
         n = len(dc.CI_NORM) + len(dc.CI_ROPE) + len(dc.CI_SILU)
     elif group == "model":
         dc.check_model("triton", "cpu", torch.float32)
-        n = 1
+        # Qwen3's q/k norms and the bias switches reach the Triton path too (ts: a verify only, to stay quick)
+        dc.check_model("triton", "cpu", torch.float32, ts=(5,), qk_norm=True, qkv_bias=True)
+        n = 2
     else:
         raise SystemExit(f"unknown group {group!r}")
     print(f"ok {n}")

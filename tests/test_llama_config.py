@@ -177,3 +177,14 @@ def test_released_configs_are_read_with_their_switches(family):
     assert cfg.qkv_bias == (family == "qwen2") and cfg.qk_norm == (family == "qwen3") and not cfg.attention_bias
     assert cfg.head_dim == {"qwen2": 64, "qwen3": 128, "mistral": 128}[family]
     assert cfg.tie_word_embeddings == (family != "mistral")
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen3"])
+def test_a_missing_kv_head_count_is_refused_outside_llama(family):
+    """transformers reads a missing num_key_value_heads as 8 (Mistral) or 32 (Qwen), not as the query
+    head count a Llama config means by it: the key is required for these families."""
+    cfg = {k: v for k, v in RELEASED[family].items() if k != "num_key_value_heads"}
+    with pytest.raises(CheckpointError, match=f"num_key_value_heads is missing; a {family} config must give it"):
+        LlamaConfig.from_hf(cfg)
+    llama = {k: v for k, v in base().items() if k != "num_key_value_heads"}
+    assert LlamaConfig.from_hf(llama).num_key_value_heads == llama["num_attention_heads"]

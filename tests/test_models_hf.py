@@ -15,8 +15,8 @@ import json
 
 import pytest
 import torch
-from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, \
-    Qwen3ForCausalLM
+from transformers import LlamaConfig as LlamaConfig_HF, LlamaForCausalLM, MistralConfig, MistralForCausalLM, \
+    Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from graphburst import SpecDecoder
 from graphburst.capture import BurstGraph
@@ -154,3 +154,25 @@ def test_gpu_fp32_matches_hf_generate(saved, mode):
     got, acc = decode(target_dir, draft_dir, "cupy", mode)
     assert got == [hf_greedy(hf, p, NEW) for p in PROMPTS]
     assert acc[:, 0].sum() > 0
+
+
+@pytest.mark.parametrize("cls, cfg", [
+    (LlamaForCausalLM, LlamaConfig_HF(hidden_size=60, attention_bias=True, mlp_bias=True, **COMMON)),
+    (Qwen3ForCausalLM, Qwen3Config(hidden_size=40, head_dim=16, attention_bias=True, tie_word_embeddings=True,
+                                   **COMMON)),
+], ids=["llama-attention-and-mlp-bias", "qwen3-attention-bias"])
+def test_the_other_bias_switches_match_hf(cls, cfg, tmp_path):
+    """attention_bias (q, k, v and o; Llama, Qwen3) and mlp_bias (Llama), with random biases: same logits."""
+    torch.manual_seed(3)
+    hf = cls(cfg).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.5)
+    assert any(n.endswith("o_proj.bias") for n, _ in hf.named_parameters())
+    hf.save_pretrained(tmp_path)
+    model = load_llama(tmp_path, batch=1, capacity=32)
+    seq = torch.randint(0, VOCAB, (1, 20), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        zero = torch.zeros(1, dtype=torch.int32)
+        torch.testing.assert_close(model(seq, zero, [zero] * 2), hf(seq).logits, atol=1e-4, rtol=1e-4)

@@ -152,8 +152,12 @@ class LlamaConfig:
                 raise CheckpointError(f"{source}: {key} must be a positive int, got {cfg.get(key)!r}")
         heads = cfg["num_attention_heads"]
         kv_heads = cfg.get("num_key_value_heads")
+        if kv_heads is None and family != "llama":
+            # transformers reads a missing key as its class default (8 for Mistral, 32 for Qwen2 and
+            # Qwen3), not as multi-head attention: refuse rather than guess which the weights have.
+            raise CheckpointError(f"{source}: num_key_value_heads is missing; a {family} config must give it")
         if kv_heads is None:
-            kv_heads = heads  # HF's default: multi-head attention
+            kv_heads = heads  # LlamaConfig's default: multi-head attention
         elif not _is_int(kv_heads) or kv_heads < 1:
             raise CheckpointError(f"{source}: num_key_value_heads must be a positive int, got {kv_heads!r}")
         if heads % kv_heads:
