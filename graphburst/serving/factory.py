@@ -182,8 +182,10 @@ class ServeConfig:
             for name in ("model",) if self.lookup else ("model", "draft"):
                 if not os.path.isdir(getattr(self, name)):
                     raise ConfigError(name, f"{getattr(self, name)!r} is not a directory")
-            if self.tokenizer is None and os.path.isfile(os.path.join(self.model, "tokenizer.json")):
-                self._set("tokenizer", self.model)  # the model directory's own tokenizer, unless told otherwise
+            # HTTP reads the model directory's own tokenizer unless told otherwise (JSONL takes token ids)
+            if self.http is not None and self.tokenizer is None and \
+                    os.path.isfile(os.path.join(self.model, "tokenizer.json")):
+                self._set("tokenizer", self.model)
         self._set("dtype", self.dtype or "float32")
         self._set("p_min", 0.0 if self.p_min is None else self.p_min)
 

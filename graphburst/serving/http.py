@@ -37,8 +37,7 @@ from .loop import Request, ServeLoop
 DEFAULT_ADDRESS = "127.0.0.1:8000"
 MAX_BODY_BYTES = 16 * 2**20  # long token-id prompts are JSON numbers: ~6 bytes a token
 RETRY_AFTER_S = 1
-HEADER_TIMEOUT_S = 30.0  # default --header-timeout
-BODY_TIMEOUT_S = 30.0  # default --body-timeout
+BODY_TIMEOUT_S = 30.0  # Server's default body timeout (serving: ServeConfig.body_timeout, --body-timeout)
 CANCEL_GRACE_S = 2.0  # after the drain timeout: time for cancelled handlers to send their last chunk
 # The engine thread and the event loop share the GIL. When the engine's drain returns, it
 # waits for the GIL until the event loop gives it up, at the latest after the switch
