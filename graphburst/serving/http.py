@@ -33,9 +33,10 @@ from .engine_thread import EngineThread, Ticket
 from .metrics import CONTENT_TYPE, Metrics
 from .factory import build_loop, model_name
 from .loop import Request, ServeLoop
+from .request import MAX_REQUEST_BYTES
 
 DEFAULT_ADDRESS = "127.0.0.1:8000"
-MAX_BODY_BYTES = 16 * 2**20  # long token-id prompts are JSON numbers: ~6 bytes a token
+MAX_BODY_BYTES = MAX_REQUEST_BYTES  # aiohttp's client_max_size
 RETRY_AFTER_S = 1
 BODY_TIMEOUT_S = 30.0  # Server's default body timeout (serving: ServeConfig.body_timeout, --body-timeout)
 CANCEL_GRACE_S = 2.0  # after the drain timeout: time for cancelled handlers to send their last chunk

@@ -35,6 +35,7 @@ from rich.live import Live
 from rich.table import Table
 
 from .loop import Request, RequestState, ServeLoop
+from .request import MAX_REQUEST_BYTES
 from ..validate import parse_json
 from .events import Retired
 
@@ -93,7 +94,7 @@ def record(state: RequestState) -> dict:
 
 
 _EOF = object()
-MAX_LINE_BYTES = 16 * 2**20  # one request line at most (the HTTP server's body limit too)
+MAX_LINE_BYTES = MAX_REQUEST_BYTES  # one request line at most, as an HTTP body
 
 
 class LineTooLong(int):

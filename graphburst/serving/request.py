@@ -24,6 +24,10 @@ from ..sampling.params import SamplingParams, check_sampling
 from .slot_tokens import SlotTokens
 from ..validate import check_int, check_prompt
 
+#: The largest request a server reads: an HTTP body, a JSONL line (long token-id prompts are JSON
+#: numbers, ~6 bytes a token).
+MAX_REQUEST_BYTES = 16 * 2**20
+
 
 @dataclasses.dataclass
 class Request:
