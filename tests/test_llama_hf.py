@@ -98,21 +98,27 @@ def test_logits_match_hf(saved):
         torch.testing.assert_close(got[1], want[1, 20:23], atol=1e-4, rtol=1e-4)
 
 
+def decode(target_dir, draft_dir, backend: str, mode: str, prompts=PROMPTS, new: int = NEW):
+    """Speculative greedy tokens of a saved checkpoint pair (k=3, M=2), run in ``mode``; and the accept counters."""
+    target, draft = load_pair(target_dir, draft_dir, batch=len(prompts), capacity=64, backend=backend)
+    dec = SpecDecoder(target, draft, k=3, m_rounds=2)
+    dec.prefill(prompts, max_new_tokens=new)
+    runner = BurstGraph(dec).run if mode == "graph" else (lambda: dec.run_burst(mode=mode))
+    got = [[] for _ in prompts]
+    while dec.host_left.any():
+        tokens = runner()
+        for b in range(len(prompts)):
+            got[b] += tokens[b].tolist()
+    return got, dec.accept_counters()
+
+
 @pytest.mark.parametrize("mode", ["per_round_sync", "pre_issued", "graph"])
 def test_speculative_tokens_match_hf_generate(saved, mode):
     _, hf, _, target_dir, draft_dir = saved
     want = [hf_greedy(hf, p, NEW) for p in PROMPTS]
-    target, draft = load_pair(target_dir, draft_dir, batch=len(PROMPTS), capacity=64, backend="numpy")
-    dec = SpecDecoder(target, draft, k=3, m_rounds=2)
-    dec.prefill(PROMPTS, max_new_tokens=NEW)
-    runner = BurstGraph(dec).run if mode == "graph" else (lambda: dec.run_burst(mode=mode))
-    got = [[] for _ in PROMPTS]
-    while dec.host_left.any():
-        tokens = runner()
-        for b in range(len(PROMPTS)):
-            got[b] += tokens[b].tolist()
+    got, acc = decode(target_dir, draft_dir, "numpy", mode)
     assert got == want
-    assert dec.accept_counters()[:, 0].sum() > 0  # drafts were accepted, so the accept path ran
+    assert acc[:, 0].sum() > 0  # drafts were accepted, so the accept path ran
 
 
 def test_matches_hf_assisted_generation(tmp_path):

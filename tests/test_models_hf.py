@@ -18,12 +18,11 @@ import torch
 from transformers import LlamaConfig as LlamaConfig_HF, LlamaForCausalLM, MistralConfig, MistralForCausalLM, \
     Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from graphburst import SpecDecoder
-from graphburst.capture import BurstGraph
-from graphburst.models.checkpoint import load_llama, load_pair
+from graphburst.models.checkpoint import load_llama
 from graphburst.models.llama import CheckpointError, LlamaConfig
 
 from marks import requires_gpu
+from test_llama_hf import decode as hf_decode
 
 torch.set_num_threads(1)
 
@@ -111,16 +110,7 @@ def test_logits_match_hf(saved):
 
 
 def decode(target_dir, draft_dir, backend: str, mode: str):
-    target, draft = load_pair(target_dir, draft_dir, batch=len(PROMPTS), capacity=64, backend=backend)
-    dec = SpecDecoder(target, draft, k=3, m_rounds=2)
-    dec.prefill(PROMPTS, max_new_tokens=NEW)
-    runner = BurstGraph(dec).run if mode == "graph" else (lambda: dec.run_burst(mode=mode))
-    got = [[] for _ in PROMPTS]
-    while dec.host_left.any():
-        tokens = runner()
-        for b in range(len(PROMPTS)):
-            got[b] += tokens[b].tolist()
-    return got, dec.accept_counters()
+    return hf_decode(target_dir, draft_dir, backend, mode, PROMPTS, NEW)
 
 
 @pytest.mark.parametrize("mode", ["per_round_sync", "graph"])

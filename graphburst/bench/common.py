@@ -69,6 +69,16 @@ def check_greedy(what: str, prompts, outs) -> None:
             raise AssertionError(f"{what}: sequence {b} differs from the greedy reference")
 
 
+def int_list(text: str) -> list[int]:
+    """A comma list of ints from a flag (``"1,4,16"``); empty items are skipped."""
+    return [int(x) for x in text.split(",") if x]
+
+
+def float_list(text: str) -> list[float]:
+    """A comma list of floats from a flag."""
+    return [float(x) for x in text.split(",") if x]
+
+
 def fmt(x, digits: int = 2) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
 

@@ -22,7 +22,7 @@ from rich.console import Console
 from ..cli_args import FlagError, int_in, real_in, writable_file
 from ..constants import MAX_K, NGRAM_MAX
 from ..models.ngram import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN
-from .common import fmt, label, new_table, write_results
+from .common import fmt, int_list, label, new_table, write_results
 from .ngram_search import run_search_bench
 
 PARTS = ("search", "e2e")
@@ -31,10 +31,6 @@ SMOKE = dict(model="tiny", batches="1,2", histories="64,512", e2e_batches="1,2",
              reps=1, m=2, workloads="random,repeat,echo")
 FULL = dict(model="1b", batches="1,8,64,256", histories="512,2048,8192,32768", e2e_batches="1,16", prompt_len=512,
             new_tokens=256, reps=3, m=8, workloads="random,repeat,echo")
-
-
-def _ints(text):
-    return [int(x) for x in text.split(",") if x]
 
 
 def add_parser(sub) -> None:
@@ -68,8 +64,9 @@ def settings(args) -> dict:
     for name in d:
         if getattr(args, name, None) is not None:
             d[name] = getattr(args, name)
-    return dict(d, parts=args.parts.split(","), batches=_ints(d["batches"]), histories=_ints(d["histories"]),
-                e2e_batches=_ints(d["e2e_batches"]), workloads=d["workloads"].split(","), k=args.k,
+    return dict(d, parts=args.parts.split(","), batches=int_list(d["batches"]),
+                histories=int_list(d["histories"]), e2e_batches=int_list(d["e2e_batches"]),
+                workloads=d["workloads"].split(","), k=args.k,
                 n_min=args.ngram_min, n_max=args.ngram_max, tol=args.tol, seed=args.seed, dtype=args.dtype)
 
 
@@ -79,7 +76,7 @@ def check_args(args) -> None:
                        ("--e2e-batches", args.e2e_batches)):
         if text is not None:
             try:
-                values = _ints(text)
+                values = int_list(text)
             except ValueError:
                 raise FlagError(flag, f"a comma list of positive ints is needed, got {text!r}") from None
             if not values or min(values) < 1:

@@ -10,6 +10,7 @@ import math
 import os
 
 from ..cli_args import FlagError, check_memory, int_in, real_in, writable_file
+from .common import float_list, int_list
 from .real_report import SAME_KERNEL_ORDER
 
 # The torch-dependent modules (real_models, real_engines, real_checks) are imported when
@@ -22,14 +23,6 @@ EPS_GRID = (0.0, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.0)
 CALIBRATION = dict(batch=4, rounds=16)
 SMOKE = dict(models="tiny", batches="1,2", rounds=4, reps=1, m=2, m_sweep="1,2,4", accepts="0.5,0.95")
 DEFAULT_PLOT = "docs/real_models_h200.png"
-
-
-def _ints(text):
-    return [int(x) for x in text.split(",") if x]
-
-
-def _floats(text):
-    return [float(x) for x in text.split(",") if x]
 
 
 def add_parser(sub) -> None:
@@ -69,9 +62,9 @@ def settings(args) -> dict:
     if args.smoke:
         d.update(SMOKE)
     pick = lambda name: d[name] if getattr(args, name) is None else getattr(args, name)  # noqa: E731
-    s = dict(models=pick("models").split(","), batches=_ints(pick("batches")), rounds=pick("rounds"),
-             reps=pick("reps"), m=pick("m"), m_sweep=[] if args.no_m_sweep else _ints(pick("m_sweep")),
-             accepts=_floats(pick("accepts")), eps=None if args.eps is None else _floats(args.eps),
+    s = dict(models=pick("models").split(","), batches=int_list(pick("batches")), rounds=pick("rounds"),
+             reps=pick("reps"), m=pick("m"), m_sweep=[] if args.no_m_sweep else int_list(pick("m_sweep")),
+             accepts=float_list(pick("accepts")), eps=None if args.eps is None else float_list(args.eps),
              engines=args.engines.split(","), k=args.k, prompt_len=args.prompt_len, dtype=args.dtype,
              tol=args.hf_tol, seed=args.seed)
     return s
@@ -79,8 +72,8 @@ def settings(args) -> dict:
 
 def check_args(args) -> None:
     """Every flag checked before any model is built (FlagError names the flag)."""
-    for flag, text, parse in (("--batches", args.batches, _ints), ("--m-sweep", args.m_sweep, _ints),
-                              ("--accepts", args.accepts, _floats), ("--eps", args.eps, _floats)):
+    for flag, text, parse in (("--batches", args.batches, int_list), ("--m-sweep", args.m_sweep, int_list),
+                              ("--accepts", args.accepts, float_list), ("--eps", args.eps, float_list)):
         if text is not None:
             try:
                 values = parse(text)
