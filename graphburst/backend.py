@@ -154,6 +154,37 @@ class Backend:
         else:
             np.copyto(dst, host.reshape(dst.shape))
 
+    def scatter(self, dst, rows, values, stream) -> None:
+        """Stream-ordered ``dst[rows] = values``: only the named rows change.
+
+        Unlike a read-modify-write through the host (``to_host`` then ``upload``), this
+        never syncs and never overwrites rows the device changed since the host last
+        looked, so it may be enqueued behind bursts still in flight. ``rows`` is a host
+        int array; ``values`` a scalar or one entry (row) per element of ``rows``.
+        Allocates two small temporaries from the pool: never inside a capture.
+        """
+        rows = np.asarray(rows, np.int64)
+        if rows.size == 0:
+            return
+        if not self.is_gpu:
+            dst[rows] = values
+            return
+        with self.device(), stream:
+            idx = self.xp.asarray(rows)  # the H2D copies run on ``stream``, like the scatter
+            dst[idx] = values if np.isscalar(values) else self.xp.asarray(np.asarray(values, dst.dtype))
+
+    def copy_rows(self, dst, src, rows, stream) -> None:
+        """Stream-ordered ``dst[rows] = src[rows]`` on the device (no host round trip)."""
+        rows = np.asarray(rows, np.int64)
+        if rows.size == 0:
+            return
+        if not self.is_gpu:
+            dst[rows] = src[rows]
+            return
+        with self.device(), stream:
+            idx = self.xp.asarray(rows)
+            dst[idx] = src[idx]
+
     def check_device(self, name: str, arr) -> None:
         """Raise ValueError when an array or torch tensor lives on another device than this backend."""
         if hasattr(arr, "data_ptr"):  # a torch tensor: CUDA on this device for cupy, CPU for numpy

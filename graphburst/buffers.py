@@ -178,6 +178,11 @@ class BurstTokens(Sequence):
             return [self[i] for i in range(*b.indices(len(self)))]
         return self.data[b, 1 : 1 + self.counts[b]]
 
+    def drop(self, rows: np.ndarray) -> None:
+        """Forget the tokens of ``rows`` (``[B]`` bool): their counts become 0."""
+        self.counts = np.where(rows, 0, self.counts)
+        self.data[rows, RING_COUNT_COLUMN] = 0
+
     @property
     def total(self) -> int:
         """Tokens committed over the whole batch."""

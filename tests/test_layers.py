@@ -25,7 +25,7 @@ LAYERS = {
     0: {"constants", "validate", "guard"},
     1: {"kernels"},
     2: {"backend", "buffers", "protocol", "sampling", "sampling.params"},
-    3: {"program", "burst", "burst_mode", "capture", "torch_capture", "sampling.mode"},
+    3: {"program", "admission", "burst", "burst_mode", "capture", "torch_capture", "sampling.mode"},
     4: {"models"},
     5: {"serving", "parallel", "parallel.dist", "parallel.check", "parallel.models", "parallel.tp", "parallel.pp",
         "parallel.runner", "parallel.lockstep"},
@@ -34,7 +34,7 @@ LAYERS = {
 }
 # What may sit at the root of graphburst/: the commands, the ground and the engine.
 ROOT_MODULES = {"__init__", "__main__", "cli", "cli_args", "demo", "serve_cli", "constants", "validate", "guard",
-                "backend", "buffers", "protocol", "program", "burst", "burst_mode", "capture", "torch_capture"}
+                "backend", "buffers", "protocol", "program", "admission", "burst", "burst_mode", "capture", "torch_capture"}
 
 
 def _modules() -> dict[str, Path]:

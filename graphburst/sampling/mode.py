@@ -83,7 +83,8 @@ def check_slot(temperature=None, top_k=None, top_p=None, seed=None, *, sampling:
 
 
 class SlotSampling:
-    """Host mirrors of the per-slot settings; admission uploads all four (plain writes).
+    """Host mirrors of the per-slot settings; admission uploads all four (plain writes: the
+    device never changes them, so a whole-array upload behind bursts in flight loses nothing).
 
     Parameters
     ----------
@@ -107,30 +108,30 @@ class SlotSampling:
             backend.upload(getattr(bufs, name), getattr(self, name), stream)
 
 
-def sample_first_tokens(ops, backend, bufs: StreamBufs, prompt_len: np.ndarray, stream) -> None:
+def sample_first_tokens(ops, backend, bufs: StreamBufs, prompt_end: np.ndarray, stream) -> None:
     """``pend[b]`` <- a draw from the target's distribution after the prompt, for prefilled slots.
 
     The target's prefill wrote that row's logits to ``tgt_logits[:, 0]``. The draw is
     ``accept_sample`` with no drafts (``brk = [0, 0]``) at ``pos = P - 1``: one draw of
     ``DRAW_RESAMPLE`` for the token at position P from ``p`` row 0, keyed like every later
     token. ``brk``, ``pos_start``, ``n_acc`` and ``last_pred`` are per-round scratch
-    (every sampling round reseeds them), so other slots lose nothing; their ``pend`` is
-    kept by a host merge (admission may sync).
+    (every sampling round reseeds them), so other slots lose nothing; the draws reach
+    ``pend`` only for the prefilled slots, by a device-side row copy: no host sync, so
+    admission may be enqueued behind bursts still in flight.
 
     Parameters
     ----------
-    prompt_len : [B] int32 host array, ``NO_PREFILL`` for slots left alone
+    prompt_end : [B] int32 host array: P, the whole prompt's length (a chunked prompt's
+        end, not its last chunk's), ``NO_PREFILL`` for slots left alone
     """
-    slots = np.flatnonzero(prompt_len != NO_PREFILL)
+    slots = np.flatnonzero(prompt_end != NO_PREFILL)
     if len(slots) == 0:
         return
     ops.probs_from_logits(bufs.tgt_logits, bufs.temperature, bufs.top_k, bufs.top_p, bufs.tgt_logits, bufs, step=0,
                           stream=stream)
-    pos = np.where(prompt_len != NO_PREFILL, prompt_len.astype(np.int64) - 1, 0).astype(np.int32)
+    pos = np.where(prompt_end != NO_PREFILL, prompt_end.astype(np.int64) - 1, 0).astype(np.int32)
     backend.upload(bufs.brk, np.zeros((bufs.batch, 2), np.int32), stream)
     backend.upload(bufs.pos_start, pos, stream)
     ops.accept_sample(bufs.vtok, bufs.tgt_logits, bufs.draft_logits, bufs.brk, bufs.seed, bufs.pos_start, bufs.n_acc,
                       bufs.last_pred, bufs, stream=stream)
-    pend = backend.to_host(bufs.pend, stream)
-    pend[slots] = backend.to_host(bufs.last_pred, stream)[slots]
-    backend.upload(bufs.pend, pend, stream)
+    backend.copy_rows(bufs.pend, bufs.last_pred, slots, stream)

@@ -1,12 +1,13 @@
 """A replay loop for a serving process: continuous batching over one captured burst graph.
 
 One :class:`BurstGraph` is captured at start-up per (batch slots, k, M) and replayed for
-the life of the process. Between bursts the loop admits waiting requests into free
-slots (prefill and slot reset are host-to-device writes into the fixed buffers plus the
-model's prefill kernels: no recapture, no allocation), then replays, drains and streams
-each request's new tokens. Stops (EOS, max_new_tokens) happen on the device, mid-round if need be, so no
-token past a stop ever reaches the ring; a finished or idle slot has budget 0 and emits
-nothing.
+the life of the process. At each burst boundary the loop frees finished slots and admits
+waiting requests into them (prefill and slot reset are stream-ordered writes into the
+fixed buffers plus the model's prefill kernels: no recapture, no host sync), even while
+bursts are still in flight (:mod:`graphburst.serving.admit`); then it replays, drains and
+streams each request's new tokens. Stops (EOS, max_new_tokens) happen on the device,
+mid-round if need be, so no token past a stop ever reaches the ring; a finished or idle
+slot has budget 0 and emits nothing.
 
 A failure inside :meth:`ServeLoop.step` costs only the requests it touches: they finish
 with ``error`` set (``finish_reason == "error"``), the tokens already handed out stay,
@@ -17,9 +18,9 @@ waiting queue; :mod:`graphburst.serving.intake`), its pipeline (``loop.pipeline`
 bursts in flight; :mod:`graphburst.serving.pipeline`) and its per-slot token rows
 (:mod:`graphburst.serving.slot_tokens`); requests are :mod:`graphburst.serving.request`,
 timing figures :mod:`graphburst.serving.timing`, and what a step did is told as typed events
-(:mod:`graphburst.serving.events`). This module holds the loop itself: admission at burst
-boundaries, the step, delivery, cancellation, a request's retirement, streaming and the
-loop's counters.
+(:mod:`graphburst.serving.events`). This module holds the loop itself: the step, delivery,
+cancellation, a request's retirement, streaming and the loop's counters; the boundary
+(freeing, admission, chunked prefill) is :mod:`graphburst.serving.admit`.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ import numpy as np
 from ..burst import BurstMode, SpecDecoder
 from ..capture import BurstGraph
 from ..sampling.params import SamplingParams
-from .events import Admitted, Retired, Tokens
+from .admit import LoopAdmission, check_prefill_chunk, describe
+from .events import Retired, Tokens
 from .intake import RequestIntake
 from .pipeline import BurstPipeline
 from .request import Request, RequestState
@@ -47,7 +49,7 @@ __all__ = ["ENGINE_MODES", "SERVE_MODES", "Request", "RequestState", "ServeLoop"
            "percentiles"]
 
 
-class ServeLoop:
+class ServeLoop(LoopAdmission):
     """Continuous batching of requests over one captured burst graph.
 
     Parameters
@@ -64,6 +66,10 @@ class ServeLoop:
         Decode with speculative rejection sampling, so requests may ask for temperature
         > 0 (the models must support it; see ``SpecDecoder``). Without it such a request
         is refused at submission.
+    prefill_chunk : int, optional
+        At most this many prompt tokens are prefilled per burst boundary; a longer prompt
+        is prefilled in chunks over several boundaries while the other slots keep decoding
+        (both models must declare ``chunked_prefill``). None: whole prompts at once.
 
     Attributes
     ----------
@@ -84,9 +90,10 @@ class ServeLoop:
     replays_ids = False
 
     def __init__(self, target, draft, *, k: int, m_rounds: int, engine: str = "graph", pipelined: bool = True,
-                 sampling: bool = False):
+                 sampling: bool = False, prefill_chunk: int | None = None):
         engine = BurstMode.parse(engine, SERVE_MODES, name="engine")
         self.sampling = bool(sampling)
+        self.prefill_chunk = check_prefill_chunk(prefill_chunk, target, draft)
         self.dec = self._make_decoder(target, draft, k=k, m_rounds=m_rounds, sampling=self.sampling)
         self.engine = engine
         self.pipeline = BurstPipeline(self.dec, engine, pipelined, make_graph=self._make_graph)
@@ -102,6 +109,9 @@ class ServeLoop:
         self._running = np.zeros(batch, bool)  # [B] slot holds a request that is not done
         self._n_occupied = 0  # slots holding a request (done or not)
         self._n_stale = 0  # slots holding a request that is done: freed at the next boundary
+        # Slots whose prompt is still being prefilled (admission order): slot -> prompt tokens
+        # already in the caches. Such a slot holds its request but is idle in bursts.
+        self._prefilling: dict[int, int] = {}
         self.intake = RequestIntake(vocab=self.vocab, capacity=self.dec.capacity, sampling=self.sampling,
                                     slot_options=self.dec.slot_options, replays_ids=self.replays_ids)
         self.log: list | None = None
@@ -170,83 +180,6 @@ class ServeLoop:
         """Nothing queued, running or in flight."""
         return not self.intake.queue and self._n_occupied == 0 and not self.pipeline
 
-    # ------------------------------------------------------------------ admission
-
-    def _free(self, slots) -> None:
-        for b in slots:
-            self.slots[b] = None
-        self._slot_state[slots] = None
-        self._n_occupied -= len(slots)
-
-    def _boundary(self) -> None:
-        """The burst boundary: free slots of finished, cancelled or failed requests, then admit
-        waiting requests into free slots (every slot change of the loop happens here).
-
-        Only runs with nothing in flight. Admission reads the values validated at
-        submission; a request whose prefill fails finishes with an error and its slot is freed.
-        """
-        freed = [b for b, s in enumerate(self.slots) if s is not None and s.done]
-        self._free(freed)
-        self._n_stale = 0
-        self.dec.release(freed)
-        if not self.intake.queue or self._n_occupied == self.dec.batch:
-            return
-        batch = self.dec.batch
-        prompts, limits, stops = [None] * batch, [None] * batch, [None] * batch
-        options, admitted = {}, []
-        for b in (b for b, s in enumerate(self.slots) if s is None):
-            state = self.intake.next_waiting()  # one cancelled while waiting is never admitted
-            if state is None:
-                break
-            prompts[b], limits[b], stops[b] = state.row, state.limit, state.eos
-            state.slot = b
-            self.slots[b] = state
-            admitted.append(b)
-            options[b] = state.slot_options  # every admitted slot: a reused one forgets its last request
-        if not admitted:
-            return
-        self._slot_state[admitted] = [self.slots[b] for b in admitted]
-        self._n_occupied += len(admitted)
-        self.store.reset(admitted)
-        for b in admitted:
-            self.slots[b]._store = self.store
-        self._running[admitted] = True
-        if self.log is not None:
-            self.log += [Admitted(self.slots[b]) for b in admitted]
-        try:
-            self.dec.set_slot_options(options)
-            self.dec.prefill(prompts, max_new_tokens=limits, eos=stops, **self._sampling_args(admitted))
-        except Exception as exc:  # noqa: BLE001 - only the requests being admitted are touched
-            msg = _describe(exc)
-            for b in admitted:
-                self._retire(self.slots[b], error=msg)
-            self._n_stale -= len(admitted)
-            self._free(admitted)
-            self.dec.release(admitted)
-            if not self._costs_only_its_requests(exc):
-                raise
-
-    def _costs_only_its_requests(self, exc: Exception) -> bool:
-        """Whether a failed prefill ends only the requests being admitted (here: always).
-
-        A lockstep loop answers no for anything but a bad request: a collective that fails
-        during prefill leaves the ranks apart, so the loop must stop.
-        """
-        return True
-
-    def _sampling_args(self, admitted) -> dict:
-        """``SpecDecoder.prefill`` keyword arguments: per-slot sampling settings of the admitted slots."""
-        args = {f: [None] * self.dec.batch for f in ("temperature", "top_k", "top_p", "seed")}
-        for b in admitted:
-            params = self.slots[b].sampling or SamplingParams()
-            for f in args:
-                args[f][b] = getattr(params, f)
-        return args
-
-    def _needs_boundary(self) -> bool:
-        """A request waits for a free slot, or a slot still holds a finished request."""
-        return bool(self.intake.queue and self._n_occupied < self.dec.batch) or self._n_stale > 0
-
     # ------------------------------------------------------------------ the loop
 
     def step(self) -> int:
@@ -254,8 +187,8 @@ class ServeLoop:
 
         With the pipelined graph engine two bursts stay in flight: the oldest is drained,
         the next one is enqueued, and only then are the drained tokens handed out, so
-        the GPU keeps working while the host does; slots are only changed with nothing
-        in flight. Returns the number of tokens delivered.
+        the GPU keeps working while the host does; then finished slots are refilled
+        behind the bursts in flight. Returns the number of tokens delivered.
 
         An exception inside the iteration finishes the requests it touches with an
         error (those of the slots it names, else every running one) and is not raised;
@@ -268,7 +201,7 @@ class ServeLoop:
             return self._recover(exc)
 
     def _recover(self, exc: Exception) -> int:
-        msg = _describe(exc)
+        msg = describe(exc)
         named = [b for b in getattr(exc, "slots", ()) if 0 <= b < len(self.slots) and self.slots[b] is not None]
         touched = named or [b for b, s in enumerate(self.slots) if s is not None]
         now = time.perf_counter()
@@ -296,18 +229,14 @@ class ServeLoop:
             pipeline.clock.forget_gap()
         if self.graph is None:
             self._boundary()
-            return self._deliver(*pipeline.run_eager(self._steady())) if self._n_occupied else 0
+            return self._deliver(*pipeline.run_eager(self._steady())) if self._running.any() else 0
         delivered = 0
-        if self._needs_boundary() or not self.pipelined or self._n_occupied == 0:
-            while pipeline:
-                delivered += self._deliver(*pipeline.drain())
+        if not pipeline:  # nothing in flight (always so unpipelined): admit before launching
             self._boundary()
-        if self._n_occupied == 0:
-            return delivered
         steady = self._steady()
         pipeline.fill(steady)
         if not pipeline:
-            return delivered
+            return delivered  # no live slot (prompts still being prefilled, or none at all)
         drained = pipeline.drain()
         # Refill before handing the drained tokens out: while the host delivers burst n,
         # bursts n+1 and n+2 are both queued, so the GPU has work even if delivery is slow.
@@ -316,6 +245,10 @@ class ServeLoop:
                 pipeline.fill(steady)
         finally:  # a launch that fails (a capacity error, say) must not lose the drained tokens
             delivered += self._deliver(*drained)
+        if self.pipelined and self._needs_boundary():
+            # Admission without draining: the boundary's writes queue behind the bursts in
+            # flight, and the next launch carries the new slots.
+            self._boundary()
         return delivered
 
     def _deliver(self, tokens, acc) -> int:
@@ -399,9 +332,3 @@ class ServeLoop:
             "steady_bursts": clock.steady.bursts,
             "captures": self.graph.captures if self.graph is not None else 0,
         }
-
-
-def _describe(exc: BaseException) -> str:
-    """One line for a request's ``error``: the exception type and message."""
-    text = str(exc).splitlines()[0] if str(exc) else ""
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -1,0 +1,273 @@
+"""Putting sequences into batch slots: prefill (whole or in chunks), release, per-slot options.
+
+Every write here is enqueued on the decoder's stream and touches only the slots it
+names (scatters, never a read-modify-write through the host), so it may run while
+bursts are still in flight: it lands behind them in stream order, and the burst after
+it sees the new slot. No call here syncs with the device.
+
+A slot's **generation** changes whenever it is prefilled or released. A burst remembers
+the generations it was launched under; when it is drained, the tokens it committed for
+a slot whose generation has changed since are dropped (they belonged to the slot's
+previous sequence, a finished or cancelled one), and the host mirror ignores them.
+
+A long prompt may be prefilled in **chunks**: ``prefill(..., start=s, final=False)``
+writes one chunk's KV behind the rows already cached and leaves the slot idle (budget
+0, emitting nothing) with its position at the chunk's end; the final chunk
+(``final=True``) also computes the first token and makes the slot live. Both models
+must declare ``chunked_prefill`` (see :mod:`graphburst.protocol`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from .constants import NO_EOS, NO_PREFILL, UNBOUNDED_BUDGET
+from .protocol import hook, split_options
+from .sampling.mode import check_slot, sample_first_tokens
+from .validate import check_int, check_prompt, per_slot
+
+
+class CapacityError(ValueError):
+    """A request or burst would write past a KV cache's capacity.
+
+    Attributes
+    ----------
+    slots : tuple of int
+        The batch slots that would overflow (empty when not tied to slots).
+    """
+
+    def __init__(self, message: str, slots=()):
+        super().__init__(message)
+        self.slots = tuple(int(b) for b in slots)
+
+
+def chunked_prefill(model) -> bool:
+    """Whether a model's ``prefill`` takes ``start=`` and ``rows=`` (continues a cached prefix)."""
+    return bool(getattr(model, "chunked_prefill", False))
+
+
+class SlotAdmission:
+    """The admission half of :class:`~graphburst.burst.SpecDecoder` (a mixin; the decoder
+    owns ``bufs``, ``stream``, the host mirrors and ``_update_fits``)."""
+
+    # ------------------------------------------------------------------ prefill
+
+    def prefill(self, prompts: Sequence[Sequence[int] | None], *, start=None, final: bool = True,
+                max_new_tokens=None, eos=None, temperature=None, top_k=None, top_p=None, seed=None) -> None:
+        """Write prompts (or chunks of them) into the caches and reset those slots' bookkeeping.
+
+        May be called with bursts in flight: it is ordered behind them on the stream, and
+        their tokens for the slots it touches are dropped at drain (the module docstring).
+
+        Parameters
+        ----------
+        prompts : sequence of length B
+            Token list per slot (this chunk's tokens), or None to leave a slot untouched.
+        start : int or sequence, optional
+            Per-slot position of the chunk's first token: rows ``[0, start)`` already hold
+            the prompt's earlier chunks. Default 0 (a whole prompt).
+        final : bool
+            The chunk ends the prompt: compute the first token and make the slot live.
+            ``False``: write the chunk's KV only; the slot stays idle (budget 0) until its
+            final chunk. ``start > 0`` or ``final=False`` need both models' ``chunked_prefill``.
+        max_new_tokens : int or sequence, optional
+            Per-slot token limit (unbounded by default). Final chunks only.
+        eos : int or sequence, optional
+            Per-slot stop token (none by default). Final chunks only.
+        temperature, top_k, top_p, seed : scalar or sequence, optional
+            Per-slot sampling settings (``sampling_params.check_sampling``); None means
+            greedy (temperature 0, filters off, seed 0). Temperature > 0 needs a decoder
+            built with ``sampling=True``; the first token is then sampled too. Final chunks only.
+
+        Raises
+        ------
+        ValueError, TypeError
+            Before anything is written, for a bad prompt, start, limit or stop token.
+        CapacityError
+            When a request cannot fit in the KV cache.
+        """
+        rows, starts, limits, stops, settings = self._check_prefill(prompts, start, final, max_new_tokens, eos,
+                                                                    temperature, top_k, top_p, seed)
+        if not rows:
+            return
+        stage, lens = self._stage_prompts(rows, starts)
+        ends = np.where(lens != NO_PREFILL, starts + lens, NO_PREFILL).astype(np.int32)  # [B] int32
+        self._prefill_models(stage, lens, ends, sorted(rows), settings, final)
+        self._admit(rows, ends, limits, stops, final)
+
+    def _check_prefill(self, prompts, start, final, max_new_tokens, eos, temperature, top_k, top_p, seed):
+        """Parse: ``({slot: chunk [n] int32}, starts [B] int32, budgets [B], stop tokens [B],
+        {slot: SamplingParams})``."""
+        if not isinstance(final, bool):
+            raise TypeError(f"final must be a bool, got {type(final).__name__}")
+        if isinstance(prompts, np.ndarray) and prompts.ndim == 2:
+            prompts = list(prompts)
+        if isinstance(prompts, (str, bytes, bytearray)) or not isinstance(prompts, Sequence):
+            raise TypeError(f"prompts must be a list with one entry (token list or None) per slot ({self.batch}), "
+                            f"got {type(prompts).__name__}")
+        if len(prompts) != self.batch:
+            raise ValueError(f"prompts must have one entry per slot ({self.batch}), got {len(prompts)}")
+        slots = [b for b, p in enumerate(prompts) if p is not None]
+        starts = np.zeros(self.batch, np.int32)  # [B] int32
+        for b, s in zip(slots, (per_slot("start", start, self.batch)[b] for b in slots)):
+            starts[b] = 0 if s is None else check_int(f"start[{b}]", s, minimum=0, maximum=self.capacity - 1)
+        if slots and (starts.any() or not final):
+            for role in ("target", "draft"):
+                model = getattr(self, role)
+                if not chunked_prefill(model):
+                    raise ValueError(f"the {role} model ({type(model).__name__}) cannot continue a cached prompt "
+                                     "(no chunked_prefill): prefill whole prompts (start 0, final=True)")
+        if not final and any(v is not None for v in (max_new_tokens, eos, temperature, top_k, top_p, seed)):
+            raise TypeError("a non-final chunk takes no limit, stop token or sampling settings: "
+                            "pass them with the prompt's final chunk")
+        limits = per_slot("max_new_tokens", max_new_tokens, self.batch)
+        stops = per_slot("eos", eos, self.batch)
+        rows = {}
+        for b in slots:
+            if final:
+                rows[b], limits[b], stops[b] = self.check_first_burst_fits(prompts[b], limits[b], stops[b], index=b,
+                                                                           start=int(starts[b]))
+            else:
+                rows[b] = self._check_chunk(prompts[b], int(starts[b]), b)
+        settings = self._check_sampling_args(slots, temperature, top_k, top_p, seed) if final else {}
+        return rows, starts, limits, stops, settings
+
+    def _check_chunk(self, prompt, start: int, b: int) -> np.ndarray:
+        """A non-final chunk: valid tokens, and room behind it for at least the prompt's last token."""
+        row = check_prompt(f"prompts[{b}]", prompt, self.target.vocab)
+        if start + len(row) + 1 > self.capacity:
+            raise CapacityError(f"prompts[{b}]: a chunk of {len(row)} tokens at position {start} leaves no room "
+                                f"for the prompt's final chunk in a cache of {self.capacity}", slots=(b,))
+        return row
+
+    def check_first_burst_fits(self, prompt, max_new_tokens=None, eos=None, *, index: int | None = None,
+                               start: int = 0):
+        """Validate one slot's prefill arguments without touching the device: the prompt plus
+        one burst of its tokens must fit the cache (the serving loop's stricter rule, and
+        why they differ: ``graphburst.serving.request.check_whole_request_fits``).
+
+        ``start``: the position of ``prompt[0]`` (its final chunk's, for a chunked prompt).
+        Returns ``(prompt [n] int32, budget, stop token)`` with the sentinels filled in
+        (``UNBOUNDED_BUDGET``, ``NO_EOS``). ``index`` names the slot in messages.
+
+        Raises
+        ------
+        TypeError, ValueError
+            For a bad prompt, limit or stop token.
+        CapacityError
+            When the prompt plus one burst's worth of its tokens cannot fit the cache.
+        """
+        at = "" if index is None else f"[{index}]"
+        row = check_prompt(f"prompts{at}", prompt, self.target.vocab)
+        limit = UNBOUNDED_BUDGET if max_new_tokens is None else check_int(
+            f"max_new_tokens{at}", max_new_tokens, maximum=UNBOUNDED_BUDGET - 1)
+        stop = NO_EOS if eos is None else check_int(f"eos{at}", eos, minimum=0, maximum=self.target.vocab - 1)
+        need = start + len(row) + min(limit, self.bufs.ring_capacity)
+        if need > self.capacity:
+            ahead = f" at position {start}" if start else ""
+            raise CapacityError(
+                f"prompts{at} of length {len(row)}{ahead} plus {min(limit, self.bufs.ring_capacity)} new tokens "
+                f"needs {need} KV entries, but the cache holds {self.capacity}")
+        return row, limit, stop
+
+    def _check_sampling_args(self, slots, temperature, top_k, top_p, seed) -> dict:
+        """Per-slot sampling settings of a prefill: ``slot -> SamplingParams``, validated."""
+        per = [per_slot(name, v, self.batch) for name, v in
+               (("temperature", temperature), ("top_k", top_k), ("top_p", top_p), ("seed", seed))]
+        return {b: check_slot(*(p[b] for p in per), sampling=self.sampling, index=b) for b in slots}
+
+    def _stage_prompts(self, rows: dict, starts: np.ndarray):
+        """Build: the chunks padded to the longest (``[B, P_max] int32``, a view of the staging
+        buffer), their lengths (``[B] int32`` on the host, NO_PREFILL for slots left alone),
+        uploaded with the starts."""
+        p_max = max(len(r) for r in rows.values())
+        host = np.zeros((self.batch, p_max), np.int32)  # [B, P_max] int32
+        lens = np.full(self.batch, NO_PREFILL, np.int32)  # [B] int32
+        for b, row in rows.items():
+            host[b, : len(row)] = row
+            lens[b] = len(row)
+        stage = self._prompt_flat[: self.batch * p_max].reshape(self.batch, p_max)
+        # Stream-ordered uploads into the staging buffers: a second prefill enqueued before the
+        # first has run overwrites them only after the first's kernels have read them.
+        self.backend.upload(stage, host, self.stream)
+        self.backend.upload(self._prompt_len, lens, self.stream)
+        self.backend.upload(self._prompt_start, starts, self.stream)
+        return stage, lens
+
+    def _prefill_models(self, stage, lens, ends, slots: list, settings: dict, final: bool) -> None:
+        """Run: the models' prefill (the target sets ``pos_ctr`` and, when final, ``pend``), then
+        a sampled first token."""
+        s, bufs = self.stream, self.bufs
+        sampling = self.sampling and final
+        if sampling:
+            self.host_sampling.set(settings)
+            self.host_sampling.upload(self.backend, bufs, s)
+        pend = bufs.pend if final else None
+        for model, pos_ctr, out in ((self.target, bufs.pos_ctr, pend), (self.draft, None, None)):
+            if chunked_prefill(model):  # the slot list on the host spares the model a device sync
+                model.prefill(stage, self._prompt_len, pos_ctr, out, s, start=self._prompt_start,
+                              rows=np.asarray(slots, np.int64))
+            else:
+                model.prefill(stage, self._prompt_len, pos_ctr, out, s)
+        if sampling:
+            sample_first_tokens(self.backend.ops, self.backend, bufs, ends, s)
+
+    def _admit(self, rows: dict, ends: np.ndarray, limits, stops, final: bool) -> None:
+        """Record: each prefilled slot's budget (0 until its final chunk), stop token and zeroed
+        counters, by scatters on the device and in the host mirror; a new generation."""
+        slots = np.asarray(sorted(rows), np.int64)
+        budget = [limits[b] if final else 0 for b in slots]
+        stop = [stops[b] if final else NO_EOS for b in slots]
+        s, bufs, be = self.stream, self.bufs, self.backend
+        be.scatter(bufs.budget, slots, budget, s)
+        be.scatter(bufs.eos, slots, stop, s)
+        be.scatter(bufs.acc, slots, 0, s)
+        self.host_pos[slots] = ends[slots]
+        self.host_left[slots] = budget
+        self.host_eos[slots] = stop
+        self._new_generation(slots)
+        self._any_limit = bool(((self.host_left > 0) & (self.host_left != UNBOUNDED_BUDGET)).any()
+                               or (self.host_eos != NO_EOS).any())
+        self._update_fits()
+
+    # ------------------------------------------------------------------ release and options
+
+    def release(self, slots) -> None:
+        """Make slots idle (budget 0): they emit nothing until the next prefill.
+
+        May be called with bursts in flight: their tokens for these slots are dropped.
+        """
+        slots = [check_int("slot", b, minimum=0, maximum=self.batch - 1) for b in slots]
+        if not slots:
+            return
+        slots = np.asarray(sorted(set(slots)), np.int64)
+        self.backend.scatter(self.bufs.budget, slots, 0, self.stream)
+        self.host_left[slots] = 0
+        self._new_generation(slots)
+        self._update_fits()
+
+    def slot_options(self, options: dict | None) -> dict:
+        """Validate one request's model options (at submission); see :func:`protocol.split_options`.
+
+        Returns an opaque value for :meth:`set_slot_options`; raises ValueError/TypeError
+        naming a key no model accepts or a model's own complaint.
+        """
+        return split_options({"target": self.target, "draft": self.draft}, options)
+
+    def set_slot_options(self, settings: dict) -> None:
+        """Apply validated options (at admission, before :meth:`prefill`), stream-ordered.
+
+        Parameters
+        ----------
+        settings : dict
+            ``slot -> slot_options(...) result``, or None to restore the models' defaults
+            (give every admitted slot an entry, so a reused slot forgets its last request).
+        """
+        for slot in settings:
+            check_int("slot", slot, minimum=0, maximum=self.batch - 1)
+        for role in ("target", "draft"):
+            per_slot_settings = {b: None if v is None else v[role] for b, v in settings.items()}
+            if per_slot_settings:
+                hook(getattr(self, role), "set_slot_options")(per_slot_settings, self.stream)

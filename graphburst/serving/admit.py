@@ -1,0 +1,163 @@
+"""The serving loop's burst boundary: freeing slots, admitting waiting requests, prefilling.
+
+The boundary may run while bursts are still in flight: every write it makes is enqueued
+behind them on the decoder's stream with no host sync (:mod:`graphburst.admission`), so
+the GPU keeps decoding the other slots, and the first burst launched afterwards serves the
+new ones. With ``prefill_chunk`` a long prompt is prefilled a chunk per boundary, so the
+decoding streams wait at most one chunk's prefill per burst.
+
+:class:`LoopAdmission` is a mixin of :class:`~graphburst.serving.loop.ServeLoop`, which owns
+the slots, the intake, the decoder and the token store it uses.
+"""
+
+from __future__ import annotations
+
+from ..admission import chunked_prefill
+from ..sampling.params import SamplingParams
+from ..validate import check_int
+from .events import Admitted
+
+
+class LoopAdmission:
+    """Slot changes of a serving loop, all at burst boundaries."""
+
+    def _free(self, slots) -> None:
+        for b in slots:
+            self.slots[b] = None
+            self._prefilling.pop(b, None)
+        self._slot_state[slots] = None
+        self._n_occupied -= len(slots)
+
+    def _boundary(self) -> None:
+        """The burst boundary: free slots of finished, cancelled or failed requests, give free
+        slots to waiting requests, and prefill up to ``prefill_chunk`` of their prompt tokens
+        (every slot change of the loop happens here).
+
+        Bursts may still be in flight: every write is enqueued behind them on the decoder's
+        stream, with no host sync (``graphburst.admission``), and the first burst launched
+        after it serves the new slots. Admission reads the values validated at submission;
+        a request whose prefill fails finishes with an error and its slot is freed.
+        """
+        freed = [b for b, s in enumerate(self.slots) if s is not None and s.done]
+        self._free(freed)
+        self._n_stale = 0
+        self.dec.release(freed)
+        if self.intake.queue and self._n_occupied < self.dec.batch:
+            self._take_waiting()
+        if self._prefilling:
+            self._prefill_some()
+
+    def _take_waiting(self) -> None:
+        """Give each free slot the oldest waiting request (host bookkeeping only)."""
+        admitted = []
+        for b in (b for b, s in enumerate(self.slots) if s is None):
+            state = self.intake.next_waiting()  # one cancelled while waiting is never admitted
+            if state is None:
+                break
+            state.slot = b
+            self.slots[b] = state
+            admitted.append(b)
+            self._prefilling[b] = 0
+        if not admitted:
+            return
+        self._slot_state[admitted] = [self.slots[b] for b in admitted]
+        self._n_occupied += len(admitted)
+        self.store.reset(admitted)
+        for b in admitted:
+            self.slots[b]._store = self.store
+        if self.log is not None:
+            self.log += [Admitted(self.slots[b]) for b in admitted]
+
+    def _prefill_some(self) -> None:
+        """Prefill up to ``prefill_chunk`` prompt tokens, oldest admission first: whole prompts
+        that fit, then one chunk of the next. A slot whose last chunk is written goes live."""
+        left = self.prefill_chunk or None
+        partial, final = {}, {}  # slot -> (start, end) of this boundary's chunk
+        for b, start in self._prefilling.items():
+            if self.slots[b].done:
+                continue  # cancelled while prefilling: freed at the next boundary
+            n = len(self.slots[b].row) - start
+            if left is not None:
+                if left <= 0:
+                    break
+                n = min(n, left)
+                left -= n
+            (final if start + n == len(self.slots[b].row) else partial)[b] = (start, start + n)
+        for group, is_final in ((partial, False), (final, True)):
+            if group:
+                self._prefill_group(group, is_final)
+
+    def _prefill_group(self, group: dict, final: bool) -> None:
+        batch = self.dec.batch
+        prompts, starts = [None] * batch, [None] * batch
+        for b, (start, end) in group.items():
+            prompts[b], starts[b] = self.slots[b].row[start:end], start
+        slots = list(group)
+        try:
+            if final:
+                limits, stops = [None] * batch, [None] * batch
+                for b in slots:
+                    limits[b], stops[b] = self.slots[b].limit, self.slots[b].eos
+                # every admitted slot gets an entry: a reused one forgets its last request
+                self.dec.set_slot_options({b: self.slots[b].slot_options for b in slots})
+                self.dec.prefill(prompts, start=starts, max_new_tokens=limits, eos=stops,
+                                 **self._sampling_args(slots))
+            else:
+                self.dec.prefill(prompts, start=starts, final=False)
+        except Exception as exc:  # noqa: BLE001 - only the requests being prefilled are touched
+            msg = describe(exc)
+            for b in slots:
+                self._retire(self.slots[b], error=msg)
+            self._n_stale -= len(slots)
+            self._free(slots)
+            self.dec.release(slots)
+            if not self._costs_only_its_requests(exc):
+                raise
+            return
+        for b, (_, end) in group.items():
+            if final:
+                del self._prefilling[b]
+                self._running[b] = True
+            else:
+                self._prefilling[b] = end
+
+    def _costs_only_its_requests(self, exc: Exception) -> bool:
+        """Whether a failed prefill ends only the requests being admitted (here: always).
+
+        A lockstep loop answers no for anything but a bad request: a collective that fails
+        during prefill leaves the ranks apart, so the loop must stop.
+        """
+        return True
+
+    def _sampling_args(self, admitted) -> dict:
+        """``SpecDecoder.prefill`` keyword arguments: per-slot sampling settings of the admitted slots."""
+        args = {f: [None] * self.dec.batch for f in ("temperature", "top_k", "top_p", "seed")}
+        for b in admitted:
+            params = self.slots[b].sampling or SamplingParams()
+            for f in args:
+                args[f][b] = getattr(params, f)
+        return args
+
+    def _needs_boundary(self) -> bool:
+        """A request waits for a free slot, a slot still holds a finished request, or a prompt
+        is still being prefilled."""
+        return bool(self.intake.queue and self._n_occupied < self.dec.batch) or self._n_stale > 0 \
+            or bool(self._prefilling)
+
+
+def check_prefill_chunk(chunk, target, draft) -> int | None:
+    """``prefill_chunk``: None, or a positive int for models that can continue a cached prompt."""
+    if chunk is None:
+        return None
+    chunk = check_int("prefill_chunk", chunk, minimum=1)
+    for role, model in (("target", target), ("draft", draft)):
+        if not chunked_prefill(model):
+            raise ValueError(f"prefill_chunk={chunk} needs models that prefill in chunks; the {role} "
+                             f"({type(model).__name__}) cannot (no chunked_prefill): leave prefill_chunk unset")
+    return chunk
+
+
+def describe(exc: BaseException) -> str:
+    """One line for a request's ``error``: the exception type and message."""
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

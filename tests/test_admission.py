@@ -1,0 +1,132 @@
+"""Admission while bursts are in flight: slot generations, scatters, the loop's boundary.
+
+On the cupy backend the bursts really are in flight when the prefill is enqueued (the
+GPU runs of these tests prove the stream order); on numpy a recorded burst runs at
+launch, so these tests hold the host bookkeeping: the generation masks, the mirrors and
+the capacity counts.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from graphburst import BurstGraph, SpecDecoder, greedy_reference, stub_pair
+from graphburst.serving.loop import Request, ServeLoop
+
+VOCAB = 5003
+
+
+def _pair(backend, batch, capacity=512, accept=0.7):
+    return stub_pair(batch, VOCAB, [True, False, True], [True], capacity, accept_prob=accept, backend=backend)
+
+
+def _collect(out: dict, tokens) -> None:
+    for b in range(len(tokens)):
+        out.setdefault(b, []).extend(tokens[b].tolist())
+
+
+def test_prefill_behind_bursts_in_flight_drops_the_old_sequences_tokens(backend):
+    target, draft = _pair(backend, batch=3)
+    dec = SpecDecoder(target, draft, k=4, m_rounds=2)
+    graph = BurstGraph(dec, gapless=True)
+    dec.prefill([[1, 2, 3], [7, 8], [9]], max_new_tokens=[200, 200, 200])
+    got: dict = {}
+    graph.replay()
+    graph.replay()  # two bursts in flight
+    assert dec.outstanding == 2
+    dec.prefill([None, [40, 41, 42, 43], None], max_new_tokens=[None, 25, None])  # slot 1 gets a new sequence
+    first = graph.drain()
+    second = graph.drain()
+    assert first.counts[1] == 0 and second.counts[1] == 0  # launched before the prefill: the old sequence's
+    assert first.counts[0] > 0 and second.counts[0] > 0  # the other slots lose nothing
+    for t in (first, second):
+        _collect(got, t)
+    got[1] = []
+    while dec.host_left[1] > 0:
+        _collect(got, graph.run())
+    assert got[1] == greedy_reference([40, 41, 42, 43], 25, VOCAB)
+    assert got[0][: len(got[0])] == greedy_reference([1, 2, 3], len(got[0]), VOCAB)
+    assert dec.host_pos[1] == 4 + 25
+    assert (dec.positions() == dec.host_pos).all()
+
+
+def test_release_in_flight_drops_tokens_and_keeps_mirrors_exact(backend):
+    target, draft = _pair(backend, batch=2)
+    dec = SpecDecoder(target, draft, k=3, m_rounds=2)
+    graph = BurstGraph(dec, gapless=True)
+    dec.prefill([[5, 6], [8]], max_new_tokens=[100, 30])
+    graph.replay()
+    dec.release([0])  # a cancel: slot 0's tokens in the burst above belong to nobody now
+    tokens = graph.drain()
+    assert tokens.counts[0] == 0 and dec.host_left[0] == 0
+    assert tokens.counts[1] > 0
+    graph.replay()
+    assert graph.drain().counts[0] == 0  # idle from here on
+    assert dec.host_pos[1] == dec.positions()[1]
+
+
+def test_capacity_counts_only_the_bursts_launched_for_a_sequence(backend):
+    """A prompt that leaves room for exactly one burst may be admitted behind a burst in flight."""
+    target, draft = _pair(backend, batch=2, capacity=64)
+    dec = SpecDecoder(target, draft, k=3, m_rounds=2)
+    ring = dec.bufs.ring_capacity
+    graph = BurstGraph(dec, gapless=True)
+    dec.prefill([[1], None], max_new_tokens=[2, None])
+    graph.replay()
+    prompt = list(range(1, 64 - ring + 1))  # prompt + one ring fills the cache
+    dec.prefill([None, prompt], max_new_tokens=[None, 10 * ring])
+    graph.replay()  # would be refused if the burst in flight counted against slot 1
+    graph.drain()
+    with pytest.raises(ValueError, match="KV capacity"):
+        graph.replay()  # the second burst for slot 1 would pass the capacity
+    graph.drain()
+
+
+class RecordingLoop(ServeLoop):
+    """Records how many bursts were in flight at each boundary that admitted a request."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.in_flight_at_admission = []
+
+    def _take_waiting(self):
+        self.in_flight_at_admission.append(len(self.pipeline))
+        super()._take_waiting()
+
+
+def test_loop_refills_slots_without_draining_the_pipeline(backend, rng):
+    target, draft = _pair(backend, batch=4, capacity=256)
+    loop = RecordingLoop(target, draft, k=4, m_rounds=2, pipelined=True)
+    reqs = []
+    for _ in range(24):
+        prompt = rng.integers(0, VOCAB, int(rng.integers(1, 9))).tolist()
+        reqs.append(Request(prompt, int(rng.integers(1, 30)), options=dict(accept_prob=0.8, seed=3)))
+    states = [loop.submit(r) for r in reqs]
+    loop.run_until_idle()
+    for s in states:
+        assert s.tokens == greedy_reference(s.request.prompt, s.request.max_new_tokens, VOCAB)
+    assert max(loop.in_flight_at_admission) >= 1  # refills happened behind bursts in flight
+    assert loop.stats()["errors"] == 0
+
+
+def test_cancel_and_refill_in_flight(backend):
+    target, draft = _pair(backend, batch=1, capacity=256)
+    loop = ServeLoop(target, draft, k=3, m_rounds=2, pipelined=True)
+    a = loop.submit(Request([4, 4], 150))
+    b = loop.submit(Request([9], 12))
+    loop.step()
+    got = len(a.tokens)
+    loop.cancel(a)
+    loop.run_until_idle()
+    assert len(a.tokens) == got  # nothing after the cancel
+    assert b.tokens == greedy_reference([9], 12, VOCAB)
+
+
+def test_prefill_chunk_is_checked_at_construction(backend):
+    target, draft = _pair(backend, batch=1)
+    with pytest.raises(ValueError, match="prefill_chunk"):
+        ServeLoop(target, draft, k=2, m_rounds=1, prefill_chunk=0)
+    draft.chunked_prefill = False  # a model that cannot continue a cached prompt
+    with pytest.raises(ValueError, match="the draft .* cannot"):
+        ServeLoop(target, draft, k=2, m_rounds=1, prefill_chunk=5)
+    assert ServeLoop(target, draft, k=2, m_rounds=1).prefill_chunk is None
