@@ -7,7 +7,9 @@ Each burst is timed on the device by a :class:`~graphburst.serving.timing.BurstC
 tagged at launch with whether every batch slot was running a request (the steady window).
 
 This module knows nothing about requests: :class:`~graphburst.serving.loop.ServeLoop` decides
-when slots change (only with nothing in flight) and hands out what :meth:`drain` returns.
+when slots change (at burst boundaries, with bursts possibly still in flight: the decoder
+drops a burst's tokens for slots refilled since its launch) and hands out what :meth:`drain`
+returns.
 """
 
 from __future__ import annotations
