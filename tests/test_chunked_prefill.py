@@ -33,7 +33,7 @@ def prompts_for(rng) -> dict:
     return {b: rng.integers(0, VOCAB, n).astype(np.int32) for b, n in LENGTHS.items()}
 
 
-def chunk_calls(prompts: dict, schedule: dict) -> list[dict]:
+def chunk_calls(prompts: dict, schedule: dict, batch: int = BATCH) -> list[dict]:
     """The prefill calls of ``schedule``: host ``stage [B, P] int32`` (poisoned past each chunk),
     ``lens [B] int32`` (NO_PREFILL for slots sitting out), ``start [B] int32`` (poisoned for
     them), ``rows`` (the prefilled slots) and ``final`` (whether a slot's last chunk is in it)."""
@@ -43,9 +43,9 @@ def chunk_calls(prompts: dict, schedule: dict) -> list[dict]:
     for j in range(n_calls):
         sizes = {b: s[j] for b, s in schedule.items() if j < len(s) and s[j] > 0}
         p_max = max(sizes.values())
-        stage = np.full((BATCH, p_max), PLACEHOLDER_TOKEN, np.int32)  # [B, P] int32
-        lens = np.full(BATCH, NO_PREFILL, np.int32)  # [B] int32
-        start = np.full(BATCH, 10_000, np.int32)  # [B] int32, ignored for slots sitting out
+        stage = np.full((batch, p_max), PLACEHOLDER_TOKEN, np.int32)  # [B, P] int32
+        lens = np.full(batch, NO_PREFILL, np.int32)  # [B] int32
+        start = np.full(batch, 10_000, np.int32)  # [B] int32, ignored for slots sitting out
         for b, n in sizes.items():
             stage[b, :n] = prompts[b][done[b]: done[b] + n]
             lens[b], start[b] = n, done[b]
@@ -56,9 +56,9 @@ def chunk_calls(prompts: dict, schedule: dict) -> list[dict]:
     return calls
 
 
-def whole_call(prompts: dict) -> dict:
-    stage = np.full((BATCH, max(LENGTHS.values())), PLACEHOLDER_TOKEN, np.int32)
-    lens = np.full(BATCH, NO_PREFILL, np.int32)
+def whole_call(prompts: dict, batch: int = BATCH) -> dict:
+    stage = np.full((batch, max(len(p) for p in prompts.values())), PLACEHOLDER_TOKEN, np.int32)
+    lens = np.full(batch, NO_PREFILL, np.int32)
     for b, p in prompts.items():
         stage[b, : len(p)] = p
         lens[b] = len(p)
