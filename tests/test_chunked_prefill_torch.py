@@ -19,7 +19,7 @@ from graphburst.backend import Backend
 from graphburst.constants import PLACEHOLDER_TOKEN
 from graphburst.models.checkpoint import tiny_random_pair
 
-from marks import BACKENDS, gpu
+from marks import BACKENDS, requires_gpu
 from test_chunked_prefill import chunk_calls, whole_call
 
 torch.set_num_threads(1)  # tiny tensors; CI's 2 cores are shared with pytest itself
@@ -161,8 +161,9 @@ def test_the_host_read_check_can_fail():
         target.prefill(call["stage"], call["lens"], pos, pend, None, start=call["start"], rows=call["rows"])
 
 
-@pytest.mark.parametrize("_", [pytest.param(0, marks=gpu)])
-def test_gpu_sync_detector_catches_a_prefill_without_rows(_):
+@pytest.mark.gpu
+@requires_gpu
+def test_gpu_sync_detector_catches_a_prefill_without_rows():
     backend = Backend("cupy")
     target, draft = tiny_random_pair(batch=BATCH, capacity=CAPACITY, backend=backend, vocab=VOCAB)
     call = chunk_calls({0: np.arange(9, dtype=np.int32)}, {0: [4, 5]}, BATCH)[0]
