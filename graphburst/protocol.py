@@ -13,19 +13,35 @@ Required, both models
 ``cache : KVCache``
     The model's KV layers (``None`` for a layer without KV). The burst rolls back every
     layer's ``length`` through one pointer table and never touches the storage.
-``prefill(prompt, prompt_len, pos_ctr, pend, stream)``
+``prefill(prompt, prompt_len, pos_ctr, pend, stream, *, start=None, rows=None)``
     Enqueue, on ``stream``, the prompt's KV entries into every KV layer.
 
-    * ``prompt : [B, P_max] int32`` device array, row b holds ``prompt_len[b]`` tokens.
+    * ``prompt : [B, P_max] int32`` device array, row b holds ``prompt_len[b]`` tokens
+      (left-aligned).
     * ``prompt_len : [B] int32``; ``NO_PREFILL`` marks a slot to leave untouched (its
       entries, lengths, ``pos_ctr`` and ``pend`` must not change).
-    * For every other slot b: entries ``[0, P)`` are written and each KV layer's
-      ``length[b] = P`` (P = ``prompt_len[b]``).
-    * The **target** gets ``pos_ctr [B] int32`` and ``pend [B] int32`` and sets
-      ``pos_ctr[b] = P`` and ``pend[b]`` = its greedy token after the prompt (the first
-      pending token). The **draft** gets ``None`` for both.
-    * It runs eagerly between bursts, never inside a capture, but still only on
-      ``stream``: the decoder syncs that stream afterwards.
+    * ``start``: None (every slot starts at 0) or ``[B] int32`` device array, the position
+      of ``prompt[b, 0]``. Given only to a model that declares ``chunked_prefill``, so a long
+      prompt then arrives in chunks, and entries ``[0, S)`` (S = ``start[b]``) already hold
+      its earlier chunks, which the chunk attends to.
+    * For every other slot b: entries ``[S, S + P)`` are written and each KV layer's
+      ``length[b] = S + P`` (P = ``prompt_len[b]``, S = 0 without ``start``). Whole or in
+      chunks, a prompt must leave the same entries.
+    * The **target** gets ``pos_ctr [B] int32`` and sets ``pos_ctr[b] = S + P``. With
+      ``pend [B] int32`` (the prompt's last chunk, or the whole prompt) it also sets
+      ``pend[b]`` = its greedy token after the prompt (the first pending token); a
+      non-final chunk comes with ``pend=None`` and needs no head or logits at all. The
+      **draft** gets ``None`` for both.
+    * ``rows``: None, or a host numpy int array of the prefilled slots (those not
+      ``NO_PREFILL``, sorted). A model that needs the slot list on the host uses it instead
+      of reading ``prompt_len`` back (a device-to-host sync would stall the host behind
+      bursts in flight); without it, the model may read it.
+    * It runs eagerly between bursts (or beside bursts in flight), never inside a capture,
+      but only on ``stream``: the decoder syncs that stream when it needs the result.
+
+    The decoder passes ``start`` and ``rows`` only to a model that declares
+    ``chunked_prefill``; any other model gets the old call ``prefill(prompt, prompt_len,
+    pos_ctr, pend, stream)`` (whole prompts), which a chunked model still accepts.
 
 Required, target
 ----------------
@@ -58,8 +74,8 @@ float32``, ``seed [B] uint64`` (read-only to models). Then:
 
 * target ``verify`` writes the logits after each verify position into ``tgt_logits``
   (``tgt_pred`` is not read; the burst turns the logits into probabilities in place);
-* target ``prefill`` also writes the logits after the last prompt token into
-  ``tgt_logits[b, 0]`` for every prefilled slot (the burst samples the first token);
+* target ``prefill`` given ``pend`` also writes the logits after the last prompt token
+  into ``tgt_logits[b, 0]`` for every prefilled slot (the burst samples the first token);
 * draft ``draft_step(bufs, j)`` appends its input's KV as before and writes its logits
   for the next token into ``draft_logits[:, j]`` for every sequence. It does **not**
   choose ``draft_tok[:, j]`` (the burst samples it before step j + 1 reads it) and makes
@@ -90,6 +106,10 @@ Optional hooks (defaults in brackets)
     Rebuild anything derived from the cache's addresses (before a recapture).
 ``supports_sampling`` [False]
     True when the model implements sampling mode (above).
+``chunked_prefill`` [False]
+    True when ``prefill`` continues a prompt already partly in the cache and takes
+    ``start`` and ``rows`` (above): the decoder may then split a long prompt into chunks.
+    A model without it gets the old five-argument call, each prompt whole.
 ``option_keys : frozenset[str]`` [empty]
     The per-request option names this model understands. The decoder rejects a key no
     model claims, and hands each model only the keys it claims.
@@ -120,6 +140,7 @@ class ModelHooks:
     writes_verify_tokens: bool = False
     capture_api: str = "cupy"
     supports_sampling: bool = False
+    chunked_prefill: bool = False
     option_keys: frozenset = frozenset()
 
     def bind(self, bufs: StreamBufs) -> None:
@@ -153,7 +174,7 @@ class TargetModel(ModelHooks):
     vocab: int
     cache: KVCache
 
-    def prefill(self, prompt, prompt_len, pos_ctr, pend, stream) -> None:
+    def prefill(self, prompt, prompt_len, pos_ctr, pend, stream, *, start=None, rows=None) -> None:
         raise NotImplementedError
 
     def verify(self, bufs: StreamBufs, stream) -> None:
@@ -166,7 +187,7 @@ class DraftModel(ModelHooks):
     vocab: int
     cache: KVCache
 
-    def prefill(self, prompt, prompt_len, pos_ctr, pend, stream) -> None:
+    def prefill(self, prompt, prompt_len, pos_ctr, pend, stream, *, start=None, rows=None) -> None:
         raise NotImplementedError
 
     def draft_step(self, bufs: StreamBufs, step: int, stream) -> None:

@@ -211,6 +211,30 @@ def test_stub_prefill(rng, gpu_backend, batch, layout):
 
 
 @pytest.mark.parametrize("batch", SIZES)
+@pytest.mark.parametrize("p_max", SIZES)
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: f"L{len(x)}")
+@pytest.mark.parametrize("final", [True, False], ids=["final", "nonfinal"])
+def test_stub_prefill_chunk(rng, gpu_backend, batch, p_max, layout, final):
+    """A chunk at ``start``: the digest continues from entry start - 1; out-of-range starts and
+    chunks running past the capacity are clamped; a non-final chunk gets no pos_ctr/pend (the draft's call)."""
+    capacity, vocab = 300, 1009
+    plen = rng.integers(0, p_max + 1, batch).astype(np.int32)
+    plen[rng.random(batch) < 0.2] = NO_PREFILL
+    start = rng.integers(0, capacity + 1, batch).astype(np.int32)
+    start[rng.random(batch) < 0.1] = rng.choice([-3, capacity + 5])
+    start[0], plen[0] = capacity - 1, p_max  # a chunk that runs past the capacity
+    prompt = poison_past(rng.integers(0, vocab, (batch, p_max)).astype(np.int32), np.maximum(plen, 0))
+    storage, lengths = stub_state(rng, batch, layout, capacity, poison_lengths=True)
+    host = dict(prompt=prompt, prompt_len=plen, start=start)
+    scalars = dict(capacity=capacity, vocab=vocab)
+    if final:
+        host.update(pos_ctr=np.full(batch, P, np.int32), pend=np.full(batch, P, np.int32))
+    else:
+        scalars.update(pos_ctr=None, pend=None)
+    run_stub_pair("stub_prefill", rng, layout, storage, lengths, capacity, host, scalars, gpu_backend)
+
+
+@pytest.mark.parametrize("batch", SIZES)
 @pytest.mark.parametrize("k", KS)
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: f"L{len(x)}")
 def test_stub_draft_step(rng, gpu_backend, batch, k, layout):

@@ -176,6 +176,38 @@ def test_prefill_append_logits_kernels_equal_twins(backend, rng, batch):
     assert (np.isfinite(logits[:, 0]).sum(axis=1) == 1).all() and (logits[:, 1:k - 1] == 5.0).all()
 
 
+@pytest.mark.parametrize("batch", [1, 7, 19, 257])
+@pytest.mark.parametrize("p_max", [1, 7, 19, 257])
+def test_prefill_chunk_kernel_equals_twin(backend, rng, batch, p_max):
+    # A chunk copies at start (clamped to [0, capacity], the chunk to what fits) and leaves the
+    # history below start and past the chunk as it was (poisoned here).
+    cap = 300
+    lens = rng.integers(0, p_max + 1, batch).astype(np.int32)
+    lens[rng.random(batch) < 0.3] = NO_PREFILL
+    start = rng.integers(0, cap + 1, batch).astype(np.int32)
+    start[rng.random(batch) < 0.1] = rng.choice([-3, cap + 5])
+    start[0], lens[0] = cap - 1, p_max  # a chunk that runs past the capacity
+    prompt = rng.integers(0, 3001, (batch, p_max)).astype(np.int32)
+    prompt[np.arange(p_max)[None, :] >= np.maximum(lens, 0)[:, None]] = PLACEHOLDER_TOKEN
+    arrays = dict(prompt=prompt, prompt_len=lens, hist=rng.integers(-9, -1, (batch, cap)).astype(np.int32),
+                  hist_len=np.full(batch, -5, np.int32))
+    before = {n: a.copy() for n, a in arrays.items()}
+    dev_start = backend.asarray(start)
+    dev, stream = as_backend(backend, arrays)
+    reference.ngram_prefill(*arrays.values(), start=start)
+    backend.ops.ngram_prefill(*dev.values(), start=dev_start, stream=stream)
+    assert_same(backend, dev, arrays, stream)
+    for b in range(batch):  # the twin itself, by hand
+        if lens[b] == NO_PREFILL:
+            assert (arrays["hist"][b] == before["hist"][b]).all() and arrays["hist_len"][b] == -5
+            continue
+        s = min(max(int(start[b]), 0), cap)
+        n = min(int(lens[b]), cap - s)
+        assert arrays["hist_len"][b] == s + n and (arrays["hist"][b, s:s + n] == prompt[b, :n]).all()
+        untouched = np.r_[0:s, s + n:cap]
+        assert (arrays["hist"][b, untouched] == before["hist"][b, untouched]).all()
+
+
 # ---------------------------------------------------------------------- the drafter in bursts
 
 PROMPTS = [[1, 2, 3, 1, 2, 3, 1, 2], [4], [0, 0, 0, 0, 0, 0], [2, 3, 4, 0, 1]]

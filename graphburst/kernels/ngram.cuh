@@ -17,20 +17,24 @@
 #define GB_NGRAM_UNROLL 8     // history loads each search thread keeps in flight
 
 // Threads: one per (sequence, prompt token); grid x walks the batch (up to 2**31 - 1 rows).
-// hist[b, i] = prompt[b, i] for i < P = prompt_len[b], hist_len[b] = P; rows with
-// prompt_len = NO_PREFILL are left alone.
+// A prompt may come in chunks: with S = start[b] (0 when start is null, clamped to the
+// capacity), hist[b, S + i] = prompt[b, i] for i < P = prompt_len[b] (clamped to the row
+// and to capacity - S) and hist_len[b] = S + P; entries below S (earlier chunks) are left
+// as they are. Rows with prompt_len = NO_PREFILL are left alone.
 extern "C" __global__ void ngram_prefill(int p_max, int capacity,
                                          const int* __restrict__ prompt,      // [B, P_max]
                                          const int* __restrict__ prompt_len,  // [B]
+                                         const int* __restrict__ start,       // [B] or null (all 0)
                                          int* __restrict__ hist,              // [B, capacity]
                                          int* __restrict__ hist_len) {        // [B]
     int b = blockIdx.x;
     int i = blockIdx.y * blockDim.x + threadIdx.x;
     int n = prompt_len[b];
     if (n == GB_NO_PREFILL) return;
-    n = min(max(n, 0), min(p_max, capacity));
-    if (i < n) hist[(long long)b * capacity + i] = prompt[(long long)b * p_max + i];
-    if (i == 0) hist_len[b] = n;
+    int s0 = start ? min(max(start[b], 0), capacity) : 0;
+    n = min(max(n, 0), min(p_max, capacity - s0));
+    if (i < n) hist[(long long)b * capacity + s0 + i] = prompt[(long long)b * p_max + i];
+    if (i == 0) hist_len[b] = s0 + n;
 }
 
 // Key of a candidate: longer match first, then the most recent (largest end) one.

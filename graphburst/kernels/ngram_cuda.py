@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from ..constants import NGRAM_THREADS, THREADS_PER_BLOCK
-from .launch import _blocks, _i32, _launch
+from .launch import _blocks, _i32, _launch, _or_null
 
 
-def ngram_prefill(prompt, prompt_len, hist, hist_len, *, stream):
-    """Copy prompts into the history.
+def ngram_prefill(prompt, prompt_len, hist, hist_len, *, start=None, stream):
+    """Copy prompts (or one chunk of each) into the history at ``start``.
 
     Parameters
     ----------
@@ -15,12 +15,13 @@ def ngram_prefill(prompt, prompt_len, hist, hist_len, *, stream):
     prompt_len : [B] int32, NO_PREFILL for rows left alone
     hist : [B, capacity] int32, written
     hist_len : [B] int32, written
+    start : [B] int32 or None (all 0), the position of ``prompt[:, 0]``
     """
     batch, p_max = prompt.shape
     grid = (batch, _blocks(p_max, THREADS_PER_BLOCK))
     block = (THREADS_PER_BLOCK,)
-    _launch("ngram_prefill", grid, block, (_i32(p_max), _i32(hist.shape[1]), prompt, prompt_len, hist, hist_len),
-            stream)
+    args = (_i32(p_max), _i32(hist.shape[1]), prompt, prompt_len, _or_null(start), hist, hist_len)
+    _launch("ngram_prefill", grid, block, args, stream)
 
 
 def ngram_search(vtok, pos_ctr, budget, n_min, n_max, hist, hist_len, draft_tok, draft_conf, brk, *, write_vtok,

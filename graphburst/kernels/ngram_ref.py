@@ -57,9 +57,11 @@ def _best_end(row: np.ndarray, lo: int, hi: int) -> int:
     return int(ends[np.argmax(key)]) if key.max() >= 0 else -1
 
 
-def ngram_prefill(prompt, prompt_len, hist, hist_len, *, stream=None):
-    """hist[b, :P] = prompt[b, :P], hist_len[b] = P (P = prompt_len[b] clipped to the
-    row and the capacity); rows with ``NO_PREFILL`` are left alone.
+def ngram_prefill(prompt, prompt_len, hist, hist_len, *, start=None, stream=None):
+    """hist[b, S:S + P] = prompt[b, :P], hist_len[b] = S + P, with S = start[b] (0 when
+    ``start`` is None) clipped to ``[0, capacity]`` and P = prompt_len[b] clipped to the row
+    and to ``capacity - S``; entries below S (earlier chunks) stay. Rows with
+    ``NO_PREFILL`` are left alone.
 
     Parameters
     ----------
@@ -67,14 +69,16 @@ def ngram_prefill(prompt, prompt_len, hist, hist_len, *, stream=None):
     prompt_len : [B] int32
     hist : [B, capacity] int32, written
     hist_len : [B] int32, written
+    start : [B] int32 or None, the position of ``prompt[:, 0]``
     """
     p_max, capacity = prompt.shape[1], hist.shape[1]
     for b, n in enumerate(np.asarray(prompt_len)):
         if n == NO_PREFILL:
             continue
-        n = min(max(int(n), 0), p_max, capacity)
-        hist[b, :n] = prompt[b, :n]
-        hist_len[b] = n
+        s = 0 if start is None else min(max(int(start[b]), 0), capacity)
+        n = min(max(int(n), 0), p_max, capacity - s)
+        hist[b, s:s + n] = prompt[b, :n]
+        hist_len[b] = s + n
 
 
 def ngram_search(vtok, pos_ctr, budget, n_min, n_max, hist, hist_len, draft_tok, draft_conf, brk, *, write_vtok,

@@ -20,10 +20,15 @@ __device__ __forceinline__ bool gb_stub_layer(int l, int l0, u64 kv0, u64 len0, 
 }
 
 // Threads: one block per sequence; threads stride over the cache's layers, each walking
-// the prompt. Writes entries [0, P), sets every length to P; optionally sets the
-// position counter and seeds the pending token with the target's greedy prediction.
+// the prompt. A prompt may come in chunks: with S = start[b] (0 when start is null),
+// entries [0, S) already hold the prompt's first S tokens (earlier calls), so the digest
+// continues from entry S - 1 and this call writes entries [S, S + P) for positions
+// S .. S + P - 1 and sets every length to S + P: a prompt prefilled whole or in chunks
+// leaves identical entries. Optionally sets the position counter to S + P and seeds the
+// pending token with the target's greedy prediction.
 extern "C" __global__ void stub_prefill(const int* __restrict__ prompt,      // [B, P_max]
                                         const int* __restrict__ prompt_len,  // [B]
+                                        const int* __restrict__ start,       // [B] or null (all 0)
                                         int p_max,
                                         const u64* __restrict__ kv_tbl,      // [L]
                                         const u64* __restrict__ len_tbl,     // [L]
@@ -34,7 +39,8 @@ extern "C" __global__ void stub_prefill(const int* __restrict__ prompt,      // 
     int b = blockIdx.x;
     int plen = prompt_len[b];
     if (plen == GB_NO_PREFILL) return;
-    plen = min(max(plen, 0), min(p_max, capacity));
+    int s0 = start ? min(max(start[b], 0), capacity) : 0;
+    plen = min(max(plen, 0), min(p_max, capacity - s0));
     if (threadIdx.x == 0) {
         s_min = GB_ALL_ONES;
         s_max = 0u;
@@ -44,18 +50,18 @@ extern "C" __global__ void stub_prefill(const int* __restrict__ prompt,      // 
     for (int l = threadIdx.x; l < n_layers; l += blockDim.x) {
         if (kv_tbl[l] == 0) continue;
         int* kv = reinterpret_cast<int*>(kv_tbl[l]) + (long long)b * capacity;
-        u32 c = GB_DIGEST_INIT;
+        u32 c = gb_prev_entry(kv, s0, capacity);
         for (int i = 0; i < plen; ++i) {
-            c = gb_digest_step(c, row[i], i);
-            kv[i] = (int)c;
+            c = gb_digest_step(c, row[i], s0 + i);
+            kv[s0 + i] = (int)c;
         }
-        reinterpret_cast<int*>(len_tbl[l])[b] = plen;
+        reinterpret_cast<int*>(len_tbl[l])[b] = s0 + plen;
         atomicMin(&s_min, c);
         atomicMax(&s_max, c);
     }
     __syncthreads();
     if (threadIdx.x == 0) {
-        if (pos_ctr) pos_ctr[b] = plen;
+        if (pos_ctr) pos_ctr[b] = s0 + plen;
         if (pend) pend[b] = gb_target_token(gb_combine(s_min, s_max), vocab);
     }
 }

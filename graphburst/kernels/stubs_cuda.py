@@ -8,11 +8,11 @@ from ..constants import THREADS_PER_BLOCK
 from .launch import _i32, _i64, _launch, _layer_threads, _or_null, _step_arg
 
 
-def stub_prefill(prompt, prompt_len, kv_table, len_table, capacity, vocab, pos_ctr, pend, *, stream):
+def stub_prefill(prompt, prompt_len, kv_table, len_table, capacity, vocab, pos_ctr, pend, *, start=None, stream):
     batch, p_max = prompt.shape
     grid = (batch,)
     block = (_layer_threads(len(kv_table)),)
-    args = (prompt, prompt_len, _i32(p_max), kv_table.ptrs, len_table.ptrs, _i32(len(kv_table)), _i32(capacity),
+    args = (prompt, prompt_len, _or_null(start), _i32(p_max), kv_table.ptrs, len_table.ptrs, _i32(len(kv_table)), _i32(capacity),
             _i32(vocab), _or_null(pos_ctr), _or_null(pend))
     _launch("stub_prefill", grid, block, args, stream)
 

@@ -43,12 +43,16 @@ def _layers(kv_table, len_table):
     return [(kv, ln) for kv, ln in zip(kv_table.resolve(), len_table.resolve()) if kv is not None]
 
 
-def stub_prefill(prompt, prompt_len, kv_table, len_table, capacity, vocab, pos_ctr, pend, *, stream=None):
-    """Write a prompt's digest entries into every layer of one stub cache.
+def stub_prefill(prompt, prompt_len, kv_table, len_table, capacity, vocab, pos_ctr, pend, *, start=None,
+                 stream=None):
+    """Write a prompt's (or one chunk's) digest entries into every layer of one stub cache.
 
-    Sequences with ``prompt_len[b] == NO_PREFILL`` are left untouched. Others get
-    entries ``[0, P)``, lengths ``P`` and, when given, ``pos_ctr[b] = P`` and
-    ``pend[b]`` = the target's greedy token after the prompt.
+    Sequences with ``prompt_len[b] == NO_PREFILL`` are left untouched. Others, with
+    ``S = start[b]`` (0 when ``start`` is None; clipped to ``[0, capacity]``) and P the
+    chunk's length (clipped to the row and to ``capacity - S``): the digest continues from
+    entry ``S - 1`` (earlier chunks), entries ``[S, S + P)`` are written, lengths become
+    ``S + P`` and, when given, ``pos_ctr[b] = S + P`` and ``pend[b]`` = the target's greedy
+    token after the prompt. Prefilled whole or in chunks, a prompt leaves the same entries.
 
     Parameters
     ----------
@@ -56,24 +60,26 @@ def stub_prefill(prompt, prompt_len, kv_table, len_table, capacity, vocab, pos_c
     prompt_len : [B] int32
     kv_table, len_table : PtrTable over the cache's layers
     pos_ctr, pend : [B] int32 or None, written
+    start : [B] int32 or None, the position of ``prompt[:, 0]``
     """
     p_max = prompt.shape[1]
     rows_b = np.nonzero(prompt_len != NO_PREFILL)[0]
-    plen = np.clip(prompt_len[rows_b], 0, min(p_max, capacity)).astype(np.int32)
+    s0 = np.zeros(len(rows_b), np.int32) if start is None else np.clip(start[rows_b], 0, capacity).astype(np.int32)
+    plen = np.clip(prompt_len[rows_b], 0, np.minimum(p_max, capacity - s0)).astype(np.int32)
     mn = np.full(len(rows_b), _U32_ALL_ONES)
     mx = np.zeros(len(rows_b), np.uint64)
     for kv, ln in _layers(kv_table, len_table):
-        c = np.full(len(rows_b), np.uint64(DIGEST_INIT))
+        c = _prev_entry(kv[rows_b], s0, capacity)
         for i in range(int(plen.max(initial=0))):
             live = i < plen
-            step = digest_step(c, prompt[rows_b, i], np.full(len(rows_b), i, np.int32))
+            step = digest_step(c, prompt[rows_b, i], s0 + np.int32(i))
             c = np.where(live, step, c)
-            kv[rows_b[live], i] = c[live].astype(np.uint32).view(np.int32)
-        ln[rows_b] = plen
+            kv[rows_b[live], (s0 + i)[live]] = c[live].astype(np.uint32).view(np.int32)
+        ln[rows_b] = s0 + plen
         mn = np.minimum(mn, c)
         mx = np.maximum(mx, c)
     if pos_ctr is not None:
-        pos_ctr[rows_b] = plen
+        pos_ctr[rows_b] = s0 + plen
     if pend is not None:
         pend[rows_b] = target_token(combine(mn, mx), vocab).astype(np.int32)
 

@@ -393,9 +393,11 @@ class Llama(nn.Module):
 
     #: forward takes ``logits_at``: prefill then computes the head at one position per row only.
     accepts_logits_at = True
+    #: forward takes ``head=False``: a prompt's non-final chunk then writes KV and skips norm and head.
+    accepts_head = True
 
     def forward(self, tokens: torch.Tensor, start_pos: torch.Tensor, lengths, rows: torch.Tensor | None = None,
-                logits_at: torch.Tensor | None = None):
+                logits_at: torch.Tensor | None = None, head: bool = True):
         """Logits after each token; writes the tokens' KV, never moves a length.
 
         Parameters
@@ -407,13 +409,15 @@ class Llama(nn.Module):
         logits_at : [R] int64, optional
             Only the logits after token ``logits_at[r]`` of each row (a long prompt's
             ``[R, T, vocab]`` would be large).
+        head : bool
+            False: only write the KV (a prompt chunk whose logits nobody reads) and return None.
 
         Returns
         -------
-        [R, T, vocab] float32, or [R, 1, vocab] with ``logits_at``
+        [R, T, vocab] float32, or [R, 1, vocab] with ``logits_at``, or None without ``head``
         """
         r, t = tokens.shape
-        if self.decode_ops is not None and rows is None and logits_at is None and t <= MAX_K + 1:
+        if self.decode_ops is not None and rows is None and logits_at is None and head and t <= MAX_K + 1:
             return llama_decode.fused_forward(self, tokens, start_pos, lengths, self.decode_ops)
         if rows is None:
             rows = torch.arange(r, device=tokens.device)
@@ -421,6 +425,8 @@ class Llama(nn.Module):
         for layer, kv, length, index in zip(self.layers, self.kv, lengths,
                                             self.layer_inputs(start_pos, lengths, rows, t, x.dtype)):
             x = layer(x, None, None, kv, length, rows, index)
+        if not head:
+            return None
         if logits_at is not None:
             x = x[torch.arange(r, device=x.device), logits_at].unsqueeze(1)  # [R, 1, hidden]
         return F.linear(self.norm(x), self.head_weight()).float()

@@ -78,6 +78,7 @@ class NgramDraft(Watched, DraftModel):
 
     writes_verify_tokens = True  # the search fills vtok[:, 1 + j] itself: no assemble launch
     supports_sampling = True  # one-hot draft logits (see the module docstring)
+    chunked_prefill = True  # a chunk is a copy at its offset
     option_keys = frozenset({"ngram_min", "ngram_max"})
     _watched = frozenset({"cache", "hist", "hist_len", "n_min", "n_max", "prop"})
 
@@ -128,9 +129,10 @@ class NgramDraft(Watched, DraftModel):
             out["ngram_prop"] = self.prop
         return out
 
-    def prefill(self, prompt, prompt_len, pos_ctr, pend, stream) -> None:
-        """Copy each prefilled slot's prompt into its history (``ngram_prefill``)."""
-        self.backend.ops.ngram_prefill(prompt, prompt_len, self.hist, self.hist_len, stream=stream)
+    def prefill(self, prompt, prompt_len, pos_ctr, pend, stream, *, start=None, rows=None) -> None:
+        """Copy each prefilled slot's prompt (or its chunk, at ``start``) into its history
+        (``ngram_prefill``); ``rows`` is not needed, the kernel reads ``prompt_len``."""
+        self.backend.ops.ngram_prefill(prompt, prompt_len, self.hist, self.hist_len, start=start, stream=stream)
 
     def draft_step(self, bufs: StreamBufs, step: int, stream) -> None:
         """Step 0 searches and proposes every draft of the round; later greedy steps are free.

@@ -90,6 +90,7 @@ class _StubModel(Watched):
 
     _watched = frozenset({"cache", "kv_table", "len_table", "seed", "agree24"})
     supports_sampling = True  # writes logits when bound to sampling StreamBufs
+    chunked_prefill = True  # the digest continues from the entry below start
 
     def __init__(self, batch, vocab, layers, capacity, cost_ns, backend, role, logit_peak=None):
         self.backend = get_backend(backend)
@@ -138,11 +139,13 @@ class _StubModel(Watched):
     def capacity(self) -> int:
         return self.cache.capacity
 
-    def prefill(self, prompt, prompt_len, pos_ctr, pend, stream) -> None:
-        """Enqueue the stub prefill of this model's cache (see ``stub_prefill``); a target
-        bound to sampling buffers also writes the logits after the prompt to ``tgt_logits[:, 0]``."""
+    def prefill(self, prompt, prompt_len, pos_ctr, pend, stream, *, start=None, rows=None) -> None:
+        """Enqueue the stub prefill of this model's cache (see ``stub_prefill``), at ``start``
+        for a chunk of a longer prompt; a target bound to sampling buffers also writes the
+        logits after the prompt to ``tgt_logits[:, 0]`` (with ``pend``: the last chunk).
+        ``rows`` is not needed: the kernel reads ``prompt_len`` on the device."""
         self.backend.ops.stub_prefill(prompt, prompt_len, self.kv_table, self.len_table, self.capacity, self.vocab,
-                                      pos_ctr, pend, stream=stream)
+                                      pos_ctr, pend, start=start, stream=stream)
         if pend is not None and self._sampling(self._bufs):
             self._logits(pend.reshape(-1, 1), pos_ctr, self._bufs.tgt_logits, TARGET_SALT, 0, 0, stream)
 

@@ -12,7 +12,16 @@ The module implements two things over torch tensors:
   None = all B), attends only below, returns ``[R, T, vocab]`` logits and **never moves
   a length** (the adapter advances them). ``graphburst.models.llama.Llama`` is one. A module
   with ``accepts_logits_at = True`` also takes ``logits_at [R] int64`` and returns only
-  those positions' logits ``[R, 1, vocab]``; prefill then skips the rest of the head.
+  those positions' logits ``[R, 1, vocab]``; prefill then skips the rest of the head. One
+  with ``accepts_head = True`` also takes ``head=False``: write the KV, return None (a
+  prompt's non-final chunk, whose logits nobody reads).
+
+Chunked prefill (``chunked_prefill = True``): a chunk of a longer prompt runs with
+``start_pos = lengths = start``, the rows its earlier chunks wrote, so the module attends
+to them as it would inside one whole-prompt forward. Rows of a chunk shorter than the
+longest are padded: their tokens past the chunk write KV rows past the new length (never
+read, overwritten later), which may run past ``capacity`` plus slack; a module clamps
+such writes into its own storage row (``Llama`` does, in ``kv_index``).
 
 :class:`TorchTarget` and :class:`TorchDraft` do the rest: zero-copy torch views of the
 ``StreamBufs`` and of the KV lengths (made once, outside capture), the ``KVCache``,
@@ -25,7 +34,8 @@ On the cupy backend the ops run on the stream graphburst gives (a torch ``Extern
 over it); on numpy they run on CPU tensors that alias the numpy buffers, which is how CI
 tests this file.
 
-Inside ``draft_step`` and ``verify`` nothing syncs or reads a value on the host.
+Inside ``draft_step`` and ``verify`` nothing syncs or reads a value on the host; nor does
+``prefill`` when the decoder hands it the slot list (``rows``).
 """
 
 from __future__ import annotations
@@ -78,6 +88,7 @@ class _TorchModel(Watched):
 
     capture_api = "torch"  # the burst graph must be captured by torch (see the lead's capture path)
     supports_sampling = True  # writes logits when bound to sampling StreamBufs
+    chunked_prefill = True  # the module writes at the lengths it is given and attends below them
     _watched = frozenset({"cache", "module"})
 
     def __init__(self, module, *, batch: int, capacity: int, backend: Backend | str = "auto", vocab: int | None = None):
@@ -185,38 +196,78 @@ class _TorchModel(Watched):
     def _tokens(self, t):
         return t.clamp(0, self.vocab - 1).long()  # PLACEHOLDER_TOKEN (-1) becomes a valid id
 
-    def prefill(self, prompt, prompt_len, pos_ctr, pend, stream) -> None:
-        """Write the prompts' KV (eager: it reads which slots to fill on the host).
+    def prefill(self, prompt, prompt_len, pos_ctr, pend, stream, *, start=None, rows=None) -> None:
+        """Write the prompts' KV, or one chunk of each at ``start`` (protocol ``prefill``).
+
+        Eager, on ``stream``. Given ``rows`` it never syncs with the device (the slot list
+        comes from the host, host copies are non-blocking); without, it reads the slots
+        from ``prompt_len`` (one sync).
 
         Parameters
         ----------
         prompt : [B, P_max] int32 backend array
         prompt_len : [B] int32, NO_PREFILL for a slot to leave untouched
-        pos_ctr, pend : [B] int32 (target) or None (draft), written for prefilled slots
+        pos_ctr : [B] int32 (target) or None (draft), set to ``start + prompt_len``
+        pend : [B] int32 or None: with it (the target's last chunk) the greedy token after
+            the prompt, and in sampling mode its logits to ``tgt_logits[:, 0]``; without
+            it the module runs no head at all
+        start : [B] int32 backend array or None (all 0), the position of ``prompt[:, 0]``
+        rows : host int array of the prefilled slots (sorted), or None
         """
         torch = self.torch
         with self._on(stream), torch.no_grad():
             tok_all, plen_all = as_tensor(prompt), as_tensor(prompt_len)
-            rows = torch.nonzero(plen_all != NO_PREFILL).flatten()  # [R] int64
-            if rows.numel() == 0:
+            idx = self._prefill_rows(plen_all, rows)  # [R] int64
+            if idx is None:
                 return
-            plen = plen_all[rows]  # [R] int32
-            start = torch.zeros_like(plen)
-            lengths = [None if ln is None else start for ln in self._lengths]
-            last = (plen.long() - 1).clamp(min=0)  # [R] the prompt's last token
-            if getattr(self.module, "accepts_logits_at", False):
-                logits = self.module(self._tokens(tok_all[rows]), start, lengths, rows, logits_at=last)[:, 0]
-            else:
-                logits = self.module(self._tokens(tok_all[rows]), start, lengths, rows)  # [R, P_max, V]
-                logits = logits[torch.arange(rows.numel(), device=rows.device), last]
+            plen = plen_all[idx]  # [R] int32
+            at = torch.zeros_like(plen) if start is None else as_tensor(start)[idx]  # [R] int32 first position
+            lengths = [None if ln is None else at for ln in self._lengths]  # the earlier chunks' rows
+            logits = self._prefill_forward(self._tokens(tok_all[idx]), at, lengths, idx, plen, pend is not None)
+            end = at + plen  # [R] int32
             if self._length is not None:
-                self._length[rows] = plen
-            if pos_ctr is not None and self._bound is not None and self._bound.source.sampling:
-                self._bound.tgt_logits[rows, 0] = logits.float()  # the decoder samples the first token
+                self._length[idx] = end
             if pos_ctr is not None:
-                pred = logits.argmax(-1)  # [R]
-                as_tensor(pos_ctr)[rows] = plen
-                as_tensor(pend)[rows] = pred.to(torch.int32)
+                as_tensor(pos_ctr)[idx] = end
+            if pend is not None:
+                if self._bound is not None and self._bound.source.sampling:
+                    self._bound.tgt_logits[idx, 0] = logits.float()  # the decoder samples the first token
+                as_tensor(pend)[idx] = logits.argmax(-1).to(torch.int32)
+
+    def _prefill_rows(self, plen_all, rows):
+        """The prefilled slots as an ``[R] int64`` tensor on the model's device, or None if none."""
+        torch = self.torch
+        if rows is None:
+            idx = torch.nonzero(plen_all != NO_PREFILL).flatten()  # reads the device: a sync
+            return idx if idx.numel() else None
+        host = np.asarray(rows)
+        if host.ndim != 1 or (host.size and not np.issubdtype(host.dtype, np.integer)):
+            raise TypeError(f"prefill rows must be a 1-D host array of slot indices, got {host.dtype} "
+                            f"shape {host.shape}")
+        if host.size == 0:
+            return None
+        idx = torch.from_numpy(np.ascontiguousarray(host, dtype=np.int64))
+        if not self.backend.is_gpu:
+            return idx
+        # Pinned, from torch's caching host allocator (it keeps the block until the copy has
+        # run), and non-blocking: the copy queues on the stream behind any burst in flight
+        # and the host moves on. A pageable or blocking copy could wait for the stream.
+        return idx.pin_memory().to(plen_all.device, non_blocking=True)
+
+    def _prefill_forward(self, tokens, at, lengths, idx, plen, head: bool):
+        """The module's forward over the prompt rows: ``[R, V]`` logits after each row's last
+        token when ``head``, else only the KV (as little head as the module allows) and None."""
+        torch, m = self.torch, self.module
+        last = (plen.long() - 1).clamp(min=0)  # [R] the chunk's last token
+        if not head and getattr(m, "accepts_head", False):
+            m(tokens, at, lengths, idx, head=False)
+            return None
+        if getattr(m, "accepts_logits_at", False):
+            logits = m(tokens, at, lengths, idx, logits_at=last)[:, 0]
+        else:
+            logits = m(tokens, at, lengths, idx)  # [R, P_max, V]
+            logits = logits[torch.arange(idx.numel(), device=idx.device), last]
+        return logits if head else None
 
 
 class TorchTarget(_TorchModel):

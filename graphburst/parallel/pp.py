@@ -117,6 +117,8 @@ class StageLlama(nn.Module):
 class StageTarget(TorchTarget):
     """A pipeline stage as a graphburst target (same protocol, collectives inside)."""
 
+    chunked_prefill = False  # prefill below hands whole prompts down the pipeline
+
     def __init__(self, module: StageLlama, *, batch: int, capacity: int, backend):
         super().__init__(module, batch=batch, capacity=capacity, backend=backend)
         self._hidden = None  # [B, k+1, d] receive buffer, made in bind (outside capture)
@@ -150,15 +152,19 @@ class StageTarget(TorchTarget):
             m.spread_from_last(self._pred)
             t.tgt_pred.copy_(self._pred)
 
-    def prefill(self, prompt, prompt_len, pos_ctr, pend, stream) -> None:
-        """Eager: every stage picks the same rows from the same prompts, so shapes agree."""
-        from ..constants import NO_PREFILL
+    def prefill(self, prompt, prompt_len, pos_ctr, pend, stream, *, start=None, rows=None) -> None:
+        """Eager: every stage picks the same rows from the same prompts, so shapes agree.
 
+        Whole prompts only (``chunked_prefill`` is False): a chunk's head-less pass and
+        the stages' hand-offs are not written for it.
+        """
+        if start is not None:
+            raise ValueError("a pipeline stage prefills whole prompts only (chunked_prefill = False): got start")
         m = self.module
         with self._on(stream), torch.no_grad():
             tok_all, plen_all = as_tensor(prompt), as_tensor(prompt_len)
-            rows = torch.nonzero(plen_all != NO_PREFILL).flatten()  # [R] int64
-            if rows.numel() == 0:
+            rows = self._prefill_rows(plen_all, rows)  # [R] int64
+            if rows is None:
                 return
             plen = plen_all[rows]
             start = torch.zeros_like(plen)
