@@ -8,6 +8,7 @@ the capacity counts.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from graphburst import BurstGraph, SpecDecoder, greedy_reference, stub_pair
@@ -130,3 +131,93 @@ def test_prefill_chunk_is_checked_at_construction(backend):
     with pytest.raises(ValueError, match="the draft .* cannot"):
         ServeLoop(target, draft, k=2, m_rounds=1, prefill_chunk=5)
     assert ServeLoop(target, draft, k=2, m_rounds=1).prefill_chunk is None
+
+
+# ---------------------------------------------------------------------- chunked prefill in the loop
+
+
+class ChunkLog(ServeLoop):
+    """Records, per boundary, the prompt tokens prefilled and the bursts drained so far."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.prefilled = []  # (bursts drained before it, tokens prefilled, final?) per prefill call
+
+    def _prefill_group(self, group, final):
+        self.prefilled.append((self.bursts, sum(e - s for s, e in group.values()), final))
+        super()._prefill_group(group, final)
+
+
+def _requests(rng, n, long_every=3):
+    reqs = []
+    for i in range(n):
+        size = int(rng.integers(60, 200)) if i % long_every == 0 else int(rng.integers(1, 9))
+        prompt = rng.integers(0, VOCAB, size).tolist()
+        reqs.append(Request(prompt, int(rng.integers(1, 25)), options=dict(accept_prob=0.8, seed=5)))
+    return reqs
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 19, 257])
+def test_chunked_loop_gives_the_tokens_of_whole_prefills(backend, rng, chunk):
+    target, draft = _pair(backend, batch=3, capacity=512)
+    loop = ChunkLog(target, draft, k=3, m_rounds=2, prefill_chunk=chunk)
+    states = [loop.submit(r) for r in _requests(rng, 10)]
+    loop.run_until_idle()
+    for s in states:
+        assert s.error is None and s.tokens == greedy_reference(s.request.prompt, s.request.max_new_tokens, VOCAB)
+    assert max(n for _, n, _ in loop.prefilled) <= chunk  # never more than a chunk per boundary
+    if chunk < 60:
+        assert any(not final for _, _, final in loop.prefilled)  # long prompts did go in pieces
+
+
+def test_decoding_streams_keep_going_while_a_long_prompt_prefills(backend):
+    target, draft = _pair(backend, batch=2, capacity=512)
+    loop = ChunkLog(target, draft, k=3, m_rounds=1, prefill_chunk=16)
+    short = loop.submit(Request([3, 1, 4], 200, options=dict(accept_prob=0.5, seed=1)))
+    loop.step()
+    loop.step()
+    long_prompt = list(range(10, 330))  # 320 tokens: 20 chunks
+    long = loop.submit(Request(long_prompt, 5))
+    before = len(short.tokens)
+    while not long.tokens:
+        loop.step()
+    chunks = [(bursts, n) for bursts, n, _ in loop.prefilled if n and bursts > 0]
+    assert len(chunks) >= 20
+    # between the long prompt's first and last chunk, bursts kept running for the short stream
+    assert chunks[-1][0] - chunks[0][0] >= len(chunks) - 1
+    assert len(short.tokens) - before >= len(chunks) - 1
+    loop.run_until_idle()
+    assert long.tokens == greedy_reference(long_prompt, 5, VOCAB)
+    assert short.tokens == greedy_reference([3, 1, 4], 200, VOCAB)
+
+
+def test_cancel_during_chunked_prefill_frees_the_slot(backend):
+    target, draft = _pair(backend, batch=1, capacity=512)
+    loop = ServeLoop(target, draft, k=3, m_rounds=1, prefill_chunk=8)
+    long = loop.submit(Request(list(range(1, 200)), 5))
+    nxt = loop.submit(Request([7, 7], 9))
+    loop.step()
+    loop.step()
+    assert loop._prefilling  # still prefilling
+    loop.cancel(long)
+    loop.run_until_idle()
+    assert long.done and long.tokens == []
+    assert nxt.tokens == greedy_reference([7, 7], 9, VOCAB)
+
+
+def test_chunked_loop_with_a_torch_pair_matches_whole_prefills(backend):
+    pytest.importorskip("torch")
+    from graphburst.models.checkpoint import tiny_random_pair
+
+    rng = np.random.default_rng(7)
+    reqs = [(rng.integers(0, 512, n).tolist(), 6) for n in (40, 3, 23, 1)]
+    out = {}
+    for chunk in (None, 9):
+        target, draft = tiny_random_pair(batch=2, capacity=128, backend=backend, vocab=512)
+        loop = ServeLoop(target, draft, k=3, m_rounds=2, prefill_chunk=chunk)
+        states = [loop.submit(Request(p, n)) for p, n in reqs]
+        loop.run_until_idle()
+        out[chunk] = [s.tokens for s in states]
+        assert all(s.error is None for s in states)
+    assert out[9] == out[None]
+    assert out[None][0] == target.module.greedy(reqs[0][0], 6)
