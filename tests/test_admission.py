@@ -221,3 +221,20 @@ def test_chunked_loop_with_a_torch_pair_matches_whole_prefills(backend):
         assert all(s.error is None for s in states)
     assert out[9] == out[None]
     assert out[None][0] == target.module.greedy(reqs[0][0], 6)
+
+
+def test_sampled_tokens_do_not_depend_on_chunking_or_refills(backend, rng):
+    """Sampling draws are keyed by (seed, position): chunked prefill and in-flight refills change nothing."""
+    reqs = [(rng.integers(0, 64, int(n)).tolist(), int(m), float(t), int(seed))
+            for n, m, t, seed in zip(rng.integers(1, 40, 9), rng.integers(3, 20, 9), [0.0, 0.7, 1.3] * 3,
+                                     rng.integers(0, 2**32, 9))]
+    out = {}
+    for batch, chunk in ((9, None), (2, None), (2, 5)):
+        target, draft = stub_pair(batch, 64, [True, False], [True, True], 128, accept_prob=0.7, p_min=0.1, seed=3,
+                                  backend=backend)
+        loop = ServeLoop(target, draft, k=3, m_rounds=2, sampling=True, prefill_chunk=chunk)
+        states = [loop.submit(Request(p, m, temperature=t, seed=s)) for p, m, t, s in reqs]
+        loop.run_until_idle()
+        out[batch, chunk] = [st.tokens for st in states]
+    assert out[2, None] == out[9, None]  # refilled slots behind bursts in flight: the same draws
+    assert out[2, 5] == out[9, None]
