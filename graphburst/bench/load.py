@@ -136,8 +136,12 @@ def check_args(args) -> None:
     missing = [m for m in ("aiohttp", "prometheus_client", "httpx") if importlib.util.find_spec(m) is None]
     if missing:
         raise FlagError("--http", f"needs {', '.join(missing)} (pip install \"graphburst[serve]\")")
-    if args.plot and importlib.util.find_spec("matplotlib") is None:
-        raise FlagError("--plot", "needs matplotlib, which is not installed (pip install \"graphburst[bench]\")")
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401 - only whether it imports
+        except ImportError:
+            raise FlagError("--plot", "needs matplotlib, which is not installed (pip install \"graphburst[bench]\")") \
+                from None
     check_ngram_flags(args)
     prompt, output = _dist(args, "prompt"), _dist(args, "output")
     rates = _rates(DEFAULT_RATES if args.rates is None else args.rates)
@@ -157,7 +161,7 @@ def check_args(args) -> None:
     server = dict(model=args.model, draft=args.draft, shape=shape, backend=args.backend, batch=args.batch, k=args.k,
                   m=args.rounds, capacity=capacity, max_queue=args.max_queue, ngram_min=args.ngram_min,
                   ngram_max=args.ngram_max, dtype=args.dtype or ("bfloat16" if shape else "float32"),
-                  eps=DEFAULT_EPS if args.eps is None else args.eps, seed=args.seed, checks=CHECK_REQUESTS,
+                  eps=(DEFAULT_EPS if args.eps is None else args.eps) if shape else None, seed=args.seed, checks=CHECK_REQUESTS,
                   prompt=dataclasses.asdict(prompt), output=dataclasses.asdict(output),
                   served_name=f"random-{args.model}" if shape else None)
     if not shape:  # the ServeConfig the child builds, checked here so a bad field is one line naming its flag
@@ -172,13 +176,9 @@ def check_args(args) -> None:
     args.load = dict(server=server, rates=rates, prompt=prompt, output=output, burst_at=burst_at)
 
 
-def _delta(after: dict, before: dict, name: str) -> float:
-    return after.get(name, 0.0) - before.get(name, 0.0)
-
-
 def run_rate(url: str, rate: float, vocab: int, args, load: dict) -> dict:
     """One open-loop run at ``rate``: its table row."""
-    from .load_stats import summarize
+    from .load_stats import server_window, summarize
     from .load_client import run_open_loop
     from .serve_http import scrape
 
@@ -187,25 +187,23 @@ def run_rate(url: str, rate: float, vocab: int, args, load: dict) -> dict:
     before = scrape(url)
     records, wall, lag = asyncio.run(run_open_loop(url, arrivals, deadline_s=args.duration + args.http_timeout))
     after = scrape(url)
-    busy, idle = _delta(after, before, "graphburst_gpu_busy_seconds_total"), \
-        _delta(after, before, "graphburst_gpu_idle_seconds_total")
-    rounds = _delta(after, before, "graphburst_spec_rounds_total")
-    row = summarize(records, rate=rate, duration=args.duration, wall=wall)
-    row.update(burst=args.burst, client_lag_ms=lag * 1e3, gpu_busy_s=busy, gpu_idle_s=idle,
-               gpu_idle_fraction=idle / (busy + idle) if busy + idle > 0 else None,
-               bursts=int(_delta(after, before, "graphburst_bursts_total")),
-               accepted_per_round=_delta(after, before, "graphburst_draft_accepted_total") / rounds if rounds else None)
-    return row
+    return summarize(records, rate=rate, duration=args.duration, wall=wall) | server_window(before, after) | dict(
+        burst=args.burst, client_lag_ms=lag * 1e3)
 
 
 def check_over_http(url: str, check: list, timeout_s: float) -> list[str]:
-    """The check requests over HTTP against the in-process tokens: the mismatches, one line each."""
+    """The check requests ``[[prompt, max_tokens, in-process tokens], ...]`` over HTTP: the mismatches."""
     from .load_client import run_requests
     from .load_schedule import Arrival
 
     records = asyncio.run(run_requests(url, [Arrival(0.0, p, n, False) for p, n, _ in check], timeout_s=timeout_s))
+    return mismatches(records, [want for _, _, want in check])
+
+
+def mismatches(records: list, expected: list) -> list[str]:
+    """One line per check request whose HTTP answer failed or differs from the in-process tokens."""
     bad = []
-    for i, (rec, (_, _, want)) in enumerate(zip(records, check)):
+    for i, (rec, want) in enumerate(zip(records, expected, strict=True)):
         if rec.error is not None:
             bad.append(f"check request {i}: {rec.error}")
         elif rec.tokens != want:

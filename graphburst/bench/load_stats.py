@@ -98,3 +98,20 @@ def summarize(records: list[Record], *, rate: float, duration: float, wall: floa
         ttft_ms=_ms([f["ttft"] for f in figs]), itl_ms=_ms([x for f in figs for x in f["itl"]]),
         tpot_ms=_ms([f["tpot"] for f in figs if f["tpot"] is not None]), e2e_ms=_ms([f["e2e"] for f in figs]),
         first_errors=sorted({r.error or f"HTTP {r.status}" for r in records if not r.ok and r.status != 429})[:3])
+
+
+def server_window(before: dict, after: dict) -> dict:
+    """The server's side of one run, from two ``/metrics`` scrapes (sample name -> value).
+
+    GPU idle fraction of the window = idle seconds / (busy + idle seconds) between the two
+    (the counters cover the gaps while a request held a slot; None without GPU timing);
+    accepted drafts per speculative round, of the requests that finished in the window.
+    """
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    busy, idle = delta("graphburst_gpu_busy_seconds_total"), delta("graphburst_gpu_idle_seconds_total")
+    rounds = delta("graphburst_spec_rounds_total")
+    return dict(gpu_busy_s=busy, gpu_idle_s=idle, gpu_idle_fraction=idle / (busy + idle) if busy + idle > 0 else None,
+                bursts=int(delta("graphburst_bursts_total")),
+                accepted_per_round=delta("graphburst_draft_accepted_total") / rounds if rounds else None)

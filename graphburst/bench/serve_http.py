@@ -130,9 +130,14 @@ async def _drive(url: str, prompts: list, max_tokens: int, timeout_s: float) -> 
 def scrape(url: str) -> dict:
     """The server's /metrics samples without labels, by name."""
     import httpx
+
+    return scrape_text(httpx.get(f"{url}/metrics", timeout=10).text)
+
+
+def scrape_text(text: str) -> dict:
+    """Prometheus text -> {sample name: value} of the samples without labels."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = httpx.get(f"{url}/metrics", timeout=10).text
     return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples if not s.labels}
 
 
