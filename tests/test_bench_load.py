@@ -140,6 +140,20 @@ def test_the_check_reports_every_difference():
     assert mismatches([failed], [[0, 1, 2]]) == ["check request 0: HTTP 500: boom"]
 
 
+def test_auto_rates_stop_at_saturation():
+    from graphburst.bench.load import _saturated
+
+    def row(tps, p99, errors=0, rejected=0):
+        return dict(output_tokens_per_s=tps, e2e_ms=dict(p99=p99), errors=errors, rejected_429=rejected)
+
+    assert not _saturated([row(100, 50)])
+    assert not _saturated([row(100, 50), row(190, 60)])
+    assert _saturated([row(100, 50), row(104, 60)])  # grew < 5%
+    assert _saturated([row(100, 50), row(190, 501)])  # E2E p99 past 10x the first rate's
+    assert _saturated([row(100, 50), row(190, 60, rejected=1)])
+    assert _saturated([row(100, 50, errors=2)])
+
+
 # ---------------------------------------------------------------------- the server's side
 
 def test_metrics_export_the_burst_clock_as_counters():
@@ -162,15 +176,34 @@ def test_metrics_export_the_burst_clock_as_counters():
     assert got["graphburst_gpu_idle_seconds_total"] == pytest.approx(0.0015)
 
 
+@pytest.fixture(scope="module")
+def checkpoint_pair(tmp_path_factory):
+    """A tiny Hugging Face Llama pair saved as checkpoint directories: (target dir, draft dir)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, eos_token_id=None,
+                                   bos_token_id=None, pad_token_id=None)
+    root = tmp_path_factory.mktemp("pair")
+    transformers.LlamaForCausalLM(cfg).save_pretrained(root / "target")
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**cfg.to_dict(), "num_hidden_layers": 1})) \
+        .save_pretrained(root / "draft")
+    return str(root / "target"), str(root / "draft")
+
+
 @pytest.mark.parametrize("model, draft", [("tiny", None), ("qwen3-tiny-pair", None), ("tiny", "ngram"),
-                                          ("tiny-random", "ngram")])
-def test_the_server_child_builds_and_checks_each_kind_of_model(model, draft):
+                                          ("tiny-random", "ngram"), ("DIR", "DIR"), ("DIR", "ngram")])
+def test_the_server_child_builds_and_checks_each_kind_of_model(model, draft, request):
     pytest.importorskip("torch")
     from graphburst.bench.load_server import build, check_in_process
 
-    shape = model != "tiny-random"
+    shape = model not in ("tiny-random", "DIR")
+    if model == "DIR":
+        model, dir_draft = request.getfixturevalue("checkpoint_pair")
+        draft = dir_draft if draft == "DIR" else draft
     s = dict(model=model, draft=draft, shape=shape, backend="numpy", batch=2, k=2, m=2, capacity=64, max_queue=4,
-             ngram_min=1 if draft else None, ngram_max=3 if draft else None, dtype="float32", eps=0.01, seed=0,
+             ngram_min=1 if draft == "ngram" else None, ngram_max=3 if draft == "ngram" else None, dtype="float32", eps=0.01, seed=0,
              served_name=f"random-{model}" if shape else None)
     loop, config = build(s)
     assert config.http == "127.0.0.1:0" and loop.dec.batch == 2

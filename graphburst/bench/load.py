@@ -9,9 +9,10 @@ over httpx (:mod:`.load_client`).
 
 **Correctness before timing.** The child decodes ``CHECK_REQUESTS`` requests in-process
 (no HTTP) and prints their tokens; the same requests are then sent over HTTP and must
-come back token for token, or the run stops (exit 1) before anything is timed. Every
-timed request must end with ``finish_reason`` ``"length"`` and exactly its
-``max_tokens`` tokens, or it counts as an error.
+come back token for token, or the run stops (exit 1) before anything is timed. Then a
+warm-up of one request per slot, all at once, untimed. Every timed request must end with
+``finish_reason`` ``"length"`` and exactly its ``max_tokens`` tokens, or it counts as an
+error.
 
 **Per rate** (:mod:`.load_stats` states the rules): offered and achieved requests/s,
 output tokens/s, TTFT / ITL / TPOT / E2E p50 and p99, 429s, errors, the drafts accepted
@@ -31,6 +32,7 @@ import os
 from rich.console import Console
 
 from ..cli_args import FlagError, add_ngram_flags, check_ngram_flags, int_in, real_in, writable_file
+from ..constants import MAX_K
 from ..models.ngram import NGRAM_DRAFT
 from ..serving.factory import TINY_RANDOM, ConfigError, ServeConfig
 from .common import float_list, write_results
@@ -64,15 +66,15 @@ def add_flags(p) -> None:
     g.add_argument("--eps", type=real_in(0.0, 1.0), default=None,
                    help=f"a shape's acceptance knob ε, as bench real's (default {DEFAULT_EPS})")
     g.add_argument("--batch", type=int_in(1, 65536), default=64, help="batch slots")
-    g.add_argument("-k", type=int_in(1, 16), default=4, help="drafts per round")
+    g.add_argument("-k", type=int_in(1, MAX_K), default=4, help="drafts per round")
     g.add_argument("-m", "--rounds", type=int_in(1, 1024), default=8, help="rounds per burst")
     g.add_argument("--capacity", type=int_in(1, 2**31 - 1), default=None,
                    help="KV entries per slot (default --prompt-max + --output-max)")
     g.add_argument("--max-queue", type=int_in(1, 1_000_000), default=256,
                    help="requests waiting for a slot before the server answers 429")
     g.add_argument("--rates", default=None,
-                   help=f"(default {DEFAULT_RATES}) comma list of Poisson rates (requests/s), or 'auto': 1, 2, 4, ... until output tokens/s "
-                        "grows < 5%% or E2E p99 passes 10x the first rate's")
+                   help="comma list of Poisson rates (requests/s), or 'auto': 1, 2, 4, ... until output tokens/s "
+                        f"grows < 5%% or E2E p99 passes 10x the first rate's (default {DEFAULT_RATES})")
     g.add_argument("--duration", type=real_in(0.1, 3600.0), default=20.0, help="seconds of arrivals per rate")
     g.add_argument("--burst", type=int_in(0, 100_000), default=0, help="extra requests sent at once in each run")
     g.add_argument("--burst-at", type=real_in(0.0, 3600.0), default=None,
@@ -213,6 +215,18 @@ def mismatches(records: list, expected: list) -> list[str]:
     return bad
 
 
+def warm_up(url: str, vocab: int, args, load: dict) -> str | None:
+    """Fill every slot once, untimed (prefills of many lengths, every slot's first tenant); None or what failed."""
+    from .load_client import run_open_loop
+    from .load_schedule import warmup
+
+    arrivals = warmup(min(args.batch, args.max_queue), prompt=load["prompt"], output=load["output"], vocab=vocab,
+                      seed=args.seed)
+    records, _, _ = asyncio.run(run_open_loop(url, arrivals, deadline_s=args.http_timeout))
+    failed = [r.error for r in records if not r.ok]
+    return f"{len(failed)} of {len(records)} requests: {failed[0]}" if failed else None
+
+
 def _sweep(url: str, vocab: int, args, load: dict, console: Console) -> list[dict]:
     rows, rates = [], load["rates"]
     rate = rates[0] if rates else AUTO_START
@@ -266,6 +280,10 @@ def run(args, console: Console, backend) -> int:
         if bad:
             console.print("graphburst bench serve: FAILED correctness (nothing timed): " + "; ".join(bad))
             return 1
+        bad = warm_up(srv.url, info["vocab"], args, load)
+        if bad:
+            console.print(f"graphburst bench serve: the warm-up failed (nothing timed): {bad}")
+            return 1
         rows = _sweep(srv.url, info["vocab"], args, load, console)
     finally:
         rc = srv.stop()
@@ -279,6 +297,7 @@ def run(args, console: Console, backend) -> int:
                   burst=args.burst, burst_at_s=load["burst_at"], prompt_lengths=load["prompt"].describe(),
                   output_lengths=load["output"].describe(), vocab=info["vocab"],
                   check=f"{len(info['check'])} requests ({checked} tokens) over HTTP equal the in-process loop's",
+                  warmup=f"{min(args.batch, args.max_queue)} requests at once, untimed",
                   rules="ITL: a chunk's gap once, its other tokens 0; TPOT: (last - first token) / (tokens - 1); "
                         "GPU idle: idle / (busy + idle) seconds of the run, gaps while a request held a slot")
     if args.plot:

@@ -22,7 +22,7 @@ import math
 import numpy as np
 
 DIST_KINDS = ("uniform", "lognormal")
-ARRIVALS, REQUESTS, CHECKS = 0, 1, 2  # the generator streams of one seed
+ARRIVALS, REQUESTS, CHECKS, WARMUP = 0, 1, 2, 3  # the generator streams of one seed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,3 +143,9 @@ def draw_request(i: int, *, prompt: LengthDist, output: LengthDist, vocab: int, 
 def check_requests(n: int, *, prompt: LengthDist, output: LengthDist, vocab: int, seed: int) -> list[tuple]:
     """The correctness check's ``n`` requests ``(prompt, max_tokens)``: drawn like the load's, from their own stream."""
     return [draw_request(i, prompt=prompt, output=output, vocab=vocab, seed=seed, stream=CHECKS) for i in range(n)]
+
+
+def warmup(n: int, *, prompt: LengthDist, output: LengthDist, vocab: int, seed: int) -> list[Arrival]:
+    """``n`` untimed requests, all at time 0, drawn like the load's from their own stream."""
+    return [Arrival(0.0, *draw_request(i, prompt=prompt, output=output, vocab=vocab, seed=seed, stream=WARMUP), False)
+            for i in range(n)]
