@@ -28,6 +28,7 @@ import asyncio
 import dataclasses
 import importlib.util
 import os
+import sys
 
 from rich.console import Console
 
@@ -227,21 +228,27 @@ def warm_up(url: str, vocab: int, args, load: dict) -> str | None:
     return f"{len(failed)} of {len(records)} requests: {failed[0]}" if failed else None
 
 
-def _sweep(url: str, vocab: int, args, load: dict, console: Console) -> list[dict]:
+def _sweep(url: str, vocab: int, args, load: dict, console: Console) -> tuple[list[dict], str | None]:
+    """The rows of every rate run, and why the sweep stopped early (None: it did not)."""
+    import httpx
+
     rows, rates = [], load["rates"]
     rate = rates[0] if rates else AUTO_START
     while True:
-        row = run_rate(url, rate, vocab, args, load)
+        try:
+            row = run_rate(url, rate, vocab, args, load)
+        except httpx.HTTPError as exc:  # /metrics unreachable: the server is gone; keep the rates measured
+            return rows, f"the server stopped answering at rate {rate:g}/s: {type(exc).__name__}: {exc}"
         rows.append(row)
         console.print(f"rate {rate:g}/s: {row['completed']}/{row['requests']} requests, "
-                      f"{row['output_tokens_per_s'] or 0:.0f} output tokens/s")
+                      f"{row['output_tokens_per_s'] or 0:.0f} output tokens/s, client lag {row['client_lag_ms']:.1f} ms")
         if rates is not None:
             if len(rows) == len(rates):
-                return rows
+                return rows, None
             rate = rates[len(rows)]
             continue
         if len(rows) == AUTO_STEPS or _saturated(rows):
-            return rows
+            return rows, None
         rate *= 2
 
 
@@ -256,7 +263,13 @@ def _saturated(rows: list[dict]) -> bool:
     return first is not None and last["e2e_ms"]["p99"] is not None and last["e2e_ms"]["p99"] > AUTO_BLOWUP * first
 
 
+def _fail(why: str) -> int:
+    print(f"graphburst bench serve: {' '.join(why.split())}", file=sys.stderr)
+    return 1
+
+
 def run(args, console: Console, backend) -> int:
+    """Start the server, check it, warm it up, sweep the rates; write the table, JSON and plot."""
     import json
 
     from .load_report import plot, table
@@ -268,41 +281,40 @@ def run(args, console: Console, backend) -> int:
     try:
         srv = Server([], argv=[SERVER_MODULE, json.dumps(server)], start_timeout=START_TIMEOUT_S)
     except RuntimeError as exc:
-        console.print(f"graphburst bench serve: {exc}")
-        return 1
+        return _fail(str(exc))
     try:
         line = next((x for x in srv.preamble if x.startswith(CHECK_PREFIX)), None)
         if line is None:
-            console.print(f"graphburst bench serve: the server printed no check line: {srv.preamble[-3:]}")
-            return 1
+            return _fail(f"the server printed no check line: {srv.preamble[-3:]}")
         info = json.loads(line[len(CHECK_PREFIX):])
         bad = check_over_http(srv.url, info["check"], args.http_timeout)
         if bad:
-            console.print("graphburst bench serve: FAILED correctness (nothing timed): " + "; ".join(bad))
-            return 1
+            return _fail("FAILED correctness (nothing timed): " + "; ".join(bad))
         bad = warm_up(srv.url, info["vocab"], args, load)
         if bad:
-            console.print(f"graphburst bench serve: the warm-up failed (nothing timed): {bad}")
-            return 1
-        rows = _sweep(srv.url, info["vocab"], args, load, console)
+            return _fail(f"the warm-up failed (nothing timed): {bad}")
+        rows, stopped = _sweep(srv.url, info["vocab"], args, load, console)
     finally:
         rc = srv.stop()
-    if rc != 0:
-        console.print(f"graphburst bench serve: the server exited with {rc} after SIGTERM")
-        return 1
     title = _title(args, load, backend)
     checked = sum(len(t) for _, _, t in info["check"])
+    # Written whatever happened to the server: the rates measured are kept, and the meta says what went wrong.
     write_results(console, args.json, backend=backend, tables=[table(rows, title)], results=rows,
                   mode="open-loop", server=server, rates=load["rates"] or "auto", duration_s=args.duration,
                   burst=args.burst, burst_at_s=load["burst_at"], prompt_lengths=load["prompt"].describe(),
                   output_lengths=load["output"].describe(), vocab=info["vocab"],
                   check=f"{len(info['check'])} requests ({checked} tokens) over HTTP equal the in-process loop's",
-                  warmup=f"{min(args.batch, args.max_queue)} requests at once, untimed",
+                  warmup=f"{min(args.batch, args.max_queue)} requests at once, untimed", stopped=stopped,
+                  server_exit=rc,
                   rules="ITL: a chunk's gap once, its other tokens 0; TPOT: (last - first token) / (tokens - 1); "
                         "GPU idle: idle / (busy + idle) seconds of the run, gaps while a request held a slot")
-    if args.plot:
+    if args.plot and rows:
         plot(rows, args.plot, title)
         console.print(f"plot written to {args.plot}")
+    if stopped:
+        return _fail(stopped)
+    if rc != 0:
+        return _fail(f"the server exited with {rc} after SIGTERM")
     return 0
 
 
