@@ -109,7 +109,8 @@ def test_summary_of_a_run_with_a_429_and_an_error():
     row = summarize(ok + [rejected, broken], rate=2.0, duration=2.0, wall=4.0)
     assert (row["requests"], row["completed"], row["rejected_429"], row["errors"]) == (4, 2, 1, 1)
     assert row["offered_rps"] == 2.0 and row["achieved_rps"] == 0.5 and row["output_tokens_per_s"] == 1.0
-    assert row["ttft_ms"]["p50"] == pytest.approx(200.0) and row["ttft_ms"]["p99"] == pytest.approx(298.0)  # 100 + 0.99 x (300 - 100)
+    # TTFTs 100 and 300 ms: p99 = 100 + 0.99 x (300 - 100), numpy's linear interpolation
+    assert row["ttft_ms"]["p50"] == pytest.approx(200.0) and row["ttft_ms"]["p99"] == pytest.approx(298.0)
     assert row["itl_ms"]["p50"] == pytest.approx(150.0)  # samples 200 and 100 ms
     assert row["e2e_ms"]["p50"] == pytest.approx(450.0) and row["prompt_tokens"] == 6
     assert row["first_errors"] == ["the stream ended without data: [DONE]"]
@@ -202,8 +203,9 @@ def test_the_server_child_builds_and_checks_each_kind_of_model(model, draft, req
     if model == "DIR":
         model, dir_draft = request.getfixturevalue("checkpoint_pair")
         draft = dir_draft if draft == "DIR" else draft
+    lookup = draft == "ngram"
     s = dict(model=model, draft=draft, shape=shape, backend="numpy", batch=2, k=2, m=2, capacity=64, max_queue=4,
-             ngram_min=1 if draft == "ngram" else None, ngram_max=3 if draft == "ngram" else None, dtype="float32", eps=0.01, seed=0,
+             ngram_min=1 if lookup else None, ngram_max=3 if lookup else None, dtype="float32", eps=0.01, seed=0,
              served_name=f"random-{model}" if shape else None)
     loop, config = build(s)
     assert config.http == "127.0.0.1:0" and loop.dec.batch == 2

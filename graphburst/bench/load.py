@@ -164,12 +164,13 @@ def check_args(args) -> None:
     server = dict(model=args.model, draft=args.draft, shape=shape, backend=args.backend, batch=args.batch, k=args.k,
                   m=args.rounds, capacity=capacity, max_queue=args.max_queue, ngram_min=args.ngram_min,
                   ngram_max=args.ngram_max, dtype=args.dtype or ("bfloat16" if shape else "float32"),
-                  eps=(DEFAULT_EPS if args.eps is None else args.eps) if shape else None, seed=args.seed, checks=CHECK_REQUESTS,
+                  eps=(DEFAULT_EPS if args.eps is None else args.eps) if shape else None, seed=args.seed,
+                  checks=CHECK_REQUESTS,
                   prompt=dataclasses.asdict(prompt), output=dataclasses.asdict(output),
                   served_name=f"random-{args.model}" if shape else None)
     if not shape:  # the ServeConfig the child builds, checked here so a bad field is one line naming its flag
         try:
-            ServeConfig(backend=args.backend if args.backend != "auto" else "numpy", batch=args.batch, k=args.k,
+            ServeConfig(backend=args.backend, batch=args.batch, k=args.k,
                         rounds=args.rounds, capacity=capacity, max_queue=args.max_queue, model=args.model,
                         draft=args.draft, dtype=server["dtype"], ngram_min=args.ngram_min, ngram_max=args.ngram_max,
                         http="127.0.0.1:0")
@@ -241,7 +242,7 @@ def _sweep(url: str, vocab: int, args, load: dict, console: Console) -> tuple[li
             return rows, f"the server stopped answering at rate {rate:g}/s: {type(exc).__name__}: {exc}"
         rows.append(row)
         console.print(f"rate {rate:g}/s: {row['completed']}/{row['requests']} requests, "
-                      f"{row['output_tokens_per_s'] or 0:.0f} output tokens/s, client lag {row['client_lag_ms']:.1f} ms")
+                      f"{row['output_tokens_per_s']:.0f} output tokens/s, client lag {row['client_lag_ms']:.1f} ms")
         if rates is not None:
             if len(rows) == len(rates):
                 return rows, None
