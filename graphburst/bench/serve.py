@@ -3,6 +3,7 @@
 sync every round. A warm-up request through each loop is checked against the greedy
 reference before the timed requests start; every timed request is checked after.
 ``--http`` adds the HTTP server under real concurrent streaming clients (.serve_http).
+``--model ... --http`` runs the open-loop load benchmark over a real model instead (.load).
 
 Two GPU idle figures per row: **all** counts every gap between bursts while a request
 held a slot (the figure reported before; the short default workload is mostly ramp-up
@@ -22,6 +23,7 @@ from rich.console import Console
 from ..burst import BurstMode
 from ..cli_args import TOKEN_BYTES, DeprecatedAlias, FlagError, check_kv_memory, check_memory, int_in, writable_file
 from ..serving.loop import Request, ServeLoop, inter_token_latencies_us, percentiles
+from . import load
 from .common import VOCAB, check_greedy, fmt, label, new_table, stub_models, write_results
 
 ENGINES = ((BurstMode.GRAPH, True), (BurstMode.GRAPH, False), (BurstMode.PER_ROUND_SYNC, False))
@@ -66,7 +68,8 @@ def run_one(backend, engine, pipelined, cost_us, n_req, new_tokens, batch=BATCH,
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("serve", help="serving loop: tokens/s, inter-token latency, TTFT per engine")
+    p = sub.add_parser("serve", help="serving loop: tokens/s, inter-token latency, TTFT per engine (closed loop, stub "
+                                     "models); --model ... --http: the real server under open-loop load")
     p.add_argument("--backend", choices=("auto", "cupy", "numpy"), default="auto",
                    help="cupy (GPU), numpy (CPU reference) or auto (cupy when a GPU is usable)")
     p.add_argument("--json", type=writable_file, default="serve_bench.json", help="results file (JSON)")
@@ -81,13 +84,22 @@ def add_parser(sub) -> None:
                         "slots refill at burst boundaries); 0 skips it")
     p.add_argument("--http", action="store_true",
                    help="also run the HTTP server in a subprocess (127.0.0.1, ephemeral port) under --num-requests "
-                        "concurrent streaming httpx clients, pipelined and not, stub cost 0")
+                        "concurrent streaming httpx clients, pipelined and not, stub cost 0; with --model: the "
+                        "open-loop benchmark instead (below)")
     p.add_argument("--http-timeout", type=int_in(1, 3600), default=120,
-                   help="seconds the HTTP clients of one run may take in all")
+                   help="seconds the HTTP clients of one run may take in all (open loop: after the last arrival)")
+    load.add_flags(p)
 
 
 def check_args(args) -> None:
-    """Sizes against the memory they take; ``--http`` needs the server's packages and httpx."""
+    """Sizes against the memory they take; ``--http`` needs the server's packages and httpx.
+
+    With ``--model`` the open-loop benchmark's checks (.load) instead.
+    """
+    if args.model is not None:
+        load.check_args(args)
+        return
+    load.refuse_without_model(args)
     # One loop's KV caches at the largest request, and every request's tokens kept to the end.
     check_kv_memory(BATCH, _capacity(args.new_tokens), STUB_LAYERS + 1, flags=("--new-tokens",))
     n_req = max(args.num_requests, args.refill_requests)
@@ -104,6 +116,8 @@ def check_args(args) -> None:
 
 
 def run(args, console: Console, backend) -> int:
+    if args.model is not None:
+        return load.run(args, console, backend)
     rows = [run_one(backend, engine, pipelined, cost, args.num_requests, args.new_tokens)
             for cost in COSTS_US for engine, pipelined in ENGINES]
     if args.refill_requests:

@@ -17,6 +17,7 @@ import selectors
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -32,21 +33,49 @@ STOP_TIMEOUT_S = 30.0
 
 
 class Server:
-    """``graphburst serve --http 127.0.0.1:0 FLAGS`` in a subprocess; ``url`` once it listens."""
+    """``python -m ARGV`` in a subprocess that prints ``graphburst serve: listening on http://...``; ``url``
+    once it listens.
 
-    def __init__(self, flags: list[str]):
+    ``argv`` defaults to ``graphburst serve --http 127.0.0.1:0 FLAGS``. The lines the child
+    prints to stdout before that one are kept in ``preamble``; its stderr goes to a file,
+    whose tail the error names when the child does not come up within ``start_timeout`` s.
+    """
+
+    def __init__(self, flags: list[str], *, argv: list[str] | None = None, start_timeout: float = START_TIMEOUT_S):
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PACKAGE_ROOT), env.get("PYTHONPATH")) if p)
-        cmd = [sys.executable, "-m", "graphburst.cli", "serve", "--http", "127.0.0.1:0", *flags]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
-        sel = selectors.DefaultSelector()
-        sel.register(self.proc.stdout, selectors.EVENT_READ)
-        ready = sel.select(timeout=START_TIMEOUT_S)
-        line = self.proc.stdout.readline().strip() if ready else ""
-        if not line.startswith("graphburst serve: listening on http://"):
+        argv = ["graphburst.cli", "serve", "--http", "127.0.0.1:0", *flags] if argv is None else argv
+        cmd = [sys.executable, "-m", *argv]
+        # stderr to a file: a pipe nobody reads during the run would fill and stall the server
+        self.stderr = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.stderr, env=env)
+        self.preamble: list[str] = []
+        line = self._read_until_listening(start_timeout)
+        if line is None:
             self.stop()
-            raise RuntimeError(f"the server did not start ({' '.join(cmd)}): {self.proc.stderr.read()[-2000:]}")
+            self.stderr.seek(0)
+            tail = self.stderr.read().decode(errors="replace")[-2000:]
+            raise RuntimeError(f"the server did not start ({' '.join(cmd)[:300]}): {tail}")
         self.url = line.rsplit(" ", 1)[1]
+
+    def _read_until_listening(self, timeout: float) -> str | None:
+        """The listening line, or None when the child exits or the time is up first."""
+        fd, buf = self.proc.stdout.fileno(), b""
+        deadline = time.monotonic() + timeout
+        with selectors.DefaultSelector() as sel:
+            sel.register(fd, selectors.EVENT_READ)
+            while (left := deadline - time.monotonic()) > 0 and sel.select(left):
+                data = os.read(fd, 65536)
+                if not data:
+                    return None
+                buf += data
+                while b"\n" in buf:
+                    raw, buf = buf.split(b"\n", 1)
+                    line = raw.decode(errors="replace").strip()
+                    if line.startswith("graphburst serve: listening on http://"):
+                        return line
+                    self.preamble.append(line)
+        return None
 
     def stop(self) -> int:
         """SIGTERM, then kill if it has not exited within STOP_TIMEOUT_S."""
@@ -98,11 +127,17 @@ async def _drive(url: str, prompts: list, max_tokens: int, timeout_s: float) -> 
         return runs, time.perf_counter() - t0
 
 
-def _scrape(url: str) -> dict:
+def scrape(url: str) -> dict:
+    """The server's /metrics samples without labels, by name."""
     import httpx
+
+    return scrape_text(httpx.get(f"{url}/metrics", timeout=10).text)
+
+
+def scrape_text(text: str) -> dict:
+    """Prometheus text -> {sample name: value} of the samples without labels."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = httpx.get(f"{url}/metrics", timeout=10).text
     return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples if not s.labels}
 
 
@@ -119,7 +154,7 @@ def run_http(backend_name: str, *, pipelined: bool, cost_us: float, clients: int
     server = Server(flags)
     try:
         runs, wall = asyncio.run(_drive(server.url, prompts, new_tokens, timeout_s))
-        metrics = _scrape(server.url)
+        metrics = scrape(server.url)
     finally:
         rc = server.stop()
     if rc != 0:

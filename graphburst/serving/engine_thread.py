@@ -99,7 +99,7 @@ class EngineThread(threading.Thread):
         self._live: dict[int, Ticket] = {}  # id(ticket) -> ticket, engine thread only
         self.waiting = 0  # submitted, not yet admitted; read by the asyncio side for 429s
         self.failed: str | None = None  # set when loop.step() raised: the engine is dead
-        self.snapshot: dict = loop.stats()  # replaced (never mutated) for /metrics readers
+        self.snapshot: dict = self._stats()  # replaced (never mutated) for /metrics readers
         self._last_snapshot = 0.0
         loop.log = []  # what each step did, handed to the event loop as is (ServeLoop.log)
 
@@ -235,8 +235,19 @@ class EngineThread(threading.Thread):
     def _snapshot(self) -> None:
         now = time.perf_counter()
         if now - self._last_snapshot >= STATS_PERIOD_S or self.loop.idle:
-            self.snapshot = self.loop.stats() | {"waiting": self.waiting}
+            self.snapshot = self._stats()
             self._last_snapshot = now
+
+    def _stats(self) -> dict:
+        """``loop.stats()`` plus the wait count and the GPU's busy and idle milliseconds so far.
+
+        The idle fraction alone cannot be split into windows; the two totals can (a load
+        benchmark reads them before and after its run). Read here, on the thread that owns
+        the loop, from its burst clock (``loop.pipeline``).
+        """
+        overall = self.loop.pipeline.clock.overall
+        return self.loop.stats() | {"waiting": self.waiting, "gpu_busy_ms": overall.busy_ms,
+                                    "gpu_idle_ms": overall.idle_ms}
 
     def _publish(self, events: list) -> None:
         if events:

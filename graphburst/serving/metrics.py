@@ -42,6 +42,13 @@ class _LoopCollector:
         yield _gauge("graphburst_gpu_idle_fraction_steady",
                      "Fraction of GPU time idle between bursts launched with every batch slot running (NaN "
                      "without GPU timing or before any such burst)", math.nan if steady is None else steady)
+        for name, key, doc in (("graphburst_gpu_busy_seconds", "gpu_busy_ms", "GPU time in bursts"),
+                               ("graphburst_gpu_idle_seconds", "gpu_idle_ms",
+                                "GPU time idle between bursts while a request held a slot")):
+            if key in s:  # counters, so a window's idle fraction is (idle delta) / (busy + idle delta)
+                family = CounterMetricFamily(name, doc + " (0 without GPU timing)")
+                family.add_metric([], s[key] / 1e3)
+                yield family
         yield _gauge("graphburst_queue_depth", "Requests waiting for a batch slot", s.get("waiting", s["queued"]))
         yield _gauge("graphburst_active_slots", "Batch slots holding a running request", s["active_slots"])
         yield _gauge("graphburst_engine_tokens_per_second", "Tokens delivered per second since start",

@@ -1,0 +1,117 @@
+"""The figures of one open-loop run, from what the clients saw (perf_counter seconds).
+
+Each request's :class:`Record` holds when it was sent and the arrival time and token
+count of every SSE chunk that carried tokens. From those:
+
+* **TTFT**: first token chunk's arrival minus the send time.
+* **ITL** (the rule): a chunk of ``n`` tokens arriving ``g`` seconds after the request's
+  previous token chunk counts ``g`` once and ``0`` for its other ``n - 1`` tokens; the
+  first chunk's other ``n - 1`` tokens count ``0`` too. So a request of ``N`` tokens
+  gives ``N - 1`` samples summing to its last token's arrival minus its first's, and with
+  multi-token chunks (a burst delivers several tokens at once) the p50 is often 0 and the
+  p99 is the gap between bursts.
+* **TPOT**: per request, (last token's arrival - first token's) / (N - 1): the mean time
+  per output token after the first.
+* **E2E**: ``data: [DONE]``'s arrival minus the send time.
+
+Percentiles are numpy's (linear interpolation) over every sample of the run, through
+:func:`graphburst.serving.timing.percentiles`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..serving.timing import percentiles
+
+LENGTH_FINISH = "length"  # a request that ran to its max_tokens (the benchmark never stops early)
+
+
+@dataclasses.dataclass
+class Record:
+    """What one client saw of one request."""
+
+    scheduled: float  # seconds after the run's start it was due
+    prompt_len: int
+    max_tokens: int
+    sent: float | None = None  # perf_counter when the POST went out
+    status: int | None = None  # HTTP status (None: no response)
+    chunks: list = dataclasses.field(default_factory=list)  # (arrival perf_counter, tokens in it), token chunks
+    tokens: list = dataclasses.field(default_factory=list)
+    finish: str | None = None  # the last chunk's finish_reason
+    done: float | None = None  # perf_counter of data: [DONE]
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.status == 200
+
+
+def itl_samples(chunks) -> list[float]:
+    """Inter-token latencies (seconds) of one request under the module's rule.
+
+    Parameters
+    ----------
+    chunks : list of (float, int)
+        ``(arrival time, tokens in the chunk)`` per token-carrying chunk, in order.
+    """
+    out = []
+    for i, (t, n) in enumerate(chunks):
+        if i:
+            out.append(t - chunks[i - 1][0])
+            out += [0.0] * (n - 1)
+        else:
+            out += [0.0] * (n - 1)
+    return out
+
+
+def request_figures(rec: Record) -> dict:
+    """TTFT, E2E, TPOT (seconds) and ITL samples of one finished request."""
+    first, last = rec.chunks[0][0], rec.chunks[-1][0]
+    n = len(rec.tokens)
+    return dict(ttft=first - rec.sent, e2e=rec.done - rec.sent, tpot=(last - first) / (n - 1) if n > 1 else None,
+                itl=itl_samples(rec.chunks))
+
+
+def _ms(xs) -> dict:
+    return percentiles([x * 1e3 for x in xs])
+
+
+def summarize(records: list[Record], *, rate: float, duration: float, wall: float) -> dict:
+    """One row of the table: the run at ``rate`` requests/s (Poisson) over ``duration`` s.
+
+    ``wall``: seconds from the run's start to the last request's end (success or not).
+    Rates are over ``span`` = max(duration, wall): the arrival window at least, so a server
+    that keeps up achieves the offered rate (not more, as a short tail would give).
+    Latencies are in milliseconds; percentiles over the successful requests only.
+    """
+    good = [r for r in records if r.ok]
+    figs = [request_figures(r) for r in good]
+    tokens = sum(len(r.tokens) for r in good)
+    rejected = sum(1 for r in records if r.status == 429)
+    span = max(duration, wall)
+    return dict(
+        rate=rate, requests=len(records), offered_rps=len(records) / duration, wall_s=wall, span_s=span,
+        completed=len(good), rejected_429=rejected, errors=len(records) - len(good) - rejected,
+        achieved_rps=len(good) / span, output_tokens=tokens, output_tokens_per_s=tokens / span,
+        prompt_tokens=sum(r.prompt_len for r in good),
+        ttft_ms=_ms([f["ttft"] for f in figs]), itl_ms=_ms([x for f in figs for x in f["itl"]]),
+        tpot_ms=_ms([f["tpot"] for f in figs if f["tpot"] is not None]), e2e_ms=_ms([f["e2e"] for f in figs]),
+        first_errors=sorted({r.error or f"HTTP {r.status}" for r in records if not r.ok and r.status != 429})[:3])
+
+
+def server_window(before: dict, after: dict) -> dict:
+    """The server's side of one run, from two ``/metrics`` scrapes (sample name -> value).
+
+    GPU idle fraction of the window = idle seconds / (busy + idle seconds) between the two
+    (the counters cover the gaps while a request held a slot; None without GPU timing);
+    accepted drafts per speculative round, of the requests that finished in the window.
+    """
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    busy, idle = delta("graphburst_gpu_busy_seconds_total"), delta("graphburst_gpu_idle_seconds_total")
+    rounds = delta("graphburst_spec_rounds_total")
+    return dict(gpu_busy_s=busy, gpu_idle_s=idle, gpu_idle_fraction=idle / (busy + idle) if busy + idle > 0 else None,
+                bursts=int(delta("graphburst_bursts_total")),
+                accepted_per_round=delta("graphburst_draft_accepted_total") / rounds if rounds else None)
