@@ -54,6 +54,9 @@ class ServeConfig:
     takes :data:`STUB_DEFAULTS`), or ``model=DIR, draft=DIR`` (a Hugging Face Llama pair,
     ``dtype``, ``p_min``), or ``model="tiny-random"`` (a small random pair built in memory).
     A stub field given with ``model``, or a model field without it, is refused.
+    ``capacity="auto"`` is sized from the GPU's memory when the loop is built
+    (:func:`resolve_capacity`; ``gpu_memory_fraction`` applies to it only, default
+    ``DEFAULT_GPU_MEMORY_FRACTION``).
 
     Raises
     ------
@@ -134,8 +137,8 @@ class ServeConfig:
                                                          f"{self.capacity}), got {self.gpu_memory_fraction!r}")
             return
         if self.tp > 1:
-            raise ConfigError("capacity", f"{AUTO_CAPACITY!r} is not wired into tensor-parallel serving (tp={self.tp}); "
-                                          f"give a number")
+            raise ConfigError("capacity", f"{AUTO_CAPACITY!r} is not wired into tensor-parallel serving "
+                                          f"(tp={self.tp}); give a number")
         try:
             fraction = DEFAULT_GPU_MEMORY_FRACTION if self.gpu_memory_fraction is None else \
                 check_fraction(self.gpu_memory_fraction)
