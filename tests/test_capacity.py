@@ -99,8 +99,9 @@ def test_llama_1b_target_spec():
     small = memory_spec(LlamaConfig.from_hf(LLAMA_1B), name="target", dtype=torch.bfloat16, batch=8, decode_tokens=5)
     assert (small.max_capacity, small.max_capacity_why) == (131072, "max_position_embeddings")
     assert (spec.slack_rows, spec.row_multiple) == (66, 16)  # MAX_K + 2 write slack, rows rounded to 16
-    # RoPE cos and sin [rows, 64] fp32, and the prefill's and the verify's masks (bf16 plus a bool) per row
-    assert spec.row_bytes == 2 * 64 * 4 + (DEFAULT_PREFILL_TOKENS + 64 * 5) * 3
+    # RoPE cos and sin [rows, 64] fp32, the prefill's and the verify's masks (bf16 plus a bool), and one
+    # layer's K and V gathered for the prefilled slots (64 x 2 x 8 x 64 x 2 B), per row
+    assert spec.row_bytes == 2 * 64 * 4 + (DEFAULT_PREFILL_TOKENS + 64 * 5) * 3 + 64 * 2 * 8 * 64 * 2
     assert spec.fixed_bytes == 2 * 1_235_814_400
     assert spec.reserve_bytes == 128 * KiB * (DEFAULT_PREFILL_TOKENS + 64 * 5) + 64 * 6 * 128256 * (2 + 16)
 
@@ -115,7 +116,8 @@ def test_specs_match_what_the_models_allocate():
         model = Llama(cfg, batch=3, capacity=capacity)
         assert sum(kv.nbytes for kv in model.kv) == 3 * spec.rows(capacity) * spec.slot_row_bytes
         rope = model.rope_cos.nbytes + model.rope_sin.nbytes
-        assert rope == spec.rows(capacity) * (spec.row_bytes - 3 * 5 * 5)  # less the verify mask's share
+        # less the verify mask's share and the prefill's gathered K and V
+        assert rope == spec.rows(capacity) * (spec.row_bytes - 3 * 5 * 5 - 3 * 2 * 2 * 32 * 4)
         assert sum(p.nbytes for p in model.parameters()) == spec.fixed_bytes
     target, draft = stub_pair(3, 97, [True, False, True], 1, 100, backend="numpy")
     assert sum(layer.storage.nbytes for layer in target.cache.layers if layer) == 3 * 100 * stub_kv_bytes_per_row(
@@ -236,13 +238,26 @@ def test_stub_and_ngram_specs_of_a_config():
     assert plan.capacity == STUB_MAX_CAPACITY and plan.limit == "the target's stub limit"
 
 
-def test_tiny_random_specs_and_a_model_pair_built_at_the_plan(tmp_path):
+def test_tiny_random_pair_built_at_the_plan_allocates_what_it_said():
+    """Figures for exactly 128 entries of the tiny-random pair: the loop built there holds the KV and RoPE
+    bytes the plan counted for them, and serves as full-recompute greedy decoding does."""
     config = ServeConfig(backend="numpy", batch=2, k=2, rounds=3, capacity="auto", model="tiny-random")
-    target, draft, decoder = memory_specs(config)
-    assert (target.slot_row_bytes, draft.slot_row_bytes) == (4 * 2 * 2 * 16 * 4, 1 * 2 * 2 * 16 * 4)
-    total = 2 * GiB
-    resolved, plan = resolve_capacity(config, free_bytes=total, total_bytes=total)
-    assert plan.capacity % 64 == 0 and plan.kv_bytes + plan.fixed_bytes + plan.reserve_bytes <= plan.available_bytes
+    specs = memory_specs(config)
+    target, draft, _ = specs
+    assert (target.slot_row_bytes, draft.slot_row_bytes) == (4 * 2 * 2 * 16 * 4, 1 * 2 * 2 * 16 * 4)  # fp32
+    need = sum(s.bytes_at(128, 2) for s in specs) + RUNTIME_RESERVE_BYTES
+    resolved, plan = resolve_capacity(config, free_bytes=-(-need * 10 // 9), total_bytes=-(-need * 10 // 9))
+    assert plan.capacity == 128
+    loop = build_loop(resolved, Backend("numpy"))
+    assert loop.dec.capacity == 128
+    for spec, model in ((target, loop.dec.target.module), (draft, loop.dec.draft.module)):
+        rows = spec.rows(128)
+        assert sum(kv.nbytes for kv in model.kv) == 2 * rows * spec.slot_row_bytes
+        assert model.rope_cos.nbytes + model.rope_sin.nbytes == rows * 2 * 16 * 4
+        assert sum(p.nbytes for p in model.parameters()) == spec.fixed_bytes
+    state = loop.submit(Request([5, 6, 7], 12))
+    loop.run_until_idle()
+    assert state.tokens == loop.dec.target.module.greedy([5, 6, 7], 12)
 
 
 def test_ngram_draft_of_a_checkpoint_config(tmp_path):

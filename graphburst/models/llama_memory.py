@@ -10,7 +10,8 @@
   additive attention masks ``[R, 1, T, S]`` in the activations' dtype with the booleans
   they are built from (``llama.kv_index``): one prefill's (``R x T = prefill_tokens``),
   and one decode forward's (``batch x decode_tokens``; the SDPA path builds it, the
-  fused Triton decode path does not, so this counts the worse).
+  fused Triton decode path does not, so this counts the worse); and the K and V of one
+  layer that a prefill of some slots gathers for them (``kv[0, rows]``, up to every slot).
 * **Weights**: counted from the module itself, built on the meta device (no memory), so
   every bias and norm the config switches on is in the figure.
 * **Reserve** (the estimate): :meth:`LlamaConfig.activation_bytes_per_token` for a
@@ -72,12 +73,13 @@ def memory_spec(cfg: LlamaConfig, *, name: str, dtype: torch.dtype, batch: int, 
     head = batch * (decode_tokens + 1) * cfg.vocab_size * (size + HEAD_EXTRA_BYTES)
     rope = 2 * cfg.head_dim * 4  # rope_cos and rope_sin rows, float32
     mask = (prefill_tokens + batch * decode_tokens) * (size + 1)  # additive masks and their booleans, per KV row
+    gather = batch * 2 * cfg.num_key_value_heads * cfg.head_dim * size  # one layer's K and V of the prefilled slots
     rows = MAX_KV_HALF_ELEMENTS // (batch * cfg.num_key_value_heads * cfg.head_dim)
     offsets = rows // KV_ROW_MULTIPLE * KV_ROW_MULTIPLE - DEFAULT_KV_SLACK  # rows(capacity) stays <= rows
     if cfg.max_position_embeddings is not None and cfg.max_position_embeddings <= offsets:
         cap, why = cfg.max_position_embeddings, "max_position_embeddings"
     else:
         cap, why = max(offsets, 1), f"int32 KV offsets at batch {batch}"
-    return MemorySpec(name, slot_row_bytes=cfg.kv_bytes_per_row(size), row_bytes=rope + mask,
+    return MemorySpec(name, slot_row_bytes=cfg.kv_bytes_per_row(size), row_bytes=rope + mask + gather,
                       slack_rows=DEFAULT_KV_SLACK, row_multiple=KV_ROW_MULTIPLE, fixed_bytes=weight_bytes(cfg, dtype),
                       reserve_bytes=act + head, max_capacity=cap, max_capacity_why=why)
