@@ -245,6 +245,9 @@ def test_tiny_random_pair_built_at_the_plan_allocates_what_it_said():
     specs = memory_specs(config)
     target, draft, _ = specs
     assert (target.slot_row_bytes, draft.slot_row_bytes) == (4 * 2 * 2 * 16 * 4, 1 * 2 * 2 * 16 * 4)  # fp32
+    chunked = memory_specs(config, prefill_tokens=512)[0]  # a smaller prefill: smaller masks and activations
+    assert target.row_bytes - chunked.row_bytes == (DEFAULT_PREFILL_TOKENS - 512) * 5
+    assert target.reserve_bytes > chunked.reserve_bytes
     need = sum(s.bytes_at(128, 2) for s in specs) + RUNTIME_RESERVE_BYTES
     resolved, plan = resolve_capacity(config, free_bytes=-(-need * 10 // 9), total_bytes=-(-need * 10 // 9))
     assert plan.capacity == 128

@@ -249,12 +249,14 @@ def model_name(config: ServeConfig) -> str:
     return TINY_RANDOM if config.model == TINY_RANDOM else os.path.basename(os.path.normpath(config.model))
 
 
-def memory_specs(config: ServeConfig) -> list[MemorySpec]:
+def memory_specs(config: ServeConfig, prefill_tokens: int | None = None) -> list[MemorySpec]:
     """What the loop ``config`` describes will allocate, per part, for :func:`resolve_capacity`.
 
     The models' specs come from their configs (a checkpoint's ``config.json``, read
     without loading a tensor); the decoder's part is its prefill staging (per slot and
     row) and its burst buffers (:meth:`StreamBufs.layout_nbytes`, sampling buffers included).
+    ``prefill_tokens``: the most prompt tokens one prefill forward takes (None:
+    ``llama_memory.DEFAULT_PREFILL_TOKENS``; a chunked prefill's chunk bounds it).
     """
     if config.stubs:
         vocab = config.vocab
@@ -269,7 +271,8 @@ def memory_specs(config: ServeConfig) -> list[MemorySpec]:
         else:
             t_cfg = checkpoint.read_config(config.model)
             d_cfg = None if config.lookup else checkpoint.read_config(config.draft)
-        kw = dict(dtype=getattr(torch, config.dtype), batch=config.batch)
+        kw = dict(dtype=getattr(torch, config.dtype), batch=config.batch,
+                  prefill_tokens=llama_memory.DEFAULT_PREFILL_TOKENS if prefill_tokens is None else prefill_tokens)
         vocab = t_cfg.vocab_size
         target = llama_memory.memory_spec(t_cfg, name="target", decode_tokens=config.k + 1, **kw)
         draft = None if config.lookup else llama_memory.memory_spec(d_cfg, name="draft", decode_tokens=1, **kw)
@@ -280,12 +283,14 @@ def memory_specs(config: ServeConfig) -> list[MemorySpec]:
 
 
 def resolve_capacity(config: ServeConfig, backend=None, *, free_bytes: int | None = None,
-                     total_bytes: int | None = None) -> tuple[ServeConfig, CapacityPlan | None]:
+                     total_bytes: int | None = None,
+                     prefill_tokens: int | None = None) -> tuple[ServeConfig, CapacityPlan | None]:
     """``config`` with ``capacity="auto"`` replaced by the capacity that fits the GPU, and the plan.
 
     A numeric capacity comes back unchanged with no plan. The figures are the backend's
     GPU's (``cudaMemGetInfo``, read now: call this before building anything else on it),
-    or ``free_bytes`` and ``total_bytes`` given (any backend).
+    or ``free_bytes`` and ``total_bytes`` given (any backend). ``prefill_tokens``: as for
+    :func:`memory_specs`.
 
     Raises
     ------
@@ -300,9 +305,9 @@ def resolve_capacity(config: ServeConfig, backend=None, *, free_bytes: int | Non
         return config, None
     if free_bytes is None and total_bytes is None:
         backend = get_backend(config.backend) if backend is None else backend
-    plan = auto_capacity(memory_specs(config), batch=config.batch, gpu_memory_fraction=config.gpu_memory_fraction,
-                         free_bytes=free_bytes, total_bytes=total_bytes, backend=backend,
-                         min_capacity=1 + config.rounds * (config.k + 1))
+    plan = auto_capacity(memory_specs(config, prefill_tokens), batch=config.batch,
+                         gpu_memory_fraction=config.gpu_memory_fraction, free_bytes=free_bytes,
+                         total_bytes=total_bytes, backend=backend, min_capacity=1 + config.rounds * (config.k + 1))
     return dataclasses.replace(config, capacity=plan.capacity, gpu_memory_fraction=None), plan
 
 
