@@ -125,6 +125,13 @@ class StreamBufs(Watched):
     def nbytes(self) -> int:
         return sum(int(a.nbytes) for a in self.arrays().values())
 
+    @classmethod
+    def layout_nbytes(cls, batch: int, k: int, m_rounds: int, vocab: int | None = None) -> int:
+        """The bytes :attr:`nbytes` will report for these arguments, without allocating (KV sizing)."""
+        layouts = [(cls.LAYOUT, ())] + ([(cls.SAMPLING_LAYOUT, (vocab,))] if vocab is not None else [])
+        return sum(int(np.prod(shape(batch, k, m_rounds, *extra))) * np.dtype(dtype).itemsize
+                   for layout, extra in layouts for shape, dtype in layout.values())
+
     def drain_ring(self, stream) -> BurstTokens:
         """Read each sequence's committed tokens of the last burst, in order.
 

@@ -20,6 +20,8 @@ from .models.ngram import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, NGRAM_DRAFT
 MAX_KV_BYTES = 16 * 2**30
 #: Largest memory any other sized thing of one command may take (a benchmark's models, its tokens).
 MAX_FLAG_BYTES = MAX_KV_BYTES
+#: ``--capacity`` value that sizes the KV cache from the GPU's memory (serving/factory.py resolve_capacity).
+AUTO = "auto"
 #: Host bytes one kept output token costs: a list slot and a Python int (most token ids are past
 #: the small-int cache).
 TOKEN_BYTES = 36
@@ -147,6 +149,29 @@ def real_in(lo: float, hi: float = math.inf):
         return value
     parse.__name__ = "float"
     return parse
+
+
+def int_or_auto(lo: int, hi: int):
+    """``type=`` for ``auto`` or an integer in ``[lo, hi]`` (``--capacity``)."""
+    whole = int_in(lo, hi)
+
+    def parse(text: str):
+        if text == AUTO:
+            return text
+        try:
+            return whole(text)
+        except argparse.ArgumentTypeError:
+            raise argparse.ArgumentTypeError(f"must be {AUTO!r} or an integer in [{lo}, {hi}], got {text!r}") from None
+    parse.__name__ = "int or auto"
+    return parse
+
+
+def fraction(text: str) -> float:
+    """``type=`` for a number in ``(0, 1]`` (``--gpu-memory-fraction``)."""
+    value = _number(text, float)
+    if not 0.0 < value <= 1.0:  # nan fails both comparisons
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {text}")
+    return value
 
 
 def readable_file(text: str) -> str:

@@ -15,10 +15,11 @@ import sys
 from rich.console import Console
 
 from .backend import BACKEND_NAMES
-from .cli_args import NGRAM_DRAFT, FlagError, add_ngram_flags, check_backend, check_kv_memory, \
-    check_ngram_flags, int_in, readable_file, real_in, same_file, writable_file
+from .cli_args import AUTO, NGRAM_DRAFT, FlagError, add_ngram_flags, check_backend, check_kv_memory, \
+    check_ngram_flags, fraction, int_in, int_or_auto, readable_file, real_in, same_file, writable_file
 from .constants import MAX_K
-from .serving.factory import STUB_DEFAULTS, TINY_RANDOM, ConfigError, ServeConfig, build_loop
+from .models.capacity import DEFAULT_GPU_MEMORY_FRACTION
+from .serving.factory import STUB_DEFAULTS, TINY_RANDOM, ConfigError, ServeConfig, build_loop, resolve_capacity
 from .serving.jsonl import error_text, stderr_console
 from .serving.loop import ENGINE_MODES, ServeLoop
 
@@ -38,7 +39,12 @@ def add_parser(sub) -> None:
     p.add_argument("--batch", type=int_in(1, 65536), default=64, help="batch slots")
     p.add_argument("-k", type=int_in(1, MAX_K), default=4, help="drafts per round")
     p.add_argument("-m", "--rounds", type=int_in(1, 1024), default=8, help="rounds per burst")
-    p.add_argument("--capacity", type=int_in(1, 2**31 - 1), default=4096, help="KV entries per slot")
+    p.add_argument("--capacity", type=int_or_auto(1, 2**31 - 1), default=4096,
+                   help=f"KV entries per slot, or {AUTO!r}: as many as fit the GPU's memory (--gpu-memory-fraction; "
+                        "capped by the model's max_position_embeddings)")
+    p.add_argument("--gpu-memory-fraction", type=fraction, default=None,
+                   help=f"with --capacity {AUTO}: the share of the GPU's total memory this server may hold, in (0, 1] "
+                        f"(default {DEFAULT_GPU_MEMORY_FRACTION})")
     # Stub-only flags default to None so that giving one with --model can be refused.
     s = p.add_argument_group("stub models (the default; not with --model)")
     s.add_argument("--vocab", type=int_in(2, 2**31 - 1), default=None, help=f"default {STUB_DEFAULTS['vocab']}")
@@ -110,7 +116,13 @@ def check_args(args) -> None:
                 raise FlagError(flag, f"'-' is the standard {name}, which is closed; give {flag} FILE")
     check_ngram_flags(args, parallel=args.tp > 1)
     config = parse(args)
-    if config.stubs:
+    if config.capacity == AUTO:
+        from .backend import cuda_available
+
+        if args.backend == "numpy" or not cuda_available():
+            raise FlagError("--capacity", f"{AUTO} sizes the KV cache from the GPU's memory, and this run has no GPU "
+                                          f"(--backend {args.backend}); give --capacity N")
+    elif config.stubs:
         check_kv_memory(config.batch, config.capacity, config.layers + 1)
 
 
@@ -126,8 +138,11 @@ def parse(args) -> ServeConfig:
 
 
 def build(config: ServeConfig, err: Console) -> ServeLoop | None:
-    """The loop (None after a one-line error on stderr)."""
+    """The loop (None after a one-line error on stderr); ``--capacity auto`` says what it chose."""
     try:
+        config, plan = resolve_capacity(config)
+        if plan is not None:
+            print(f"graphburst serve: {plan.describe()}", file=sys.stderr, flush=True)
         loop = build_loop(config)
     except (ValueError, TypeError, RuntimeError, OSError, ImportError) as exc:
         print(f"graphburst serve: {error_text(exc)}", file=sys.stderr)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ..backend import Backend, get_backend
 from ..validate import check_int
-from .llama_config import CheckpointError
+from .llama_config import CheckpointError, LlamaConfig
 from .torch_adapter import TorchDraft, TorchTarget, _torch
 
 SINGLE_FILE = "model.safetensors"
@@ -50,8 +50,6 @@ def read_json(path: Path):
 
 def read_config(model_dir):
     """:class:`LlamaConfig` from ``model_dir/config.json`` (CheckpointError naming the file and a bad key)."""
-    from .llama import LlamaConfig
-
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise CheckpointError(f"{model_dir}: no config.json (expected a Hugging Face checkpoint directory)")
@@ -204,6 +202,14 @@ def load_pair(model_dir, draft_dir, *, batch: int, capacity: int, backend: Backe
     return wrap_pair(target, draft, batch=batch, capacity=capacity, backend=backend, p_min=p_min)
 
 
+def tiny_random_configs(*, vocab: int = 512, hidden: int = 64, layers: int = 4):
+    """The (target, draft) :class:`LlamaConfig` pair :func:`tiny_random_pair` builds: the draft is the
+    target's first layer."""
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4)
+    return cfg, cfg.replace(num_hidden_layers=1)
+
+
 def tiny_random_pair(*, batch: int, capacity: int, backend: Backend | str = "auto", dtype="float32", device=None,
                      seed: int = 0, vocab: int = 512, hidden: int = 64, layers: int = 4, p_min: float = 0.0,
                      residual_scale: float = 0.25):
@@ -219,21 +225,20 @@ def tiny_random_pair(*, batch: int, capacity: int, backend: Backend | str = "aut
     -------
     (TorchTarget, TorchDraft)
     """
-    from .llama import Llama, LlamaConfig
+    from .llama import Llama
 
     torch = _torch()
     batch, capacity = check_int("batch", batch), check_int("capacity", capacity)
     backend = get_backend(backend)
     device = _device_of(backend, device)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4)
+    cfg, draft_cfg = tiny_random_configs(vocab=vocab, hidden=hidden, layers=layers)
     dt = torch_dtype(dtype)
     target = Llama(cfg, batch=batch, capacity=capacity, dtype=dt, device=device).init_random_(seed)
     with torch.no_grad():
         for block in target.layers[1:]:
             block.self_attn.o_proj.weight.mul_(residual_scale)
             block.mlp.down_proj.weight.mul_(residual_scale)
-    draft = Llama(cfg.replace(num_hidden_layers=1), batch=batch, capacity=capacity, dtype=dt, device=device)
+    draft = Llama(draft_cfg, batch=batch, capacity=capacity, dtype=dt, device=device)
     own = dict(target.named_parameters())
     with torch.no_grad():
         for name, p in draft.named_parameters():

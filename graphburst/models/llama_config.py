@@ -126,6 +126,29 @@ class LlamaConfig:
     qkv_bias: bool = False  # biases on q, k and v only (Qwen2); attention_bias puts them on o_proj too
     qk_norm: bool = False  # RMSNorm over each q and k head (weights [head_dim]) before RoPE (Qwen3)
     model_type: str = "llama"  # the HF family it was read from (messages, the bench's transformers twin; no layer reads it)
+    max_position_embeddings: int | None = None  # trained positions (None: not stated); caps auto KV sizing
+
+    def kv_bytes_per_row(self, dtype_bytes: int) -> int:
+        """KV bytes one sequence's cache takes per token row: layers x (K and V) x KV heads x head_dim x dtype.
+
+        The head size is ``head_dim``, which Qwen3 states apart from ``hidden_size / heads``.
+        """
+        return self.num_hidden_layers * 2 * self.num_key_value_heads * self.head_dim * int(dtype_bytes)
+
+    def activation_bytes_per_token(self, dtype_bytes: int) -> int:
+        """An upper estimate of one forward's live activations per token, in bytes (for KV sizing).
+
+        Counted in elements of the activations' dtype: the residual stream, its norm, the
+        attention output and the o_proj output (4 x hidden); the MLP's gate/up GEMM output,
+        SiLU(gate) and its product with up (4 x intermediate, one spare); q, k, v, the
+        RoPE product that :func:`~graphburst.models.rope.rotate` sums (twice their size),
+        the rotated copy, the per-forward rotation matrices and, for Qwen3, the q/k-norm
+        copy (8 x (heads + 2 KV heads) x head_dim). Attention peaks and MLP peaks do not
+        coexist; adding them is the margin. Scores are not counted: SDPA's fused kernels
+        and the Triton decode kernels never materialise them on the GPU.
+        """
+        qkv = (self.num_attention_heads + 2 * self.num_key_value_heads) * self.head_dim
+        return int(dtype_bytes) * (4 * self.hidden_size + 4 * self.intermediate_size + 8 * qkv)
 
     @classmethod
     def from_hf(cls, cfg: dict, source: str = "config.json") -> LlamaConfig:
@@ -216,13 +239,17 @@ class LlamaConfig:
             if key != "tie_word_embeddings" and cfg.get(key) and key not in BIAS_KEYS[family]:
                 raise CheckpointError(f"{source}: {key} true is not supported for model_type {family!r} "
                                       f"(transformers ignores it there; its biases are fixed)")
+        max_pos = cfg.get("max_position_embeddings")
+        if max_pos is not None and (not _is_int(max_pos) or max_pos < 1):
+            raise CheckpointError(f"{source}: max_position_embeddings must be a positive int, got {max_pos!r}")
         return cls(vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
                    intermediate_size=cfg["intermediate_size"], num_hidden_layers=cfg["num_hidden_layers"],
                    num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
                    rms_norm_eps=float(eps), rope_theta=float(theta), rope_scaling=scaling,
                    tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                    attention_bias=bool(cfg.get("attention_bias", False)), mlp_bias=bool(cfg.get("mlp_bias", False)),
-                   qkv_bias=family == "qwen2", qk_norm=family == "qwen3", model_type=family)
+                   qkv_bias=family == "qwen2", qk_norm=family == "qwen3", model_type=family,
+                   max_position_embeddings=max_pos)
 
     def replace(self, **changes) -> LlamaConfig:
         return LlamaConfig(**{f.name: changes.get(f.name, getattr(self, f.name)) for f in fields(self)})

@@ -37,6 +37,7 @@ from ..constants import NGRAM_MAX
 from ..guard import Watched
 from ..protocol import DraftModel
 from ..validate import check_int
+from .capacity import MemorySpec
 
 __all__ = ["DEFAULT_NGRAM_MAX", "DEFAULT_NGRAM_MIN", "NGRAM_DRAFT", "NgramDraft", "check_ngram_range", "ngram_for"]
 
@@ -105,6 +106,17 @@ class NgramDraft(Watched, DraftModel):
     @property
     def capacity(self) -> int:
         return self.cache.capacity
+
+    @staticmethod
+    def kv_bytes_per_row() -> int:
+        """Bytes per slot per history row: one int32 token (the draft's only per-row storage)."""
+        return np.dtype(np.int32).itemsize
+
+    @classmethod
+    def memory_spec(cls) -> MemorySpec:
+        """The :class:`MemorySpec` for KV sizing: the history grows with the capacity, nothing else."""
+        return MemorySpec("n-gram draft", slot_row_bytes=cls.kv_bytes_per_row(), max_capacity=2**31 - 2,
+                          max_capacity_why="int32 positions")
 
     def __repr__(self) -> str:
         lo, hi = self.default_range

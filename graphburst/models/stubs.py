@@ -33,12 +33,18 @@ from ..kernels.digest import fixed24
 from ..guard import Watched
 from ..protocol import DraftModel, TargetModel
 from ..validate import check_int, check_prob
+from .capacity import MemorySpec
 
-__all__ = ["StubDraft", "StubTarget", "normalize_layout", "storage_ptr_table", "stub_cache", "stub_pair"]
+__all__ = ["StubDraft", "StubTarget", "normalize_layout", "storage_ptr_table", "stub_cache", "stub_memory_spec",
+           "stub_pair"]
 
 TARGET_SALT = 0x1B56C4E9  # stub_logits key of the target's rows
 DRAFT_SALT = 0x3C6EF372  # ... and of the draft's
 LOGIT_SPREAD = 2.0  # logits of non-greedy tokens lie in [0, spread)
+STUB_ENTRY_BYTES = np.dtype(np.int32).itemsize  # a stub KV entry: one int32 digest
+#: The stubs have no position limit; auto sizing stops here (2**20 entries) so that the
+#: serving loop's host token rows (16 bytes per entry per slot) stay bounded on a big GPU.
+STUB_MAX_CAPACITY = 2**20
 
 
 def default_peak(vocab: int) -> float:
@@ -78,6 +84,18 @@ def stub_cache(layout: Sequence[bool], batch: int, capacity: int, backend: Backe
         for has_kv in layout
     ]
     return KVCache(layers, batch, capacity, backend)
+
+
+def stub_kv_bytes_per_row(layers) -> int:
+    """Bytes per slot per KV row of a stub with ``layers`` (an int or a KV/absent layout)."""
+    return STUB_ENTRY_BYTES * sum(normalize_layout(layers, "layers"))
+
+
+def stub_memory_spec(layers, name: str) -> MemorySpec:
+    """A stub model's :class:`MemorySpec` for KV sizing: only its cache grows with the capacity
+    (the stub kernels have no activations)."""
+    return MemorySpec(name, slot_row_bytes=stub_kv_bytes_per_row(layers), max_capacity=STUB_MAX_CAPACITY,
+                      max_capacity_why="stub limit")
 
 
 def storage_ptr_table(cache: KVCache) -> PtrTable:

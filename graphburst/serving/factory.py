@@ -15,9 +15,11 @@ import numbers
 import os
 
 from ..backend import BACKEND_NAMES, get_backend
+from ..buffers import StreamBufs
 from ..constants import MAX_K
-from ..models.ngram import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, NGRAM_DRAFT, check_ngram_range, ngram_for
-from ..models.stubs import stub_pair
+from ..models.capacity import DEFAULT_GPU_MEMORY_FRACTION, CapacityPlan, MemorySpec, auto_capacity, check_fraction
+from ..models.ngram import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, NGRAM_DRAFT, NgramDraft, check_ngram_range, ngram_for
+from ..models.stubs import stub_memory_spec, stub_pair
 from .loop import ENGINE_MODES, ServeLoop
 
 STUB_DEFAULTS = {"vocab": 32000, "layers": 4, "accept": 0.7, "cost_us": 0.0}
@@ -25,6 +27,8 @@ TINY_RANDOM = "tiny-random"  # model value: checkpoint.tiny_random_pair, no file
 DTYPES = ("float32", "bfloat16")
 DRAFT_MODES = ("sharded", "replicated")
 STUB_MODEL_NAME = "graphburst-stub"
+AUTO_CAPACITY = "auto"  # capacity value: size the KV cache from the GPU's memory (resolve_capacity)
+PROMPT_STAGING_BYTES = 4  # the decoder's prefill staging, [B * capacity] int32: per slot per row
 
 
 class ConfigError(ValueError):
@@ -50,6 +54,9 @@ class ServeConfig:
     takes :data:`STUB_DEFAULTS`), or ``model=DIR, draft=DIR`` (a Hugging Face Llama pair,
     ``dtype``, ``p_min``), or ``model="tiny-random"`` (a small random pair built in memory).
     A stub field given with ``model``, or a model field without it, is refused.
+    ``capacity="auto"`` is sized from the GPU's memory when the loop is built
+    (:func:`resolve_capacity`; ``gpu_memory_fraction`` applies to it only, default
+    ``DEFAULT_GPU_MEMORY_FRACTION``).
 
     Raises
     ------
@@ -64,7 +71,8 @@ class ServeConfig:
     batch: int = 64
     k: int = 4
     rounds: int = 8
-    capacity: int = 4096  # KV entries per slot
+    capacity: int | str = 4096  # KV entries per slot, or AUTO_CAPACITY: from the GPU's memory
+    gpu_memory_fraction: float | None = None  # capacity="auto": share of the GPU (None: DEFAULT_GPU_MEMORY_FRACTION)
     sampling: bool = False
     pipelined: bool = True  # graph engine: keep a second burst in flight while the host hands out tokens
     # stub models (the default)
@@ -100,7 +108,7 @@ class ServeConfig:
     def __post_init__(self):
         for name, (lo, hi) in INT_RANGES.items():
             value = getattr(self, name)
-            if value is not None:
+            if value is not None and not (name == "capacity" and value == AUTO_CAPACITY):
                 self._set(name, _int_in(name, value, lo, hi))
         for name, (lo, hi) in REAL_RANGES.items():
             value = getattr(self, name)
@@ -114,12 +122,29 @@ class ServeConfig:
         for name in ("sampling", "pipelined", "live"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(name, f"must be a bool, got {getattr(self, name)!r}")
+        self._check_capacity()
         self._check_mode()
         self._check_ngram()
         if self.model is None:
             self._check_stubs()
         else:
             self._check_model()
+
+    def _check_capacity(self) -> None:
+        if self.capacity != AUTO_CAPACITY:
+            if self.gpu_memory_fraction is not None:
+                raise ConfigError("gpu_memory_fraction", f"applies to capacity={AUTO_CAPACITY!r} only (capacity is "
+                                                         f"{self.capacity}), got {self.gpu_memory_fraction!r}")
+            return
+        if self.tp > 1:
+            raise ConfigError("capacity", f"{AUTO_CAPACITY!r} is not wired into tensor-parallel serving "
+                                          f"(tp={self.tp}); give a number")
+        try:
+            fraction = DEFAULT_GPU_MEMORY_FRACTION if self.gpu_memory_fraction is None else \
+                check_fraction(self.gpu_memory_fraction)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError("gpu_memory_fraction", str(exc).removeprefix("gpu_memory_fraction ")) from None
+        self._set("gpu_memory_fraction", fraction)
 
     def _check_mode(self) -> None:
         """A field of the other serving mode would be ignored: refuse it rather than drop it."""
@@ -224,22 +249,88 @@ def model_name(config: ServeConfig) -> str:
     return TINY_RANDOM if config.model == TINY_RANDOM else os.path.basename(os.path.normpath(config.model))
 
 
+def memory_specs(config: ServeConfig, prefill_tokens: int | None = None) -> list[MemorySpec]:
+    """What the loop ``config`` describes will allocate, per part, for :func:`resolve_capacity`.
+
+    The models' specs come from their configs (a checkpoint's ``config.json``, read
+    without loading a tensor); the decoder's part is its prefill staging (per slot and
+    row) and its burst buffers (:meth:`StreamBufs.layout_nbytes`, sampling buffers included).
+    ``prefill_tokens``: the most prompt tokens one prefill forward takes (None:
+    ``llama_memory.DEFAULT_PREFILL_TOKENS``; a chunked prefill's chunk bounds it).
+    """
+    if config.stubs:
+        vocab = config.vocab
+        target, draft = stub_memory_spec(config.layers, "target"), stub_memory_spec(1, "draft")
+    else:
+        import torch
+
+        from ..models import checkpoint, llama_memory  # torch: only when a model is asked for
+
+        if config.model == TINY_RANDOM:
+            t_cfg, d_cfg = checkpoint.tiny_random_configs()
+        else:
+            t_cfg = checkpoint.read_config(config.model)
+            d_cfg = None if config.lookup else checkpoint.read_config(config.draft)
+        kw = dict(dtype=getattr(torch, config.dtype), batch=config.batch,
+                  prefill_tokens=llama_memory.DEFAULT_PREFILL_TOKENS if prefill_tokens is None else prefill_tokens)
+        vocab = t_cfg.vocab_size
+        target = llama_memory.memory_spec(t_cfg, name="target", decode_tokens=config.k + 1, **kw)
+        draft = None if config.lookup else llama_memory.memory_spec(d_cfg, name="draft", decode_tokens=1, **kw)
+    if config.lookup:
+        draft = NgramDraft.memory_spec()
+    bufs = StreamBufs.layout_nbytes(config.batch, config.k, config.rounds, vocab if config.sampling else None)
+    return [target, draft, MemorySpec("decoder", slot_row_bytes=PROMPT_STAGING_BYTES, fixed_bytes=bufs)]
+
+
+def resolve_capacity(config: ServeConfig, backend=None, *, free_bytes: int | None = None,
+                     total_bytes: int | None = None,
+                     prefill_tokens: int | None = None) -> tuple[ServeConfig, CapacityPlan | None]:
+    """``config`` with ``capacity="auto"`` replaced by the capacity that fits the GPU, and the plan.
+
+    A numeric capacity comes back unchanged with no plan. The figures are the backend's
+    GPU's (``cudaMemGetInfo``, read now: call this before building anything else on it),
+    or ``free_bytes`` and ``total_bytes`` given (any backend). ``prefill_tokens``: as for
+    :func:`memory_specs`.
+
+    Raises
+    ------
+    ValueError
+        On the numpy backend without figures; when the pair does not fit at its smallest
+        useful capacity (a prompt of 1 plus one burst), naming the figures; a checkpoint
+        config that cannot be read (CheckpointError).
+    """
+    if not isinstance(config, ServeConfig):
+        raise TypeError(f"resolve_capacity takes a ServeConfig, got {type(config).__name__}")
+    if config.capacity != AUTO_CAPACITY:
+        return config, None
+    if free_bytes is None and total_bytes is None:
+        backend = get_backend(config.backend) if backend is None else backend
+    plan = auto_capacity(memory_specs(config, prefill_tokens), batch=config.batch,
+                         gpu_memory_fraction=config.gpu_memory_fraction, free_bytes=free_bytes,
+                         total_bytes=total_bytes, backend=backend, min_capacity=1 + config.rounds * (config.k + 1))
+    return dataclasses.replace(config, capacity=plan.capacity, gpu_memory_fraction=None), plan
+
+
 def build_loop(config: ServeConfig, backend=None) -> ServeLoop:
     """The models and the loop ``config`` describes; ``backend`` defaults to ``config.backend``'s.
 
     Stubs by default; ``model=DIR, draft=DIR`` loads a Llama pair with
     :func:`graphburst.models.checkpoint.load_pair` (torch on the backend's device: the GPU the
     cupy backend uses, else the CPU), ``model="tiny-random"`` builds
-    :func:`graphburst.models.checkpoint.tiny_random_pair`.
+    :func:`graphburst.models.checkpoint.tiny_random_pair`. ``capacity="auto"`` is sized
+    first by :func:`resolve_capacity` (call that yourself to see the plan, or to pass
+    the memory figures).
 
     Raises
     ------
     ValueError, OSError, ImportError
-        A checkpoint that cannot be loaded (the message names the file or key).
+        A checkpoint that cannot be loaded (the message names the file or key); a pair
+        that does not fit ``capacity="auto"``.
     """
     if not isinstance(config, ServeConfig):
         raise TypeError(f"build_loop takes a ServeConfig, got {type(config).__name__}")
     backend = get_backend(config.backend) if backend is None else backend
+    config, _ = resolve_capacity(config, backend)  # capacity="auto": from the GPU's memory, before any allocation
     if config.stubs:
         target, draft = stub_pair(config.batch, config.vocab, config.layers, 1, config.capacity,
                                   accept_prob=config.accept, cost_ns=int(config.cost_us * 1000), backend=backend)

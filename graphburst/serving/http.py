@@ -31,7 +31,7 @@ from ..backend import get_backend
 from ..validate import parse_json
 from .engine_thread import EngineThread, Ticket
 from .metrics import CONTENT_TYPE, Metrics
-from .factory import build_loop, model_name
+from .factory import build_loop, model_name, resolve_capacity
 from .loop import Request, ServeLoop
 from .request import MAX_REQUEST_BYTES
 
@@ -346,7 +346,11 @@ def run(args, console, loop: ServeLoop | None = None) -> int:
         host, port = parse_address(args.http)
         tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
         backend = get_backend(args.backend) if loop is None else loop.dec.backend
-        loop = build_loop(args, backend) if loop is None else loop
+        if loop is None:
+            args, plan = resolve_capacity(args, backend)  # --capacity auto: before anything is allocated
+            if plan is not None:
+                print(f"graphburst serve: {plan.describe()}", file=sys.stderr, flush=True)
+            loop = build_loop(args, backend)
     except (ValueError, TypeError, RuntimeError, OSError, ImportError) as exc:
         print(f"graphburst serve: {exc}", file=sys.stderr)
         return 2

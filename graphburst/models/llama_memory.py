@@ -1,0 +1,85 @@
+"""What a :class:`~graphburst.models.llama.Llama` will take on the GPU, from its config, before it is built.
+
+:func:`memory_spec` describes one model for the generic KV sizing
+(:func:`graphburst.models.capacity.auto_capacity`):
+
+* **KV** (per slot, per storage row): :meth:`LlamaConfig.kv_bytes_per_row`; the storage
+  holds ``DEFAULT_KV_SLACK`` rows past the capacity, rounded to ``KV_ROW_MULTIPLE``, as
+  :class:`Llama` allocates it.
+* **Per storage row, shared by the slots**: the RoPE tables (cos and sin, fp32), and the
+  additive attention masks ``[R, 1, T, S]`` in the activations' dtype with the booleans
+  they are built from (``llama.kv_index``): one prefill's (``R x T = prefill_tokens``),
+  and one decode forward's (``batch x decode_tokens``; the SDPA path builds it, the
+  fused Triton decode path does not, so this counts the worse); and the K and V of one
+  layer that a prefill of some slots gathers for them (``kv[0, rows]``, up to every slot).
+* **Weights**: counted from the module itself, built on the meta device (no memory), so
+  every bias and norm the config switches on is in the figure.
+* **Reserve** (the estimate): :meth:`LlamaConfig.activation_bytes_per_token` for a
+  prefill of ``prefill_tokens`` tokens (run eagerly, in torch's ordinary pool) plus one
+  decode forward of ``batch x decode_tokens`` (the captured burst's private pool holds its
+  peak for as long as the graph lives), plus the head's outputs: logits in the dtype,
+  their fp32 copy, and softmax or argmax outputs (16 bytes per vocabulary entry at most),
+  for ``batch x (decode_tokens + 1)`` rows (the +1: the prefill's logits at one position).
+* **Cap**: ``max_position_embeddings``, and the largest capacity whose per-layer K stays
+  inside the Triton decode kernels' int32 offsets (:data:`MAX_KV_HALF_ELEMENTS`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .capacity import MemorySpec
+from .llama import DEFAULT_KV_SLACK, KV_ROW_MULTIPLE, Llama
+from .llama_config import LlamaConfig
+
+#: Tokens one prefill forward is sized for when the caller does not say (a chunked
+#: prefill's chunk bounds it; admitting more prompt tokens at once than this may not fit).
+DEFAULT_PREFILL_TOKENS = 8192
+#: The Triton decode kernels (``kernels/attention_triton.py``) offset a slot's KV by
+#: ``b * stride`` with int32 arguments, so one layer's K (or V), batch x rows x KV heads x
+#: head_dim elements, must stay below 2**31: a cap on the capacity at large batches.
+MAX_KV_HALF_ELEMENTS = 2**31 - 1
+#: Bytes per logit entry beyond the dtype's: the fp32 copy (4), softmax or argmax outputs (up to 12).
+HEAD_EXTRA_BYTES = 16
+
+
+def weight_bytes(cfg: LlamaConfig, dtype: torch.dtype) -> int:
+    """The parameters' bytes of ``Llama(cfg)`` in ``dtype``, counted on the meta device."""
+    model = Llama(cfg, batch=1, capacity=1, dtype=dtype, device="meta")
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def memory_spec(cfg: LlamaConfig, *, name: str, dtype: torch.dtype, batch: int, decode_tokens: int,
+                prefill_tokens: int = DEFAULT_PREFILL_TOKENS) -> MemorySpec:
+    """One Llama's :class:`MemorySpec` (module docstring).
+
+    Parameters
+    ----------
+    cfg : LlamaConfig
+    name : str
+        ``target`` or ``draft`` (messages).
+    dtype : torch.dtype
+        Weights, KV and activations.
+    batch : int
+    decode_tokens : int
+        Tokens per row of one decode forward: k + 1 for a target's verify, 1 for a draft step.
+    prefill_tokens : int
+        Prompt tokens (rows x padded length) of the largest prefill forward.
+    """
+    if not isinstance(cfg, LlamaConfig):
+        raise TypeError(f"cfg must be a LlamaConfig, got {type(cfg).__name__}")
+    size = torch.empty((), dtype=dtype).element_size()
+    act = cfg.activation_bytes_per_token(size) * (prefill_tokens + batch * decode_tokens)
+    head = batch * (decode_tokens + 1) * cfg.vocab_size * (size + HEAD_EXTRA_BYTES)
+    rope = 2 * cfg.head_dim * 4  # rope_cos and rope_sin rows, float32
+    mask = (prefill_tokens + batch * decode_tokens) * (size + 1)  # additive masks and their booleans, per KV row
+    gather = batch * 2 * cfg.num_key_value_heads * cfg.head_dim * size  # one layer's K and V of the prefilled slots
+    rows = MAX_KV_HALF_ELEMENTS // (batch * cfg.num_key_value_heads * cfg.head_dim)
+    offsets = rows // KV_ROW_MULTIPLE * KV_ROW_MULTIPLE - DEFAULT_KV_SLACK  # rows(capacity) stays <= rows
+    if cfg.max_position_embeddings is not None and cfg.max_position_embeddings <= offsets:
+        cap, why = cfg.max_position_embeddings, "max_position_embeddings"
+    else:
+        cap, why = max(offsets, 1), f"int32 KV offsets at batch {batch}"
+    return MemorySpec(name, slot_row_bytes=cfg.kv_bytes_per_row(size), row_bytes=rope + mask + gather,
+                      slack_rows=DEFAULT_KV_SLACK, row_multiple=KV_ROW_MULTIPLE, fixed_bytes=weight_bytes(cfg, dtype),
+                      reserve_bytes=act + head, max_capacity=cap, max_capacity_why=why)
