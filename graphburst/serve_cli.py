@@ -65,6 +65,9 @@ def add_parser(sub) -> None:
     m.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="weights and KV (default float32)")
     m.add_argument("--p-min", type=real_in(0.0, 1.0), default=None,
                    help="draft: stop drafting below this probability (default 0)")
+    p.add_argument("--prefill-chunk", type=int_in(1, 2**31 - 1), default=None, metavar="N",
+                   help="prefill at most N prompt tokens per burst boundary, so a long prompt goes in chunks "
+                        "while the other slots keep decoding (default: whole prompts)")
     p.add_argument("--sampling", action="store_true",
                    help="decode with speculative rejection sampling, so requests may set temperature > 0")
     p.add_argument("--no-pipeline", action="store_true",

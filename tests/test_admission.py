@@ -238,3 +238,15 @@ def test_sampled_tokens_do_not_depend_on_chunking_or_refills(backend, rng):
         out[batch, chunk] = [st.tokens for st in states]
     assert out[2, None] == out[9, None]  # refilled slots behind bursts in flight: the same draws
     assert out[2, 5] == out[9, None]
+
+
+def test_serve_config_wires_the_chunk_and_refuses_it_with_tp():
+    from graphburst.serving.factory import ConfigError, ServeConfig, build_loop
+
+    loop = build_loop(ServeConfig(backend="numpy", batch=2, capacity=256, prefill_chunk=8))
+    assert loop.prefill_chunk == 8
+    s = loop.submit(Request(list(range(1, 40)), 6))
+    loop.run_until_idle()
+    assert s.tokens == greedy_reference(list(range(1, 40)), 6, loop.vocab)
+    with pytest.raises(ConfigError, match="prefill_chunk"):
+        ServeConfig(backend="numpy", prefill_chunk=8, tp=2)

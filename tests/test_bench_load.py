@@ -288,3 +288,14 @@ def test_plot_without_matplotlib_is_one_line_and_exit_2(monkeypatch, capsys, tmp
         main(["bench", "serve", *SMALL, "--plot", str(tmp_path / "x.png")])
     err = capsys.readouterr().err
     assert exc.value.code == 2 and err.count("\n") == 1 and "--plot: needs matplotlib" in err
+
+
+def test_the_burst_may_carry_its_own_prompt_length():
+    from graphburst.bench.load_schedule import LengthDist, schedule
+
+    short, long = LengthDist("uniform", 3, 9), LengthDist("uniform", 300, 300)
+    arrivals = schedule(rate=20.0, duration=2.0, burst=5, burst_at=1.0, prompt=short,
+                        output=LengthDist("uniform", 1, 4), vocab=100, seed=3, burst_prompt=long)
+    assert sum(a.burst for a in arrivals) == 5
+    assert all(len(a.prompt) == 300 for a in arrivals if a.burst)
+    assert all(3 <= len(a.prompt) <= 9 for a in arrivals if not a.burst)

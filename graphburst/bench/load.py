@@ -71,6 +71,8 @@ def add_flags(p) -> None:
     g.add_argument("-m", "--rounds", type=int_in(1, 1024), default=8, help="rounds per burst")
     g.add_argument("--capacity", type=int_in(1, 2**31 - 1), default=None,
                    help="KV entries per slot (default --prompt-max + --output-max)")
+    g.add_argument("--prefill-chunk", type=int_in(1, 2**31 - 1), default=None, metavar="N",
+                   help="the server prefills at most N prompt tokens per burst boundary (default: whole prompts)")
     g.add_argument("--max-queue", type=int_in(1, 1_000_000), default=256,
                    help="requests waiting for a slot before the server answers 429")
     g.add_argument("--rates", default=None,
@@ -78,6 +80,9 @@ def add_flags(p) -> None:
                         f"grows < 5%% or E2E p99 passes 10x the first rate's (default {DEFAULT_RATES})")
     g.add_argument("--duration", type=real_in(0.1, 3600.0), default=20.0, help="seconds of arrivals per rate")
     g.add_argument("--burst", type=int_in(0, 100_000), default=0, help="extra requests sent at once in each run")
+    g.add_argument("--burst-prompt", type=int_in(1, 1_000_000), default=None, metavar="N",
+                   help="the burst's requests have N-token prompts (default: drawn like the others), e.g. 8192 "
+                        "to see long prefills arrive while the other streams decode (pair with --prefill-chunk)")
     g.add_argument("--burst-at", type=real_in(0.0, 3600.0), default=None,
                    help="seconds into each run the burst is sent (default half of --duration)")
     g.add_argument("--length-dist", choices=DIST_KINDS, default="lognormal",
@@ -148,10 +153,11 @@ def check_args(args) -> None:
     check_ngram_flags(args)
     prompt, output = _dist(args, "prompt"), _dist(args, "output")
     rates = _rates(DEFAULT_RATES if args.rates is None else args.rates)
-    need = prompt.hi + output.hi
+    need = max(prompt.hi, args.burst_prompt or 0) + output.hi
     capacity = need if args.capacity is None else args.capacity
     if capacity < need:
-        raise FlagError("--capacity", f"{capacity} KV entries cannot hold --prompt-max {prompt.hi} + --output-max "
+        longest = "--burst-prompt" if (args.burst_prompt or 0) > prompt.hi else "--prompt-max"
+        raise FlagError("--capacity", f"{capacity} KV entries cannot hold {longest} {need - output.hi} + --output-max "
                                       f"{output.hi} = {need}")
     burst_at = args.duration / 2 if args.burst_at is None else args.burst_at
     if args.burst and burst_at > args.duration:
@@ -163,7 +169,8 @@ def check_args(args) -> None:
         raise FlagError("--draft", f"a shape builds its own draft (or use {NGRAM_DRAFT!r}), got {args.draft!r}")
     server = dict(model=args.model, draft=args.draft, shape=shape, backend=args.backend, batch=args.batch, k=args.k,
                   m=args.rounds, capacity=capacity, max_queue=args.max_queue, ngram_min=args.ngram_min,
-                  ngram_max=args.ngram_max, dtype=args.dtype or ("bfloat16" if shape else "float32"),
+                  ngram_max=args.ngram_max, prefill_chunk=args.prefill_chunk,
+                  dtype=args.dtype or ("bfloat16" if shape else "float32"),
                   eps=(DEFAULT_EPS if args.eps is None else args.eps) if shape else None, seed=args.seed,
                   checks=CHECK_REQUESTS,
                   prompt=dataclasses.asdict(prompt), output=dataclasses.asdict(output),
@@ -173,11 +180,13 @@ def check_args(args) -> None:
             ServeConfig(backend=args.backend, batch=args.batch, k=args.k,
                         rounds=args.rounds, capacity=capacity, max_queue=args.max_queue, model=args.model,
                         draft=args.draft, dtype=server["dtype"], ngram_min=args.ngram_min, ngram_max=args.ngram_max,
-                        http="127.0.0.1:0")
+                        prefill_chunk=args.prefill_chunk, http="127.0.0.1:0")
         except ConfigError as exc:
             flag = {"rounds": "--rounds", "k": "-k"}.get(exc.field, "--" + exc.field.replace("_", "-"))
             raise FlagError(flag, exc.why) from None
-    args.load = dict(server=server, rates=rates, prompt=prompt, output=output, burst_at=burst_at)
+    burst_prompt = None if args.burst_prompt is None else LengthDist("uniform", args.burst_prompt, args.burst_prompt)
+    args.load = dict(server=server, rates=rates, prompt=prompt, output=output, burst_at=burst_at,
+                     burst_prompt=burst_prompt)
 
 
 def run_rate(url: str, rate: float, vocab: int, args, load: dict) -> dict:
@@ -187,7 +196,8 @@ def run_rate(url: str, rate: float, vocab: int, args, load: dict) -> dict:
     from .serve_http import scrape
 
     arrivals = schedule(rate=rate, duration=args.duration, burst=args.burst, burst_at=load["burst_at"],
-                        prompt=load["prompt"], output=load["output"], vocab=vocab, seed=args.seed)
+                        prompt=load["prompt"], output=load["output"], vocab=vocab, seed=args.seed,
+                        burst_prompt=load["burst_prompt"])
     before = scrape(url)
     records, wall, lag = asyncio.run(run_open_loop(url, arrivals, deadline_s=args.duration + args.http_timeout))
     after = scrape(url)

@@ -102,7 +102,7 @@ def poisson_times(rng: np.random.Generator, rate: float, duration: float) -> np.
 
 
 def schedule(*, rate: float, duration: float, burst: int = 0, burst_at: float = 0.0, prompt: LengthDist,
-             output: LengthDist, vocab: int, seed: int = 0) -> list[Arrival]:
+             output: LengthDist, vocab: int, seed: int = 0, burst_prompt: LengthDist | None = None) -> list[Arrival]:
     """The requests of one run at ``rate`` requests/s, in arrival order (module docstring).
 
     Parameters
@@ -119,6 +119,9 @@ def schedule(*, rate: float, duration: float, burst: int = 0, burst_at: float = 
         Prompt lengths and ``max_tokens``.
     vocab : int
         Token ids are in ``[0, vocab)``.
+    burst_prompt : LengthDist, optional
+        The burst's prompt lengths (default ``prompt``): long prompts arriving at once,
+        to see what their prefill does to the streams already decoding.
     """
     if not (duration > 0 and math.isfinite(duration)):
         raise ValueError(f"duration must be a finite number > 0, got {duration}")
@@ -128,7 +131,8 @@ def schedule(*, rate: float, duration: float, burst: int = 0, burst_at: float = 
         raise ValueError(f"burst_at must be in [0, duration = {duration}], got {burst_at}")
     poisson = poisson_times(np.random.default_rng([seed, ARRIVALS]), rate, duration)
     times = sorted([(float(t), False) for t in poisson] + [(float(burst_at), True)] * burst)
-    return [Arrival(t, *draw_request(i, prompt=prompt, output=output, vocab=vocab, seed=seed), is_burst)
+    return [Arrival(t, *draw_request(i, prompt=burst_prompt if is_burst and burst_prompt else prompt, output=output,
+                                     vocab=vocab, seed=seed), is_burst)
             for i, (t, is_burst) in enumerate(times)]
 
 

@@ -62,7 +62,8 @@ def shape_models(name: str, *, batch: int, capacity: int, k: int, dtype: str, ep
 def build(s: dict) -> tuple[ServeLoop, ServeConfig]:
     """The loop and the HTTP server's config of the settings ``s`` (see ``load.server_settings``)."""
     common = dict(backend=s["backend"], batch=s["batch"], k=s["k"], rounds=s["m"], capacity=s["capacity"],
-                  max_queue=s["max_queue"], http=LOOPBACK, ngram_min=s["ngram_min"], ngram_max=s["ngram_max"])
+                  max_queue=s["max_queue"], http=LOOPBACK, ngram_min=s["ngram_min"], ngram_max=s["ngram_max"],
+                  prefill_chunk=s.get("prefill_chunk"))
     if s["shape"]:
         from ..models.ngram import NGRAM_DRAFT, ngram_for
 
@@ -72,7 +73,7 @@ def build(s: dict) -> tuple[ServeLoop, ServeConfig]:
                                      dtype=s["dtype"], eps=s["eps"], seed=s["seed"], backend=backend, lookup=lookup)
         if lookup:
             draft = ngram_for(target, n_min=s["ngram_min"], n_max=s["ngram_max"])
-        loop = ServeLoop(target, draft, k=s["k"], m_rounds=s["m"])
+        loop = ServeLoop(target, draft, k=s["k"], m_rounds=s["m"], prefill_chunk=s.get("prefill_chunk"))
         # The server's own settings; the model fields stay unset because the loop is built here.
         common.update(ngram_min=None, ngram_max=None)
         return loop, ServeConfig(**common, served_model_name=s["served_name"])

@@ -96,6 +96,8 @@ def summarize(records: list[Record], *, rate: float, duration: float, wall: floa
         achieved_rps=len(good) / span, output_tokens=tokens, output_tokens_per_s=tokens / span,
         prompt_tokens=sum(r.prompt_len for r in good),
         ttft_ms=_ms([f["ttft"] for f in figs]), itl_ms=_ms([x for f in figs for x in f["itl"]]),
+        # the longest stall any stream saw (a whole prompt's prefill between two bursts shows here)
+        itl_max_ms=max((x * 1e3 for f in figs for x in f["itl"]), default=None),
         tpot_ms=_ms([f["tpot"] for f in figs if f["tpot"] is not None]), e2e_ms=_ms([f["e2e"] for f in figs]),
         first_errors=sorted({r.error or f"HTTP {r.status}" for r in records if not r.ok and r.status != 429})[:3])
 

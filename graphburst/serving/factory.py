@@ -41,7 +41,8 @@ class ConfigError(ValueError):
 
 # field -> (minimum, maximum) of the numbers a ServeConfig takes (the flags' ranges)
 INT_RANGES = {"batch": (1, 65536), "k": (1, MAX_K), "rounds": (1, 1024), "capacity": (1, 2**31 - 1),
-              "vocab": (2, 2**31 - 1), "layers": (1, 4096), "max_queue": (1, 1_000_000), "tp": (1, 64)}
+              "vocab": (2, 2**31 - 1), "layers": (1, 4096), "max_queue": (1, 1_000_000), "tp": (1, 64),
+              "prefill_chunk": (1, 2**31 - 1)}
 REAL_RANGES = {"accept": (0.0, 1.0), "cost_us": (0.0, 1e6), "p_min": (0.0, 1.0), "drain_timeout": (0.0, 3600.0),
                "header_timeout": (0.1, 3600.0), "body_timeout": (0.1, 3600.0), "dist_timeout": (1.0, 3600.0)}
 
@@ -75,6 +76,7 @@ class ServeConfig:
     gpu_memory_fraction: float | None = None  # capacity="auto": share of the GPU (None: DEFAULT_GPU_MEMORY_FRACTION)
     sampling: bool = False
     pipelined: bool = True  # graph engine: keep a second burst in flight while the host hands out tokens
+    prefill_chunk: int | None = None  # prompt tokens prefilled per burst boundary (None: whole prompts)
     # stub models (the default)
     vocab: int | None = None
     layers: int | None = None
@@ -123,6 +125,8 @@ class ServeConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(name, f"must be a bool, got {getattr(self, name)!r}")
         self._check_capacity()
+        if self.prefill_chunk is not None and self.tp > 1:
+            raise ConfigError("prefill_chunk", "is not wired into tensor-parallel serving (--tp > 1); leave it unset")
         self._check_mode()
         self._check_ngram()
         if self.model is None:
@@ -305,6 +309,8 @@ def resolve_capacity(config: ServeConfig, backend=None, *, free_bytes: int | Non
         return config, None
     if free_bytes is None and total_bytes is None:
         backend = get_backend(config.backend) if backend is None else backend
+    if prefill_tokens is None:
+        prefill_tokens = config.prefill_chunk  # a chunked prefill's forward takes at most a chunk
     plan = auto_capacity(memory_specs(config, prefill_tokens), batch=config.batch,
                          gpu_memory_fraction=config.gpu_memory_fraction, free_bytes=free_bytes,
                          total_bytes=total_bytes, backend=backend, min_capacity=1 + config.rounds * (config.k + 1))
@@ -347,4 +353,4 @@ def build_loop(config: ServeConfig, backend=None) -> ServeLoop:
     if config.lookup:  # the built draft model (stub or tiny) is dropped: prompt lookup replaces it
         draft = ngram_for(target, n_min=config.ngram_min, n_max=config.ngram_max)
     return ServeLoop(target, draft, k=config.k, m_rounds=config.rounds, engine=config.engine,
-                     pipelined=config.pipelined, sampling=config.sampling)
+                     pipelined=config.pipelined, sampling=config.sampling, prefill_chunk=config.prefill_chunk)
