@@ -88,7 +88,7 @@ def test_decode_kernels_choice():
         Llama(cfg, batch=1, capacity=16, decode_kernels="fast")
 
 
-@pytest.mark.parametrize("group", ["attention", "fused", "model"])
+@pytest.mark.parametrize("group", ["attention", "idle", "int64", "fused", "model"])
 def test_triton_kernels_interpreted(group):
     """Every Triton kernel against its reference on awkward sizes, on the CPU (TRITON_INTERPRET=1)."""
     pytest.importorskip("triton")

@@ -30,6 +30,15 @@ def test_attention_every_case(ops):
         dc.check_attention(ops[0].decode_attention, case, "cuda", seed=i)
 
 
+def test_attention_idle_slots_and_int64_offsets(ops):
+    """Negative (sentinel) lengths come out finite and as length 0; a 12.9 GB cache whose third sequence starts at
+    element 2^31 is read and written at the right rows."""
+    for i, case in enumerate(dc.CI_IDLE):
+        dc.check_attention_idle(ops[0].decode_attention, case, "cuda", seed=i)
+    dc.check_int64_offsets(ops[0].decode_attention, ops[1].rope_kv_write, "cuda")
+    torch.cuda.empty_cache()
+
+
 def test_fused_kernels(ops):
     fused = ops[1]
     for i, case in enumerate(dc.CI_NORM + [(64, 4096, torch.bfloat16, True), (5, 2048, torch.float32, True)]):

@@ -53,7 +53,11 @@ def triton_available() -> bool:
 
 
 def unsupported(model) -> str | None:
-    """Why ``model`` cannot take the fused path (None: it can). Checked once, at construction."""
+    """Why ``model`` cannot take the fused path (None: it can). Checked once, at construction.
+
+    A sliding window needs no check here: LlamaConfig has no such field, and a checkpoint
+    config with one is refused at load (``llama_config.check_window``).
+    """
     cfg = model.cfg
     hd = cfg.head_dim
     if hd < 16 or hd & (hd - 1):
@@ -64,8 +68,6 @@ def unsupported(model) -> str | None:
         attn = block.self_attn
         if attn.backends is not None:
             return "deterministic_attention pins SDPA kernels"
-        if getattr(cfg, "sliding_window", None):
-            return "a sliding window (not in the fused kernels)"
     return None
 
 
