@@ -204,3 +204,34 @@ def check_model(decode_kernels: str, device, dtype=torch.float32, batch: int = 3
         torch.testing.assert_close(got, want, **tol, msg=lambda m: f"{decode_kernels} T={t} logits: {m}")
         for a, b in zip(*(m.kv for m in models)):
             torch.testing.assert_close(b.float(), a.float(), **tol, msg=lambda m: f"{decode_kernels} T={t} kv: {m}")
+
+
+#: (M, N, K, dtype, bias, GemvConfig or None, fma or None): M = 1, 3, 7, 16 (and 19, past one row tile), K
+#: whole tiles and not (257), split-K 1 to 4, the multiply-accumulate path (M = 1) and tl.dot; tuple configs
+#: are GemvConfig fields (this module does not import Triton)
+CI_GEMV = [
+    (1, 96, 64, torch.float32, False, None, None), (1, 96, 257, torch.bfloat16, True, (16, 64, 4, 3), None),
+    (1, 257, 96, torch.float32, True, (32, 32, 4, 2), False), (3, 96, 257, torch.float32, True, (16, 32, 4, 4), None),
+    (7, 257, 64, torch.bfloat16, False, (64, 16, 4, 1), None), (16, 96, 64, torch.bfloat16, True, (16, 32, 4, 2), None),
+    (16, 257, 257, torch.float32, False, None, None), (19, 96, 64, torch.float32, True, (16, 32, 4, 1), None),
+]
+
+
+def check_gemv(gemv, case, device, seed: int = 0, tol: dict | None = None) -> None:
+    """``gemv(x, W, b)`` into a view of a NaN buffer (rows and columns past it must stay NaN), x a strided view,
+    against ``decode_ref.linear_ref``. W is scaled by 1/sqrt(K), so outputs are ~1 and TOL's bf16 bound is
+    about two bf16 ulps (both round one fp32 sum once; the sums differ only in order)."""
+    from graphburst.kernels.gemv_triton import GemvConfig
+
+    m, n, k, dtype, has_bias, cfg, fma = case
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k + 3, generator=gen).to(dtype).to(device)[:, :k]  # row stride k + 3
+    w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(dtype).to(device)
+    b = torch.randn(n, generator=gen).to(dtype).to(device) if has_bias else None
+    buf = torch.full((m + 2, n + 5), float("nan"), dtype=dtype, device=device)
+    out = buf[:m, :n]
+    got = gemv(x, w, b, out=out, config=None if cfg is None else GemvConfig(*cfg), fma=fma)
+    assert got.data_ptr() == out.data_ptr(), "gemv must write into out"
+    want = decode_ref.linear_ref(x, w, b)
+    assert buf[m:].isnan().all() and buf[:, n:].isnan().all(), f"{case}: wrote outside out"
+    torch.testing.assert_close(out.float(), want.float(), **(tol or TOL[dtype]), msg=lambda s: f"{case}: {s}")
