@@ -116,7 +116,8 @@ def check_int64_offsets(attention, rope_kv_write, device) -> None:
         got = attention(qkv[:, :, :h], kv, length, splits=splits)
         want = decode_ref.decode_attention_ref(qkv_small[:, :, :h], kv_small, length)
         assert torch.isfinite(got.float()).all(), f"non-finite output, splits {splits}"
-        torch.testing.assert_close(got.float(), want.float(), **TOL[torch.bfloat16], msg=lambda m: f"splits {splits}: {m}")
+        torch.testing.assert_close(got.float(), want.float(), **TOL[torch.bfloat16],
+                                   msg=lambda m: f"splits {splits}: {m}")
 
 
 #: (rows R, hidden N, dtype, with residual)

@@ -49,6 +49,40 @@ def test_fused_kernels(ops):
         dc.check_silu_mul(fused.silu_mul, case, "cuda", seed=i)
 
 
+#: (N, K) of the 1b's projections and head: qkv, o, gate_up, down, head
+GEMV_1B = [(2048 + 2 * 512, 2048), (2048, 2048), (2 * 8192, 2048), (2048, 8192), (128256, 2048)]
+GEMV_8B = [(4096 + 2 * 1024, 4096), (4096, 4096), (2 * 14336, 4096), (4096, 14336), (128256, 4096)]
+
+
+def test_gemv_awkward_cases(ops):
+    from graphburst.kernels import gemv_triton
+
+    for i, case in enumerate(dc.CI_GEMV):
+        dc.check_gemv(gemv_triton.gemv, case, "cuda", seed=i)
+
+
+@pytest.mark.parametrize("m", [1, 5, 16])
+def test_gemv_model_shapes(ops, m):
+    """Every 1b shape (and the 8b's at M = 5, its T = 5 verify) on CONFIGS' tilings, bf16: held to the fp32
+    reference within two bf16 ulps and to cuBLAS (F.linear) within three; at M = 1 both the multiply-accumulate
+    and the tl.dot path."""
+    import torch.nn.functional as F
+
+    from graphburst.kernels import gemv_triton
+
+    shapes = GEMV_1B + (GEMV_8B if m == 5 else [])
+    for i, (n, k) in enumerate(shapes):
+        for fma in ((True, False) if m == 1 else (False,)):
+            dc.check_gemv(gemv_triton.gemv, (m, n, k, torch.bfloat16, i % 2 == 0, None, fma), "cuda", seed=i)
+        gen = torch.Generator().manual_seed(i)
+        x = torch.randn(m, k, generator=gen).bfloat16().cuda()
+        w = (torch.randn(n, k, generator=gen) / k ** 0.5).bfloat16().cuda()
+        torch.testing.assert_close(gemv_triton.gemv(x, w).float(), F.linear(x, w).float(), rtol=2e-2, atol=4e-2,
+                                   msg=lambda s: f"M={m} N={n} K={k} against cuBLAS: {s}")
+        del x, w
+    torch.cuda.empty_cache()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_forward_matches_sdpa(ops, dtype):
     dc.check_model("triton", "cuda", dtype, batch=3, ts=(1, 5, MAX_K + 1))
