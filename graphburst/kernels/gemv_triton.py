@@ -87,13 +87,19 @@ def default_config(n: int, k: int, sms: int) -> GemvConfig:
     return GemvConfig(block_n, block_k, 4, split)
 
 
-def pick_config(n: int, k: int, device: torch.device) -> GemvConfig:
-    """:data:`CONFIGS`'s entry for the shape's bucket, else :func:`default_config` for the device's SMs."""
-    hit = CONFIGS.get((triton.next_power_of_2(n), triton.next_power_of_2(k)))
-    if hit is not None:
-        return hit
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    return default_config(n, k, sms)
+def pick_config(n: int, k: int, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> GemvConfig:
+    """:data:`CONFIGS`'s entry for the shape's bucket, else :func:`default_config` for the device's SMs.
+
+    The tilings are sized for bf16: a 4-byte dtype takes half the K per tile (the same bytes, so
+    the pipeline's shared memory still fits).
+    """
+    cfg = CONFIGS.get((triton.next_power_of_2(n), triton.next_power_of_2(k)))
+    if cfg is None:
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+        cfg = default_config(n, k, sms)
+    if dtype.itemsize == 4 and cfg.block_k > 16:
+        cfg = cfg._replace(block_k=cfg.block_k // 2)
+    return cfg
 
 
 @triton.jit
@@ -188,7 +194,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     assert out.shape == (m, n) and out.stride(1) == 1
-    cfg = config or pick_config(n, k, x.device)
+    cfg = config or pick_config(n, k, x.device, x.dtype)
     fma = m <= FMA_MAX_M if fma is None else fma
     assert not fma or m == 1, "the multiply-accumulate path keeps one x row"
     block_m = 1 if fma else DOT_BLOCK_M
