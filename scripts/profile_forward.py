@@ -6,7 +6,8 @@ kernel count, the non-GEMM time per layer and the top kernels by device time.
 
 One verify-shaped forward (T = k + 1) and one draft-shaped forward (T = 1) per shape,
 batch, capacity, attention layout and decode kernels (``auto``: the fused Triton decode
-path on CUDA; ``off``: SDPA over the whole cache with an additive mask). ``--valid`` sets
+path on CUDA, its projections on the GEMV at B * T <= GEMV_MAX_M; ``cublas``: the same path
+with every projection on cuBLAS; ``off``: SDPA over the whole cache with an additive mask). ``--valid`` sets
 every sequence's valid KV rows (default capacity / 2), so a capacity sweep at a fixed
 ``--valid`` shows whether the forward follows the bytes it must read or the bytes it
 allocated. floor = (weight bytes + valid KV bytes read + KV bytes written) / 4.8 TB/s.
@@ -37,8 +38,11 @@ from tp_floor import graph_us  # scripts/ is on sys.path when a script runs
 
 #: HBM bandwidth the floor divides by (H200: 4.8 TB/s)
 HBM_BYTES_PER_S = 4.8e12
+#: the fused forward's label per ``--kernels`` choice
+PATHS = {"auto": "fused", "cublas": "fused-cublas"}
 #: kernels that are GEMMs (cuBLAS / cuBLASLt / CUTLASS names on the H200); everything else is "non-GEMM"
-GEMM_KERNEL = re.compile(r"gemm|nvjet|cutlass|xmma|cublas|splitK|gemv", re.IGNORECASE)
+#: (the GEMV's Triton kernels are ``_gemv`` and its split-K sum ``_split_k_sum``)
+GEMM_KERNEL = re.compile(r"gemm|nvjet|cutlass|xmma|cublas|splitK|gemv|split_k_sum", re.IGNORECASE)
 
 
 def shape(name):
@@ -116,8 +120,9 @@ def main(argv=None):
     ap.add_argument("--t", nargs="+", type=int, help="tokens per forward (default: k + 1 and 1)")
     ap.add_argument("--top", type=int, default=8)
     ap.add_argument("--attention", nargs="+", choices=("gqa", "fold"), default=["gqa"])
-    ap.add_argument("--kernels", nargs="+", choices=("auto", "off"), default=["auto"],
-                    help="decode kernels: auto (fused Triton path on CUDA) or off (SDPA)")
+    ap.add_argument("--kernels", nargs="+", choices=("auto", "cublas", "off"), default=["auto"],
+                    help="decode kernels: auto (fused Triton path on CUDA), cublas (the fused path with its "
+                         "projections on cuBLAS, not the GEMV), or off (SDPA)")
     ap.add_argument("--trials", type=int, default=20)
     ap.add_argument("--no-profile", action="store_true", help="graph timings only (no per-kernel profile)")
     ap.add_argument("--json")
@@ -141,14 +146,15 @@ def main(argv=None):
             tok = torch.randint(0, cfg.vocab_size, (b, t), device="cuda")
             fn = lambda: model(tok, pos, lengths)  # noqa: E731
             for kern in a.kernels:
-                model.decode_ops = fused if kern == "auto" else None
+                model.decode_ops = {"auto": fused, "cublas": fused and fused._replace(gemv_max_m=0)}.get(kern)
                 with torch.no_grad():
                     err = check(model, tok, pos, lengths) if model.decode_ops is not None else None
                     g_us = graph_us(fn, reps=1, trials=a.trials)
                     prof = {} if a.no_profile else profile_one(fn, cfg.num_hidden_layers, a.top)
                 fl = floor_us(cfg, wbytes, b, t, valid, 2)
                 rec = {"shape": name, "batch": b, "T": t, "capacity": cap, "valid": valid, "attention": attn,
-                       "path": "fused" if model.decode_ops is not None else "sdpa", "graph_us": round(g_us, 1),
+                       "path": "sdpa" if model.decode_ops is None else PATHS[kern],
+                       "graph_us": round(g_us, 1),
                        "floor_us": round(fl, 1), "x_floor": round(g_us / fl, 2),
                        "check_rel_diff": None if err is None else round(err, 4), **prof}
                 out.append(rec)

@@ -60,18 +60,64 @@ def poison_tail(kv: torch.Tensor, length: torch.Tensor, t: int) -> None:
             kv[:, i, n + t] = float("inf")
 
 
-def check_attention(attention, case, device, seed: int = 0) -> None:
+#: an idle slot's length may be a sentinel: the kernels read it as 0 (and stay finite)
+IDLE_LENGTHS = (-1, 5, -(2**31))
+#: (T, dtype, splits) of the idle-slot cases; split KV too (the combine is where a NaN would come from)
+CI_IDLE = [(1, torch.float32, 4), (3, torch.bfloat16, 2), (2, torch.float32, 1)]
+
+
+def check_attention(attention, case, device, seed: int = 0, length: torch.Tensor | None = None) -> None:
+    """``length``: [B] int32 to use instead of :func:`lengths_for` (negative: an idle slot, read as 0)."""
     b, t, kvh, g, d, dtype, splits = case
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(b, t, kvh * g, d, generator=gen).to(dtype).to(device)
     kv = torch.randn(2, b, ROWS, kvh, d, generator=gen).to(dtype)
-    length = lengths_for(b, t, seed)
-    poison_tail(kv, length, t)
+    length = lengths_for(b, t, seed) if length is None else length
+    poison_tail(kv, length.clamp(min=0), t)
     kv, length = kv.to(device), length.to(device)
     got = attention(q, kv, length, splits=splits)
     want = decode_ref.decode_attention_ref(q, kv, length)
     assert torch.isfinite(got.float()).all(), f"non-finite output for {case}"
     torch.testing.assert_close(got.float(), want.float(), **TOL[dtype], msg=lambda m: f"{case}: {m}")
+
+
+def check_attention_idle(attention, case, device, seed: int = 0) -> None:
+    """B = 3 with lengths IDLE_LENGTHS: finite, and equal to the reference (which reads them as 0)."""
+    t, dtype, splits = case
+    check_attention(attention, (len(IDLE_LENGTHS), t, 2, 4, 64, dtype, splits), device, seed,
+                    length=torch.tensor(IDLE_LENGTHS, dtype=torch.int32))
+
+
+#: rows per sequence of the int64 case: batch index 2 times the batch stride (2^24 rows x 64) is 2^31 elements
+HUGE_ROWS = 2**24
+
+
+def check_int64_offsets(attention, rope_kv_write, device) -> None:
+    """A bf16 cache of 3 x 2^24 rows (12.9 GB, untouched but for a few rows: the CPU commits only those pages)
+    where sequence 2 starts at element 2^31: the RoPE write and the attention reach its rows, not a wrapped
+    int32 offset. Held to the same kernels on a small copy of the rows they touch, and to the reference."""
+    b, t, h, kvh, d, small = 3, 2, 4, 1, 64, 32
+    gen = torch.Generator().manual_seed(7)
+    length = torch.tensor([5, 0, 9], dtype=torch.int32)
+    kv_small = torch.randn(2, b, small, kvh, d, generator=gen).to(torch.bfloat16)
+    poison_tail(kv_small, length, t)
+    qkv = torch.randn(b, t, h + 2 * kvh, d, generator=gen).to(torch.bfloat16).to(device)
+    ang = torch.rand(small, d // 2, generator=gen)
+    cos, sin = torch.cat((ang.cos(), ang.cos()), -1).to(device), torch.cat((ang.sin(), ang.sin()), -1).to(device)
+    kv = torch.empty(2, b, HUGE_ROWS, kvh, d, dtype=torch.bfloat16, device=device)
+    assert (b - 1) * kv.stride(1) == 2**31 and kv.stride(1) < 2**31  # an int32 product wraps; the stride does not
+    kv_small, length = kv_small.to(device), length.to(device)
+    kv[:, :, :small] = kv_small
+    qkv_small = qkv.clone()
+    rope_kv_write(qkv, cos, sin, length, length, kv, h)
+    rope_kv_write(qkv_small, cos, sin, length, length, kv_small, h)
+    torch.testing.assert_close(kv[:, :, :small].float(), kv_small.float(), rtol=0, atol=0, equal_nan=True)
+    for splits in (1, 2):
+        got = attention(qkv[:, :, :h], kv, length, splits=splits)
+        want = decode_ref.decode_attention_ref(qkv_small[:, :, :h], kv_small, length)
+        assert torch.isfinite(got.float()).all(), f"non-finite output, splits {splits}"
+        torch.testing.assert_close(got.float(), want.float(), **TOL[torch.bfloat16],
+                                   msg=lambda m: f"splits {splits}: {m}")
 
 
 #: (rows R, hidden N, dtype, with residual)
@@ -159,3 +205,34 @@ def check_model(decode_kernels: str, device, dtype=torch.float32, batch: int = 3
         torch.testing.assert_close(got, want, **tol, msg=lambda m: f"{decode_kernels} T={t} logits: {m}")
         for a, b in zip(*(m.kv for m in models)):
             torch.testing.assert_close(b.float(), a.float(), **tol, msg=lambda m: f"{decode_kernels} T={t} kv: {m}")
+
+
+#: (M, N, K, dtype, bias, GemvConfig or None, fma or None): M = 1, 3, 7, 16 (and 19, past one row tile), K
+#: whole tiles and not (257), split-K 1 to 4, the multiply-accumulate path (M = 1) and tl.dot; tuple configs
+#: are GemvConfig fields (this module does not import Triton)
+CI_GEMV = [
+    (1, 96, 64, torch.float32, False, None, None), (1, 96, 257, torch.bfloat16, True, (16, 64, 4, 3), None),
+    (1, 257, 96, torch.float32, True, (32, 32, 4, 2), False), (3, 96, 257, torch.float32, True, (16, 32, 4, 4), None),
+    (7, 257, 64, torch.bfloat16, False, (64, 16, 4, 1), None), (16, 96, 64, torch.bfloat16, True, (16, 32, 4, 2), None),
+    (16, 257, 257, torch.float32, False, None, None), (19, 96, 64, torch.float32, True, (16, 32, 4, 1), None),
+]
+
+
+def check_gemv(gemv, case, device, seed: int = 0, tol: dict | None = None) -> None:
+    """``gemv(x, W, b)`` into a view of a NaN buffer (rows and columns past it must stay NaN), x a strided view,
+    against ``decode_ref.linear_ref``. W is scaled by 1/sqrt(K), so outputs are ~1 and TOL's bf16 bound is
+    about two bf16 ulps (both round one fp32 sum once; the sums differ only in order)."""
+    from graphburst.kernels.gemv_triton import GemvConfig
+
+    m, n, k, dtype, has_bias, cfg, fma = case
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k + 3, generator=gen).to(dtype).to(device)[:, :k]  # row stride k + 3
+    w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(dtype).to(device)
+    b = torch.randn(n, generator=gen).to(dtype).to(device) if has_bias else None
+    buf = torch.full((m + 2, n + 5), float("nan"), dtype=dtype, device=device)
+    out = buf[:m, :n]
+    got = gemv(x, w, b, out=out, config=None if cfg is None else GemvConfig(*cfg), fma=fma)
+    assert got.data_ptr() == out.data_ptr(), "gemv must write into out"
+    want = decode_ref.linear_ref(x, w, b)
+    assert buf[m:].isnan().all() and buf[:, n:].isnan().all(), f"{case}: wrote outside out"
+    torch.testing.assert_close(out.float(), want.float(), **(tol or TOL[dtype]), msg=lambda s: f"{case}: {s}")

@@ -2,7 +2,7 @@
 
 ``TRITON_INTERPRET=1`` must be set before ``triton.jit`` decorates the kernels, so this
 runs in its own process: ``python tests/decode_interp.py GROUP`` with GROUP one of
-``attention``, ``fused``, ``model``. Exit status 0 and ``ok N`` on success.
+``attention``, ``idle``, ``int64``, ``gemv``, ``fused``, ``model``. Exit status 0 and ``ok N`` on success.
 """
 
 from __future__ import annotations
@@ -30,6 +30,19 @@ def main(group: str) -> int:
         for i, case in enumerate(dc.CI_ATTENTION):
             dc.check_attention(attention_triton.decode_attention, case, "cpu", seed=i)
             n += 1
+    elif group == "idle":
+        for i, case in enumerate(dc.CI_IDLE):
+            dc.check_attention_idle(attention_triton.decode_attention, case, "cpu", seed=i)
+            n += 1
+    elif group == "int64":
+        dc.check_int64_offsets(attention_triton.decode_attention, fused_triton.rope_kv_write, "cpu")
+        n = 1
+    elif group == "gemv":
+        from graphburst.kernels import gemv_triton
+
+        for i, case in enumerate(dc.CI_GEMV):
+            dc.check_gemv(gemv_triton.gemv, case, "cpu", seed=i)
+        n = len(dc.CI_GEMV)
     elif group == "fused":
         for i, case in enumerate(dc.CI_NORM):
             dc.check_add_rmsnorm(fused_triton.add_rmsnorm, case, "cpu", seed=i)

@@ -78,6 +78,42 @@ def test_reference_decode_path_matches_sdpa_for_every_family(switches):
     dc.check_model("reference", "cpu", torch.float32, ts=(1, MAX_K + 1), **switches)
 
 
+def test_linear_ref_is_f_linear():
+    """The GEMV's reference is F.linear: fp32 to float rounding, bf16 one rounding of the fp32 result."""
+    gen = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(5, 257, generator=gen), torch.randn(96, 257, generator=gen), torch.randn(96, generator=gen)
+    torch.testing.assert_close(decode_ref.linear_ref(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    xb, wb = x.bfloat16(), w.bfloat16()
+    want = F.linear(xb.double(), wb.double()).bfloat16()
+    got = decode_ref.linear_ref(xb, wb)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.float(), rtol=8e-3, atol=1e-3)  # within one bf16 ulp
+
+
+def test_fused_forward_routes_projections_through_the_gemv():
+    """At M = B * T <= gemv_max_m every projection and the head take ops.linear; past it none does; a projection
+    with a forward hook (TP's all-reduce) keeps the module call, so the hook runs."""
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, attention_bias=True)
+    model = Llama(cfg, batch=2, capacity=16, decode_kernels="reference").init_random_(0)
+    calls, hooked = [], []
+    ops = model.decode_ops
+    model.decode_ops = ops._replace(linear=lambda x, w, b=None: calls.append(w.shape) or decode_ref.linear_ref(x, w, b))
+    start = torch.zeros(2, dtype=torch.int32)
+    tokens = torch.zeros(2, 3, dtype=torch.long)
+    with torch.no_grad():
+        model(tokens, start, [start] * 2)  # M = 6
+        assert len(calls) == 4 * 2 + 1 and calls[-1] == (64, 32), calls
+        calls.clear()
+        model.decode_ops = model.decode_ops._replace(gemv_max_m=5)
+        model(tokens, start, [start] * 2)  # M = 6 > 5: cuBLAS's path (nn.Linear) everywhere
+        assert calls == []
+        model.decode_ops = model.decode_ops._replace(gemv_max_m=ops.gemv_max_m)
+        model.layers[0].self_attn.o_proj.register_forward_hook(lambda mod, inp, out: hooked.append(out.shape))
+        model(tokens, start, [start] * 2)
+    assert hooked == [(6, 32)] and len(calls) == 4 * 2 + 1 - 1
+
+
 def test_decode_kernels_choice():
     cfg = LlamaConfig(vocab_size=64, hidden_size=48, intermediate_size=64, num_hidden_layers=1,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=12)
@@ -88,7 +124,7 @@ def test_decode_kernels_choice():
         Llama(cfg, batch=1, capacity=16, decode_kernels="fast")
 
 
-@pytest.mark.parametrize("group", ["attention", "fused", "model"])
+@pytest.mark.parametrize("group", ["attention", "idle", "int64", "gemv", "fused", "model"])
 def test_triton_kernels_interpreted(group):
     """Every Triton kernel against its reference on awkward sizes, on the CPU (TRITON_INTERPRET=1)."""
     pytest.importorskip("triton")

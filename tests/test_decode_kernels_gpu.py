@@ -30,6 +30,15 @@ def test_attention_every_case(ops):
         dc.check_attention(ops[0].decode_attention, case, "cuda", seed=i)
 
 
+def test_attention_idle_slots_and_int64_offsets(ops):
+    """Negative (sentinel) lengths come out finite and as length 0; a 12.9 GB cache whose third sequence starts at
+    element 2^31 is read and written at the right rows."""
+    for i, case in enumerate(dc.CI_IDLE):
+        dc.check_attention_idle(ops[0].decode_attention, case, "cuda", seed=i)
+    dc.check_int64_offsets(ops[0].decode_attention, ops[1].rope_kv_write, "cuda")
+    torch.cuda.empty_cache()
+
+
 def test_fused_kernels(ops):
     fused = ops[1]
     for i, case in enumerate(dc.CI_NORM + [(64, 4096, torch.bfloat16, True), (5, 2048, torch.float32, True)]):
@@ -38,6 +47,40 @@ def test_fused_kernels(ops):
         dc.check_rope_kv_write(fused.rope_kv_write, case, "cuda", seed=i)
     for i, case in enumerate(dc.CI_SILU + [(64, 8192, torch.bfloat16), (5, 14336, torch.bfloat16)]):
         dc.check_silu_mul(fused.silu_mul, case, "cuda", seed=i)
+
+
+#: (N, K) of the 1b's projections and head: qkv, o, gate_up, down, head
+GEMV_1B = [(2048 + 2 * 512, 2048), (2048, 2048), (2 * 8192, 2048), (2048, 8192), (128256, 2048)]
+GEMV_8B = [(4096 + 2 * 1024, 4096), (4096, 4096), (2 * 14336, 4096), (4096, 14336), (128256, 4096)]
+
+
+def test_gemv_awkward_cases(ops):
+    from graphburst.kernels import gemv_triton
+
+    for i, case in enumerate(dc.CI_GEMV):
+        dc.check_gemv(gemv_triton.gemv, case, "cuda", seed=i)
+
+
+@pytest.mark.parametrize("m", [1, 5, 16])
+def test_gemv_model_shapes(ops, m):
+    """Every 1b shape (and the 8b's at M = 5, its T = 5 verify) on CONFIGS' tilings, bf16: held to the fp32
+    reference within two bf16 ulps and to cuBLAS (F.linear) within three; at M = 1 both the multiply-accumulate
+    and the tl.dot path."""
+    import torch.nn.functional as F
+
+    from graphburst.kernels import gemv_triton
+
+    shapes = GEMV_1B + (GEMV_8B if m == 5 else [])
+    for i, (n, k) in enumerate(shapes):
+        for fma in ((True, False) if m == 1 else (False,)):
+            dc.check_gemv(gemv_triton.gemv, (m, n, k, torch.bfloat16, i % 2 == 0, None, fma), "cuda", seed=i)
+        gen = torch.Generator().manual_seed(i)
+        x = torch.randn(m, k, generator=gen).bfloat16().cuda()
+        w = (torch.randn(n, k, generator=gen) / k ** 0.5).bfloat16().cuda()
+        torch.testing.assert_close(gemv_triton.gemv(x, w).float(), F.linear(x, w).float(), rtol=2e-2, atol=4e-2,
+                                   msg=lambda s: f"M={m} N={n} K={k} against cuBLAS: {s}")
+        del x, w
+    torch.cuda.empty_cache()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

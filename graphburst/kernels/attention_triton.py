@@ -12,7 +12,8 @@ allocated capacity, and the programs past a sequence's rows exit at once.
 
 Token t of sequence b (query position ``length[b] + t``, its own K/V already written
 at that row) attends to rows ``<= length[b] + t``; rows ``>= length[b] + T`` are never
-read. :func:`graphburst.kernels.decode_ref.decode_attention_ref` is the plain-torch
+read. A negative length (an idle slot's sentinel) reads as 0. Offsets are int64: a
+batch index times the cache's batch stride passes 2^31 elements in large caches. :func:`graphburst.kernels.decode_ref.decode_attention_ref` is the plain-torch
 reference.
 """
 
@@ -49,13 +50,16 @@ def _split_attention(q_ptr, kv_ptr, len_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
                      G: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PREC: tl.constexpr,
                      DOT_F32: tl.constexpr):
-    pid = tl.program_id(0)  # b * KVH + kv head
+    # int64 from the start: b * skv_b passes 2^31 elements in large caches (B 64 x 16384 rows x 8 x 128 is 2^30 per K)
+    pid = tl.program_id(0).to(tl.int64)  # b * KVH + kv head
     split = tl.program_id(1)
     m_block = tl.program_id(2)  # query rows beyond one tile (T * G > BLOCK_M: long verify chunks, wide groups)
     b = pid // KVH
     kvh = pid % KVH
-    length = tl.load(len_ptr + b)
-    n_valid = tl.minimum(tl.maximum(length, 0) + T, s_rows)  # rows written, this call's included
+    # An idle slot's length may be a sentinel (negative): it reads as 0, as rope_kv_write's
+    # row does, so every query row still sees its own row and the combine stays finite.
+    length = tl.maximum(tl.load(len_ptr + b), 0)
+    n_valid = tl.minimum(length + T, s_rows)  # rows written, this call's included
     per = tl.cdiv(tl.cdiv(n_valid, BLOCK_N), SPLITS) * BLOCK_N  # rows per split, whole tiles
     start = split * per
     if start >= n_valid:  # a split past this sequence's rows: nothing to read, nothing to write
@@ -78,7 +82,7 @@ def _split_attention(q_ptr, kv_ptr, len_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     k_base = kv_ptr + b * skv_b + kvh * skv_h
     for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
+        offs_n = n0 + tl.arange(0, BLOCK_N).to(tl.int64)  # row * skv_s passes 2^31 at a million rows
         n_ok = offs_n < end
         # Rows past the valid ones are never loaded: a poisoned tail cannot reach the sum.
         k = tl.load(k_base + offs_n[:, None] * skv_s + offs_d[None, :], mask=n_ok[:, None], other=0.0)
@@ -112,12 +116,12 @@ def _split_attention(q_ptr, kv_ptr, len_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
 @triton.jit
 def _combine(mid_o_ptr, mid_lse_ptr, len_ptr, out_ptr, so_b, so_t, so_h, s_rows, T, H,
              D: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr):
-    pid = tl.program_id(0)  # (b * T + t) * H + head
+    pid = tl.program_id(0).to(tl.int64)  # (b * T + t) * H + head; int64: pid * SPLITS * D and b * so_b grow large
     b = pid // (T * H)
     t = (pid // H) % T
     head = pid % H
-    length = tl.load(len_ptr + b)
-    n_valid = tl.minimum(tl.maximum(length, 0) + T, s_rows)
+    length = tl.maximum(tl.load(len_ptr + b), 0)  # an idle slot's sentinel reads as 0, as in the attention
+    n_valid = tl.minimum(length + T, s_rows)
     per_tiles = tl.cdiv(tl.cdiv(n_valid, BLOCK_N), SPLITS)
     active = tl.cdiv(tl.cdiv(n_valid, BLOCK_N), per_tiles)  # splits that ran (the rest wrote nothing)
     offs_s = tl.arange(0, SPLITS)
@@ -156,7 +160,7 @@ def decode_attention(q: torch.Tensor, kv: torch.Tensor, length: torch.Tensor, ou
     q : [B, T, H, D] float32 or bfloat16, last dim contiguous (a view of the qkv GEMM's output is fine)
     kv : [2, Bc, S, KVH, D] q's dtype, contiguous, Bc >= B; rows ``length[b] + [0, T)`` already hold
         the new tokens' K and V
-    length : [B] int32, valid rows before the new tokens
+    length : [B] int32, valid rows before the new tokens; a negative one (an idle slot) reads as 0
     out : [B, T, H, D] q's dtype, optional (last dim contiguous); allocated when absent
     splits : int, optional
         Programs per (sequence, KV head), a power of two <= ``MAX_SPLITS``; default

@@ -1,4 +1,4 @@
-"""Plain-torch references of the decode kernels (``attention_triton``, ``fused_triton``).
+"""Plain-torch references of the decode kernels (``attention_triton``, ``fused_triton``, ``gemv_triton``).
 
 Same signatures and semantics as the Triton launchers, written as the obvious dense torch
 math (fp32 inside) so they run anywhere: the tests hold the kernels to these on awkward
@@ -84,5 +84,27 @@ def silu_mul_ref(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torc
     y = (torch.nn.functional.silu(gate.float()).to(gate.dtype).float() * up.float()).to(gate.dtype)
     if out is None:
         return y
+    out.copy_(y)
+    return out
+
+
+def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               out: torch.Tensor | None = None, config=None, fma: bool | None = None) -> torch.Tensor:
+    """:func:`graphburst.kernels.gemv_triton.gemv`: ``x @ weight.T + bias`` in fp32, rounded once to x's dtype.
+
+    Parameters
+    ----------
+    x : [M, K]; weight : [N, K]; bias : [N], optional; out : [M, N], optional
+    config, fma : ignored (the kernel's tiling; the function is the same)
+
+    Returns
+    -------
+    out : [M, N] x's dtype
+    """
+    y = x.float() @ weight.float().T
+    if bias is not None:
+        y = y + bias.float()
+    if out is None:
+        return y.to(x.dtype)
     out.copy_(y)
     return out

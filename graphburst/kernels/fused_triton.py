@@ -10,7 +10,8 @@ few microseconds of launch-bound work, so they are fused:
 * :func:`silu_mul`: ``silu(gate) * up`` of the fused gate/up GEMM's output.
 
 Math is fp32 inside; each output is rounded once to the activations' dtype (the
-residual sum too, as torch's add rounds it). ``decode_ref.py`` holds the plain-torch
+residual sum too, as torch's add rounds it). Row offsets are int64 (a row index times a
+stride can pass 2^31 elements). ``decode_ref.py`` holds the plain-torch
 references the tests hold these to.
 """
 
@@ -23,7 +24,7 @@ import triton.language as tl
 
 @triton.jit
 def _add_rmsnorm(x_ptr, r_ptr, w_ptr, out_ptr, eps, N: tl.constexpr, BLOCK: tl.constexpr, HAS_RES: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # int64: row * N may pass 2^31 elements
     offs = tl.arange(0, BLOCK)
     ok = offs < N
     x = tl.load(x_ptr + row * N + offs, mask=ok, other=0.0)
@@ -69,7 +70,7 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
 def _rope_kv_write(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, len_ptr, kv_ptr,
                    skv_2, skv_b, skv_s, skv_h, s_rows, n_pos, T,
                    H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr):
-    tok = tl.program_id(0)  # b * T + t
+    tok = tl.program_id(0).to(tl.int64)  # b * T + t; int64: b * skv_b passes 2^31 elements in large caches
     b = tok // T
     t = tok % T
     pos = tl.minimum(tl.maximum(tl.load(pos_ptr + b).to(tl.int32) + t, 0), n_pos - 1)
@@ -128,7 +129,7 @@ def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start
 
 @triton.jit
 def _silu_mul(gu_ptr, out_ptr, F: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # int64: row * 2F may pass 2^31 elements
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < F
     gate = tl.load(gu_ptr + row * 2 * F + offs, mask=ok, other=0.0)

@@ -71,7 +71,9 @@ DETERMINISTIC_SDPA = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 #: ``Llama(decode_kernels=...)``: ``auto`` runs decode/verify forwards (T <= MAX_K + 1, all
 #: rows) on the fused Triton kernels on CUDA and on SDPA elsewhere; ``triton`` and
 #: ``reference`` force the fused path (the latter on its plain-torch references); ``off``
-#: keeps SDPA everywhere. Prefill always runs SDPA.
+#: keeps SDPA everywhere. Prefill always runs SDPA. The fused path's projections run on the
+#: weight-streaming GEMV at M = B * T <= ``llama_decode.GEMV_MAX_M`` rows under ``auto``
+#: (``FORCED_GEMV_MAX_M`` under ``triton`` and ``reference``), on cuBLAS past it.
 DECODE_KERNELS = ("auto", "triton", "reference", "off")
 
 
@@ -313,7 +315,9 @@ class Llama(nn.Module):
             if choice == "auto":
                 return None
             raise ValueError(f"decode_kernels={choice!r}: {why}")
-        return llama_decode.reference_ops() if choice == "reference" else llama_decode.triton_ops()
+        if choice == "reference":
+            return llama_decode.reference_ops()
+        return llama_decode.triton_ops(llama_decode.GEMV_MAX_M if choice == "auto" else llama_decode.FORCED_GEMV_MAX_M)
 
     def kv_layers(self) -> list[torch.Tensor | None]:
         """Each layer's KV storage (graphburst pairs each with a length it owns)."""

@@ -11,8 +11,11 @@ with each layer's residual add folded into the next norm (the last one into the 
 norm), the attention reading only rows ``< length + T`` (``kernels/attention_triton.py``),
 and positions and lengths read on the device, so the forward is graph-capturable: fixed
 grids, no host reads, temporaries from torch's allocator (the graph's pool in a capture).
-The GEMMs stay the modules' own ``nn.Linear`` calls (cuBLAS), so forward hooks on them
-(tensor parallelism's all-reduce) still run.
+At M = B * T <= ``DecodeOps.gemv_max_m`` rows the projections and the head run on a
+weight-streaming GEMV (``kernels/gemv_triton.py``: cuBLAS streams weights well below
+the HBM rate at such M); past it, and for a projection with forward hooks (tensor
+parallelism's all-reduce on o_proj and down_proj), the module's own ``nn.Linear`` call
+(cuBLAS) runs, so the hooks still run.
 
 :data:`TRITON` runs the Triton kernels (CUDA, or the CPU under ``TRITON_INTERPRET=1``);
 :data:`REFERENCE` runs their plain-torch references (``kernels/decode_ref.py``), which is
@@ -26,26 +29,45 @@ from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
+#: ``decode_kernels="auto"`` on CUDA: forwards of M = B * T <= GEMV_MAX_M rows run their
+#: projections and head on the weight-streaming GEMV instead of cuBLAS (cuBLAS's GEMMs and
+#: head took 776 µs for the 1b at B = 1 on the H200, 1.5x the 518 µs bytes floor). Set from
+#: the H200 sweep (``scripts/gemv_bench.py``): the largest M at which the GEMV still wins on
+#: every shape; 0 keeps cuBLAS. At most ``gemv_triton.MAX_M`` (one row tile).
+GEMV_MAX_M = 16
+#: ``decode_kernels="triton"`` and ``"reference"``: the GEMV up to its whole row tile
+#: (``gemv_triton.MAX_M``) whatever GEMV_MAX_M says, so the forced paths keep it tested.
+FORCED_GEMV_MAX_M = 16
 
 
 class DecodeOps(NamedTuple):
-    """The four kernels a fused decode layer runs (same signatures in both namespaces)."""
+    """The kernels a fused decode layer runs (same signatures in both namespaces).
+
+    ``linear(x, weight, bias)`` serves projections of M <= ``gemv_max_m`` rows.
+    """
 
     attention: Callable
     add_rmsnorm: Callable
     rope_kv_write: Callable
     silu_mul: Callable
+    linear: Callable
+    gemv_max_m: int
 
 
-def triton_ops() -> DecodeOps:
+def triton_ops(gemv_max_m: int = FORCED_GEMV_MAX_M) -> DecodeOps:
     from ..kernels.attention_triton import decode_attention
     from ..kernels.fused_triton import add_rmsnorm, rope_kv_write, silu_mul
-    return DecodeOps(decode_attention, add_rmsnorm, rope_kv_write, silu_mul)
+    from ..kernels.gemv_triton import MAX_M, gemv
+    assert 0 <= gemv_max_m <= MAX_M, "the GEMV is one row tile"
+    return DecodeOps(decode_attention, add_rmsnorm, rope_kv_write, silu_mul, gemv, gemv_max_m)
 
 
-def reference_ops() -> DecodeOps:
-    from ..kernels.decode_ref import add_rmsnorm_ref, decode_attention_ref, rope_kv_write_ref, silu_mul_ref
-    return DecodeOps(decode_attention_ref, add_rmsnorm_ref, rope_kv_write_ref, silu_mul_ref)
+def reference_ops(gemv_max_m: int = FORCED_GEMV_MAX_M) -> DecodeOps:
+    from ..kernels.decode_ref import (add_rmsnorm_ref, decode_attention_ref, linear_ref, rope_kv_write_ref,
+                                      silu_mul_ref)
+    return DecodeOps(decode_attention_ref, add_rmsnorm_ref, rope_kv_write_ref, silu_mul_ref, linear_ref, gemv_max_m)
 
 
 def triton_available() -> bool:
@@ -53,7 +75,11 @@ def triton_available() -> bool:
 
 
 def unsupported(model) -> str | None:
-    """Why ``model`` cannot take the fused path (None: it can). Checked once, at construction."""
+    """Why ``model`` cannot take the fused path (None: it can). Checked once, at construction.
+
+    A sliding window needs no check here: LlamaConfig has no such field, and a checkpoint
+    config with one is refused at load (``llama_config.check_window``).
+    """
     cfg = model.cfg
     hd = cfg.head_dim
     if hd < 16 or hd & (hd - 1):
@@ -64,9 +90,14 @@ def unsupported(model) -> str | None:
         attn = block.self_attn
         if attn.backends is not None:
             return "deterministic_attention pins SDPA kernels"
-        if getattr(cfg, "sliding_window", None):
-            return "a sliding window (not in the fused kernels)"
     return None
+
+
+def project(module: nn.Linear, x: torch.Tensor, ops: DecodeOps) -> torch.Tensor:
+    """``module(x)`` for x [M, in]: on ``ops.linear`` when M <= ``ops.gemv_max_m`` and no hook waits on the call."""
+    if x.shape[0] <= ops.gemv_max_m and not (module._forward_hooks or module._forward_pre_hooks):
+        return ops.linear(x, module.weight, module.bias)
+    return module(x)
 
 
 def fused_forward(model, tokens: torch.Tensor, start_pos: torch.Tensor, lengths, ops: DecodeOps) -> torch.Tensor:
@@ -92,14 +123,15 @@ def fused_forward(model, tokens: torch.Tensor, start_pos: torch.Tensor, lengths,
     for layer, kv, length in zip(model.layers, model.kv, lengths):
         attn, mlp = layer.self_attn, layer.mlp
         hn = ops.add_rmsnorm(x, delta, layer.input_layernorm.weight, layer.input_layernorm.eps)
-        qkv = attn.qkv_proj(hn).view(r, t, h + 2 * kvh, hd)  # [R, T, H + 2 KV, D]
+        qkv = project(attn.qkv_proj, hn, ops).view(r, t, h + 2 * kvh, hd)  # [R, T, H + 2 KV, D]
         if attn.qk_norm:  # Qwen3: per-head RMSNorm of q and k before RoPE, as the SDPA path does
             q, k, v = qkv.split((h, kvh, kvh), dim=2)
             qkv = torch.cat((attn.q_norm(q), attn.k_norm(k), v), dim=2)
         ops.rope_kv_write(qkv, model.rope_cos, model.rope_sin, start_pos, length, kv, h)
         y = ops.attention(qkv[:, :, :h], kv, length)  # [R, T, H, D]
-        delta = attn.o_proj(y.view(r * t, h * hd))
+        delta = project(attn.o_proj, y.view(r * t, h * hd), ops)
         hn = ops.add_rmsnorm(x, delta, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
-        delta = mlp.down_proj(ops.silu_mul(mlp.gate_up_proj(hn)))
+        delta = project(mlp.down_proj, ops.silu_mul(project(mlp.gate_up_proj, hn, ops)), ops)
     hn = ops.add_rmsnorm(x, delta, model.norm.weight, model.norm.eps)
-    return F.linear(hn, model.head_weight()).float().view(r, t, -1)
+    head = ops.linear(hn, model.head_weight()) if r * t <= ops.gemv_max_m else F.linear(hn, model.head_weight())
+    return head.float().view(r, t, -1)
