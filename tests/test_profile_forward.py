@@ -1,4 +1,5 @@
-"""scripts/profile_forward.py on the CPU: the bytes floor against the issue's figures, and the table
+"""scripts/profile_forward.py on the CPU: the bytes floor against the issue's figures, the per-kernel split of
+a hand-built profile, and the table
 renders every record kind (a profiled record once broke it after the measurements were taken)."""
 
 from __future__ import annotations
