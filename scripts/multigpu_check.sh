@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The nvidia-h200-x2 run of issue 13, in one call: GPU tests, demos, the 8B benchmark.
 #   bash scripts/multigpu_check.sh OUT_DIR [BUDGET_S]
+#   QUICK=1 bash scripts/multigpu_check.sh OUT_DIR 200   # TP=2 vs TP=1 only: tp1 and tp2s, the report (~2 min)
 # Every step runs under `timeout`, capped by what is left of BUDGET_S (default 450 s), so a
 # hung NCCL rank costs at most its step. Logs and JSON go to OUT_DIR; a summary at the end.
 set -uo pipefail
@@ -8,7 +9,9 @@ cd "$(dirname "$0")/.."
 OUT=${1:?usage: multigpu_check.sh OUT_DIR [BUDGET_S]}
 BUDGET=${2:-450}
 SHAPE=${SHAPE:-8b}  # SHAPE=tiny: a dry run of the whole script (on CPU: gloo, numpy backend)
-LAYOUTS=${LAYOUTS:-tp1 tp2s tp2 pp2}  # tp1 first: it writes the fp32 tokens the others must match
+QUICK=${QUICK:-}  # 1: no GPU tests or demos, layouts tp1 and tp2s (the sharded draft, issue 13's figure)
+if [[ -n $QUICK ]]; then DEFAULT_LAYOUTS="tp1 tp2s"; else DEFAULT_LAYOUTS="tp1 tp2s tp2 pp2"; fi
+LAYOUTS=${LAYOUTS:-$DEFAULT_LAYOUTS}  # tp1 first: it writes the fp32 tokens the others must match
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -32,6 +35,7 @@ step() {  # step NAME LIMIT_S CMD...: run CMD under min(LIMIT_S, time left); log
 nvidia-smi --query-gpu=index,name,memory.total --format=csv > "$OUT/gpus.txt" 2>&1
 TR="$PY -m torch.distributed.run --standalone --nproc_per_node 2"
 
+if [[ -z $QUICK ]]; then
 # 1. GPU tests: TP=2 / PP=2 == TP=1 over 50 bursts, rank check, a raising rank, a rank dying mid-graph
 #    (bounded drain wait); each test launches torchrun.
 step pytest_gpu 200 $PY -m pytest -q -m gpu tests/test_parallel_gpu.py -p no:cacheprovider
@@ -41,6 +45,7 @@ step pytest_lockstep_gpu 150 $PY -m pytest -q -m gpu tests/test_lockstep.py -p n
 # 2. The demos, the way a user launches them.
 step demo_tp2 60 $TR -m graphburst demo --model tiny-random --tp 2
 step demo_pp2 60 $TR -m graphburst demo --model tiny-random --pp 2
+fi
 
 
 # 3. The benchmark, 8B shape: tp1 first (it writes the fp32 tokens the others must match).
@@ -50,6 +55,7 @@ for layout in $LAYOUTS; do
 done
 step bench_report 30 $PY -m graphburst.parallel.bench report --out "$OUT" --shape $SHAPE
 
-tail -n 3 "$OUT/pytest_gpu.log" "$OUT/pytest_lockstep_gpu.log" >> "$SUMMARY" 2>/dev/null
+[[ -z $QUICK ]] && tail -n 3 "$OUT/pytest_gpu.log" "$OUT/pytest_lockstep_gpu.log" >> "$SUMMARY" 2>/dev/null
+grep -h "per-round latency at B=1" "$OUT/bench_report.log" >> "$SUMMARY" 2>/dev/null
 echo "total $(( $(date +%s) - START )) s" | tee -a "$SUMMARY"
 cat "$OUT/bench_report.log" 2>/dev/null

@@ -10,6 +10,7 @@ exit status 0 once the engine has prefilled and run two rounds.
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 
@@ -17,17 +18,29 @@ import sys
 PROBE_TIMEOUT_S = 900
 
 
-def probe(spec, batch: int, k: int, capacity: int, prompt_len: int, dtype: str) -> str | None:
+def probe(spec, batch: int, k: int, capacity: int, prompt_len: int, dtype: str,
+          timeout_s: float = PROBE_TIMEOUT_S) -> str | None:
     """Why the compile engine cannot run (its child's exit status and last words), or None if it ran."""
     cmd = [sys.executable, "-m", "graphburst.bench.compile_probe", spec.name, str(batch), str(k), str(capacity),
            str(prompt_len), dtype]
+    return child_verdict(cmd, timeout_s)
+
+
+def child_verdict(cmd: list, timeout_s: float) -> str | None:
+    """Run ``cmd``; None if it exits 0, else one ``not run: ...`` line (a signal, a status, a timeout)."""
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        return f"not run: torch.compile probe took over {PROBE_TIMEOUT_S} s"
+        return f"not run: torch.compile probe took over {timeout_s:g} s"
     if proc.returncode == 0:
         return None
-    how = f"signal {-proc.returncode}" if proc.returncode < 0 else f"exit status {proc.returncode}"
+    if proc.returncode < 0:  # killed by a signal (a compiler segfault: SIGSEGV, the shell's rc 139)
+        try:
+            how = f"signal {-proc.returncode} ({signal.Signals(-proc.returncode).name})"
+        except ValueError:
+            how = f"signal {-proc.returncode}"
+    else:
+        how = f"exit status {proc.returncode}"
     tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
     return f"not run: torch.compile probe died ({how}): {tail}"[:300]
 

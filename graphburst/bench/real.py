@@ -89,7 +89,7 @@ def build_engines(src, spec, draft, s, batch, backend, hf) -> tuple[dict, dict]:
             if src.kv[0].is_cuda:  # a compiler segfault cannot be caught in-process: try it in a child first
                 from .compile_probe import probe
 
-                why = probe(spec, batch, s["k"], src.capacity, s["prompt_len"], s["dtype"])
+                why = probe(spec, batch, s["k"], src.capacity, s["prompt_len"], s["dtype"], s["compile_timeout"])
                 if why is not None:
                     skipped[name] = why
                     continue

@@ -50,6 +50,8 @@ def add_parser(sub) -> None:
     p.add_argument("--plot", type=writable_file, default=None,
                    help=f"PNG of tokens/s against acceptance (default {DEFAULT_PLOT} for a full GPU run, else none)")
     p.add_argument("--no-plot", action="store_true", help="write no PNG")
+    p.add_argument("--compile-timeout", type=int_in(1, 86400), default=900, metavar="S",
+                   help="seconds the compile engine's probe (a child process compiling the model) may take")
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="torch.profiler traces of one B=1 run per engine and model (mid ε) into DIR; top kernels "
                         "per round in the JSON")
@@ -66,7 +68,7 @@ def settings(args) -> dict:
              reps=pick("reps"), m=pick("m"), m_sweep=[] if args.no_m_sweep else int_list(pick("m_sweep")),
              accepts=float_list(pick("accepts")), eps=None if args.eps is None else float_list(args.eps),
              engines=args.engines.split(","), k=args.k, prompt_len=args.prompt_len, dtype=args.dtype,
-             tol=args.hf_tol, seed=args.seed)
+             tol=args.hf_tol, seed=args.seed, compile_timeout=args.compile_timeout)
     return s
 
 

@@ -27,6 +27,7 @@ On the CPU "graphs" are plain calls: the same bookkeeping runs, only uncaptured.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 
@@ -97,13 +98,17 @@ class TorchLoop:
         cudagraph trees) and, on CUDA, capture them as the vllm-style graphs. Every
         compile happens in the warm-up before capture, with one fixed-address input per
         forward shape (draft steps copy their token in), so dynamo sees two shapes per
-        module and nothing recompiles at replay.
+        module and nothing recompiles at replay (a recompile during the capture raises,
+        so the bench reports the engine ``not run`` instead of capturing a half-compiled forward).
+    compile_backend : str
+        ``torch.compile``'s backend (default inductor). Dynamo's guards, hence its
+        recompiles, do not depend on it: the CPU test counts them under ``"eager"``.
     """
 
     same_kernels = True
 
     def __init__(self, src, *, draft_layers: int | Llama, batch: int, k: int, graphs: bool = False,
-                 compile_forward: bool = False):
+                 compile_forward: bool = False, compile_backend: str = "inductor"):
         self.k, self.batch = k, batch
         self.target, self.draft = instance(src, batch=batch), draft_instance(src, draft_layers, batch=batch)
         self.device = self.target.kv[0].device
@@ -115,6 +120,7 @@ class TorchLoop:
         self.vtok = torch.zeros(batch, k + 1, dtype=torch.int64, device=dev)  # [B, k+1]: pending, k proposals
         self.tgt = torch.zeros(batch, k + 1, dtype=torch.int64, device=dev)  # [B, k+1] target greedy tokens
         self.tok1 = torch.zeros(batch, 1, dtype=torch.int64, device=dev)  # [B, 1] a draft step's input
+        self.pos1 = torch.zeros(batch, dtype=torch.int32, device=dev)  # [B] int32 a compiled draft step's position
         self._fwd_t, self._fwd_d = self.target, self.draft
         self.compiled = compile_forward
         if compile_forward:
@@ -123,12 +129,18 @@ class TorchLoop:
             self.target.decode_ops = self.draft.decode_ops = None
             # The default mode: "reduce-overhead" adds cudagraph trees, which crashed (rc 139)
             # beside the other engines' graphs; the forwards are captured below instead.
-            self._fwd_t = torch.compile(self.target, dynamic=False)
-            self._fwd_d = torch.compile(self.draft, dynamic=False)
+            # Dynamo's cache of Llama.forward is shared by every module and keeps the entries of
+            # engines built before this one, freed or not; they count toward its recompile limit
+            # (8), past which it runs the forward uncompiled: start this engine from a clean cache.
+            torch._dynamo.reset()
+            self._fwd_t = torch.compile(self.target, dynamic=False, backend=compile_backend)
+            self._fwd_d = torch.compile(self.draft, dynamic=False, backend=compile_backend)
         self.steps = [lambda j=j: self._draft_step(j) for j in range(k + 1)] + [self._verify]
         self.graphed = (graphs or compile_forward) and self.cuda
         if self.graphed:
             self._capture()
+        elif self.compiled:
+            self._warm_up()  # the CPU: every compile now, under the same rules
 
     # ---------------------------------------------------------------- one round's pieces
 
@@ -139,6 +151,10 @@ class TorchLoop:
         tok = self.vtok[:, j: j + 1]  # [B, 1]
         if self.compiled:  # one input tensor for every step: dynamo compiles the draft once
             tok = self.tok1.copy_(tok)
+            # The same position tensor too: Llama keys its per-forward mask on id(length), so
+            # dynamo guards on the tensor's identity, and a fresh ``pos + j`` per step made every
+            # step a recompile (its old tensor freed) until the recompile limit (8) was hit.
+            p = self.pos1.copy_(p)
         logits = self._fwd_d(tok, p, [p] * len(self.draft.layers), None)[:, -1]  # [B, V]
         if j < self.k:
             self.vtok[:, j + 1].copy_(torch.softmax(logits, dim=-1).max(dim=-1).indices)
@@ -158,24 +174,38 @@ class TorchLoop:
         self.pos.add_((n + 1).int())
         return record
 
-    def _capture(self) -> None:
-        # Warm up on a side stream (library handles, kernel selection), then capture each
-        # forward; the graphs share one pool and replay in capture order.
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
+    def _warm_up(self) -> None:
+        """Run every step twice (library handles, kernel selection, every compile; clobbers state).
+
+        A compiled engine that hits dynamo's recompile limit raises here instead of running
+        its forwards uncompiled under the compile engine's name."""
+        limit = torch._dynamo.config.patch(fail_on_recompile_limit_hit=True) if self.compiled \
+            else contextlib.nullcontext()
+        with limit:
             for _ in range(2):
                 for step in self.steps:
                     step()
+
+    def _capture(self) -> None:
+        # Warm up on a side stream, then capture each forward; the graphs share one pool and
+        # replay in capture order.
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            self._warm_up()
         torch.cuda.current_stream(self.device).wait_stream(side)
         sync(self.device)
         pool = torch.cuda.graph_pool_handle()
         self.graphs = []
-        for step in self.steps:
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool):
-                step()
-            self.graphs.append(g)
+        # Compiling belongs to the warm-up above; a recompile inside a capture would trace into
+        # the graph (or crash it), so it raises instead (the bench reports the engine not run).
+        stance = torch.compiler.set_stance("fail_on_recompile") if self.compiled else contextlib.nullcontext()
+        with stance:
+            for step in self.steps:
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pool):
+                    step()
+                self.graphs.append(g)
         sync(self.device)
 
     def _forwards(self) -> None:
