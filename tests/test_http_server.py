@@ -287,9 +287,9 @@ def test_errors_raised_around_the_handlers_are_openai_json_and_counted(server):
     r = httpx.get(server.url + "/v1/completions", timeout=10)
     got[405] = r
     assert r.headers["Allow"] == "POST" and "use POST" in r.json()["error"]["message"]
-    r = httpx.post(server.url + "/v1/chat/completions", json={"messages": []}, timeout=10)
+    r = httpx.post(server.url + "/v1/embeddings", json={"input": "x"}, timeout=10)
     got[404] = r
-    assert "/v1/chat/completions" in r.json()["error"]["message"]
+    assert "/v1/embeddings" in r.json()["error"]["message"] and "/v1/chat/completions" in r.json()["error"]["message"]
     r = httpx.post(server.url + "/v1/completions", content=b" " * (16 * 2**20 + 1), timeout=30)
     got[413] = r
     assert r.json()["error"]["param"] == "body" and "16 MiB" in r.json()["error"]["message"]

@@ -88,7 +88,7 @@ def _content(i: int, value) -> str:
     if isinstance(value, str):
         return value
     if not isinstance(value, list):
-        raise _bad(f"{name} must be a string or a list of text parts, got {value!r:.60}")
+        raise _bad(f"{name} must be a string or a list of text parts, got {value!r:.60}", name)
     texts = []
     for j, part in enumerate(value):
         if not isinstance(part, dict) or part.get("type") != "text":
