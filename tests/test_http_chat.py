@@ -275,3 +275,37 @@ def test_the_serving_docs_chat_example_runs(chat_server, hf, capsys):
     want = until_stop(greedy_reference(ids, n, VOCAB))
     assert printed[0] == hf.decode(want, skip_special_tokens=True), (printed, want)
     assert printed[1:] == printed[:1]  # the streamed deltas make the same text
+
+
+def test_a_tokenizer_transformers_cannot_read_is_one_line_and_exit_2(chat_dir, tmp_path):
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    shutil.copy(chat_dir / "tokenizer.json", tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text("{")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    p = subprocess.run([sys.executable, "-m", "graphburst.cli", "serve", "--http", "127.0.0.1:0", "--backend", "numpy",
+                        "--vocab", str(VOCAB), "--tokenizer", str(tmp_path)], capture_output=True, text=True, env=env,
+                       timeout=120)
+    assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr
+    assert "--tokenizer" in p.stderr and "transformers cannot load this tokenizer" in p.stderr, p.stderr
+
+
+def test_without_transformers_completions_serve_and_chat_says_what_is_missing(chat_dir, tmp_path):
+    """transformers (or jinja2) not installed: the server starts, says so once, and chat is a 400 naming it."""
+    fake = tmp_path / "transformers"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("raise ImportError('transformers hidden by the test')\n")
+    s = ServerProcess("--batch", "2", "--vocab", str(VOCAB), "--capacity", "256", "--tokenizer", str(chat_dir),
+                      env={"PYTHONPATH": f"{tmp_path}:{ROOT}"})
+    try:
+        r = httpx.post(s.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "w1"}]},
+                       timeout=10)
+        assert r.status_code == 400 and "transformers hidden by the test" in r.json()["error"]["message"], r.text
+        assert "graphburst[serve]" in r.json()["error"]["message"]
+        assert completions_text(s.url, "w15 w16", 4)["token_ids"] == greedy_reference([15, 16], 4, VOCAB)
+    finally:
+        assert s.terminate() == 0, s.errors()
+    assert "/v1/chat/completions is off" in s.errors()

@@ -37,11 +37,11 @@ LONG = 60_000  # tokens; at one token per round on numpy this outlasts every tim
 class ServerProcess:
     """``graphburst serve --http 127.0.0.1:0`` in a subprocess; the port comes from its stdout line."""
 
-    def __init__(self, *flags, backend="numpy", start_timeout=START_TIMEOUT_S):
+    def __init__(self, *flags, backend="numpy", start_timeout=START_TIMEOUT_S, env=None):
         self.start_timeout = start_timeout
         self.stderr = tempfile.TemporaryFile()
         cmd = [sys.executable, "-m", "graphburst.cli", "serve", "--http", "127.0.0.1:0", "--backend", backend, *flags]
-        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.stderr, env=env, text=True)
         line = self._first_line()
         assert line.startswith("graphburst serve: listening on http://127.0.0.1:"), line

@@ -32,34 +32,41 @@ def _bad(message: str, param: str = "messages") -> api.APIError:
 
 @dataclasses.dataclass
 class ChatTokenizer:
-    """The transformers tokenizer of a directory (None: it has no chat template) and its end-of-turn ids."""
+    """The transformers tokenizer of a directory and its end-of-turn ids, or why chat cannot run."""
 
-    tokenizer: object  # transformers PreTrainedTokenizerBase
+    tokenizer: object  # transformers PreTrainedTokenizerBase; None when ``missing``
     stop_ids: list  # [s] int: eos_token_id, then generation_config.json's eos ids, no repeats
+    missing: str | None = None  # a library chat needs is not installed: chat answers 400 with this
 
     @property
     def template(self) -> str | None:
-        return self.tokenizer.chat_template
+        return None if self.tokenizer is None else self.tokenizer.chat_template
 
 
 def load_chat_tokenizer(model_dir: str) -> ChatTokenizer:
     """``model_dir``'s tokenizer as transformers loads it (``AutoTokenizer``, local files only).
 
-    Raises ValueError naming the directory when transformers cannot read it; ImportError
-    when transformers (the ``serve`` extra) is not installed.
+    Raises ValueError naming the directory when transformers cannot read it. Without
+    transformers or jinja2 (both in the ``serve`` extra) the completions route still serves;
+    the returned ChatTokenizer says what is missing.
     """
     try:
+        import jinja2  # noqa: F401 - transformers renders templates with it, and imports it only then
         from transformers import AutoTokenizer, GenerationConfig
     except ImportError as exc:
-        raise ImportError(f"--tokenizer {model_dir!r}: chat templates need transformers and jinja2 "
-                          f"(pip install 'graphburst[serve]'): {exc}") from None
+        return ChatTokenizer(None, [], missing=f"chat templates need transformers and jinja2, which this server "
+                                              f"lacks (pip install 'graphburst[serve]'): {exc}")
     try:
         tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"--tokenizer {model_dir!r}: transformers cannot load this tokenizer: {exc}") from exc
+    except Exception as exc:  # noqa: BLE001 - transformers raises many types for a directory it cannot read
+        raise ValueError(f"--tokenizer {model_dir!r}: transformers cannot load this tokenizer: "
+                         f"{type(exc).__name__}: {exc}") from exc
     stops = [] if tok.eos_token_id is None else [int(tok.eos_token_id)]
     if os.path.isfile(os.path.join(model_dir, "generation_config.json")):
-        eos = GenerationConfig.from_pretrained(model_dir, local_files_only=True).eos_token_id
+        try:
+            eos = GenerationConfig.from_pretrained(model_dir, local_files_only=True).eos_token_id
+        except (OSError, ValueError) as exc:  # a bad JSON file is an OSError in transformers
+            raise ValueError(f"--tokenizer {model_dir!r}: cannot read generation_config.json: {exc}") from exc
         for t in eos if isinstance(eos, list) else [] if eos is None else [eos]:
             if int(t) not in stops:
                 stops.append(int(t))
@@ -193,6 +200,8 @@ def parse_chat(body, *, model: str, vocab: int, capacity: int, chat: ChatTokeniz
     if chat is None:
         raise api.APIError("chat completions need text, but the server has no tokenizer (start it with "
                            "--tokenizer DIR); send token ids to /v1/completions", param="messages")
+    if chat.missing is not None:
+        raise api.APIError(chat.missing, param="messages")
     if chat.template is None:
         raise api.APIError(f"model {model!r} has no chat template (its tokenizer_config.json has no chat_template "
                            "and there is no chat_template.jinja); send a prompt to /v1/completions",

@@ -370,6 +370,8 @@ def run(args, console, loop: ServeLoop | None = None) -> int:
         host, port = parse_address(args.http)
         tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
         chat = chat_api.load_chat_tokenizer(args.tokenizer) if args.tokenizer else None
+        if chat is not None and chat.missing:
+            print(f"graphburst serve: /v1/chat/completions is off: {chat.missing}", file=sys.stderr)
         backend = get_backend(args.backend) if loop is None else loop.dec.backend
         loop = build_loop(args, backend) if loop is None else loop
     except (ValueError, TypeError, RuntimeError, OSError, ImportError) as exc:
