@@ -37,11 +37,11 @@ LONG = 60_000  # tokens; at one token per round on numpy this outlasts every tim
 class ServerProcess:
     """``graphburst serve --http 127.0.0.1:0`` in a subprocess; the port comes from its stdout line."""
 
-    def __init__(self, *flags, backend="numpy", start_timeout=START_TIMEOUT_S):
+    def __init__(self, *flags, backend="numpy", start_timeout=START_TIMEOUT_S, env=None):
         self.start_timeout = start_timeout
         self.stderr = tempfile.TemporaryFile()
         cmd = [sys.executable, "-m", "graphburst.cli", "serve", "--http", "127.0.0.1:0", "--backend", backend, *flags]
-        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.stderr, env=env, text=True)
         line = self._first_line()
         assert line.startswith("graphburst serve: listening on http://127.0.0.1:"), line
@@ -287,9 +287,9 @@ def test_errors_raised_around_the_handlers_are_openai_json_and_counted(server):
     r = httpx.get(server.url + "/v1/completions", timeout=10)
     got[405] = r
     assert r.headers["Allow"] == "POST" and "use POST" in r.json()["error"]["message"]
-    r = httpx.post(server.url + "/v1/chat/completions", json={"messages": []}, timeout=10)
+    r = httpx.post(server.url + "/v1/embeddings", json={"input": "x"}, timeout=10)
     got[404] = r
-    assert "/v1/chat/completions" in r.json()["error"]["message"]
+    assert "/v1/embeddings" in r.json()["error"]["message"] and "/v1/chat/completions" in r.json()["error"]["message"]
     r = httpx.post(server.url + "/v1/completions", content=b" " * (16 * 2**20 + 1), timeout=30)
     got[413] = r
     assert r.json()["error"]["param"] == "body" and "16 MiB" in r.json()["error"]["message"]

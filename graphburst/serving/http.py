@@ -2,10 +2,16 @@
 
 aiohttp parses HTTP and runs the handlers on one asyncio event loop; the ServeLoop lives
 on the engine thread (:mod:`graphburst.serving.engine_thread`), captured once at start-up. A
-completion request is validated (:mod:`graphburst.serving.openai_api`), turned into one ticket per
-prompt, and answered either as one JSON body or as server-sent events, one ``data:``
-chunk per burst that delivered tokens, then a final chunk with ``finish_reason`` and
-``usage``, then ``data: [DONE]``.
+completion request is validated (:mod:`graphburst.serving.openai_api`; a chat request by
+:mod:`graphburst.serving.chat`, which renders the model's chat template), turned into one
+ticket per choice, and answered either as one JSON body or as server-sent events, one
+``data:`` chunk per burst that delivered tokens, then a final chunk with ``finish_reason``
+(and ``usage``), then ``data: [DONE]``.
+
+Backpressure is per stream: the engine thread never waits for a client. Each request
+buffers its own updates in an unbounded asyncio.Queue (bounded in practice by its
+``max_tokens``), and only its own handler waits in ``resp.write`` while the client does not
+read; the other handlers and the engine run on.
 
 A client that goes away is cancelled at the next burst boundary: aiohttp cancels the
 handler when the connection drops (``handler_cancellation=True``), and a failed write does
@@ -26,6 +32,7 @@ import uuid
 
 from aiohttp import web
 
+from . import chat as chat_api
 from . import openai_api as api
 from ..backend import get_backend
 from ..validate import parse_json
@@ -72,12 +79,12 @@ def load_tokenizer(model_dir: str):
 class _Detokenizer:
     """Incremental text of one choice (``tokenizers.decoders.DecodeStream``); "" without a tokenizer."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, skip_special_tokens: bool = False):
         self.tokenizer = tokenizer
         if tokenizer is not None:
             from tokenizers.decoders import DecodeStream
 
-            self.stream = DecodeStream(skip_special_tokens=False)
+            self.stream = DecodeStream(skip_special_tokens=skip_special_tokens)
 
     def feed(self, tokens: list) -> str:
         if self.tokenizer is None:
@@ -95,8 +102,10 @@ class Server:
     """Routes and request lifecycle; runs on the event loop thread only."""
 
     def __init__(self, engine: EngineThread, metrics: Metrics, *, model: str, vocab: int, capacity: int,
-                 max_queue: int, tokenizer=None, sampling: bool = False, body_timeout: float = BODY_TIMEOUT_S):
+                 max_queue: int, tokenizer=None, chat: chat_api.ChatTokenizer | None = None, sampling: bool = False,
+                 body_timeout: float = BODY_TIMEOUT_S):
         self.engine, self.metrics = engine, metrics
+        self.chat = chat  # the transformers tokenizer with the chat template; None without --tokenizer
         self.body_timeout = body_timeout
         self.sampling = sampling
         self.model, self.vocab, self.capacity = model, vocab, capacity
@@ -108,7 +117,8 @@ class Server:
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._json_errors])
-        app.add_routes([web.post("/v1/completions", self.completions), web.get("/v1/models", self.models),
+        app.add_routes([web.post("/v1/completions", self.completions),
+                        web.post("/v1/chat/completions", self.chat_completions), web.get("/v1/models", self.models),
                         web.get("/health", self.health), web.get("/metrics", self.metrics_text)])
         return app
 
@@ -186,6 +196,18 @@ class Server:
         queue.put_nowait(up)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, lambda body: api.parse_completion(
+            body, model=self.model, vocab=self.vocab, capacity=self.capacity, tokenizer=self.tokenizer,
+            max_prompts=self.max_queue, sampling=self.sampling), api.CompletionReply)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, lambda body: chat_api.parse_chat(
+            body, model=self.model, vocab=self.vocab, capacity=self.capacity, chat=self.chat,
+            max_choices=self.max_queue, sampling=self.sampling), chat_api.ChatReply)
+
+    async def _generate(self, request: web.Request, parse, reply_type) -> web.StreamResponse:
+        """One generation request of either route: ``parse(body)`` validates it into an
+        :class:`api.Completion`, ``reply_type`` shapes the answer (a body or SSE chunks)."""
         arrived = time.perf_counter()
         if self.draining or self.engine.failed:
             return self._error(api.APIError("the server is shutting down" if self.draining else
@@ -193,9 +215,7 @@ class Server:
                                             type="service_unavailable"))
         try:
             body = await self._read_json(request)
-            comp = api.parse_completion(body, model=self.model, vocab=self.vocab, capacity=self.capacity,
-                                        tokenizer=self.tokenizer, max_prompts=self.max_queue,
-                                        sampling=self.sampling)
+            comp = parse(body)
         except api.APIError as exc:
             return self._error(exc)
         n = len(comp.prompts)
@@ -203,12 +223,14 @@ class Server:
             return self._error(api.APIError(f"{self.engine.waiting} requests are waiting (--max-queue "
                                             f"{self.max_queue}); retry later", status=429,
                                             type="rate_limit_error"), headers={"Retry-After": str(RETRY_AFTER_S)})
-        cid = f"cmpl-{uuid.uuid4().hex}"
-        queue: asyncio.Queue = asyncio.Queue()
+        cid = f"{reply_type.prefix}-{uuid.uuid4().hex}"
+        reply = reply_type(cid, api.now(), self.model, comp)
+        queue: asyncio.Queue = asyncio.Queue()  # this request's updates: a stalled client stalls only its own
         stops = comp.stop_token_ids
         tickets = [Ticket(Request(prompt=p, max_new_tokens=comp.max_tokens, eos=stops[0] if stops else None,
-                                  id=f"{cid}-{i}", **comp.sampling), i, lambda t, u: self._on_update(t, u, queue),
-                          frozenset(stops[1:]), arrived=arrived) for i, p in enumerate(comp.prompts)]
+                                  id=f"{cid}-{i}", **comp.choice_sampling(i)), i,
+                          lambda t, u: self._on_update(t, u, queue), frozenset(stops[1:]), arrived=arrived)
+                   for i, p in enumerate(comp.prompts)]
         if self.draining:  # SIGTERM arrived while the body was being read: refuse, never cut it off
             return self._error(api.APIError("the server is shutting down", status=503, type="service_unavailable"))
         self.metrics.prompt_tokens.inc(sum(map(len, comp.prompts)))
@@ -216,8 +238,8 @@ class Server:
         self.engine.submit(tickets)
         try:
             if comp.stream:
-                return await self._stream(request, cid, comp, queue)
-            return await self._complete(cid, comp, queue)
+                return await self._stream(request, comp, reply, queue)
+            return await self._complete(comp, reply, queue)
         finally:  # normal end, failed write, or the handler cancelled because the client left
             left = [t for t in tickets if t.final is None]
             if left:
@@ -226,10 +248,10 @@ class Server:
             if self.draining and self.live == 0:
                 self.drained.set()
 
-    async def _complete(self, cid: str, comp: api.Completion, queue: asyncio.Queue) -> web.Response:
+    async def _complete(self, comp: api.Completion, reply, queue: asyncio.Queue) -> web.Response:
         n = len(comp.prompts)
         tokens, texts, reasons = [[] for _ in range(n)], [[] for _ in range(n)], [None] * n
-        detok = [_Detokenizer(self.tokenizer) for _ in range(n)]
+        detok = [_Detokenizer(self.tokenizer, reply.skip_special_tokens) for _ in range(n)]
         errors = []
         while None in reasons:
             up = await queue.get()
@@ -240,20 +262,20 @@ class Server:
                 errors.append(up.error)
         if errors:
             return self._error(api.APIError(f"generation failed: {errors[0]}", status=500, type="server_error"))
-        choices = [api.choice(i, "".join(texts[i]), tokens[i], reasons[i]) for i in range(n)]
-        use = api.usage(sum(map(len, comp.prompts)), sum(map(len, tokens)))
-        return web.json_response(api.completion(cid, api.now(), self.model, choices, use))
+        use = api.usage(comp.prompt_tokens, sum(map(len, tokens)))
+        return web.json_response(reply.body(["".join(t) for t in texts], tokens, reasons, use))
 
-    async def _stream(self, request: web.Request, cid: str, comp: api.Completion,
+    async def _stream(self, request: web.Request, comp: api.Completion, reply,
                       queue: asyncio.Queue) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
         request["streaming"] = True  # read by _json_errors
         n = len(comp.prompts)
-        chunks = api.StreamChunks(cid, api.now(), self.model)
-        detok = [_Detokenizer(self.tokenizer) for _ in range(n)]
+        detok = [_Detokenizer(self.tokenizer, reply.skip_special_tokens) for _ in range(n)]
         left, generated = n, 0
         try:
+            if head := reply.start():
+                await resp.write(head)
             while left:
                 up = await queue.get()  # one update per burst per choice
                 generated += len(up.tokens)
@@ -263,8 +285,10 @@ class Server:
                     continue
                 if up.error:
                     await resp.write(_sse(api.APIError(up.error, status=500, type="server_error").body()))
-                use = api.usage(sum(map(len, comp.prompts)), generated) if left == 0 else None
-                await resp.write(chunks.chunk(up.index, detok[up.index].feed(up.tokens), up.tokens, up.reason, use))
+                use = api.usage(comp.prompt_tokens, generated) if left == 0 else None
+                await resp.write(reply.chunk(up.index, detok[up.index].feed(up.tokens), up.tokens, up.reason, use))
+            if tail := reply.end(api.usage(comp.prompt_tokens, generated)):
+                await resp.write(tail)
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
         except ConnectionError:  # the client went away mid-stream; finally in completions() cancels
@@ -275,7 +299,7 @@ class Server:
 def _http_error(request: web.Request, exc: web.HTTPException) -> api.APIError:
     """aiohttp's own error (raised before or around a handler) as the APIError a client can read."""
     if exc.status == 404:
-        routes = "POST /v1/completions, GET /v1/models, GET /health, GET /metrics"
+        routes = "POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics"
         return api.APIError(f"no route {request.method} {request.path}; this server has {routes}", status=404,
                             type="not_found_error")
     if exc.status == 405:
@@ -287,12 +311,12 @@ def _http_error(request: web.Request, exc: web.HTTPException) -> api.APIError:
                         type="server_error" if exc.status >= 500 else "invalid_request_error")
 
 
-async def _serve(args, loop: ServeLoop, host: str, port: int, tokenizer) -> int:
+async def _serve(args, loop: ServeLoop, host: str, port: int, tokenizer, chat) -> int:
     aloop = asyncio.get_running_loop()
     engine = EngineThread(loop, aloop)
     metrics = Metrics(engine)
     server = Server(engine, metrics, model=model_name(args), vocab=loop.vocab, capacity=loop.dec.capacity,
-                    max_queue=args.max_queue, tokenizer=tokenizer, sampling=loop.sampling,
+                    max_queue=args.max_queue, tokenizer=tokenizer, chat=chat, sampling=loop.sampling,
                     body_timeout=args.body_timeout)
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -345,6 +369,9 @@ def run(args, console, loop: ServeLoop | None = None) -> int:
     try:
         host, port = parse_address(args.http)
         tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
+        chat = chat_api.load_chat_tokenizer(args.tokenizer) if args.tokenizer else None
+        if chat is not None and chat.missing:
+            print(f"graphburst serve: /v1/chat/completions is off: {chat.missing}", file=sys.stderr)
         backend = get_backend(args.backend) if loop is None else loop.dec.backend
         if loop is None:
             args, plan = resolve_capacity(args, backend)  # --capacity auto: before anything is allocated
@@ -357,4 +384,4 @@ def run(args, console, loop: ServeLoop | None = None) -> int:
     if not backend.is_gpu:
         print("graphburst serve: no GPU in use; running the numpy reference backend", file=sys.stderr)
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # this process is the server: see GIL_SWITCH_INTERVAL_S
-    return asyncio.run(_serve(args, loop, host, port, tokenizer))
+    return asyncio.run(_serve(args, loop, host, port, tokenizer, chat))

@@ -48,20 +48,29 @@ class Completion:
     stream: bool
     sampling: dict = dataclasses.field(default_factory=dict)  # Request's temperature/top_k/top_p/seed as sent
 
+    @property
+    def prompt_tokens(self) -> int:
+        """The ``usage.prompt_tokens`` of the answer: every choice's prompt."""
+        return sum(map(len, self.prompts))
 
-def _is_int(x) -> bool:
+    def choice_sampling(self, index: int) -> dict:
+        """The sampling fields of choice ``index``'s Request."""
+        return self.sampling
+
+
+def is_int(x) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
-def _tokens(name: str, value, vocab: int, capacity: int) -> list:
+def check_prompt_ids(name: str, value, vocab: int, capacity: int, *, param: str = "prompt") -> list:
     """One prompt through the library's own check (``validate.check_prompt``), as a 400."""
     if isinstance(value, list) and len(value) >= capacity:  # before the per-token loop
         raise APIError(f"{name} holds {len(value)} tokens; a slot holds {capacity} with the new ones",
-                       param="prompt")
+                       param=param)
     try:
         return check_prompt(name, value, vocab).tolist()
     except (TypeError, ValueError) as exc:
-        raise APIError(str(exc), param="prompt") from exc
+        raise APIError(str(exc), param=param) from exc
 
 
 def _prompts(value, vocab: int, tokenizer, *, max_prompts: int, capacity: int) -> list:
@@ -77,14 +86,14 @@ def _prompts(value, vocab: int, tokenizer, *, max_prompts: int, capacity: int) -
         if len(s) > MAX_TEXT_CHARS_PER_TOKEN * capacity:  # a token is rarely longer than this many characters
             raise APIError(f"prompt{i} holds {len(s)} characters, more than a slot of {capacity} tokens could take",
                            param="prompt")
-        return _tokens(f"prompt{i} (tokenized)", tokenizer.encode(s).ids, vocab, capacity)
+        return check_prompt_ids(f"prompt{i} (tokenized)", tokenizer.encode(s).ids, vocab, capacity)
 
     if isinstance(value, str):
         return [text("", value)]
     if not isinstance(value, list) or not value:
         raise APIError(f"prompt must be a token-id list, a list of them, or text; got {value!r:.60}", param="prompt")
     if not any(isinstance(t, (list, str)) for t in value):  # one prompt of token ids
-        return [_tokens("prompt", value, vocab, capacity)]
+        return [check_prompt_ids("prompt", value, vocab, capacity)]
     if len(value) > max_prompts:
         raise APIError(f"prompt holds {len(value)} prompts; at most {max_prompts} per request", param="prompt")
     out = []
@@ -92,7 +101,7 @@ def _prompts(value, vocab: int, tokenizer, *, max_prompts: int, capacity: int) -
         if isinstance(p, str):
             out.append(text(f"[{i}]", p))
         elif isinstance(p, list):
-            out.append(_tokens(f"prompt[{i}]", p, vocab, capacity))
+            out.append(check_prompt_ids(f"prompt[{i}]", p, vocab, capacity))
         else:
             raise APIError(f"prompt[{i}] must be an int token id, a token-id list or text, got {p!r:.60}",
                            param="prompt")
@@ -120,37 +129,52 @@ def parse_completion(body, *, model: str, vocab: int, capacity: int, tokenizer=N
     """
     if not isinstance(body, dict):
         raise APIError(f"the body must be a JSON object, got {type(body).__name__}", param="body")
-    if "model" in body and body["model"] != model:
-        raise APIError(f"model {body['model']!r} does not exist; this server serves {model!r}", param="model",
-                       status=404, type="not_found_error")
+    check_model(body, model)
     if "prompt" not in body:
         raise APIError("missing field prompt", param="prompt")
     prompts = _prompts(body["prompt"], vocab, tokenizer, max_prompts=max_prompts, capacity=capacity)
 
     max_tokens = body.get("max_tokens")
     max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
-    if not _is_int(max_tokens) or max_tokens < 1:
+    if not is_int(max_tokens) or max_tokens < 1:
         raise APIError(f"max_tokens must be an int >= 1, got {max_tokens!r}", param="max_tokens")
     longest = max(len(p) for p in prompts)
     if longest + max_tokens > capacity:
         raise APIError(f"a prompt of {longest} tokens plus max_tokens={max_tokens} needs {longest + max_tokens} "
                        f"KV entries, but a slot holds {capacity}", param="max_tokens")
 
+    stops = check_stop_ids(body, vocab)
+    stream = check_stream(body)
+    _check_unsupported(body)
+    return Completion(prompts, int(max_tokens), stops, stream, check_sampling_fields(body, sampling))
+
+
+def check_model(body: dict, model: str) -> None:
+    """A ``model`` other than the served one is a 404, as OpenAI answers it."""
+    if "model" in body and body["model"] != model:
+        raise APIError(f"model {body['model']!r:.80} does not exist; this server serves {model!r}", param="model",
+                       status=404, type="not_found_error")
+
+
+def check_stop_ids(body: dict, vocab: int) -> list:
+    """``stop_token_ids`` (vLLM's field) as a list of ints in ``[0, vocab)``."""
     stops = body.get("stop_token_ids") or []
     if not isinstance(stops, list):
         raise APIError(f"stop_token_ids must be a list of token ids, got {stops!r:.60}", param="stop_token_ids")
     for i, t in enumerate(stops):
-        if not _is_int(t) or not 0 <= t < vocab:
+        if not is_int(t) or not 0 <= t < vocab:
             raise APIError(f"stop_token_ids[{i}] = {t!r} is not a token id in [0, {vocab})", param="stop_token_ids")
+    return [int(t) for t in stops]
 
+
+def check_stream(body: dict) -> bool:
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise APIError(f"stream must be true or false, got {stream!r}", param="stream")
-    _check_unsupported(body)
-    return Completion(prompts, int(max_tokens), [int(t) for t in stops], stream, _sampling(body, sampling))
+    return stream
 
 
-def _sampling(body: dict, sampling: bool) -> dict:
+def check_sampling_fields(body: dict, sampling: bool) -> dict:
     """The request's sampling fields, checked as ServeLoop checks them (400 naming the field)."""
     fields = {f: body[f] for f in ("temperature", "top_k", "top_p", "seed") if body.get(f) is not None}
     if fields.get("top_k") == -1:  # vLLM's spelling of "off"
@@ -226,3 +250,28 @@ class StreamChunks:
         use = "null" if usage_ is None else json.dumps(usage_, separators=(",", ":"))
         return (f'{self._head}{int(index)},"text":{json.dumps(text)},"token_ids":[{",".join(map(str, token_ids))}],'
                 f'"logprobs":null,"finish_reason":{finish}}}],"usage":{use}}}\n\n').encode()
+
+
+class CompletionReply:
+    """How ``/v1/completions`` answers: a :func:`completion` body, or :class:`StreamChunks` events with
+    ``usage`` on the last one. :class:`graphburst.serving.chat.ChatReply` is the chat route's."""
+
+    prefix = "cmpl"
+    skip_special_tokens = False
+
+    def __init__(self, cid: str, created: int, model: str, comp: Completion):
+        self.cid, self.created, self.model = cid, created, model
+        self.chunks = StreamChunks(cid, created, model)
+
+    def start(self) -> bytes:
+        return b""
+
+    def chunk(self, index: int, text: str, token_ids: list, reason: str | None, usage_: dict | None) -> bytes:
+        return self.chunks.chunk(index, text, token_ids, reason, usage_)
+
+    def end(self, usage_: dict) -> bytes:
+        return b""
+
+    def body(self, texts: list, tokens: list, reasons: list, usage_: dict) -> dict:
+        choices = [choice(i, texts[i], tokens[i], reasons[i]) for i in range(len(texts))]
+        return completion(self.cid, self.created, self.model, choices, usage_)
