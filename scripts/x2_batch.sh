@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# One nvidia-h200-x2 lease, in three calls of under 10 minutes each (the device tool's limit):
+#   bash scripts/x2_batch.sh tests OUT   the single-GPU suite split over GPUs 0 and 1 (each half
+#                                        in its own process), then the GEMV sweep (GPU 0) and the
+#                                        B=1 forward profile, GEMV against cuBLAS (GPU 1)
+#   bash scripts/x2_batch.sh bench OUT   bench real with the compile engine + the 8b load sweep
+#                                        (GPU 0); the serving benchmarks (GPU 1)
+#   bash scripts/x2_batch.sh multi OUT   the two-GPU tests, then TP=2 against TP=1 (QUICK)
+# Every step runs under `timeout`; logs and JSON go to OUT, one line per step to OUT/summary.txt.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PHASE=${1:?usage: x2_batch.sh tests|bench|multi OUT}
+OUT=${2:?usage: x2_batch.sh tests|bench|multi OUT}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+# NVLink multicast stays off on these machines (device README, KINDS.md).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+PY=${PYTHON:-python3}
+SUMMARY="$OUT/summary.txt"
+
+step() {  # step GPU NAME LIMIT_S CMD...: CMD on one GPU under timeout, logged to OUT/NAME.log
+  local gpu=$1 name=$2 limit=$3; shift 3
+  local t0=$(date +%s)
+  CUDA_VISIBLE_DEVICES=$gpu timeout -k 5 "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "$name (GPU $gpu): rc=$rc in $(( $(date +%s) - t0 )) s; $(tail -n 1 "$OUT/$name.log")" >> "$SUMMARY"
+}
+
+split_suite() {  # the -m gpu node ids, split in two by file, the heaviest files apart
+  $PY -m pytest -m gpu --collect-only -q -p no:cacheprovider 2>/dev/null | grep '::' > "$OUT/ids.txt"
+  $PY - "$OUT" <<'EOF'
+import collections, sys
+out = sys.argv[1]
+by_file = collections.Counter(line.split("::")[0] for line in open(f"{out}/ids.txt"))
+heavy = {"tests/test_decode_kernels_gpu.py": 0, "tests/test_sampling_gpu.py": 1, "tests/test_llama_hf.py": 1,
+         "tests/test_models_hf.py": 0}
+halves, load = ([], []), [0, 0]
+for f, n in sorted(by_file.items(), key=lambda kv: -kv[1]):
+    i = heavy.get(f, 0 if load[0] <= load[1] else 1)
+    halves[i].append(f)
+    load[i] += n * (4 if f in heavy else 1)
+for i, files in enumerate(halves):
+    open(f"{out}/half{i}.txt", "w").write(" ".join(files))
+EOF
+}
+
+case $PHASE in
+tests)
+  split_suite
+  ( step 0 gpu_tests0 420 $PY -m pytest -m gpu -q -p no:cacheprovider $(cat "$OUT/half0.txt")
+    step 0 gemv_1b 130 $PY scripts/gemv_bench.py --shapes 1b --m 1 5 16 --sweep-m 1 5 --json "$OUT/gemv_1b.json" ) &
+  ( step 1 gpu_tests1 420 $PY -m pytest -m gpu -q -p no:cacheprovider $(cat "$OUT/half1.txt")
+    step 1 profile_b1 130 $PY scripts/profile_forward.py --trials 15 --profile-calls 5 --top 12 --shape 1b 8b \
+        --batch 1 --capacity 1024 --valid 512 --t 1 5 --kernels auto cublas --json "$OUT/pf_b1_kernels.json" ) &
+  wait
+  grep '^summary:' "$OUT/profile_b1.log" >> "$SUMMARY" ;;
+bench)
+  ( for m in 1b small; do
+      step 0 "real_$m" 170 $PY -m graphburst bench real --models "$m" --batches 1,16 \
+          --engines vllm,graphburst,compile --accepts 0.8 --no-m-sweep --no-plot --compile-timeout 75 \
+          --json "$OUT/real_$m.json"
+      $PY scripts/real_summary.py "$OUT/real_$m.json" >> "$SUMMARY" 2>&1
+    done
+    step 0 load_8b 190 $PY -m graphburst bench serve --backend cupy --model qwen3-8b --http --rates 4,8,16 \
+        --duration 8 --burst 32 --json "$OUT/load_qwen3_8b.json" --plot "$OUT/load_qwen3_8b.png" ) &
+  ( step 1 serve_stubs 80 $PY -m graphburst bench serve --backend cupy --json "$OUT/serve_stubs.json"
+    step 1 load_1b 130 $PY -m graphburst bench serve --backend cupy --model 1b --http --rates 16,64,128 \
+        --duration 8 --burst 64 --json "$OUT/load_1b.json" --plot "$OUT/load_1b.png"
+    for chunk in none 512; do
+      flag=(); [[ $chunk != none ]] && flag=(--prefill-chunk "$chunk")
+      step 1 "load_8k_$chunk" 100 $PY -m graphburst bench serve --backend cupy --model 1b --http --rates 8 \
+          --duration 8 --burst 4 --burst-prompt 8192 --capacity 8800 "${flag[@]}" --json "$OUT/load_8k_$chunk.json"
+    done
+    step 1 load_1b_ngram 100 $PY -m graphburst bench serve --backend cupy --model 1b --draft ngram --http \
+        --rates 32,128 --duration 8 --burst 64 --json "$OUT/load_1b_ngram.json" ) &
+  wait ;;
+multi)
+  step 0,1 gpu_tests_2gpu 200 $PY -m pytest -m gpu -q -p no:cacheprovider tests/test_parallel_gpu.py \
+      tests/test_lockstep.py
+  QUICK=1 timeout -k 5 280 bash scripts/multigpu_check.sh "$OUT/mg" 260 > "$OUT/multigpu.log" 2>&1
+  echo "multigpu_check: rc=$?; $(tail -n 1 "$OUT/mg/summary.txt" 2>/dev/null)" >> "$SUMMARY" ;;
+*)
+  echo "x2_batch.sh: unknown phase $PHASE (tests, bench or multi)" >&2; exit 2 ;;
+esac
+cat "$SUMMARY"
