@@ -55,7 +55,10 @@ tests)
   wait
   grep '^summary:' "$OUT/profile_b1.log" >> "$SUMMARY" ;;
 bench)
-  ( for m in 1b small; do
+  ( step 0 new_gpu_tests 150 $PY -m pytest -m gpu -v -p no:cacheprovider -o faulthandler_timeout=60 \
+        --durations=15 tests/test_admission.py tests/test_chunked_prefill.py tests/test_chunked_prefill_torch.py \
+        tests/test_capacity.py tests/test_compile_probe.py
+    for m in 1b; do
       step 0 "real_$m" 170 $PY -m graphburst bench real --models "$m" --batches 1,16 \
           --engines vllm,graphburst,compile --accepts 0.8 --no-m-sweep --no-plot --compile-timeout 75 \
           --json "$OUT/real_$m.json"

@@ -36,7 +36,11 @@ from torch import nn
 #: head took 776 µs for the 1b at B = 1 on the H200, 1.5x the 518 µs bytes floor). Set from
 #: the H200 sweep (``scripts/gemv_bench.py``): the largest M at which the GEMV still wins on
 #: every shape; 0 keeps cuBLAS. At most ``gemv_triton.MAX_M`` (one row tile).
-GEMV_MAX_M = 16
+#: Measured on the H200 (2026-12-01, docs/results/gemv_1b_h200.json): it never wins on every
+#: shape. The 1b's small projections are latency-bound single kernels (qkv 6.5 µs under cuBLAS,
+#: 9.2 µs as the GEMV at M = 1; o 6.1 vs 7.7), only the head gains (4% at M >= 5), and the whole
+#: B = 1 forward is 1187 µs with cuBLAS against 1197 µs with the GEMV. So cuBLAS it stays.
+GEMV_MAX_M = 0
 #: ``decode_kernels="triton"`` and ``"reference"``: the GEMV up to its whole row tile
 #: (``gemv_triton.MAX_M``) whatever GEMV_MAX_M says, so the forced paths keep it tested.
 FORCED_GEMV_MAX_M = 16
