@@ -6,6 +6,10 @@
 #   bash scripts/x2_batch.sh bench OUT   bench real with the compile engine + the 8b load sweep
 #                                        (GPU 0); the serving benchmarks (GPU 1)
 #   bash scripts/x2_batch.sh multi OUT   the two-GPU tests, then TP=2 against TP=1 (QUICK)
+#   bash scripts/x2_batch.sh final OUT   the single-GPU suite split test by test over both GPUs (a hung
+#                                        test dumps its stack), the two-GPU tests, then the serving
+#                                        benchmarks; OUT.tar.gz holds everything (the device tool
+#                                        brings back only a few files)
 # Every step runs under `timeout`; logs and JSON go to OUT, one line per step to OUT/summary.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -44,7 +48,34 @@ for i, files in enumerate(halves):
 EOF
 }
 
+alternate_ids() {  # the -m gpu node ids dealt alternately to two halves (one test's cost is local)
+  $PY -m pytest -m gpu --collect-only -q -p no:cacheprovider 2>/dev/null | grep '::' > "$OUT/ids.txt"
+  awk 'NR % 2 == 1' "$OUT/ids.txt" > "$OUT/ids0.txt"
+  awk 'NR % 2 == 0' "$OUT/ids.txt" > "$OUT/ids1.txt"
+}
+
 case $PHASE in
+final)
+  alternate_ids
+  for g in 0 1; do
+    step $g "gpu_suite$g" 320 $PY -m pytest -m gpu -q -p no:cacheprovider -o faulthandler_timeout=120 \
+        --durations=8 $(cat "$OUT/ids$g.txt") &
+  done
+  wait
+  step 0,1 gpu_tests_2gpu 130 $PY -m pytest -m gpu -q -p no:cacheprovider tests/test_parallel_gpu.py \
+      tests/test_lockstep.py
+  ( step 0 load_8b 140 $PY -m graphburst bench serve --backend cupy --model qwen3-8b --http --rates 4,16 \
+        --duration 6 --burst 32 --json "$OUT/load_qwen3_8b.json" ) &
+  ( step 1 serve_stubs 30 $PY -m graphburst bench serve --backend cupy --json "$OUT/serve_stubs.json"
+    for chunk in none 512; do
+      flag=(); [[ $chunk != none ]] && flag=(--prefill-chunk "$chunk")
+      step 1 "load_8k_$chunk" 45 $PY -m graphburst bench serve --backend cupy --model 1b --http --rates 8 \
+          --duration 6 --burst 4 --burst-prompt 8192 --capacity 8800 "${flag[@]}" --json "$OUT/load_8k_$chunk.json"
+    done
+    step 1 load_1b_ngram 50 $PY -m graphburst bench serve --backend cupy --model 1b --draft ngram --http \
+        --rates 32,128 --duration 6 --burst 64 --json "$OUT/load_1b_ngram.json" ) &
+  wait
+  tar czf "$OUT.tar.gz" -C "$(dirname "$OUT")" "$(basename "$OUT")" ;;
 tests)
   split_suite
   ( step 0 gpu_tests0 420 $PY -m pytest -m gpu -q -p no:cacheprovider $(cat "$OUT/half0.txt")

@@ -82,9 +82,12 @@ def build(s: dict) -> tuple[ServeLoop, ServeConfig]:
 
 
 def check_in_process(loop: ServeLoop, requests: list) -> list[list[int]]:
-    """Tokens of ``[(prompt, max_tokens), ...]`` decoded through ``loop`` directly (no HTTP)."""
-    states = [loop.submit(Request(list(p), int(n))) for p, n in requests]
-    loop.run_until_idle()
+    """Tokens of ``[(prompt, max_tokens), ...]`` decoded through ``loop`` directly (no HTTP), one
+    request at a time (``load.check_over_http`` sends them so: each is prefilled alone on both sides)."""
+    states = []
+    for p, n in requests:
+        states.append(loop.submit(Request(list(p), int(n))))
+        loop.run_until_idle()
     for i, st in enumerate(states):
         if st.error:
             raise RuntimeError(f"check request {i} failed in-process: {st.error}")
