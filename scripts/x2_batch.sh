@@ -58,10 +58,13 @@ case $PHASE in
 final)
   alternate_ids
   for g in 0 1; do
-    step $g "gpu_suite$g" 320 $PY -m pytest -m gpu -q -p no:cacheprovider -o faulthandler_timeout=120 \
-        --durations=8 $(cat "$OUT/ids$g.txt") &
+    # pytest.main with the ids as a list: a parametrized id may hold spaces
+    step $g "gpu_suite$g" 480 $PY -c 'import sys, pytest; sys.exit(pytest.main(["-m", "gpu", "-q", "-p",
+        "no:cacheprovider", "-o", "faulthandler_timeout=120", "--durations=8",
+        *open(sys.argv[1]).read().splitlines()]))' "$OUT/ids$g.txt" &
   done
   wait
+  [[ ${SUITE_ONLY:-0} == 1 ]] && { tar czf "$OUT.tar.gz" -C "$(dirname "$OUT")" "$(basename "$OUT")"; cat "$SUMMARY"; exit 0; }
   step 0,1 gpu_tests_2gpu 130 $PY -m pytest -m gpu -q -p no:cacheprovider tests/test_parallel_gpu.py \
       tests/test_lockstep.py
   ( step 0 load_8b 140 $PY -m graphburst bench serve --backend cupy --model qwen3-8b --http --rates 4,16 \
