@@ -111,7 +111,9 @@ class SlotAdmission:
             raise ValueError(f"prompts must have one entry per slot ({self.batch}), got {len(prompts)}")
         slots = [b for b, p in enumerate(prompts) if p is not None]
         starts = np.zeros(self.batch, np.int32)  # [B] int32
-        for b, s in zip(slots, (per_slot("start", start, self.batch)[b] for b in slots)):
+        start_of = per_slot("start", start, self.batch)
+        for b in slots:
+            s = start_of[b]
             starts[b] = 0 if s is None else check_int(f"start[{b}]", s, minimum=0, maximum=self.capacity - 1)
         if slots and (starts.any() or not final):
             for role in ("target", "draft"):
