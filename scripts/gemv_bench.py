@@ -29,6 +29,8 @@ import torch.nn.functional as F
 from rich.console import Console
 from rich.table import Table
 
+from tp_floor import graph_us  # scripts/ is on sys.path when a script runs
+
 from graphburst.kernels.gemv_triton import CONFIGS, FMA_MAX_M, GemvConfig, default_config, gemv, pick_config
 
 #: HBM bandwidth the %HBM column divides by (H200: 4.8 TB/s)
@@ -85,31 +87,17 @@ def configs_literal(best: dict[tuple[int, int], GemvConfig]) -> str:
     return "CONFIGS: dict[tuple[int, int], GemvConfig] = {\n" + rows + "}"
 
 
-def graph_us(calls: list, reps: int, trials: int) -> float:
-    """Median µs per call of a CUDA graph of ``reps`` calls cycling through ``calls``."""
+def cycling_graph_us(calls: list, reps: int, trials: int) -> float:
+    """Median µs per call of a CUDA graph of ``reps`` calls cycling through ``calls``
+    (``tp_floor.graph_us`` over a closure that takes the next call each time)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        for fn in calls:  # compile, autotune and allocate outside the capture
+        for fn in calls:  # compile, autotune and allocate every copy outside the capture
             fn()
     torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(reps):
-            calls[i % len(calls)]()
-    g.replay()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    out = []
-    for _ in range(trials):
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b) * 1e3 / reps)
-    out.sort()
-    del g
-    return out[len(out) // 2]
+    nxt = itertools.cycle(calls).__next__
+    return graph_us(lambda: nxt()(), reps, trials)
 
 
 def measure(fn, x, ws, want, reps: int, trials: int) -> tuple[float | None, str]:
@@ -121,7 +109,7 @@ def measure(fn, x, ws, want, reps: int, trials: int) -> tuple[float | None, str]
         return None, f"not run: {type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''}"
     if not torch.allclose(got.float(), want, **TOL):
         return None, f"wrong: max |diff| {(got.float() - want).abs().max().item():.3g}"
-    return graph_us([lambda w=w: fn(x, w) for w in ws], max(reps, len(ws)), trials), "ok"  # every copy once
+    return cycling_graph_us([lambda w=w: fn(x, w) for w in ws], max(reps, len(ws)), trials), "ok"  # every copy once
 
 
 def main(argv=None) -> int:
