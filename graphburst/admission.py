@@ -26,7 +26,12 @@ import numpy as np
 from .constants import NO_EOS, NO_PREFILL, UNBOUNDED_BUDGET
 from .protocol import hook, split_options
 from .sampling.mode import check_slot, sample_first_tokens
+from .sampling.params import SamplingParams
 from .validate import check_int, check_prompt, per_slot
+
+GREEDY = SamplingParams()  # a slot's settings when none are given
+#: The staging block's head, in units of B int32: lengths, starts, then the [3, n] admission table.
+STAGE_HEAD = 5
 
 
 class CapacityError(ValueError):
@@ -90,16 +95,55 @@ class SlotAdmission:
         """
         rows, starts, limits, stops, settings = self._check_prefill(prompts, start, final, max_new_tokens, eos,
                                                                     temperature, top_k, top_p, seed)
+        if rows:
+            self._prefill_checked(rows, starts, limits, stops, settings, final)
+
+    def prefill_checked(self, rows: dict, starts: dict, *, final: bool = True, limits: dict | None = None,
+                        stops: dict | None = None, sampling: dict | None = None) -> None:
+        """:meth:`prefill` of values the caller has validated already, with no checks repeated.
+
+        For a serving loop, which validates every request once at submission with the
+        checks :meth:`prefill` uses and a stricter capacity rule (the whole request must
+        fit; ``serving.request.check_whole_request_fits``): admission is then host work the
+        GPU waits on, and repeating the checks there would cost every refill. Anything not
+        validated so is undefined behaviour; use :meth:`prefill`.
+
+        Parameters
+        ----------
+        rows : dict
+            ``slot -> [n] int32`` tokens of this chunk (n >= 1, each in ``[0, vocab)``).
+        starts : dict
+            ``slot -> position`` of the chunk's first token (0 for a whole prompt).
+        final : bool
+            As for :meth:`prefill`.
+        limits, stops : dict, final chunks only
+            ``slot -> budget`` (``UNBOUNDED_BUDGET`` for none) and ``slot -> stop token``
+            (``NO_EOS`` for none); default: none.
+        sampling : dict, optional
+            ``slot -> SamplingParams`` (sampling decoders, final chunks); default: greedy.
+        """
+        assert all(0 <= b < self.batch for b in rows), "prefill_checked: a slot outside the batch"
         if not rows:
             return
-        stage, lens = self._stage_prompts(rows, starts)
-        ends = np.where(lens != NO_PREFILL, starts + lens, NO_PREFILL).astype(np.int32)  # [B] int32
-        self._prefill_models(stage, lens, ends, sorted(rows), settings, final)
-        self._admit(rows, ends, limits, stops, final)
+        limits, stops = limits or {}, stops or {}
+        self._prefill_checked(rows, starts, {b: limits.get(b, UNBOUNDED_BUDGET) for b in rows},
+                              {b: stops.get(b, NO_EOS) for b in rows},
+                              {b: (sampling or {}).get(b) or GREEDY for b in rows} if final else {}, final)
+
+    def _prefill_checked(self, rows: dict, starts, limits: dict, stops: dict, settings: dict, final: bool) -> None:
+        """Stage (one upload), run the models' prefill, then admit (one launch)."""
+        slots = sorted(rows)
+        table = self._stage_prompts(rows, starts, slots, limits, stops, final)
+        lens, starts_now = self._host_stage[: self.batch], self._host_stage[self.batch: 2 * self.batch]
+        ends = np.where(lens != NO_PREFILL, starts_now + lens, NO_PREFILL).astype(np.int32)  # [B] int32
+        p_max = max(len(rows[b]) for b in slots)
+        stage = self._prompt_flat[: self.batch * p_max].reshape(self.batch, p_max)
+        self._prefill_models(stage, ends, slots, settings, final)
+        self._admit(np.asarray(slots, np.int64), ends, table, final)
 
     def _check_prefill(self, prompts, start, final, max_new_tokens, eos, temperature, top_k, top_p, seed):
-        """Parse: ``({slot: chunk [n] int32}, starts [B] int32, budgets [B], stop tokens [B],
-        {slot: SamplingParams})``."""
+        """Parse: ``({slot: chunk [n] int32}, {slot: start}, {slot: budget}, {slot: stop token},
+        {slot: SamplingParams})``, sentinels filled in."""
         if not isinstance(final, bool):
             raise TypeError(f"final must be a bool, got {type(final).__name__}")
         if isinstance(prompts, np.ndarray) and prompts.ndim == 2:
@@ -134,7 +178,8 @@ class SlotAdmission:
             else:
                 rows[b] = self._check_chunk(prompts[b], int(starts[b]), b)
         settings = self._check_sampling_args(slots, temperature, top_k, top_p, seed) if final else {}
-        return rows, starts, limits, stops, settings
+        return (rows, {b: int(starts[b]) for b in slots}, {b: limits[b] for b in slots} if final else {},
+                {b: stops[b] for b in slots} if final else {}, settings)
 
     def _check_chunk(self, prompt, start: int, b: int) -> np.ndarray:
         """A non-final chunk: valid tokens, and room behind it for at least the prompt's last token."""
@@ -180,25 +225,30 @@ class SlotAdmission:
                (("temperature", temperature), ("top_k", top_k), ("top_p", top_p), ("seed", seed))]
         return {b: check_slot(*(p[b] for p in per), sampling=self.sampling, index=b) for b in slots}
 
-    def _stage_prompts(self, rows: dict, starts: np.ndarray):
-        """Build: the chunks padded to the longest (``[B, P_max] int32``, a view of the staging
-        buffer), their lengths (``[B] int32`` on the host, NO_PREFILL for slots left alone),
-        uploaded with the starts."""
-        p_max = max(len(r) for r in rows.values())
-        host = np.zeros((self.batch, p_max), np.int32)  # [B, P_max] int32
-        lens = np.full(self.batch, NO_PREFILL, np.int32)  # [B] int32
-        for b, row in rows.items():
-            host[b, : len(row)] = row
-            lens[b] = len(row)
-        stage = self._prompt_flat[: self.batch * p_max].reshape(self.batch, p_max)
-        # Stream-ordered uploads into the staging buffers: a second prefill enqueued before the
-        # first has run overwrites them only after the first's kernels have read them.
-        self.backend.upload(stage, host, self.stream)
-        self.backend.upload(self._prompt_len, lens, self.stream)
-        self.backend.upload(self._prompt_start, starts, self.stream)
-        return stage, lens
+    def _stage_prompts(self, rows: dict, starts: dict, slots: list, limits: dict, stops: dict, final: bool):
+        """Build the staging block on the host and upload it in one copy: chunk lengths
+        (``[B]``, NO_PREFILL for slots left alone), starts (``[B]``), the admission table
+        (``[3, n]``: slot, budget, stop token; budget 0 until a prompt's final chunk) and the
+        chunks padded to the longest (``[B, P_max]``). Returns the table's device view."""
+        batch, n = self.batch, len(slots)
+        p_max = max(len(rows[b]) for b in slots)
+        host = np.zeros(STAGE_HEAD * batch + batch * p_max, np.int32)  # the head, then [B, P_max] int32
+        self._host_stage = host
+        host[:batch] = NO_PREFILL
+        table = host[2 * batch: 2 * batch + 3 * n].reshape(3, n)  # [3, n] int32
+        tokens = host[STAGE_HEAD * batch:].reshape(batch, p_max)  # [B, P_max] int32
+        for i, b in enumerate(slots):
+            row = rows[b]
+            host[b] = len(row)
+            host[batch + b] = starts.get(b, 0)
+            tokens[b, : len(row)] = row
+            table[:, i] = (b, limits[b], stops[b]) if final else (b, 0, NO_EOS)
+        # Stream-ordered, into the staging block: a second prefill enqueued before the first
+        # has run overwrites it only after the first's kernels have read it.
+        self.backend.upload(self._stage[: host.size], host, self.stream)
+        return self._stage[2 * batch: 2 * batch + 3 * n].reshape(3, n)
 
-    def _prefill_models(self, stage, lens, ends, slots: list, settings: dict, final: bool) -> None:
+    def _prefill_models(self, stage, ends, slots: list, settings: dict, final: bool) -> None:
         """Run: the models' prefill (the target sets ``pos_ctr`` and, when final, ``pend``), then
         a sampled first token."""
         s, bufs = self.stream, self.bufs
@@ -216,19 +266,15 @@ class SlotAdmission:
         if sampling:
             sample_first_tokens(self.backend.ops, self.backend, bufs, ends, s)
 
-    def _admit(self, rows: dict, ends: np.ndarray, limits, stops, final: bool) -> None:
+    def _admit(self, slots: np.ndarray, ends: np.ndarray, table, final: bool) -> None:
         """Record: each prefilled slot's budget (0 until its final chunk), stop token and zeroed
-        counters, by scatters on the device and in the host mirror; a new generation."""
-        slots = np.asarray(sorted(rows), np.int64)
-        budget = [limits[b] if final else 0 for b in slots]
-        stop = [stops[b] if final else NO_EOS for b in slots]
-        s, bufs, be = self.stream, self.bufs, self.backend
-        be.scatter(bufs.budget, slots, budget, s)
-        be.scatter(bufs.eos, slots, stop, s)
-        be.scatter(bufs.acc, slots, 0, s)
+        counters, in one launch on the device and in the host mirror; a new generation."""
+        bufs = self.bufs
+        self.backend.ops.admit_slots(table, bufs.budget, bufs.eos, bufs.acc, stream=self.stream)
+        host_table = self._host_stage[2 * self.batch: 2 * self.batch + table.size].reshape(3, -1)
         self.host_pos[slots] = ends[slots]
-        self.host_left[slots] = budget
-        self.host_eos[slots] = stop
+        self.host_left[slots] = host_table[1]
+        self.host_eos[slots] = host_table[2]
         self._new_generation(slots)
         self._any_limit = bool(((self.host_left > 0) & (self.host_left != UNBOUNDED_BUDGET)).any()
                                or (self.host_eos != NO_EOS).any())

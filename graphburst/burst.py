@@ -13,7 +13,7 @@ import weakref
 
 import numpy as np
 
-from .admission import CapacityError, SlotAdmission, chunked_prefill  # noqa: F401 (re-exported)
+from .admission import STAGE_HEAD, CapacityError, SlotAdmission, chunked_prefill  # noqa: F401 (re-exported)
 from .buffers import BurstTokens, StreamBufs, kv_len_ptr_table
 from .burst_mode import EAGER_MODES, MODES, BurstMode  # noqa: F401 (MODES re-exported: the old name)
 from .guard import Watched
@@ -85,10 +85,15 @@ class SpecDecoder(SlotAdmission, Watched):
         with self.stream:  # the decoder's own buffers are initialised in order with its stream
             self.bufs = StreamBufs(self.batch, k, m_rounds, self.backend,
                                    vocab=target.vocab if self.sampling else None)
-            # Prefill staging, allocated once so admitting a request never allocates.
-            self._prompt_flat = self.backend.zeros((self.batch * self.capacity,), np.int32)  # [B * capacity] int32
-            self._prompt_len = self.backend.zeros((self.batch,), np.int32)  # [B] int32
-            self._prompt_start = self.backend.zeros((self.batch,), np.int32)  # [B] int32: a chunk's first position
+            # Prefill staging, allocated once so admitting a request never allocates; one block,
+            # so an admission is one host-to-device copy (admission.py, _stage_prompts).
+            b = self.batch
+            self._stage = self.backend.zeros((STAGE_HEAD * b + b * self.capacity,), np.int32)  # [5B + B*cap] int32
+            self._prompt_len = self._stage[:b]  # [B] int32: chunk lengths, NO_PREFILL for slots left alone
+            self._prompt_start = self._stage[b: 2 * b]  # [B] int32: a chunk's first position
+            # [2B, 5B): the admission table, [3, n] int32 (slot, budget, stop token)
+            self._prompt_flat = self._stage[STAGE_HEAD * b:]  # [B * capacity] int32: chunks, viewed [B, P_max]
+            self._host_stage = None  # the last staging block uploaded ([5B + B*P_max] int32, host)
         self.k, self.m_rounds = self.bufs.k, self.bufs.m_rounds
         for model in (target, draft):  # the buffers never move from here on: models may view them
             hook(model, "bind")(self.bufs)

@@ -250,3 +250,52 @@ def test_serve_config_wires_the_chunk_and_refuses_it_with_tp():
     assert s.tokens == greedy_reference(list(range(1, 40)), 6, loop.vocab)
     with pytest.raises(ConfigError, match="prefill_chunk"):
         ServeConfig(backend="numpy", prefill_chunk=8, tp=2)
+
+
+def test_admit_slots_hand_case():
+    from graphburst.constants import NO_EOS, UNBOUNDED_BUDGET
+    from graphburst.kernels import reference
+
+    budget = np.array([3, 4, 5, 6], np.int32)
+    eos = np.array([9, 9, 9, 9], np.int32)
+    acc = np.arange(8, dtype=np.int32).reshape(4, 2) + 1
+    # slots 2 and 0 admitted; -1 and 4 lie outside the batch and are skipped
+    table = np.array([[2, 0, -1, 4], [7, UNBOUNDED_BUDGET, 1, 1], [NO_EOS, 11, 1, 1]], np.int32)
+    reference.admit_slots(table, budget, eos, acc)
+    assert budget.tolist() == [UNBOUNDED_BUDGET, 4, 7, 6]
+    assert eos.tolist() == [11, 9, NO_EOS, 9]
+    assert acc.tolist() == [[0, 0], [3, 4], [0, 0], [7, 8]]
+
+
+def _device_state(dec) -> dict:
+    be, bufs = dec.backend, dec.bufs
+    out = {n: be.to_host(getattr(bufs, n), dec.stream) for n in ("budget", "eos", "acc", "pos_ctr", "pend")}
+    out |= {f"cache{i}": be.to_host(layer.storage, dec.stream) for i, layer in enumerate(dec.target.cache.layers)
+            if layer is not None}
+    return out | {"host_pos": dec.host_pos.copy(), "host_left": dec.host_left.copy(), "host_eos": dec.host_eos.copy(),
+                  "gen": dec.slot_gen.copy()}
+
+
+def test_prefill_checked_writes_what_prefill_writes(backend):
+    from graphburst.constants import NO_EOS, UNBOUNDED_BUDGET
+
+    decs = []
+    for _ in range(2):
+        target, draft = _pair(backend, batch=5)
+        dec = SpecDecoder(target, draft, k=3, m_rounds=2)
+        dec.prefill([[1, 2], [3], [4, 5, 6], [7], [8, 9]], max_new_tokens=[50] * 5)
+        dec.run_burst()  # accept counters and positions move: admission must reset them
+        decs.append(dec)
+    checked, plain = decs
+    # slots 1 and 3 get new prompts (3 in two chunks), the others are left alone
+    plain.prefill([None, None, None, [20, 21, 22], None], final=False)
+    checked.prefill_checked({3: np.array([20, 21, 22], np.int32)}, {3: 0}, final=False)
+    plain.prefill([None, [30, 31], None, [23], None], start=[None, 0, None, 3, None], max_new_tokens=[None, 9, None,
+                  None, None], eos=[None, None, None, 4, None])
+    checked.prefill_checked({1: np.array([30, 31], np.int32), 3: np.array([23], np.int32)}, {1: 0, 3: 3},
+                            limits={1: 9}, stops={3: 4})
+    want, got = _device_state(plain), _device_state(checked)
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    assert got["host_left"][3] == UNBOUNDED_BUDGET and got["host_eos"][1] == NO_EOS
+    np.testing.assert_array_equal(checked.run_burst().counts, plain.run_burst().counts)

@@ -139,6 +139,21 @@ def test_ring_commit(rng, ops, batch, k):
     run_pair("ring_commit", host, {}, ops)
 
 
+@pytest.mark.parametrize("batch", SIZES)
+def test_admit_slots(rng, ops, batch):
+    n = int(rng.integers(1, batch + 1))
+    slots = rng.permutation(batch)[:n]
+    outside = np.array([-1, batch, batch + 5])  # skipped by both
+    table = np.stack([np.concatenate([slots, outside]),
+                      np.where(rng.random(n + 3) < 0.3, UNBOUNDED_BUDGET, rng.integers(0, 300, n + 3)),
+                      np.where(rng.random(n + 3) < 0.5, NO_EOS, rng.integers(0, 1000, n + 3))]).astype(np.int32)
+    host = dict(table=np.ascontiguousarray(table[:, rng.permutation(n + 3)]),
+                budget=np.full(batch, P, np.int32), eos=np.full(batch, P, np.int32),
+                acc=rng.integers(1, 100, (batch, 2), dtype=np.int32))
+    want = run_pair("admit_slots", host, {}, ops)
+    assert (want["acc"][slots] == 0).all() and (want["budget"][slots] != P).all()
+
+
 class _Tables:
     """A stub cache's layer arrays on one backend, with its two pointer tables."""
 

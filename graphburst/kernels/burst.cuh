@@ -264,6 +264,23 @@ extern "C" __global__ void spec_epilogue(int k, int ring_cap,
         gb_seed_values(b, k, 0, s_pend, s_pos_in_table ? target : old_pos, vtok, pos_start, brk, ring, ring_stride);
 }
 
+// Threads: one per admitted slot.
+// Admission (graphburst/admission.py): ``table`` is [3, n] int32, rows (slot, budget, stop
+// token); each named slot gets its budget and stop token and zeroed accept counters. One
+// launch replaces three scatters: admission runs on the host between bursts, so its launch
+// count is the serving loop's cost per refill. Out-of-range slots are skipped.
+extern "C" __global__ void spec_admit_slots(int n, int batch, const int* __restrict__ table, int* budget, int* eos,
+                                            int* acc) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    int b = table[i];
+    if (b < 0 || b >= batch) return;
+    budget[b] = table[n + i];
+    eos[b] = table[2 * n + i];
+    acc[2 * b] = 0;
+    acc[2 * b + 1] = 0;
+}
+
 // Benchmark support: the floor graph is a chain of these.
 // Threads: one block of one thread that does nothing.
 extern "C" __global__ void gb_empty_node() {}

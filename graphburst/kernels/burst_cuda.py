@@ -60,6 +60,21 @@ def epilogue(tgt_pred, eos, vtok, brk, n_acc, last_pred, budget, ring, pend, acc
     _launch("spec_epilogue", grid, block, args, stream)
 
 
+def admit_slots(table, budget, eos, acc, *, stream):
+    """Admission's one launch (see ``burst_ref.admit_slots``).
+
+    Parameters
+    ----------
+    table : [3, n] int32, C-contiguous (slot, budget, stop token per admitted slot)
+    budget, eos : [B] int32
+    acc : [B, 2] int32
+    """
+    n = table.shape[1]
+    grid = (_blocks(n, THREADS_PER_BLOCK),)
+    block = (THREADS_PER_BLOCK,)
+    _launch("spec_admit_slots", grid, block, (_i32(n), _i32(budget.shape[0]), table, budget, eos, acc), stream)
+
+
 def empty_node(*, stream):
     """One launch of an empty kernel: the unit of the benchmark floor."""
     grid = (1,)

@@ -162,3 +162,21 @@ def epilogue(tgt_pred, eos, vtok, brk, n_acc, last_pred, budget, ring, pend, acc
     ring_commit(vtok, n_acc, last_pred, eos, budget, ring, pend, acc, n_commit)
     rollback_stream(table, pos_start, n_commit)
     seed_gather(pend, pos_ctr, vtok, pos_start, brk, ring, reset_ring=False)
+
+
+def admit_slots(table, budget, eos, acc, *, stream=None):
+    """Admission: each named slot gets its budget and stop token, and zeroed accept counters.
+
+    Parameters
+    ----------
+    table : [3, n] int32
+        Rows: slot, budget (``UNBOUNDED_BUDGET`` for none, 0 for a slot that stays idle),
+        stop token (``NO_EOS`` for none). Slots outside ``[0, B)`` are skipped.
+    budget, eos : [B] int32, written at the named slots
+    acc : [B, 2] int32, zeroed at the named slots
+    """
+    slots = table[0].astype(np.int64)
+    ok = (slots >= 0) & (slots < budget.shape[0])
+    budget[slots[ok]] = table[1][ok]
+    eos[slots[ok]] = table[2][ok]
+    acc[slots[ok]] = 0

@@ -8,6 +8,7 @@ bookkeeping), ``stubs_cuda`` (the stub models), ``sampling_cuda`` (rejection sam
 from __future__ import annotations
 
 from .burst_cuda import (
+    admit_slots,
     seed_gather,
     assemble_verify,
     accept_greedy,
@@ -40,6 +41,7 @@ from .stubs_cuda import (
 )
 
 __all__ = [
+    "admit_slots",
     "KERNEL_NAMES",
     "accept_greedy",
     "accept_pick",

@@ -24,6 +24,7 @@ KERNEL_NAMES = (
     "spec_rollback_stream",
     "spec_epilogue",
     "gb_empty_node",
+    "spec_admit_slots",
     "stub_prefill",
     "stub_draft_step",
     "stub_verify",

@@ -8,6 +8,7 @@ output arrays in place, and ``stream`` is accepted and ignored.
 from __future__ import annotations
 
 from .burst_ref import (
+    admit_slots,
     seed_gather,
     assemble_verify,
     accept_greedy,
@@ -32,6 +33,7 @@ from .stubs_ref import (
 )
 
 __all__ = [
+    "admit_slots",
     "accept_greedy",
     "accept_sample",
     "assemble_verify",

@@ -253,8 +253,17 @@ class StubDraft(_StubModel, DraftModel):
         return prob, seed
 
     def set_slot_options(self, settings: dict, stream) -> None:
-        """Apply :meth:`slot_options` results per slot; None restores the defaults."""
-        self.set_slots({slot: (None, None) if opt is None else opt for slot, opt in settings.items()}, stream)
+        """Apply :meth:`slot_options` results per slot; None restores the defaults.
+
+        The values were validated by :meth:`slot_options` (at a request's submission), and
+        admission runs while the GPU may wait on it, so they are not checked again here.
+        """
+        for slot, opt in settings.items():
+            prob, seed = (None, None) if opt is None else opt
+            self._host_agree[slot] = fixed24(self.default_accept_prob if prob is None else prob)
+            self._host_seed[slot] = self.default_seed if seed is None else seed
+        if settings:
+            self._upload_slots(stream)
 
     def set_slots(self, settings: dict, stream=None) -> None:
         """Set sequences' agreement probability and seed between bursts (plain writes).

@@ -13,7 +13,7 @@ the slots, the intake, the decoder and the token store it uses.
 from __future__ import annotations
 
 from ..admission import chunked_prefill
-from ..sampling.params import SamplingParams
+from ..constants import NO_EOS
 from ..validate import check_int
 from .events import Admitted
 
@@ -88,29 +88,28 @@ class LoopAdmission:
                 self._prefill_group(group, is_final)
 
     def _prefill_group(self, group: dict, final: bool) -> None:
-        batch = self.dec.batch
-        prompts, starts = [None] * batch, [None] * batch
-        for b, (start, end) in group.items():
-            prompts[b], starts[b] = self.slots[b].row[start:end], start
-        slots = list(group)
+        # The values were validated at submission (RequestIntake): admission only copies them,
+        # through the decoder's unchecked entry point, since the GPU may be waiting on it.
+        slots = self.slots
+        rows = {b: slots[b].row[start:end] for b, (start, end) in group.items()}
+        starts = {b: start for b, (start, _) in group.items()}
         try:
             if final:
-                limits, stops = [None] * batch, [None] * batch
-                for b in slots:
-                    limits[b], stops[b] = self.slots[b].limit, self.slots[b].eos
                 # every admitted slot gets an entry: a reused one forgets its last request
-                self.dec.set_slot_options({b: self.slots[b].slot_options for b in slots})
-                self.dec.prefill(prompts, start=starts, max_new_tokens=limits, eos=stops,
-                                 **self._sampling_args(slots))
+                self.dec.set_slot_options({b: slots[b].slot_options for b in group})
+                self.dec.prefill_checked(rows, starts, limits={b: slots[b].limit for b in group},
+                                         stops={b: NO_EOS if slots[b].eos is None else slots[b].eos for b in group},
+                                         sampling={b: slots[b].sampling for b in group} if self.sampling else None)
             else:
-                self.dec.prefill(prompts, start=starts, final=False)
+                self.dec.prefill_checked(rows, starts, final=False)
         except Exception as exc:  # noqa: BLE001 - only the requests being prefilled are touched
             msg = describe(exc)
-            for b in slots:
-                self._retire(self.slots[b], error=msg)
-            self._n_stale -= len(slots)
-            self._free(slots)
-            self.dec.release(slots)
+            group_slots = list(group)
+            for b in group_slots:
+                self._retire(slots[b], error=msg)
+            self._n_stale -= len(group_slots)
+            self._free(group_slots)
+            self.dec.release(group_slots)
             if not self._costs_only_its_requests(exc):
                 raise
             return
@@ -128,15 +127,6 @@ class LoopAdmission:
         during prefill leaves the ranks apart, so the loop must stop.
         """
         return True
-
-    def _sampling_args(self, admitted) -> dict:
-        """``SpecDecoder.prefill`` keyword arguments: per-slot sampling settings of the admitted slots."""
-        args = {f: [None] * self.dec.batch for f in ("temperature", "top_k", "top_p", "seed")}
-        for b in admitted:
-            params = self.slots[b].sampling or SamplingParams()
-            for f in args:
-                args[f][b] = getattr(params, f)
-        return args
 
     def _needs_boundary(self) -> bool:
         """A request waits for a free slot, a slot still holds a finished request, or a prompt

@@ -1,0 +1,126 @@
+"""Where a burst boundary's host time goes in the serving loop's ``refill`` workload.
+
+256 requests (16-token prompts, 256 new tokens each) flow through 64 slots of zero-cost
+stubs (k=4, M=8), the workload whose GPU idle figure ``graphburst bench serve`` reports.
+Each phase of a boundary (freeing, taking waiting requests, the decoder's validation,
+staging, model prefill kernels, slot writes, per-slot options) is timed on the host by
+wrapping the methods of one loop; the figures are medians over boundaries, with the
+slots admitted per boundary. On a GPU the burst clock gives device busy and idle time.
+
+Usage: ``PYTHONPATH=. python scripts/admit_profile.py [--backend cupy] [--json FILE]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import pstats
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, ".")
+from graphburst.backend import get_backend  # noqa: E402
+from graphburst.bench.common import VOCAB, stub_models  # noqa: E402
+from graphburst.serving.loop import Request, ServeLoop  # noqa: E402
+
+# (label, owner attribute path from the loop ("" is the loop), method): timed inclusively
+PHASES = (("boundary", "", "_boundary"), ("release", "dec", "release"), ("take", "", "_take_waiting"),
+          ("options", "dec", "set_slot_options"), ("prefill", "dec", "_prefill_checked"),
+          ("stage", "dec", "_stage_prompts"),
+          ("models", "dec", "_prefill_models"), ("admit", "dec", "_admit"),
+          ("drain", "pipeline", "drain"), ("deliver", "", "_deliver"), ("step", "", "step"))
+
+
+def _wrap(loop, totals: dict, prof=None) -> None:
+    for label, path, meth in PHASES:
+        owner = getattr(loop, path) if path else loop
+        real = getattr(owner, meth)
+
+        def timed(*a, _real=real, _label=label, **kw):
+            t = time.perf_counter()
+            if _label == "prefill":
+                totals["slots"] += len(a[0])  # {slot: chunk}
+            if prof is not None and _label == prof.label:
+                prof.enable()
+            try:
+                return _real(*a, **kw)
+            finally:
+                totals[_label] += time.perf_counter() - t
+                if prof is not None and _label == prof.label:
+                    prof.disable()
+
+        setattr(owner, meth, timed)
+
+
+def measure(backend_name: str, *, requests=256, batch=64, new_tokens=256, k=4, m=8, prefill_chunk=None,
+            prof=None) -> dict:
+    backend = get_backend(backend_name)
+    target, draft = stub_models(backend, batch=batch, capacity=64 + new_tokens + m * (k + 1))
+    loop = ServeLoop(target, draft, k=k, m_rounds=m, prefill_chunk=prefill_chunk)
+    warm = loop.submit(Request([1, 2, 3], m * (k + 1)))  # compiles kernels, captures the graph
+    loop.run_until_idle()
+    assert warm.done and not warm.error, warm.error
+    clock = loop.pipeline.clock
+    busy0, idle0 = clock.overall.busy_ms, clock.overall.idle_ms
+    totals = {label: 0.0 for label, _, _ in PHASES} | {"slots": 0}
+    per_boundary = []
+    _wrap(loop, totals, prof)
+    rng = np.random.default_rng(0)
+    states = [loop.submit(Request(rng.integers(0, VOCAB, 16).tolist(), new_tokens, options={"seed": i}))
+              for i in range(requests)]
+    t0 = time.perf_counter()
+    while not loop.idle:
+        before, occupied = dict(totals), loop._n_occupied
+        loop.step()
+        if totals["boundary"] != before["boundary"]:
+            row = {k: (totals[k] - before[k]) * (1 if k == "slots" else 1e6) for k in totals}
+            row["occupied_before"] = occupied
+            per_boundary.append(row)
+    wall = time.perf_counter() - t0
+    bad = [s.rid for s in states if s.error or len(s.tokens) != new_tokens]
+    assert not bad, f"requests without their {new_tokens} tokens: {bad[:5]}"
+    busy, idle = clock.overall.busy_ms - busy0, clock.overall.idle_ms - idle0
+    admitting = [r for r in per_boundary if r["prefill"] > 0]
+    med = {k: float(np.median([r[k] for r in admitting])) for k in admitting[0] if k != "occupied_before"} \
+        if admitting else {}
+    return {"backend": backend.name, "requests": requests, "batch": batch, "wall_ms": wall * 1e3,
+            "bursts": loop.bursts, "boundaries": len(per_boundary), "admitting_boundaries": len(admitting),
+            "gpu_busy_ms": busy if backend.is_gpu else None, "gpu_idle_ms": idle if backend.is_gpu else None,
+            "gpu_idle_fraction": idle / (busy + idle) if backend.is_gpu and busy + idle > 0 else None,
+            "host_us_per_step": totals["step"] * 1e6 / max(loop.bursts, 1),
+            "median_us_per_admitting_boundary": med,
+            "total_ms": {k: v * 1e3 for k, v in totals.items() if k != "slots"}}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--backend", default="auto", choices=("auto", "cupy", "numpy"))
+    p.add_argument("--requests", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--profile", choices=[label for label, _, _ in PHASES],
+                   help="print a cProfile of this phase in the first run (boundary, step, ...)")
+    p.add_argument("--json")
+    a = p.parse_args(argv)
+    prof = None
+    if a.profile:
+        prof = cProfile.Profile()
+        prof.label = a.profile
+    runs = [measure(a.backend, requests=a.requests, prof=prof if i == 0 else None) for i in range(a.repeats)]
+    if prof is not None:
+        pstats.Stats(prof).sort_stats("tottime").print_stats(40)
+    for r in runs:
+        med = "  ".join(f"{k} {v:.0f}" for k, v in r["median_us_per_admitting_boundary"].items())
+        idle = "-" if r["gpu_idle_fraction"] is None else f"{100 * r['gpu_idle_fraction']:.1f}%"
+        print(f"{r['backend']}: {r['bursts']} bursts, {r['admitting_boundaries']}/{r['boundaries']} admitting "
+              f"boundaries, host {r['host_us_per_step']:.0f} µs/step, GPU busy {r['gpu_busy_ms']} ms idle "
+              f"{r['gpu_idle_ms']} ms ({idle}); median µs per admitting boundary: {med}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(runs, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
