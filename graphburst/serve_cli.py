@@ -85,6 +85,8 @@ def add_parser(sub) -> None:
                    help="seconds a connection may stay idle, or take to send a whole request head")
     h.add_argument("--body-timeout", type=real_in(0.1, 3600.0), default=30.0,
                    help="seconds a request may take to send its body")
+    h.add_argument("--write-timeout", type=real_in(0.1, 86400.0), default=300.0,
+                   help="seconds a stream may wait for a client that does not read; then it is cancelled and closed")
     h.add_argument("--tokenizer", default=None, metavar="DIR", help="model dir with tokenizer.json (text I/O)")
     h.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default graphburst-stub, or the --model directory's name)")

@@ -7,7 +7,7 @@ staging, model prefill kernels, slot writes, per-slot options) is timed on the h
 wrapping the methods of one loop; the figures are medians over boundaries, with the
 slots admitted per boundary. On a GPU the burst clock gives device busy and idle time.
 
-Usage: ``PYTHONPATH=. python scripts/admit_profile.py [--backend cupy] [--json FILE]``
+Usage: ``PYTHONPATH=. python scripts/admit_profile.py [--backend cupy] [-m 8 16 32] [--json FILE]``
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def measure(backend_name: str, *, requests=256, batch=64, new_tokens=256, k=4, m
     clock = loop.pipeline.clock
     busy0, idle0 = clock.overall.busy_ms, clock.overall.idle_ms
     totals = {label: 0.0 for label, _, _ in PHASES} | {"slots": 0}
-    per_boundary = []
+    per_boundary, plain_steps = [], []  # steps with and without a boundary
     _wrap(loop, totals, prof)
     rng = np.random.default_rng(0)
     states = [loop.submit(Request(rng.integers(0, VOCAB, 16).tolist(), new_tokens, options={"seed": i}))
@@ -75,10 +75,12 @@ def measure(backend_name: str, *, requests=256, batch=64, new_tokens=256, k=4, m
     while not loop.idle:
         before, occupied = dict(totals), loop._n_occupied
         loop.step()
+        row = {k: (totals[k] - before[k]) * (1 if k == "slots" else 1e6) for k in totals}
         if totals["boundary"] != before["boundary"]:
-            row = {k: (totals[k] - before[k]) * (1 if k == "slots" else 1e6) for k in totals}
             row["occupied_before"] = occupied
             per_boundary.append(row)
+        else:
+            plain_steps.append(row)
     wall = time.perf_counter() - t0
     bad = [s.rid for s in states if s.error or len(s.tokens) != new_tokens]
     assert not bad, f"requests without their {new_tokens} tokens: {bad[:5]}"
@@ -86,12 +88,15 @@ def measure(backend_name: str, *, requests=256, batch=64, new_tokens=256, k=4, m
     admitting = [r for r in per_boundary if r["prefill"] > 0]
     med = {k: float(np.median([r[k] for r in admitting])) for k in admitting[0] if k != "occupied_before"} \
         if admitting else {}
-    return {"backend": backend.name, "requests": requests, "batch": batch, "wall_ms": wall * 1e3,
+    return {"backend": backend.name, "requests": requests, "batch": batch, "k": k, "m": m, "wall_ms": wall * 1e3,
             "bursts": loop.bursts, "boundaries": len(per_boundary), "admitting_boundaries": len(admitting),
             "gpu_busy_ms": busy if backend.is_gpu else None, "gpu_idle_ms": idle if backend.is_gpu else None,
             "gpu_idle_fraction": idle / (busy + idle) if backend.is_gpu and busy + idle > 0 else None,
             "host_us_per_step": totals["step"] * 1e6 / max(loop.bursts, 1),
             "median_us_per_admitting_boundary": med,
+            # steps with no boundary: drain (including any wait for the GPU), launch, deliver
+            "median_us_per_plain_step": {k: float(np.median([r[k] for r in plain_steps]))
+                                         for k in ("drain", "deliver", "step")} if plain_steps else {},
             "total_ms": {k: v * 1e3 for k, v in totals.items() if k != "slots"}}
 
 
@@ -99,6 +104,8 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--backend", default="auto", choices=("auto", "cupy", "numpy"))
     p.add_argument("--requests", type=int, default=256)
+    p.add_argument("-k", type=int, default=4, help="drafts per round")
+    p.add_argument("-m", type=int, nargs="+", default=[8], help="rounds per burst (several: a sweep)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--profile", choices=[label for label, _, _ in PHASES],
                    help="print a cProfile of this phase in the first run (boundary, step, ...)")
@@ -108,15 +115,17 @@ def main(argv=None) -> None:
     if a.profile:
         prof = cProfile.Profile()
         prof.label = a.profile
-    runs = [measure(a.backend, requests=a.requests, prof=prof if i == 0 else None) for i in range(a.repeats)]
+    runs = [measure(a.backend, requests=a.requests, k=a.k, m=m, prof=prof if i == 0 else None)
+            for m in a.m for i in range(a.repeats)]
     if prof is not None:
         pstats.Stats(prof).sort_stats("tottime").print_stats(40)
     for r in runs:
         med = "  ".join(f"{k} {v:.0f}" for k, v in r["median_us_per_admitting_boundary"].items())
         idle = "-" if r["gpu_idle_fraction"] is None else f"{100 * r['gpu_idle_fraction']:.1f}%"
-        print(f"{r['backend']}: {r['bursts']} bursts, {r['admitting_boundaries']}/{r['boundaries']} admitting "
+        plain = "  ".join(f"{k} {v:.0f}" for k, v in r["median_us_per_plain_step"].items())
+        print(f"{r['backend']} k={r['k']} M={r['m']}: {r['bursts']} bursts, {r['admitting_boundaries']}/{r['boundaries']} admitting "
               f"boundaries, host {r['host_us_per_step']:.0f} µs/step, GPU busy {r['gpu_busy_ms']} ms idle "
-              f"{r['gpu_idle_ms']} ms ({idle}); median µs per admitting boundary: {med}")
+              f"{r['gpu_idle_ms']} ms ({idle}); median µs per admitting boundary: {med}; per plain step: {plain}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(runs, f, indent=1)

@@ -214,3 +214,39 @@ def test_a_stalled_client_that_disconnects_frees_its_slot(bp_server):
         time.sleep(0.05)
     # Every slot serves again
     _others_finish(url, timeout=30)
+
+
+@pytest.fixture(scope="module")
+def timeout_server(long_words):
+    s = ServerProcess("--batch", str(OTHERS + 1), "-k", "3", "-m", "4", "--vocab", str(VOCAB), "--capacity", "65536",
+                      "--tokenizer", str(long_words), "--write-timeout", "1")
+    yield s
+    assert s.terminate() == 0, s.errors()
+
+
+def test_a_client_that_neither_reads_nor_leaves_is_cut_off_after_the_write_timeout(timeout_server):
+    url = timeout_server.url
+    cancelled = _metric(url, "graphburst_requests_total", finish_reason="cancelled")
+    before = _metric(url, "graphburst_generation_tokens_total")
+    slow = _open_slow_stream(url, [5, 6], 60_000)  # at the numpy backend's pace this outlasts the test
+    _wait_until_stalled(url, before)
+    deadline = time.monotonic() + 15  # the client keeps its socket open and reads nothing
+    while _metric(url, "graphburst_requests_total", finish_reason="cancelled") - cancelled < 1 or \
+            _metric(url, "graphburst_active_slots") != 0:
+        assert time.monotonic() < deadline, "the stalled stream was not cut off after --write-timeout"
+        time.sleep(0.05)
+    # The server closed the connection: the client reads what the kernel held, then the end
+    # (a socket.timeout here would mean the connection is still open).
+    _read_until_closed(slow.sock)
+    _others_finish(url, timeout=30)  # every slot serves again
+
+
+def _read_until_closed(sock) -> None:
+    sock.settimeout(10)
+    try:
+        while sock.recv(1 << 16):
+            pass
+    except ConnectionResetError:
+        pass  # abort() resets the connection: the unread data is dropped
+    finally:
+        sock.close()

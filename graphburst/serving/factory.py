@@ -44,7 +44,8 @@ INT_RANGES = {"batch": (1, 65536), "k": (1, MAX_K), "rounds": (1, 1024), "capaci
               "vocab": (2, 2**31 - 1), "layers": (1, 4096), "max_queue": (1, 1_000_000), "tp": (1, 64),
               "prefill_chunk": (1, 2**31 - 1)}
 REAL_RANGES = {"accept": (0.0, 1.0), "cost_us": (0.0, 1e6), "p_min": (0.0, 1.0), "drain_timeout": (0.0, 3600.0),
-               "header_timeout": (0.1, 3600.0), "body_timeout": (0.1, 3600.0), "dist_timeout": (1.0, 3600.0)}
+               "header_timeout": (0.1, 3600.0), "body_timeout": (0.1, 3600.0),
+               "write_timeout": (0.1, 86400.0), "dist_timeout": (1.0, 3600.0)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +101,7 @@ class ServeConfig:
     drain_timeout: float = 10.0
     header_timeout: float = 30.0  # seconds a connection may stay idle, or take to send a request head
     body_timeout: float = 30.0  # seconds a request may take to send its body
+    write_timeout: float = 300.0  # seconds a stream may wait for its client to take one chunk
     tokenizer: str | None = None
     served_model_name: str | None = None
     # tensor-parallel serving (parallel/serve_tp)

@@ -11,7 +11,8 @@ ticket per choice, and answered either as one JSON body or as server-sent events
 Backpressure is per stream: the engine thread never waits for a client. Each request
 buffers its own updates in an unbounded asyncio.Queue (bounded in practice by its
 ``max_tokens``), and only its own handler waits in ``resp.write`` while the client does not
-read; the other handlers and the engine run on.
+read; the other handlers and the engine run on. A client that takes no chunk for
+``--write-timeout`` seconds is cut off and its request cancelled.
 
 A client that goes away is cancelled at the next burst boundary: aiohttp cancels the
 handler when the connection drops (``handler_cancellation=True``), and a failed write does
@@ -46,6 +47,7 @@ DEFAULT_ADDRESS = "127.0.0.1:8000"
 MAX_BODY_BYTES = MAX_REQUEST_BYTES  # aiohttp's client_max_size
 RETRY_AFTER_S = 1
 BODY_TIMEOUT_S = 30.0  # Server's default body timeout (serving: ServeConfig.body_timeout, --body-timeout)
+WRITE_TIMEOUT_S = 300.0  # Server's default write timeout (ServeConfig.write_timeout, --write-timeout)
 CANCEL_GRACE_S = 2.0  # after the drain timeout: time for cancelled handlers to send their last chunk
 # The engine thread and the event loop share the GIL. When the engine's drain returns, it
 # waits for the GIL until the event loop gives it up, at the latest after the switch
@@ -103,8 +105,9 @@ class Server:
 
     def __init__(self, engine: EngineThread, metrics: Metrics, *, model: str, vocab: int, capacity: int,
                  max_queue: int, tokenizer=None, chat: chat_api.ChatTokenizer | None = None, sampling: bool = False,
-                 body_timeout: float = BODY_TIMEOUT_S):
+                 body_timeout: float = BODY_TIMEOUT_S, write_timeout: float = WRITE_TIMEOUT_S):
         self.engine, self.metrics = engine, metrics
+        self.write_timeout = write_timeout
         self.chat = chat  # the transformers tokenizer with the chat template; None without --tokenizer
         self.body_timeout = body_timeout
         self.sampling = sampling
@@ -275,7 +278,7 @@ class Server:
         left, generated = n, 0
         try:
             if head := reply.start():
-                await resp.write(head)
+                await self._send(resp, head)
             while left:
                 up = await queue.get()  # one update per burst per choice
                 generated += len(up.tokens)
@@ -284,16 +287,24 @@ class Server:
                 elif not up.tokens:
                     continue
                 if up.error:
-                    await resp.write(_sse(api.APIError(up.error, status=500, type="server_error").body()))
+                    await self._send(resp, _sse(api.APIError(up.error, status=500, type="server_error").body()))
                 use = api.usage(comp.prompt_tokens, generated) if left == 0 else None
-                await resp.write(reply.chunk(up.index, detok[up.index].feed(up.tokens), up.tokens, up.reason, use))
+                await self._send(resp, reply.chunk(up.index, detok[up.index].feed(up.tokens), up.tokens, up.reason, use))
             if tail := reply.end(api.usage(comp.prompt_tokens, generated)):
-                await resp.write(tail)
-            await resp.write(b"data: [DONE]\n\n")
-            await resp.write_eof()
+                await self._send(resp, tail)
+            await self._send(resp, b"data: [DONE]\n\n")
+            await asyncio.wait_for(resp.write_eof(), self.write_timeout)
         except ConnectionError:  # the client went away mid-stream; finally in completions() cancels
             pass
+        except TimeoutError:  # the client stopped reading: close the connection; completions() cancels
+            if request.transport is not None:
+                request.transport.abort()
         return resp
+
+    async def _send(self, resp: web.StreamResponse, data: bytes) -> None:
+        """One write, waiting at most ``write_timeout`` for the client to take it (TimeoutError):
+        a client that neither reads nor disconnects must not hold its handler and slot forever."""
+        await asyncio.wait_for(resp.write(data), self.write_timeout)
 
 
 def _http_error(request: web.Request, exc: web.HTTPException) -> api.APIError:
@@ -317,7 +328,7 @@ async def _serve(args, loop: ServeLoop, host: str, port: int, tokenizer, chat) -
     metrics = Metrics(engine)
     server = Server(engine, metrics, model=model_name(args), vocab=loop.vocab, capacity=loop.dec.capacity,
                     max_queue=args.max_queue, tokenizer=tokenizer, chat=chat, sampling=loop.sampling,
-                    body_timeout=args.body_timeout)
+                    body_timeout=args.body_timeout, write_timeout=args.write_timeout)
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         aloop.add_signal_handler(sig, stop.set)
