@@ -55,6 +55,22 @@ def _wrap(loop, totals: dict, prof=None) -> None:
         setattr(owner, meth, timed)
 
 
+class _TimedEvent:
+    """A graph's completion event whose ``synchronize`` (the drain's wait for the GPU) is timed,
+    so the drain's host work can be told from its waiting."""
+
+    def __init__(self, event, totals: dict):
+        self.event, self.totals = event, totals
+
+    def record(self, stream=None):
+        self.event.record(stream)
+
+    def synchronize(self):
+        t = time.perf_counter()
+        self.event.synchronize()
+        self.totals["wait"] += time.perf_counter() - t
+
+
 def measure(backend_name: str, *, requests=256, batch=64, new_tokens=256, k=4, m=8, prefill_chunk=None,
             prof=None) -> dict:
     backend = get_backend(backend_name)
@@ -65,9 +81,11 @@ def measure(backend_name: str, *, requests=256, batch=64, new_tokens=256, k=4, m
     assert warm.done and not warm.error, warm.error
     clock = loop.pipeline.clock
     busy0, idle0 = clock.overall.busy_ms, clock.overall.idle_ms
-    totals = {label: 0.0 for label, _, _ in PHASES} | {"slots": 0}
+    totals = {label: 0.0 for label, _, _ in PHASES} | {"wait": 0.0, "slots": 0}
     per_boundary, plain_steps = [], []  # steps with and without a boundary
     _wrap(loop, totals, prof)
+    graph = loop.pipeline.graph
+    graph._events = [_TimedEvent(e, totals) for e in graph._events]
     rng = np.random.default_rng(0)
     states = [loop.submit(Request(rng.integers(0, VOCAB, 16).tolist(), new_tokens, options={"seed": i}))
               for i in range(requests)]
@@ -96,7 +114,7 @@ def measure(backend_name: str, *, requests=256, batch=64, new_tokens=256, k=4, m
             "median_us_per_admitting_boundary": med,
             # steps with no boundary: drain (including any wait for the GPU), launch, deliver
             "median_us_per_plain_step": {k: float(np.median([r[k] for r in plain_steps]))
-                                         for k in ("drain", "deliver", "step")} if plain_steps else {},
+                                         for k in ("wait", "drain", "deliver", "step")} if plain_steps else {},
             "total_ms": {k: v * 1e3 for k, v in totals.items() if k != "slots"}}
 
 
@@ -118,7 +136,12 @@ def main(argv=None) -> None:
     runs = [measure(a.backend, requests=a.requests, k=a.k, m=m, prof=prof if i == 0 else None)
             for m in a.m for i in range(a.repeats)]
     if prof is not None:
-        pstats.Stats(prof).sort_stats("tottime").print_stats(40)
+        steps = runs[0]["bursts"]
+        rows = sorted(pstats.Stats(prof).stats.items(), key=lambda kv: -kv[1][2])[:45]
+        print(f"cProfile of {a.profile} (first run), own time in µs per burst over {steps} bursts:")
+        for (file, line, fn), (_, calls, own, cum, _) in rows:
+            print(f"{own * 1e6 / steps:8.2f} own {cum * 1e6 / steps:8.2f} cum {calls / steps:6.2f} calls  "
+                  f"{file.split('/')[-1]}:{line}({fn})")
     for r in runs:
         med = "  ".join(f"{k} {v:.0f}" for k, v in r["median_us_per_admitting_boundary"].items())
         idle = "-" if r["gpu_idle_fraction"] is None else f"{100 * r['gpu_idle_fraction']:.1f}%"

@@ -333,9 +333,19 @@ def run(args, console: Console, backend) -> int:
     return 0
 
 
+def _shape_draft(s) -> str:
+    """How a random shape's draft is made: its first blocks, or a draft of its own shape."""
+    if s["shape"]:
+        from .real_models import MODELS  # torch: only for a random shape
+
+        spec = MODELS[s["model"]]
+        return "self-draft" if spec.draft_cfg is None else f"a {spec.draft_cfg.hidden_size}-wide draft of its own"
+    return "self-draft" if s["model"] == TINY_RANDOM else "?"
+
+
 def _title(args, load, backend) -> str:
     s = load["server"]
-    draft = s["draft"] or ("self-draft" if s["shape"] or s["model"] == TINY_RANDOM else "?")
+    draft = s["draft"] or _shape_draft(s)
     where = "GPU" if backend.is_gpu else "CPU reference"
     model = os.path.basename(os.path.normpath(s["model"]))
     return (f"open loop: {model} + {draft}, {s['dtype']}, B={s['batch']}, k={s['k']}, M={s['m']}; "

@@ -15,7 +15,7 @@ from .real_report import SAME_KERNEL_ORDER
 
 # The torch-dependent modules (real_models, real_engines, real_checks) are imported when
 # the benchmark runs: the CLI imports this module for every command, torch or not.
-MODEL_NAMES = ("tiny", "small", "1b", "qwen3-tiny", "qwen3-0.6b", "qwen3-8b", "qwen3-tiny-pair")  # real_models.MODELS
+MODEL_NAMES = ("tiny", "small", "1b", "8b", "qwen3-tiny", "qwen3-0.6b", "qwen3-8b", "qwen3-tiny-pair")  # real_models.MODELS
 
 ENGINES = ("hf", "eager", "vllm", "graphburst", "gapless", "compile")
 DEFAULT_ENGINES = "hf,eager,vllm,graphburst,gapless"

@@ -35,6 +35,10 @@ LLAMA32_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "
                 "original_max_position_embeddings": 8192}
 
 
+# Llama-3.2-1B's shape.
+LLAMA_1B = LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                       num_attention_heads=32, num_key_value_heads=8, head_dim=64, rms_norm_eps=1e-5,
+                       rope_theta=500000.0, rope_scaling=LLAMA32_ROPE, tie_word_embeddings=True)
 QWEN3 = dict(rope_theta=1e6, qk_norm=True, model_type="qwen3", rms_norm_eps=1e-6)
 QWEN3_TINY = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=24, tie_word_embeddings=True, **QWEN3)
@@ -65,12 +69,15 @@ MODELS = {
                                             num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
                                             head_dim=64, rms_norm_eps=1e-5),
                        2, "12 layers, d=768, 12 q / 4 KV heads, FFN 3072, vocab 32000, untied head"),
-    # Llama-3.2-1B's shape.
-    "1b": ModelSpec("1b", LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                                      num_attention_heads=32, num_key_value_heads=8, head_dim=64, rms_norm_eps=1e-5,
-                                      rope_theta=500000.0, rope_scaling=LLAMA32_ROPE, tie_word_embeddings=True),
+    "1b": ModelSpec("1b", LLAMA_1B,
                     2, "Llama-3.2-1B shape: 16 layers, d=2048, 32 q / 8 KV heads, FFN 8192, vocab 128256, "
                        "tied embeddings, llama3 rope"),
+    # Llama-3.1-8B's shape with a Llama-3.2-1B-shaped draft (subspace_draft): the 8b/1b pair.
+    "8b": ModelSpec("8b", LLAMA_1B.replace(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                           head_dim=128, tie_word_embeddings=False,
+                                           rope_scaling=LLAMA32_ROPE | {"factor": 8.0}),  # Llama-3.1's
+                    0, "Llama-3.1-8B shape: 32 layers, d=4096, 32 q / 8 KV heads of 128, FFN 14336, vocab 128256, "
+                       "untied, llama3 rope; Llama-3.2-1B-shaped draft", draft_cfg=LLAMA_1B),
     # CI/smoke size of the Qwen3 path: q/k norms, head_dim 24 != 64 / 4, tied head.
     "qwen3-tiny": ModelSpec("qwen3-tiny", QWEN3_TINY, 2, "Qwen3 switches at CI size: 4 layers, d=64, 4 q / 2 KV "
                                                          "heads of 24, q/k norms, FFN 128, vocab 512, tied"),
