@@ -137,7 +137,7 @@ class SlotAdmission:
         lens, starts_now = self._host_stage[: self.batch], self._host_stage[self.batch: 2 * self.batch]
         ends = np.where(lens != NO_PREFILL, starts_now + lens, NO_PREFILL).astype(np.int32)  # [B] int32
         p_max = max(len(rows[b]) for b in slots)
-        stage = self._prompt_flat[: self.batch * p_max].reshape(self.batch, p_max)
+        stage = self._stage_view("chunks", p_max)
         self._prefill_models(stage, ends, slots, settings, final)
         self._admit(np.asarray(slots, np.int64), ends, table, final)
 
@@ -245,8 +245,24 @@ class SlotAdmission:
             table[:, i] = (b, limits[b], stops[b]) if final else (b, 0, NO_EOS)
         # Stream-ordered, into the staging block: a second prefill enqueued before the first
         # has run overwrites it only after the first's kernels have read it.
-        self.backend.upload(self._stage[: host.size], host, self.stream)
-        return self._stage[2 * batch: 2 * batch + 3 * n].reshape(3, n)
+        self.backend.upload(self._stage_view("head+chunks", p_max), host, self.stream)
+        return self._stage_view("table", n)
+
+    def _stage_view(self, part: str, size: int):
+        """A device view of the staging block, made once per (part, size): a view costs a few
+        microseconds of host time on cupy, and admission runs while the GPU may wait.
+
+        ``("chunks", P_max)``: ``[B, P_max]``; ``("head+chunks", P_max)``: the block up to the
+        chunks' end (the upload's destination); ``("table", n)``: ``[3, n]``.
+        """
+        view = self._stage_views.get((part, size))
+        if view is None:
+            b, head = self.batch, STAGE_HEAD * self.batch
+            view = {"chunks": lambda: self._prompt_flat[: b * size].reshape(b, size),
+                    "head+chunks": lambda: self._stage[: head + b * size],
+                    "table": lambda: self._stage[2 * b: 2 * b + 3 * size].reshape(3, size)}[part]()
+            self._stage_views[(part, size)] = view
+        return view
 
     def _prefill_models(self, stage, ends, slots: list, settings: dict, final: bool) -> None:
         """Run: the models' prefill (the target sets ``pos_ctr`` and, when final, ``pend``), then

@@ -229,16 +229,20 @@ class StubDraft(_StubModel, DraftModel):
         self.p_min = check_prob("p_min", p_min)
         self.default_accept_prob = check_prob("accept_prob", accept_prob)
         self.default_seed = check_int("seed", seed, minimum=0, maximum=2**32 - 1)
-        # Host mirrors of the per-sequence settings: changing slots is one upload of each.
-        self._host_seed = np.full(self.batch, self.default_seed, np.uint32)
-        self._host_agree = np.full(self.batch, fixed24(self.default_accept_prob), np.int32)
-        self.seed = self.backend.zeros((self.batch,), np.uint32)  # [B] uint32
-        self.agree24 = self.backend.zeros((self.batch,), np.int32)  # [B] int32, 24-bit fixed point
+        # The per-sequence settings share one block, with a host mirror: changing slots (at
+        # every admission, while the GPU may wait on the host) is one upload.
+        self._host_slots = np.empty((2, self.batch), np.int32)  # [2, B] int32: seed (as uint32), agree24
+        self._host_seed = self._host_slots[0].view(np.uint32)
+        self._host_agree = self._host_slots[1]
+        self._host_seed[:] = self.default_seed
+        self._host_agree[:] = fixed24(self.default_accept_prob)
+        self._slot_block = self.backend.zeros((2, self.batch), np.int32)  # [2, B] int32, the device copy
+        self.seed = self._slot_block[0].view(np.uint32)  # [B] uint32
+        self.agree24 = self._slot_block[1]  # [B] int32, 24-bit fixed point
         self._upload_slots(None)
 
     def _upload_slots(self, stream) -> None:
-        self.backend.upload(self.seed, self._host_seed, stream)
-        self.backend.upload(self.agree24, self._host_agree, stream)
+        self.backend.upload(self._slot_block, self._host_slots, stream)
 
     def slot_options(self, options: dict) -> tuple:
         """Validate ``{"accept_prob": p, "seed": s}`` (either optional) as ``(p or None, s or None)``."""

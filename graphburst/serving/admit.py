@@ -38,10 +38,11 @@ class LoopAdmission:
         after it serves the new slots. Admission reads the values validated at submission;
         a request whose prefill fails finishes with an error and its slot is freed.
         """
-        freed = [b for b, s in enumerate(self.slots) if s is not None and s.done]
-        self._free(freed)
-        self._n_stale = 0
-        self.dec.release(freed)
+        if self._n_stale:  # else every finished request's slot was freed at delivery: no scan
+            freed = [b for b, s in enumerate(self.slots) if s is not None and s.done]
+            self._free(freed)
+            self._n_stale = 0
+            self.dec.release(freed)
         if self.intake.queue and self._n_occupied < self.dec.batch:
             self._take_waiting()
         if self._prefilling:
