@@ -7,7 +7,11 @@ staging, model prefill kernels, slot writes, per-slot options) is timed on the h
 wrapping the methods of one loop; the figures are medians over boundaries, with the
 slots admitted per boundary. On a GPU the burst clock gives device busy and idle time.
 
-Usage: ``PYTHONPATH=. python scripts/admit_profile.py [--backend cupy] [-m 8 16 32] [--json FILE]``
+``--model 1b`` runs a random-weight shape of ``graphburst bench real`` instead (prompts and
+outputs lognormal, mean 128, in [16, 512], as the open-loop load benchmark draws them), all
+requests submitted at once, with no HTTP: the loop's own idle under a real model.
+
+Usage: ``PYTHONPATH=. python scripts/admit_profile.py [--backend cupy] [-m 8 16 32] [--model 1b] [--json FILE]``
 """
 
 from __future__ import annotations
@@ -24,8 +28,10 @@ import numpy as np
 sys.path.insert(0, ".")
 from graphburst.backend import get_backend  # noqa: E402
 from graphburst.bench.common import VOCAB, stub_models  # noqa: E402
+from graphburst.bench.load_server import shape_models  # noqa: E402
 from graphburst.serving.loop import Request, ServeLoop  # noqa: E402
 
+LOAD_MAX = 512  # --model: prompt and output lengths lognormal, mean 128, in [16, 512] (the load benchmark's default)
 # (label, owner attribute path from the loop ("" is the loop), method): timed inclusively
 PHASES = (("boundary", "", "_boundary"), ("release", "dec", "release"), ("take", "", "_take_waiting"),
           ("options", "dec", "set_slot_options"), ("prefill", "dec", "_prefill_checked"),
@@ -72,9 +78,17 @@ class _TimedEvent:
 
 
 def measure(backend_name: str, *, requests=256, batch=64, new_tokens=256, k=4, m=8, prefill_chunk=None,
-            prof=None) -> dict:
+            prof=None, model=None) -> dict:
     backend = get_backend(backend_name)
-    target, draft = stub_models(backend, batch=batch, capacity=64 + new_tokens + m * (k + 1))
+    rng = np.random.default_rng(0)
+    if model is None:
+        target, draft = stub_models(backend, batch=batch, capacity=64 + new_tokens + m * (k + 1))
+        reqs = [Request(rng.integers(0, VOCAB, 16).tolist(), new_tokens, options={"seed": i}) for i in range(requests)]
+    else:  # a random-weight shape of bench real, lengths as the load benchmark draws them by default
+        target, draft = shape_models(model, batch=batch, capacity=2 * LOAD_MAX + m * (k + 1), k=k, dtype="bfloat16",
+                                     eps=0.01, seed=0, backend=backend, lookup=False)
+        lens = np.clip(np.rint(rng.lognormal(np.log(128) - 0.125, 0.5, (2, requests))), 16, LOAD_MAX).astype(int)
+        reqs = [Request(rng.integers(0, target.vocab, p).tolist(), int(n)) for p, n in lens.T]
     loop = ServeLoop(target, draft, k=k, m_rounds=m, prefill_chunk=prefill_chunk)
     warm = loop.submit(Request([1, 2, 3], m * (k + 1)))  # compiles kernels, captures the graph
     loop.run_until_idle()
@@ -86,9 +100,7 @@ def measure(backend_name: str, *, requests=256, batch=64, new_tokens=256, k=4, m
     _wrap(loop, totals, prof)
     graph = loop.pipeline.graph
     graph._events = [_TimedEvent(e, totals) for e in graph._events]
-    rng = np.random.default_rng(0)
-    states = [loop.submit(Request(rng.integers(0, VOCAB, 16).tolist(), new_tokens, options={"seed": i}))
-              for i in range(requests)]
+    states = [loop.submit(r) for r in reqs]
     t0 = time.perf_counter()
     while not loop.idle:
         before, occupied = dict(totals), loop._n_occupied
@@ -100,13 +112,13 @@ def measure(backend_name: str, *, requests=256, batch=64, new_tokens=256, k=4, m
         else:
             plain_steps.append(row)
     wall = time.perf_counter() - t0
-    bad = [s.rid for s in states if s.error or len(s.tokens) != new_tokens]
-    assert not bad, f"requests without their {new_tokens} tokens: {bad[:5]}"
+    bad = [s.rid for s, r in zip(states, reqs) if s.error or len(s.tokens) != r.max_new_tokens]
+    assert not bad, f"requests without all their tokens: {bad[:5]}"
     busy, idle = clock.overall.busy_ms - busy0, clock.overall.idle_ms - idle0
     admitting = [r for r in per_boundary if r["prefill"] > 0]
     med = {k: float(np.median([r[k] for r in admitting])) for k in admitting[0] if k != "occupied_before"} \
         if admitting else {}
-    return {"backend": backend.name, "requests": requests, "batch": batch, "k": k, "m": m, "wall_ms": wall * 1e3,
+    return {"backend": backend.name, "model": model or "stubs", "requests": requests, "batch": batch, "k": k, "m": m, "wall_ms": wall * 1e3,
             "bursts": loop.bursts, "boundaries": len(per_boundary), "admitting_boundaries": len(admitting),
             "gpu_busy_ms": busy if backend.is_gpu else None, "gpu_idle_ms": idle if backend.is_gpu else None,
             "gpu_idle_fraction": idle / (busy + idle) if backend.is_gpu and busy + idle > 0 else None,
@@ -122,6 +134,8 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--backend", default="auto", choices=("auto", "cupy", "numpy"))
     p.add_argument("--requests", type=int, default=256)
+    p.add_argument("--model", help="a random-weight shape of bench real (1b, 8b, ...) instead of zero-cost stubs")
+    p.add_argument("--prefill-chunk", type=int)
     p.add_argument("-k", type=int, default=4, help="drafts per round")
     p.add_argument("-m", type=int, nargs="+", default=[8], help="rounds per burst (several: a sweep)")
     p.add_argument("--repeats", type=int, default=3)
@@ -133,7 +147,8 @@ def main(argv=None) -> None:
     if a.profile:
         prof = cProfile.Profile()
         prof.label = a.profile
-    runs = [measure(a.backend, requests=a.requests, k=a.k, m=m, prof=prof if i == 0 else None)
+    runs = [measure(a.backend, requests=a.requests, k=a.k, m=m, prof=prof if i == 0 else None, model=a.model,
+                    prefill_chunk=a.prefill_chunk)
             for m in a.m for i in range(a.repeats)]
     if prof is not None:
         steps = runs[0]["bursts"]
@@ -146,7 +161,7 @@ def main(argv=None) -> None:
         med = "  ".join(f"{k} {v:.0f}" for k, v in r["median_us_per_admitting_boundary"].items())
         idle = "-" if r["gpu_idle_fraction"] is None else f"{100 * r['gpu_idle_fraction']:.1f}%"
         plain = "  ".join(f"{k} {v:.0f}" for k, v in r["median_us_per_plain_step"].items())
-        print(f"{r['backend']} k={r['k']} M={r['m']}: {r['bursts']} bursts, {r['admitting_boundaries']}/{r['boundaries']} admitting "
+        print(f"{r['backend']} {r['model']} k={r['k']} M={r['m']}: {r['bursts']} bursts, {r['admitting_boundaries']}/{r['boundaries']} admitting "
               f"boundaries, host {r['host_us_per_step']:.0f} µs/step, GPU busy {r['gpu_busy_ms']} ms idle "
               f"{r['gpu_idle_ms']} ms ({idle}); median µs per admitting boundary: {med}; per plain step: {plain}")
     if a.json:
