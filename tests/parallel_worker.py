@@ -99,7 +99,7 @@ def lockstep(ctx, scenario: str) -> dict:
     if scenario == "lockstep_prefill_fails":
         def broken(*a, **kw):  # as a collective inside prefill would fail: not a bad request
             raise RuntimeError(f"injected collective failure on rank {ctx.rank}")
-        loop.dec.prefill = broken
+        loop.dec._prefill_checked = broken  # what prefill and prefill_checked (the loop's) both run
     try:
         if ctx.rank == 0:
             state = loop.submit(Request(prompt=[5, 17, 300], max_new_tokens=6, id="a"))
