@@ -94,7 +94,7 @@ def measure(backend_name: str, *, requests=256, batch=64, new_tokens=256, k=4, m
     loop.run_until_idle()
     assert warm.done and not warm.error, warm.error
     clock = loop.pipeline.clock
-    busy0, idle0 = clock.overall.busy_ms, clock.overall.idle_ms
+    busy0, idle0, adm0 = clock.overall.busy_ms, clock.overall.idle_ms, clock.overall.admission_ms
     totals = {label: 0.0 for label, _, _ in PHASES} | {"wait": 0.0, "slots": 0}
     per_boundary, plain_steps = [], []  # steps with and without a boundary
     _wrap(loop, totals, prof)
@@ -115,6 +115,7 @@ def measure(backend_name: str, *, requests=256, batch=64, new_tokens=256, k=4, m
     bad = [s.rid for s, r in zip(states, reqs) if s.error or len(s.tokens) != r.max_new_tokens]
     assert not bad, f"requests without all their tokens: {bad[:5]}"
     busy, idle = clock.overall.busy_ms - busy0, clock.overall.idle_ms - idle0
+    admission = clock.overall.admission_ms - adm0
     admitting = [r for r in per_boundary if r["prefill"] > 0]
     med = {k: float(np.median([r[k] for r in admitting])) for k in admitting[0] if k != "occupied_before"} \
         if admitting else {}
@@ -122,6 +123,7 @@ def measure(backend_name: str, *, requests=256, batch=64, new_tokens=256, k=4, m
             "bursts": loop.bursts, "boundaries": len(per_boundary), "admitting_boundaries": len(admitting),
             "gpu_busy_ms": busy if backend.is_gpu else None, "gpu_idle_ms": idle if backend.is_gpu else None,
             "gpu_idle_fraction": idle / (busy + idle) if backend.is_gpu and busy + idle > 0 else None,
+            "gpu_admission_ms": admission if backend.is_gpu else None,
             "host_us_per_step": totals["step"] * 1e6 / max(loop.bursts, 1),
             "median_us_per_admitting_boundary": med,
             # steps with no boundary: drain (including any wait for the GPU), launch, deliver
@@ -163,7 +165,7 @@ def main(argv=None) -> None:
         plain = "  ".join(f"{k} {v:.0f}" for k, v in r["median_us_per_plain_step"].items())
         print(f"{r['backend']} {r['model']} k={r['k']} M={r['m']}: {r['bursts']} bursts, {r['admitting_boundaries']}/{r['boundaries']} admitting "
               f"boundaries, host {r['host_us_per_step']:.0f} µs/step, GPU busy {r['gpu_busy_ms']} ms idle "
-              f"{r['gpu_idle_ms']} ms ({idle}); median µs per admitting boundary: {med}; per plain step: {plain}")
+              f"{r['gpu_idle_ms']} ms ({idle}; admission spans {r['gpu_admission_ms']} ms); median µs per admitting boundary: {med}; per plain step: {plain}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(runs, f, indent=1)

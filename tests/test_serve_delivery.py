@@ -39,6 +39,39 @@ def test_steady_idle_counts_only_bursts_launched_with_every_slot_running():
     assert BurstClock(_NoGPU()).steady.idle_fraction is None  # no burst: no figure, never 0
 
 
+def test_admission_spans_are_a_part_of_the_idle_time_of_counted_gaps():
+    clock = BurstClock(_NoGPU())
+    # (busy, gap, steady, admission): a gap not counted drops its span; a span never exceeds its gap
+    for busy, gap, steady, admission in [(1.0, None, False, 5.0), (1.0, 2.0, True, 0.5), (1.0, 1.0, True, 1.5),
+                                         (1.0, 3.0, False, 0.0)]:
+        clock.record(busy, gap, steady, admission)
+    assert clock.overall.admission_ms == pytest.approx(0.5 + 1.0)
+    assert clock.overall.admission_fraction == pytest.approx(1.5 / (4 + 6))
+    assert clock.steady.admission_fraction == pytest.approx(1.5 / (2 + 3))
+    assert BurstClock(_NoGPU()).overall.admission_fraction is None
+    assert clock.admission_begin(None) is None  # no GPU: no events
+    clock.admission_end(None, None)
+
+
+@pytest.mark.gpu
+def test_refills_put_admission_spans_in_the_gaps_and_a_single_wave_none():
+    from graphburst.backend import Backend
+
+    def run(n_requests):
+        target, draft = stub_pair(8, VOCAB, 2, 1, 256, backend=Backend("cupy"), cost_ns=20_000)
+        loop = ServeLoop(target, draft, k=3, m_rounds=2)
+        states = [loop.submit(Request([3 + i], 30)) for i in range(n_requests)]
+        loop.run_until_idle()
+        for s in states:
+            assert s.tokens == greedy_reference(s.request.prompt, 30, VOCAB)
+        return loop.stats()
+
+    one_wave = run(8)  # every request admitted at once, before any burst: no counted gap holds a span
+    assert one_wave["gpu_admission_fraction"] == 0.0
+    refills = run(40)  # 5 requests per slot: refills behind bursts in flight
+    assert 0.0 < refills["gpu_admission_fraction"] <= refills["gpu_idle_fraction"]
+
+
 @pytest.mark.parametrize("pipelined", [False, True])
 def test_loop_tags_bursts_steady_when_every_slot_runs(pipelined):
     loop = make_loop(2, pipelined=pipelined)

@@ -106,14 +106,18 @@ def server_window(before: dict, after: dict) -> dict:
     """The server's side of one run, from two ``/metrics`` scrapes (sample name -> value).
 
     GPU idle fraction of the window = idle seconds / (busy + idle seconds) between the two
-    (the counters cover the gaps while a request held a slot; None without GPU timing);
+    (the counters cover the gaps while a request held a slot; None without GPU timing), and
+    the part of it in admission spans (prefill: ``serving/timing.py``);
     accepted drafts per speculative round, of the requests that finished in the window.
     """
     def delta(name: str) -> float:
         return after.get(name, 0.0) - before.get(name, 0.0)
 
     busy, idle = delta("graphburst_gpu_busy_seconds_total"), delta("graphburst_gpu_idle_seconds_total")
+    admission = delta("graphburst_gpu_admission_seconds_total")
     rounds = delta("graphburst_spec_rounds_total")
-    return dict(gpu_busy_s=busy, gpu_idle_s=idle, gpu_idle_fraction=idle / (busy + idle) if busy + idle > 0 else None,
+    total = busy + idle
+    return dict(gpu_busy_s=busy, gpu_idle_s=idle, gpu_idle_fraction=idle / total if total > 0 else None,
+                gpu_admission_s=admission, gpu_admission_fraction=admission / total if total > 0 else None,
                 bursts=int(delta("graphburst_bursts_total")),
                 accepted_per_round=delta("graphburst_draft_accepted_total") / rounds if rounds else None)

@@ -64,6 +64,7 @@ def run_one(backend, engine, pipelined, cost_us, n_req, new_tokens, batch=BATCH,
                 ttft_ms=percentiles([s.stats()["ttft_ms"] for s in states]),
                 # Both idle figures include the warm-up request's few bursts (never steady: one slot of 64).
                 gpu_idle_fraction=stats["gpu_idle_fraction"], gpu_idle_fraction_steady=stats["gpu_idle_fraction_steady"],
+                gpu_admission_fraction=stats["gpu_admission_fraction"],
                 steady_bursts=stats["steady_bursts"], bursts=stats["bursts"] - warm_bursts)
 
 
@@ -147,12 +148,13 @@ def run(args, console: Console, backend) -> int:
                       f"requests, refill: {args.refill_requests}; {label(backend)}",
                       ["transport", "workload", "engine", "stub µs/call", "tokens/s", "ITL p50 µs", "ITL p99 µs",
                        "delivery gap p50 µs", "delivery gap p99 µs", "TTFT p50 ms", "GPU idle (all)",
-                       "GPU idle (steady)", "bursts (steady)"])
+                       "of which admission", "GPU idle (steady)", "bursts (steady)"])
     for r in rows:
         table.add_row(r["transport"], r["workload"], r["engine"], str(r["cost_us"]), fmt(r["tokens_per_s"], 0),
                       fmt(r["itl_amortised_us"]["p50"]), fmt(r["itl_amortised_us"]["p99"]),
                       fmt(r["delivery_gap_us"]["p50"], 1), fmt(r["delivery_gap_us"]["p99"], 1),
-                      fmt(r["ttft_ms"]["p50"]), _pct(r["gpu_idle_fraction"]), _pct(r["gpu_idle_fraction_steady"]),
+                      fmt(r["ttft_ms"]["p50"]), _pct(r["gpu_idle_fraction"]), _pct(r.get("gpu_admission_fraction")),
+                      _pct(r["gpu_idle_fraction_steady"]),
                       f"{r['bursts']} ({r['steady_bursts']})")
     write_results(console, args.json, backend=backend, tables=[table], results=rows,
                   requests=args.num_requests, refill_requests=args.refill_requests, new_tokens=args.new_tokens,

@@ -46,7 +46,13 @@ class LoopAdmission:
         if self.intake.queue and self._n_occupied < self.dec.batch:
             self._take_waiting()
         if self._prefilling:
-            self._prefill_some()
+            # The admission span: GPU idle between bursts that is the models' prefill (timing.py)
+            clock, stream = self.pipeline.clock, self.dec.stream
+            span = clock.admission_begin(stream)
+            try:
+                self._prefill_some()
+            finally:
+                clock.admission_end(span, stream)
 
     def _take_waiting(self) -> None:
         """Give each free slot the oldest waiting request (host bookkeeping only)."""

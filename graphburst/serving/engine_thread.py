@@ -247,7 +247,7 @@ class EngineThread(threading.Thread):
         """
         overall = self.loop.pipeline.clock.overall
         return self.loop.stats() | {"waiting": self.waiting, "gpu_busy_ms": overall.busy_ms,
-                                    "gpu_idle_ms": overall.idle_ms}
+                                    "gpu_idle_ms": overall.idle_ms, "gpu_admission_ms": overall.admission_ms}
 
     def _publish(self, events: list) -> None:
         if events:

@@ -316,7 +316,9 @@ class ServeLoop(LoopAdmission):
 
         ``gpu_idle_fraction`` counts every gap while a request held a slot;
         ``gpu_idle_fraction_steady`` only the gaps before bursts launched with every
-        batch slot running (ramp-up and ramp-down left out). None without GPU timing.
+        batch slot running (ramp-up and ramp-down left out); ``gpu_admission_fraction``
+        is the part of ``gpu_idle_fraction`` spent in admission spans (prefill:
+        :mod:`~graphburst.serving.timing`). None without GPU timing.
         """
         elapsed = time.perf_counter() - self.started
         clock = self.pipeline.clock
@@ -329,6 +331,7 @@ class ServeLoop(LoopAdmission):
             "errors": self.errors,
             "gpu_idle_fraction": clock.overall.idle_fraction,
             "gpu_idle_fraction_steady": clock.steady.idle_fraction,
+            "gpu_admission_fraction": clock.overall.admission_fraction,
             "steady_bursts": clock.steady.bursts,
             "captures": self.graph.captures if self.graph is not None else 0,
         }

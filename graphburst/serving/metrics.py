@@ -44,7 +44,9 @@ class _LoopCollector:
                      "without GPU timing or before any such burst)", math.nan if steady is None else steady)
         for name, key, doc in (("graphburst_gpu_busy_seconds", "gpu_busy_ms", "GPU time in bursts"),
                                ("graphburst_gpu_idle_seconds", "gpu_idle_ms",
-                                "GPU time idle between bursts while a request held a slot")):
+                                "GPU time idle between bursts while a request held a slot"),
+                               ("graphburst_gpu_admission_seconds", "gpu_admission_ms",
+                                "Of the idle time, the spans of admission's device work (prefill)")):
             if key in s:  # counters, so a window's idle fraction is (idle delta) / (busy + idle delta)
                 family = CounterMetricFamily(name, doc + " (0 without GPU timing)")
                 family.add_metric([], s[key] / 1e3)

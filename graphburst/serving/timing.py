@@ -10,6 +10,13 @@ drained, adds its device time to ``busy`` and the gap since the previous burst e
   request, so ramp-up (slots still empty) and ramp-down (slots emptied and not refilled)
   do not count. Burst boundaries that refill slots do count: refilling is part of
   steady serving.
+
+Idle time is not all waste: admission's device work (the models' prefill, the slot writes)
+runs in the gaps. The loop brackets it with its own event pair (:meth:`BurstClock.admission_begin`
+/ :meth:`~BurstClock.admission_end`), and each gap's **admission** span is tallied apart, as a
+part of ``idle``. The span runs from the GPU reaching the first admission op to its finishing
+the last, so it also holds any wait for the host between those ops: with a real model it is
+mostly prefill compute, with zero-cost stubs mostly the host enqueueing the admission.
 """
 
 from __future__ import annotations
@@ -26,18 +33,26 @@ class IdleTally:
 
     busy_ms: float = 0.0
     idle_ms: float = 0.0
+    admission_ms: float = 0.0  # of idle_ms: the admission spans inside the gaps (module docstring)
     bursts: int = 0  # bursts counted (each adds its busy time, and its gap when there was one)
 
-    def add(self, busy_ms: float, gap_ms: float | None) -> None:
+    def add(self, busy_ms: float, gap_ms: float | None, admission_ms: float = 0.0) -> None:
         self.busy_ms += busy_ms
         if gap_ms is not None:
             self.idle_ms += gap_ms
+            self.admission_ms += min(admission_ms, gap_ms)  # event times round: a span never exceeds its gap
         self.bursts += 1
 
     @property
     def idle_fraction(self) -> float | None:
         total = self.busy_ms + self.idle_ms
         return self.idle_ms / total if total > 0 else None
+
+    @property
+    def admission_fraction(self) -> float | None:
+        """The share of GPU time (busy + idle) spent in admission spans: a part of :attr:`idle_fraction`."""
+        total = self.busy_ms + self.idle_ms
+        return self.admission_ms / total if total > 0 else None
 
 
 class BurstClock:
@@ -58,6 +73,9 @@ class BurstClock:
         self._pairs = None
         self._launched = 0
         self._last_end = None
+        self._windows: list = []  # admission spans (start, end events) recorded since the last launch
+        self._gap_windows: dict = {}  # id(a burst's start event) -> the admission spans of the gap before it
+        self._window_pool: list = []  # event pairs of accounted spans, reused
 
     def events(self):
         """The (start, end) event pair for the next burst, or None without a GPU."""
@@ -67,7 +85,25 @@ class BurstClock:
             xp = self.backend.xp
             self._pairs = [(xp.cuda.Event(), xp.cuda.Event()) for _ in range(self.PAIRS)]
         self._launched += 1
-        return self._pairs[self._launched % self.PAIRS]
+        pair = self._pairs[self._launched % self.PAIRS]
+        # Admission enqueued since the last launch ran in the gap before this burst (stream order).
+        self._gap_windows[id(pair[0])], self._windows = self._windows, []
+        return pair
+
+    def admission_begin(self, stream):
+        """Record the start of an admission span on ``stream``; the pair to end it with (None without a GPU)."""
+        if not self.backend.is_gpu:
+            return None
+        pair = self._window_pool.pop() if self._window_pool else (self.backend.xp.cuda.Event(),
+                                                                   self.backend.xp.cuda.Event())
+        pair[0].record(stream)
+        return pair
+
+    def admission_end(self, pair, stream) -> None:
+        """Record the end of the span :meth:`admission_begin` started."""
+        if pair is not None:
+            pair[1].record(stream)
+            self._windows.append(pair)
 
     def forget_gap(self) -> None:
         """The loop had no work: the GPU's next gap is waiting for requests, not host overhead."""
@@ -86,14 +122,18 @@ class BurstClock:
         events[1].synchronize()
         busy = elapsed(*events)
         gap = None if self._last_end is None else elapsed(self._last_end, events[0])
-        self.record(busy, gap, steady)
+        windows = self._gap_windows.pop(id(events[0]), [])
+        admission = sum(elapsed(start, end) for start, end in windows)  # they precede events[1]: done
+        self._window_pool += windows
+        self.record(busy, gap, steady, admission)
         self._last_end = events[1]
 
-    def record(self, busy_ms: float, gap_ms: float | None, steady: bool) -> None:
-        """Count one burst: ``busy_ms`` on the device, ``gap_ms`` idle before it (None: no gap counted)."""
-        self.overall.add(busy_ms, gap_ms)
+    def record(self, busy_ms: float, gap_ms: float | None, steady: bool, admission_ms: float = 0.0) -> None:
+        """Count one burst: ``busy_ms`` on the device, ``gap_ms`` idle before it (None: no gap counted),
+        ``admission_ms`` of that gap in admission spans."""
+        self.overall.add(busy_ms, gap_ms, admission_ms)
         if steady:
-            self.steady.add(busy_ms, gap_ms)
+            self.steady.add(busy_ms, gap_ms, admission_ms)
 
 
 def inter_token_latencies_us(states) -> tuple[list, list]:
