@@ -133,13 +133,13 @@ class SlotAdmission:
     def _prefill_checked(self, rows: dict, starts, limits: dict, stops: dict, settings: dict, final: bool) -> None:
         """Stage (one upload), run the models' prefill, then admit (one launch)."""
         slots = sorted(rows)
-        table = self._stage_prompts(rows, starts, slots, limits, stops, final)
-        lens, starts_now = self._host_stage[: self.batch], self._host_stage[self.batch: 2 * self.batch]
+        host, table = self._stage_prompts(rows, starts, slots, limits, stops, final)
+        b = self.batch
+        lens, starts_now = host[:b], host[b: 2 * b]
         ends = np.where(lens != NO_PREFILL, starts_now + lens, NO_PREFILL).astype(np.int32)  # [B] int32
-        p_max = max(len(rows[b]) for b in slots)
-        stage = self._stage_view("chunks", p_max)
+        stage = self._stage_view("chunks", (host.size - STAGE_HEAD * b) // b)
         self._prefill_models(stage, ends, slots, settings, final)
-        self._admit(np.asarray(slots, np.int64), ends, table, final)
+        self._admit(np.asarray(slots, np.int64), ends, table, host[2 * b: 2 * b + table.size].reshape(3, -1))
 
     def _check_prefill(self, prompts, start, final, max_new_tokens, eos, temperature, top_k, top_p, seed):
         """Parse: ``({slot: chunk [n] int32}, {slot: start}, {slot: budget}, {slot: stop token},
@@ -229,11 +229,11 @@ class SlotAdmission:
         """Build the staging block on the host and upload it in one copy: chunk lengths
         (``[B]``, NO_PREFILL for slots left alone), starts (``[B]``), the admission table
         (``[3, n]``: slot, budget, stop token; budget 0 until a prompt's final chunk) and the
-        chunks padded to the longest (``[B, P_max]``). Returns the table's device view."""
+        chunks padded to the longest (``[B, P_max]``). Returns ``(the host block [5B + B*P_max]
+        int32, the table's device view [3, n] int32)``."""
         batch, n = self.batch, len(slots)
         p_max = max(len(rows[b]) for b in slots)
         host = np.zeros(STAGE_HEAD * batch + batch * p_max, np.int32)  # the head, then [B, P_max] int32
-        self._host_stage = host
         host[:batch] = NO_PREFILL
         table = host[2 * batch: 2 * batch + 3 * n].reshape(3, n)  # [3, n] int32
         tokens = host[STAGE_HEAD * batch:].reshape(batch, p_max)  # [B, P_max] int32
@@ -246,7 +246,7 @@ class SlotAdmission:
         # Stream-ordered, into the staging block: a second prefill enqueued before the first
         # has run overwrites it only after the first's kernels have read it.
         self.backend.upload(self._stage_view("head+chunks", p_max), host, self.stream)
-        return self._stage_view("table", n)
+        return host, self._stage_view("table", n)
 
     def _stage_view(self, part: str, size: int):
         """A device view of the staging block, made once per (part, size): a view costs a few
@@ -282,12 +282,12 @@ class SlotAdmission:
         if sampling:
             sample_first_tokens(self.backend.ops, self.backend, bufs, ends, s)
 
-    def _admit(self, slots: np.ndarray, ends: np.ndarray, table, final: bool) -> None:
+    def _admit(self, slots: np.ndarray, ends: np.ndarray, table, host_table: np.ndarray) -> None:
         """Record: each prefilled slot's budget (0 until its final chunk), stop token and zeroed
-        counters, in one launch on the device and in the host mirror; a new generation."""
+        counters, in one launch on the device (``table``, [3, n] int32) and in the host mirror
+        (from ``host_table``, its host copy); a new generation."""
         bufs = self.bufs
         self.backend.ops.admit_slots(table, bufs.budget, bufs.eos, bufs.acc, stream=self.stream)
-        host_table = self._host_stage[2 * self.batch: 2 * self.batch + table.size].reshape(3, -1)
         self.host_pos[slots] = ends[slots]
         self.host_left[slots] = host_table[1]
         self.host_eos[slots] = host_table[2]

@@ -93,7 +93,6 @@ class SpecDecoder(SlotAdmission, Watched):
             self._prompt_start = self._stage[b: 2 * b]  # [B] int32: a chunk's first position
             # [2B, 5B): the admission table, [3, n] int32 (slot, budget, stop token)
             self._prompt_flat = self._stage[STAGE_HEAD * b:]  # [B * capacity] int32: chunks, viewed [B, P_max]
-            self._host_stage = None  # the last staging block uploaded ([5B + B*P_max] int32, host)
             self._stage_views: dict = {}  # (part, size) -> device view of _stage (admission._stage_view)
         self.k, self.m_rounds = self.bufs.k, self.bufs.m_rounds
         for model in (target, draft):  # the buffers never move from here on: models may view them
