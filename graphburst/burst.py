@@ -122,6 +122,7 @@ class SpecDecoder(SlotAdmission, Watched):
         self._mask2 = np.zeros(self.batch, bool)  # [B] bool scratch
         self._unbounded = np.full(self.batch, UNBOUNDED_BUDGET, np.int64)  # [B] int64 constant
         self._no_eos = np.full(self.batch, NO_EOS, np.int64)  # [B] int64 constant
+        self._one = np.ones(self.batch, np.int64)  # [B] int64 constant (begin_burst)
         # enqueue_burst's bound calls, built once: rebinding the decoder's or its buffers'
         # watched attributes (refresh_tables rebinds ``table``) drops them.
         self._enqueued_program = CallCache()
@@ -225,7 +226,7 @@ class SpecDecoder(SlotAdmission, Watched):
         self.outstanding += 1
         if self._launchable != _BIG:
             self._launchable -= 1
-        self._inflight += 1
+        np.add(self._inflight, self._one, out=self._inflight)  # an array operand: cheaper than ``+= 1``
         self._launch_gen.append(self.slot_gen.copy())
 
     def enqueue_burst(self, *, mode: BurstMode | str = BurstMode.PRE_ISSUED) -> None:
