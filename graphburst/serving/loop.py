@@ -107,6 +107,14 @@ class ServeLoop(LoopAdmission):
         # Python list is built when read or when it finishes.
         self.store = SlotTokens(batch, self.dec.capacity, self.dec.bufs.ring_capacity)
         self._running = np.zeros(batch, bool)  # [B] slot holds a request that is not done
+        # _deliver's masks go into scratch arrays, and every slot receiving (the steady state)
+        # reuses one read-only row list: each numpy temporary or Python-scalar operand costs
+        # about a microsecond between bursts, while the GPU may wait.
+        self._receiving = np.zeros(batch, bool)  # [B] bool scratch
+        self._finished = np.zeros(batch, bool)  # [B] bool scratch
+        self._no_left = np.zeros(batch, np.int64)  # [B] int64 constant 0
+        self._every_slot = np.arange(batch)  # [B] int64: rows when every slot receives
+        self._every_slot.setflags(write=False)  # Tokens events hand it to consumers
         self._n_occupied = 0  # slots holding a request (done or not)
         self._n_stale = 0  # slots holding a request that is done: freed at the next boundary
         # Slots whose prompt is still being prefilled (admission order): slot -> prompt tokens
@@ -262,12 +270,15 @@ class ServeLoop(LoopAdmission):
         self.bursts += 1
         counts = tokens.counts
         running = self._running
-        rows = np.flatnonzero(running & (counts > 0))
+        # Counts are >= 0 (BurstTokens clamps them), so logical_and tests count > 0.
+        receiving = np.logical_and(running, counts, out=self._receiving)
+        rows = self._every_slot if np.count_nonzero(receiving) == receiving.size else receiving.nonzero()[0]
         self.store.append(tokens.data, counts, rows, acc, now)
         if self.log is not None and rows.size:
             self.log.append(Tokens(now, self._slot_state[rows], rows, counts, tokens.data, self.store.acc[rows]))
-        finished = running & (self.dec.host_left == 0)
-        if finished.any():
+        finished = np.equal(self.dec.host_left, self._no_left, out=self._finished)
+        finished &= running
+        if np.count_nonzero(finished):
             done = np.flatnonzero(finished).tolist()
             for b in done:
                 self._retire(self.slots[b], now)

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import collections
 
+import numpy as np
+
 from ..burst import BurstMode, SpecDecoder
 from ..capture import BurstGraph
 from .timing import BurstClock
@@ -69,7 +71,8 @@ class BurstPipeline:
     def worth_launching(self) -> bool:
         # A burst commits at least one token per round for every live slot, so once the
         # bursts in flight are bound to use up every remaining budget, another is waste.
-        return int(self.dec.host_left.max()) > self.dec.m_rounds * len(self._in_flight)
+        # count_nonzero of the comparison, not max(): a numpy reduction costs ~1 µs of set-up.
+        return np.count_nonzero(self.dec.host_left > self.dec.m_rounds * len(self._in_flight)) > 0
 
     def run_eager(self, steady: bool):
         """One eager burst that syncs every round: ``(BurstTokens, accept counters [B, 2])``."""
