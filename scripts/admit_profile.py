@@ -2,10 +2,11 @@
 
 256 requests (16-token prompts, 256 new tokens each) flow through 64 slots of zero-cost
 stubs (k=4, M=8), the workload whose GPU idle figure ``graphburst bench serve`` reports.
-Each phase of a boundary (freeing, taking waiting requests, the decoder's validation,
-staging, model prefill kernels, slot writes, per-slot options) is timed on the host by
-wrapping the methods of one loop; the figures are medians over boundaries, with the
-slots admitted per boundary. On a GPU the burst clock gives device busy and idle time.
+Each phase of a boundary (freeing, taking waiting requests, per-slot options, staging, the
+models' prefill, the slot writes) is timed on the host by wrapping the methods of one loop,
+and so are the plain steps' drain (apart from its wait for the GPU) and delivery; the
+figures are medians over boundaries and over plain steps, with the slots admitted per
+boundary. On a GPU the burst clock gives device busy, idle and admission-span time.
 
 ``--model 1b`` runs a random-weight shape of ``graphburst bench real`` instead (prompts and
 outputs lognormal, mean 128, in [16, 512], as the open-loop load benchmark draws them), all
@@ -119,7 +120,8 @@ def measure(backend_name: str, *, requests=256, batch=64, new_tokens=256, k=4, m
     admitting = [r for r in per_boundary if r["prefill"] > 0]
     med = {k: float(np.median([r[k] for r in admitting])) for k in admitting[0] if k != "occupied_before"} \
         if admitting else {}
-    return {"backend": backend.name, "model": model or "stubs", "requests": requests, "batch": batch, "k": k, "m": m, "wall_ms": wall * 1e3,
+    return {"backend": backend.name, "model": model or "stubs", "requests": requests, "batch": batch, "k": k, "m": m,
+            "wall_ms": wall * 1e3,
             "bursts": loop.bursts, "boundaries": len(per_boundary), "admitting_boundaries": len(admitting),
             "gpu_busy_ms": busy if backend.is_gpu else None, "gpu_idle_ms": idle if backend.is_gpu else None,
             "gpu_idle_fraction": idle / (busy + idle) if backend.is_gpu and busy + idle > 0 else None,
@@ -163,9 +165,11 @@ def main(argv=None) -> None:
         med = "  ".join(f"{k} {v:.0f}" for k, v in r["median_us_per_admitting_boundary"].items())
         idle = "-" if r["gpu_idle_fraction"] is None else f"{100 * r['gpu_idle_fraction']:.1f}%"
         plain = "  ".join(f"{k} {v:.0f}" for k, v in r["median_us_per_plain_step"].items())
-        print(f"{r['backend']} {r['model']} k={r['k']} M={r['m']}: {r['bursts']} bursts, {r['admitting_boundaries']}/{r['boundaries']} admitting "
-              f"boundaries, host {r['host_us_per_step']:.0f} µs/step, GPU busy {r['gpu_busy_ms']} ms idle "
-              f"{r['gpu_idle_ms']} ms ({idle}; admission spans {r['gpu_admission_ms']} ms); median µs per admitting boundary: {med}; per plain step: {plain}")
+        print(f"{r['backend']} {r['model']} k={r['k']} M={r['m']}: {r['bursts']} bursts, "
+              f"{r['admitting_boundaries']}/{r['boundaries']} admitting boundaries, "
+              f"host {r['host_us_per_step']:.0f} µs/step, GPU busy {r['gpu_busy_ms']} ms idle {r['gpu_idle_ms']} ms "
+              f"({idle}; admission spans {r['gpu_admission_ms']} ms); median µs per admitting boundary: {med}; "
+              f"per plain step: {plain}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(runs, f, indent=1)

@@ -178,6 +178,15 @@ def _others_finish(url: str, timeout: float) -> float:
     return time.perf_counter() - t0
 
 
+def _wait_cancelled_and_freed(url: str, cancelled_before: float, timeout: float, why: str) -> None:
+    """Until one more request has finished cancelled and no slot is active, within ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while _metric(url, "graphburst_requests_total", finish_reason="cancelled") - cancelled_before < 1 or \
+            _metric(url, "graphburst_active_slots") != 0:
+        assert time.monotonic() < deadline, why
+        time.sleep(0.05)
+
+
 def test_a_client_that_stops_reading_stalls_only_its_own_stream(bp_server):
     url = bp_server.url
     n = 2 * STALL_TOKENS
@@ -207,11 +216,7 @@ def test_a_stalled_client_that_disconnects_frees_its_slot(bp_server):
     _wait_until_stalled(url, before)
     _others_finish(url, timeout=30)
     slow.sock.close()  # unread data: the kernel resets the connection
-    deadline = time.monotonic() + 10
-    while _metric(url, "graphburst_requests_total", finish_reason="cancelled") - cancelled < 1 or \
-            _metric(url, "graphburst_active_slots") != 0:
-        assert time.monotonic() < deadline, "the stalled stream's request was not cancelled"
-        time.sleep(0.05)
+    _wait_cancelled_and_freed(url, cancelled, 10, "the stalled stream's request was not cancelled")
     # Every slot serves again
     _others_finish(url, timeout=30)
 
@@ -230,11 +235,8 @@ def test_a_client_that_neither_reads_nor_leaves_is_cut_off_after_the_write_timeo
     before = _metric(url, "graphburst_generation_tokens_total")
     slow = _open_slow_stream(url, [5, 6], 60_000)  # at the numpy backend's pace this outlasts the test
     _wait_until_stalled(url, before)
-    deadline = time.monotonic() + 15  # the client keeps its socket open and reads nothing
-    while _metric(url, "graphburst_requests_total", finish_reason="cancelled") - cancelled < 1 or \
-            _metric(url, "graphburst_active_slots") != 0:
-        assert time.monotonic() < deadline, "the stalled stream was not cut off after --write-timeout"
-        time.sleep(0.05)
+    # the client keeps its socket open and reads nothing
+    _wait_cancelled_and_freed(url, cancelled, 15, "the stalled stream was not cut off after --write-timeout")
     # The server closed the connection: the client reads what the kernel held, then the end
     # (a socket.timeout here would mean the connection is still open).
     _read_until_closed(slow.sock)
