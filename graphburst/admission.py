@@ -257,10 +257,14 @@ class SlotAdmission:
         """
         view = self._stage_views.get((part, size))
         if view is None:
-            b, head = self.batch, STAGE_HEAD * self.batch
-            view = {"chunks": lambda: self._prompt_flat[: b * size].reshape(b, size),
-                    "head+chunks": lambda: self._stage[: head + b * size],
-                    "table": lambda: self._stage[2 * b: 2 * b + 3 * size].reshape(3, size)}[part]()
+            b = self.batch
+            if part == "chunks":
+                view = self._prompt_flat[: b * size].reshape(b, size)
+            elif part == "head+chunks":
+                view = self._stage[: STAGE_HEAD * b + b * size]
+            else:
+                assert part == "table", part
+                view = self._stage[2 * b: 2 * b + 3 * size].reshape(3, size)
             self._stage_views[(part, size)] = view
         return view
 

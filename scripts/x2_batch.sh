@@ -54,6 +54,15 @@ alternate_ids() {  # the -m gpu node ids dealt alternately to two halves (one te
   awk 'NR % 2 == 0' "$OUT/ids.txt" > "$OUT/ids1.txt"
 }
 
+load_8k() {  # load_8k LIMIT_S DURATION_S: four 8192-token prompts at once, whole prefill, then chunks of 512 (GPU 1)
+  local chunk flag
+  for chunk in none 512; do
+    flag=(); [[ $chunk != none ]] && flag=(--prefill-chunk "$chunk")
+    step 1 "load_8k_$chunk" "$1" $PY -m graphburst bench serve --backend cupy --model 1b --http --rates 8 \
+        --duration "$2" --burst 4 --burst-prompt 8192 --capacity 8800 "${flag[@]}" --json "$OUT/load_8k_$chunk.json"
+  done
+}
+
 case $PHASE in
 final)
   alternate_ids
@@ -70,11 +79,7 @@ final)
   ( step 0 load_8b 140 $PY -m graphburst bench serve --backend cupy --model qwen3-8b --http --rates 4,16 \
         --duration 6 --burst 32 --json "$OUT/load_qwen3_8b.json" ) &
   ( step 1 serve_stubs 30 $PY -m graphburst bench serve --backend cupy --json "$OUT/serve_stubs.json"
-    for chunk in none 512; do
-      flag=(); [[ $chunk != none ]] && flag=(--prefill-chunk "$chunk")
-      step 1 "load_8k_$chunk" 45 $PY -m graphburst bench serve --backend cupy --model 1b --http --rates 8 \
-          --duration 6 --burst 4 --burst-prompt 8192 --capacity 8800 "${flag[@]}" --json "$OUT/load_8k_$chunk.json"
-    done
+    load_8k 45 6
     step 1 load_1b_ngram 50 $PY -m graphburst bench serve --backend cupy --model 1b --draft ngram --http \
         --rates 32,128 --duration 6 --burst 64 --json "$OUT/load_1b_ngram.json" ) &
   wait
@@ -103,11 +108,7 @@ bench)
   ( step 1 serve_stubs 80 $PY -m graphburst bench serve --backend cupy --json "$OUT/serve_stubs.json"
     step 1 load_1b 130 $PY -m graphburst bench serve --backend cupy --model 1b --http --rates 16,64,128 \
         --duration 8 --burst 64 --json "$OUT/load_1b.json" --plot "$OUT/load_1b.png"
-    for chunk in none 512; do
-      flag=(); [[ $chunk != none ]] && flag=(--prefill-chunk "$chunk")
-      step 1 "load_8k_$chunk" 100 $PY -m graphburst bench serve --backend cupy --model 1b --http --rates 8 \
-          --duration 8 --burst 4 --burst-prompt 8192 --capacity 8800 "${flag[@]}" --json "$OUT/load_8k_$chunk.json"
-    done
+    load_8k 100 8
     step 1 load_1b_ngram 100 $PY -m graphburst bench serve --backend cupy --model 1b --draft ngram --http \
         --rates 32,128 --duration 8 --burst 64 --json "$OUT/load_1b_ngram.json" ) &
   wait ;;

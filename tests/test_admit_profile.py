@@ -3,22 +3,13 @@ and the boundary phases it reports add up (a phase inside another never exceeds 
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
-
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+from scripts_import import import_script
 
 
 @pytest.fixture(scope="module")
 def ap():
-    sys.path.insert(0, str(SCRIPTS))
-    try:
-        import admit_profile
-    finally:
-        sys.path.remove(str(SCRIPTS))
-    return admit_profile
+    return import_script("admit_profile")
 
 
 def test_refill_phases_nest_and_every_request_finishes(ap):

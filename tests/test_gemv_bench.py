@@ -4,24 +4,16 @@ CONFIGS literal it prints (the lead pastes that into kernels/gemv_triton.py), an
 from __future__ import annotations
 
 import io
-import sys
-from pathlib import Path
 
 import pytest
 from rich.console import Console
-
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+from scripts_import import import_script
 
 
 @pytest.fixture(scope="module")
 def gb():
     pytest.importorskip("triton")
-    sys.path.insert(0, str(SCRIPTS))
-    try:
-        import gemv_bench
-    finally:
-        sys.path.remove(str(SCRIPTS))
-    return gemv_bench
+    return import_script("gemv_bench")
 
 
 def test_shapes_and_configs_cover_them(gb):

@@ -208,12 +208,19 @@ def test_a_client_that_stops_reading_stalls_only_its_own_stream(bp_server):
     assert chunks[-1]["finish_reason"] == "length"
 
 
-def test_a_stalled_client_that_disconnects_frees_its_slot(bp_server):
-    url = bp_server.url
+def _stall_a_stream(url: str):
+    """A long streaming request whose client reads nothing, once the server is blocked writing to
+    it: ``(its connection, the cancelled-requests count before it)``."""
     cancelled = _metric(url, "graphburst_requests_total", finish_reason="cancelled")
     before = _metric(url, "graphburst_generation_tokens_total")
     slow = _open_slow_stream(url, [5, 6], 60_000)  # at the numpy backend's pace this outlasts the test
     _wait_until_stalled(url, before)
+    return slow, cancelled
+
+
+def test_a_stalled_client_that_disconnects_frees_its_slot(bp_server):
+    url = bp_server.url
+    slow, cancelled = _stall_a_stream(url)
     _others_finish(url, timeout=30)
     slow.sock.close()  # unread data: the kernel resets the connection
     _wait_cancelled_and_freed(url, cancelled, 10, "the stalled stream's request was not cancelled")
@@ -231,10 +238,7 @@ def timeout_server(long_words):
 
 def test_a_client_that_neither_reads_nor_leaves_is_cut_off_after_the_write_timeout(timeout_server):
     url = timeout_server.url
-    cancelled = _metric(url, "graphburst_requests_total", finish_reason="cancelled")
-    before = _metric(url, "graphburst_generation_tokens_total")
-    slow = _open_slow_stream(url, [5, 6], 60_000)  # at the numpy backend's pace this outlasts the test
-    _wait_until_stalled(url, before)
+    slow, cancelled = _stall_a_stream(url)
     # the client keeps its socket open and reads nothing
     _wait_cancelled_and_freed(url, cancelled, 15, "the stalled stream was not cut off after --write-timeout")
     # The server closed the connection: the client reads what the kernel held, then the end

@@ -4,23 +4,14 @@ renders every record kind (a profiled record once broke it after the measurement
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 from rich.console import Console
-
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+from scripts_import import import_script
 
 
 @pytest.fixture(scope="module")
 def pf():
-    sys.path.insert(0, str(SCRIPTS))  # profile_forward imports its sibling tp_floor
-    try:
-        import profile_forward
-    finally:
-        sys.path.remove(str(SCRIPTS))
-    return profile_forward
+    return import_script("profile_forward")  # it imports its sibling tp_floor
 
 
 @pytest.mark.parametrize("b,t,want", [(1, 1, 518), (1, 5, 519), (64, 1, 739), (64, 5, 741)])
