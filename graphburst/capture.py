@@ -5,8 +5,8 @@ decoder's burst program on its stream in a strict mode (an allocation or host sy
 the region fails the capture), upload, then ``replay()`` = one graph launch and
 ``drain()`` = the one host sync. Every graph ends with one device-to-host copy of the
 ring and accept counters into pinned memory, so draining is an event wait plus host
-work. With ``gapless=True`` two graphs differ only in the pinned buffer that copy
-fills, so burst n+1 can be enqueued before burst n is read. On the numpy backend
+work. With ``gapless=True`` two graphs (``depth`` of them) differ only in the pinned
+buffer that copy fills, so burst n+1 can be enqueued before burst n is read. On the numpy backend
 "capture" records the same bound calls into a :class:`RecordedProgram`, which has a
 CUDA graph's face (``upload``, ``launch``), so replay has one path and CI exercises the
 same ordering and baking logic.
@@ -21,9 +21,11 @@ import numpy as np
 
 from .buffers import BurstTokens, PtrTable, StreamBufs, split_out_block, split_ring
 from .burst import Call, SpecDecoder, assemble_call, epilogue_call, seed_call, separate_tail_calls
+from .constants import MAX_DEPTH
 from .guard import AddressGuard, StaleGraphError
 from .protocol import hook
 from .torch_capture import TorchCapturer, capture_api, graph_node_count
+from .validate import check_int
 
 CAPTURE_MODES = ("global", "thread_local")
 __all__ = ["BurstGraph", "CaptureError", "StaleGraphError", "CAPTURE_MODES"]
@@ -160,20 +162,31 @@ class BurstGraph:
     gapless : bool
         Capture two graphs whose final copy fills alternating pinned buffers, so the
         host may enqueue the next burst before reading this one.
+    depth : int, optional
+        With ``gapless``: how many bursts may be in flight, i.e. graphs in rotation, each
+        with its own pinned output block (2 to ``MAX_DEPTH``; default 2). A deeper queue
+        lets the host spend longer between drains (admitting requests, say) before the
+        GPU runs out of work.
     capture_mode : {"global", "thread_local"}
         Strict capture modes: an allocation or host sync in the region fails capture.
     """
 
-    def __init__(self, decoder: SpecDecoder, *, gapless: bool = False, capture_mode: str = "global"):
+    def __init__(self, decoder: SpecDecoder, *, gapless: bool = False, depth: int | None = None,
+                 capture_mode: str = "global"):
         if not isinstance(decoder, SpecDecoder):
             raise TypeError(f"decoder must be a SpecDecoder, got {type(decoder).__name__}")
+        if depth is not None:
+            if not gapless:
+                raise ValueError(f"depth={depth!r} needs gapless=True: without it one burst is in flight")
+            depth = check_int("depth", depth, minimum=2, maximum=MAX_DEPTH)
         if capture_mode not in CAPTURE_MODES:
             raise ValueError(f"capture_mode must be one of {CAPTURE_MODES}, got {capture_mode!r}")
         self.dec = decoder
         self.backend = decoder.backend
         self.gapless = bool(gapless)
         self.capture_mode = capture_mode
-        self.n_graphs = 2 if self.gapless else 1  # each with its own pinned output block and event
+        # bursts that may be in flight, each graph with its own pinned output block and event
+        self.n_graphs = (depth or 2) if self.gapless else 1
         # Torch models need torch to own the capture (docs/capture.md); numpy records either way.
         self.capture_api = capture_api(decoder.target, decoder.draft)
         self._torch = None
@@ -373,5 +386,6 @@ class BurstGraph:
             "host_syncs_per_burst": self.host_syncs_per_burst,
             "buffer_bytes": self.nbytes,
             "gapless": self.gapless,
+            "depth": self.n_graphs,
             "captures": self.captures,
         }

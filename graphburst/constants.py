@@ -16,6 +16,8 @@ MAX_K = 64  # drafts per round; bounds the verify kernel's shared memory
 MAX_TABLE_ENTRIES = 65535  # rollback walks the table on gridDim.y
 THREADS_PER_BLOCK = 128  # one-thread-per-sequence kernels
 MAX_LAYER_THREADS = 256  # stub models: threads per block striding over layers
+MAX_DEPTH = 8  # bursts a gapless BurstGraph keeps in flight: each holds a pinned output block and a graph
+TP_MAX_DEPTH = 2  # the same for a tensor-parallel graph (parallel/check.py: one pinned rank-check vector each)
 
 # Sampling (kernels.cu "Sampling" section; sampling_ref.py is its numpy twin)
 SAMPLE_THREADS = 256  # threads per sampling block; with SAMPLE_TILE it fixes the summation order the twins mirror

@@ -17,7 +17,7 @@ from rich.console import Console
 from .backend import BACKEND_NAMES
 from .cli_args import AUTO, NGRAM_DRAFT, FlagError, add_ngram_flags, check_backend, check_kv_memory, \
     check_ngram_flags, fraction, int_in, int_or_auto, readable_file, real_in, same_file, writable_file
-from .constants import MAX_K
+from .constants import MAX_DEPTH, MAX_K
 from .models.capacity import DEFAULT_GPU_MEMORY_FRACTION
 from .serving.factory import STUB_DEFAULTS, TINY_RANDOM, ConfigError, ServeConfig, build_loop, resolve_capacity
 from .serving.jsonl import error_text, stderr_console
@@ -72,6 +72,9 @@ def add_parser(sub) -> None:
                    help="decode with speculative rejection sampling, so requests may set temperature > 0")
     p.add_argument("--no-pipeline", action="store_true",
                    help="graph engine: drain each burst before enqueueing the next")
+    p.add_argument("--pipeline-depth", type=int_in(2, MAX_DEPTH), default=2, metavar="N",
+                   help="graph engine: bursts kept in flight (default 2); more gives the host longer to admit requests "
+                        "between drains when bursts are short, and makes a new request wait for more queued bursts")
     p.add_argument("--live", action="store_true", help="show the live view even when stderr is not a terminal")
     # --- HTTP mode (graphburst/serving/http.py) ---
     h = p.add_argument_group("HTTP server (--http)")

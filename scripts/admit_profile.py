@@ -35,18 +35,21 @@ from graphburst.serving.loop import Request, ServeLoop  # noqa: E402
 LOAD_MAX = 512  # --model: prompt and output lengths lognormal, mean 128, in [16, 512] (the load benchmark's default)
 # (label, owner attribute path from the loop ("" is the loop), method): timed inclusively
 PHASES = (("boundary", "", "_boundary"), ("release", "dec", "release"), ("take", "", "_take_waiting"),
-          ("options", "dec", "set_slot_options"), ("prefill", "dec", "_prefill_checked"),
+          ("options", "dec", ("_set_slot_options", "set_slot_options")), ("prefill", "dec", "_prefill_checked"),
           ("stage", "dec", "_stage_prompts"),
           ("models", "dec", "_prefill_models"), ("admit", "dec", "_admit"),
           ("drain", "pipeline", "drain"), ("deliver", "", "_deliver"), ("step", "", "step"))
 
 
 def _wrap(loop, totals: dict, prof=None) -> None:
-    for label, path, meth in PHASES:
+    for label, path, meths in PHASES:
         owner = getattr(loop, path) if path else loop
-        real = getattr(owner, meth, None)
-        if real is None:  # an older graphburst (a before/after comparison on one lease): not timed
+        # the first of the names this tree has (an older graphburst in a before/after comparison
+        # on one lease may lack some: those phases are not timed)
+        meth = next((m for m in ((meths,) if isinstance(meths, str) else meths) if hasattr(owner, m)), None)
+        if meth is None:
             continue
+        real = getattr(owner, meth)
 
         def timed(*a, _real=real, _label=label, **kw):
             t = time.perf_counter()
@@ -81,7 +84,7 @@ class _TimedEvent:
 
 
 def measure(backend_name: str, *, requests=256, batch=64, new_tokens=256, k=4, m=8, prefill_chunk=None,
-            prof=None, model=None) -> dict:
+            prof=None, model=None, depth=2) -> dict:
     backend = get_backend(backend_name)
     rng = np.random.default_rng(0)
     if model is None:
@@ -92,7 +95,8 @@ def measure(backend_name: str, *, requests=256, batch=64, new_tokens=256, k=4, m
                                      eps=0.01, seed=0, backend=backend, lookup=False)
         lens = np.clip(np.rint(rng.lognormal(np.log(128) - 0.125, 0.5, (2, requests))), 16, LOAD_MAX).astype(int)
         reqs = [Request(rng.integers(0, target.vocab, p).tolist(), int(n)) for p, n in lens.T]
-    loop = ServeLoop(target, draft, k=k, m_rounds=m, prefill_chunk=prefill_chunk)
+    deeper = {} if depth == 2 else {"depth": depth}  # an older graphburst has no depth (always 2)
+    loop = ServeLoop(target, draft, k=k, m_rounds=m, prefill_chunk=prefill_chunk, **deeper)
     warm = loop.submit(Request([1, 2, 3], m * (k + 1)))  # compiles kernels, captures the graph
     loop.run_until_idle()
     assert warm.done and not warm.error, warm.error
@@ -123,6 +127,7 @@ def measure(backend_name: str, *, requests=256, batch=64, new_tokens=256, k=4, m
     med = {k: float(np.median([r[k] for r in admitting])) for k in admitting[0] if k != "occupied_before"} \
         if admitting else {}
     return {"backend": backend.name, "model": model or "stubs", "requests": requests, "batch": batch, "k": k, "m": m,
+            "depth": depth,
             "wall_ms": wall * 1e3,
             "bursts": loop.bursts, "boundaries": len(per_boundary), "admitting_boundaries": len(admitting),
             "gpu_busy_ms": busy if backend.is_gpu else None, "gpu_idle_ms": idle if backend.is_gpu else None,
@@ -144,6 +149,7 @@ def main(argv=None) -> None:
     p.add_argument("--prefill-chunk", type=int)
     p.add_argument("-k", type=int, default=4, help="drafts per round")
     p.add_argument("-m", type=int, nargs="+", default=[8], help="rounds per burst (several: a sweep)")
+    p.add_argument("--depth", type=int, nargs="+", default=[2], help="bursts kept in flight (several: a sweep)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--profile", choices=[label for label, _, _ in PHASES],
                    help="print a cProfile of this phase in the first run (boundary, step, ...)")
@@ -154,8 +160,8 @@ def main(argv=None) -> None:
         prof = cProfile.Profile()
         prof.label = a.profile
     runs = [measure(a.backend, requests=a.requests, k=a.k, m=m, prof=prof if i == 0 else None, model=a.model,
-                    prefill_chunk=a.prefill_chunk)
-            for m in a.m for i in range(a.repeats)]
+                    prefill_chunk=a.prefill_chunk, depth=d)
+            for m in a.m for d in a.depth for i in range(a.repeats)]
     if prof is not None:
         steps = runs[0]["bursts"]
         rows = sorted(pstats.Stats(prof).stats.items(), key=lambda kv: -kv[1][2])[:45]
@@ -167,7 +173,7 @@ def main(argv=None) -> None:
         med = "  ".join(f"{k} {v:.0f}" for k, v in r["median_us_per_admitting_boundary"].items())
         idle = "-" if r["gpu_idle_fraction"] is None else f"{100 * r['gpu_idle_fraction']:.1f}%"
         plain = "  ".join(f"{k} {v:.0f}" for k, v in r["median_us_per_plain_step"].items())
-        print(f"{r['backend']} {r['model']} k={r['k']} M={r['m']}: {r['bursts']} bursts, "
+        print(f"{r['backend']} {r['model']} k={r['k']} M={r['m']} depth={r['depth']}: {r['bursts']} bursts, "
               f"{r['admitting_boundaries']}/{r['boundaries']} admitting boundaries, "
               f"host {r['host_us_per_step']:.0f} µs/step, GPU busy {r['gpu_busy_ms']} ms idle {r['gpu_idle_ms']} ms "
               f"({idle}; admission spans {r['gpu_admission_ms']} ms); median µs per admitting boundary: {med}; "

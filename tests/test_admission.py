@@ -110,6 +110,58 @@ def test_loop_refills_slots_without_draining_the_pipeline(backend, rng):
     assert loop.stats()["errors"] == 0
 
 
+@pytest.mark.parametrize("depth", [3, 4])
+def test_a_deeper_pipeline_admits_behind_more_bursts_with_the_same_tokens(backend, rng, depth):
+    target, draft = _pair(backend, batch=4, capacity=256)
+    loop = RecordingLoop(target, draft, k=4, m_rounds=2, pipelined=True, depth=depth)
+    assert loop.pipeline.depth == depth and loop.graph.n_graphs == depth
+    reqs = [Request(rng.integers(0, VOCAB, int(rng.integers(1, 9))).tolist(), int(rng.integers(1, 60)),
+                    options=dict(accept_prob=0.8, seed=3)) for _ in range(24)]
+    states = [loop.submit(r) for r in reqs]
+    loop.run_until_idle()
+    for s in states:
+        assert s.tokens == greedy_reference(s.request.prompt, s.request.max_new_tokens, VOCAB)
+    assert max(loop.in_flight_at_admission) == depth  # refills queued behind every burst the graph can hold
+    assert loop.stats()["errors"] == 0
+
+
+def test_prefill_behind_three_bursts_in_flight(backend):
+    target, draft = _pair(backend, batch=2)
+    dec = SpecDecoder(target, draft, k=3, m_rounds=2)
+    graph = BurstGraph(dec, gapless=True, depth=3)
+    dec.prefill([[1, 2], [3]], max_new_tokens=[300, 300])
+    for _ in range(3):
+        graph.replay()
+    with pytest.raises(RuntimeError, match="not drained"):
+        graph.replay()  # a fourth would overwrite the first's pinned output block
+    dec.prefill([None, [50, 51]], max_new_tokens=[None, 20])
+    drained = [graph.drain() for _ in range(3)]
+    assert all(t.counts[1] == 0 for t in drained) and all(t.counts[0] > 0 for t in drained)
+    got = []
+    while dec.host_left[1] > 0:
+        got += graph.run()[1].tolist()
+    assert got == greedy_reference([50, 51], 20, VOCAB)
+
+
+@pytest.mark.parametrize("kw, err, match", [
+    (dict(gapless=True, depth=1), ValueError, "depth must be >= 2"),
+    (dict(gapless=True, depth=9), ValueError, "depth must be <= 8"),
+    (dict(gapless=True, depth="3"), TypeError, "depth must be an int"),
+    (dict(gapless=False, depth=3), ValueError, "needs gapless=True"),
+])
+def test_graph_depth_is_checked_at_construction(kw, err, match):
+    target, draft = _pair("numpy", batch=1)
+    with pytest.raises(err, match=match):
+        BurstGraph(SpecDecoder(target, draft, k=2, m_rounds=1), **kw)
+
+
+@pytest.mark.parametrize("depth, err", [(1, ValueError), (9, ValueError), (2.5, TypeError), (True, TypeError)])
+def test_loop_depth_is_checked_before_anything_is_built(depth, err):
+    target, draft = _pair("numpy", batch=1)
+    with pytest.raises(err, match="depth"):
+        ServeLoop(target, draft, k=2, m_rounds=1, depth=depth)
+
+
 def test_cancel_and_refill_in_flight(backend):
     target, draft = _pair(backend, batch=1, capacity=256)
     loop = ServeLoop(target, draft, k=3, m_rounds=2, pipelined=True)
@@ -252,6 +304,18 @@ def test_serve_config_wires_the_chunk_and_refuses_it_with_tp():
         ServeConfig(backend="numpy", prefill_chunk=8, tp=2)
 
 
+def test_serve_config_wires_the_pipeline_depth_and_caps_it_with_tp():
+    from graphburst.serving.factory import ConfigError, ServeConfig, build_loop
+
+    loop = build_loop(ServeConfig(backend="numpy", batch=2, capacity=256, pipeline_depth=3))
+    assert loop.pipeline.depth == 3
+    assert build_loop(ServeConfig(backend="numpy", batch=2, capacity=256, pipelined=False)).pipeline.depth == 1
+    with pytest.raises(ConfigError, match="pipeline_depth.*at most 2"):
+        ServeConfig(backend="numpy", pipeline_depth=3, tp=2)
+    with pytest.raises(ConfigError, match="pipeline_depth"):
+        ServeConfig(backend="numpy", pipeline_depth=9)
+
+
 def test_admit_slots_hand_case():
     from graphburst.constants import NO_EOS, UNBOUNDED_BUDGET
     from graphburst.kernels import reference
@@ -299,3 +363,35 @@ def test_prefill_checked_writes_what_prefill_writes(backend):
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
     assert got["host_left"][3] == UNBOUNDED_BUDGET and got["host_eos"][1] == NO_EOS
     np.testing.assert_array_equal(checked.run_burst().counts, plain.run_burst().counts)
+
+
+@pytest.mark.parametrize("lengths", [[4], [3, 3, 3], [1, 7, 2], [19, 1, 257, 5]])
+@pytest.mark.parametrize("final", [True, False])
+def test_staging_block_matches_a_slot_by_slot_build(backend, lengths, final):
+    """The vectorised staging block against the plain per-slot loop it replaced, and the
+    device copy of it after the one upload (on cupy: the runtime copy from pageable memory)."""
+    from graphburst.admission import STAGE_HEAD
+    from graphburst.constants import NO_EOS, NO_PREFILL
+
+    batch = 8
+    target, draft = _pair(backend, batch=batch)
+    dec = SpecDecoder(target, draft, k=2, m_rounds=1)
+    rng = np.random.default_rng(len(lengths))
+    slots = sorted(rng.choice(batch, len(lengths), replace=False).tolist())
+    rows = {b: rng.integers(0, VOCAB, n).astype(np.int32) for b, n in zip(slots, lengths)}
+    starts = {b: int(rng.integers(0, 9)) for b in slots}
+    limits = {b: int(rng.integers(1, 99)) for b in slots}
+    stops = {b: int(rng.integers(0, VOCAB)) for b in slots}
+    host, _ = dec._stage_prompts(rows, starts, slots, limits, stops, final)
+    p_max = max(lengths)
+    want = np.zeros(STAGE_HEAD * batch + batch * p_max, np.int32)
+    want[:batch] = NO_PREFILL
+    for i, b in enumerate(slots):
+        want[b], want[batch + b] = len(rows[b]), starts[b]
+        want[STAGE_HEAD * batch + b * p_max: STAGE_HEAD * batch + b * p_max + len(rows[b])] = rows[b]
+        col = (b, limits[b], stops[b]) if final else (b, 0, NO_EOS)
+        for r in range(3):
+            want[2 * batch + r * len(slots) + i] = col[r]
+    np.testing.assert_array_equal(host, want)
+    host[:] = -7  # the upload is stream-ordered from a staged copy: the host block may be reused at once
+    np.testing.assert_array_equal(dec.backend.to_host(dec._stage[: want.size], dec.stream), want)

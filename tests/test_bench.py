@@ -32,11 +32,13 @@ def test_bench_capture_on_numpy(tmp_path):
 
 
 def test_bench_serve_on_numpy(tmp_path):
-    res = bench("serve", "--num-requests", "3", "--new-tokens", "5", "--refill-requests", "70", tmp_path=tmp_path)
+    res = bench("serve", "--num-requests", "3", "--new-tokens", "5", "--refill-requests", "70", "--pipeline-depth",
+                "2", "4", tmp_path=tmp_path)
     burst = [r for r in res["results"] if r["workload"] == "burst"]
     refill = [r for r in res["results"] if r["workload"] == "refill"]
     assert [r["tokens"] for r in burst] == [15] * 6
-    assert [(r["engine"], r["tokens"]) for r in refill] == [("graph pipelined", 350)] * 2  # 70 requests > 64 slots
+    assert [(r["engine"], r["tokens"]) for r in refill] == [("graph pipelined", 350)] * 2 + [
+        ("graph pipelined depth 4", 350)] * 2  # 70 requests > 64 slots, per stub cost and depth
     # numpy has no GPU timing: both idle figures are absent, never made up
     assert all(r["gpu_idle_fraction"] is None and r["gpu_idle_fraction_steady"] is None for r in res["results"])
 

@@ -22,6 +22,7 @@ from rich.console import Console
 
 from ..burst import BurstMode
 from ..cli_args import TOKEN_BYTES, DeprecatedAlias, FlagError, check_kv_memory, check_memory, int_in, writable_file
+from ..constants import MAX_DEPTH
 from ..serving.loop import Request, ServeLoop, inter_token_latencies_us, percentiles
 from . import load
 from .common import VOCAB, check_greedy, fmt, label, new_table, stub_models, write_results
@@ -41,10 +42,11 @@ def _capacity(new_tokens: int, k: int = 4, m: int = 8) -> int:
     return 64 + new_tokens + m * (k + 1)
 
 
-def run_one(backend, engine, pipelined, cost_us, n_req, new_tokens, batch=BATCH, k=4, m=8, workload="burst") -> dict:
+def run_one(backend, engine, pipelined, cost_us, n_req, new_tokens, batch=BATCH, k=4, m=8, workload="burst",
+            depth=2) -> dict:
     target, draft = stub_models(backend, batch=batch, capacity=_capacity(new_tokens, k, m), cost_us=cost_us)
-    loop = ServeLoop(target, draft, k=k, m_rounds=m, engine=engine, pipelined=pipelined)
-    name = str(engine) + (" pipelined" if loop.pipelined else "")
+    loop = ServeLoop(target, draft, k=k, m_rounds=m, engine=engine, pipelined=pipelined, depth=depth)
+    name = str(engine) + (" pipelined" if loop.pipelined else "") + (f" depth {depth}" if depth != 2 else "")
     warm = loop.submit(_request([1, 2, 3], m * (k + 1)))  # one checked warm-up request through the same loop
     loop.run_until_idle()
     warm_bursts = loop.stats()["bursts"]  # the timed figures below count only the timed run's bursts
@@ -71,10 +73,11 @@ def run_one(backend, engine, pipelined, cost_us, n_req, new_tokens, batch=BATCH,
 REFILL_RUNS = 3  # the refill row is the run of median GPU idle: one run of ~60 bursts varies by 10+ points
 
 
-def _median_refill(backend, cost_us, n_req, new_tokens) -> dict:
+def _median_refill(backend, cost_us, n_req, new_tokens, depth=2) -> dict:
     """The refill workload ``REFILL_RUNS`` times; the run of median idle, every run's idle beside it."""
     n_runs = REFILL_RUNS if backend.is_gpu else 1  # numpy: no device timing, nothing to rank
-    runs = [run_one(backend, "graph", True, cost_us, n_req, new_tokens, workload="refill") for _ in range(n_runs)]
+    runs = [run_one(backend, "graph", True, cost_us, n_req, new_tokens, workload="refill", depth=depth)
+            for _ in range(n_runs)]
     if n_runs == 1:
         return runs[0]
     idle = [r["gpu_idle_fraction"] for r in runs]
@@ -97,6 +100,8 @@ def add_parser(sub) -> None:
     p.add_argument("--refill-requests", type=int_in(0, 1_000_000), default=4 * BATCH,
                    help="requests of the refill workload (graph pipelined, more requests than the 64 slots, so "
                         "slots refill at burst boundaries); 0 skips it")
+    p.add_argument("--pipeline-depth", type=int_in(2, MAX_DEPTH), nargs="+", default=[2], metavar="N",
+                   help="bursts kept in flight in the refill workload's rows, one row set per value (default 2)")
     p.add_argument("--http", action="store_true",
                    help="also run the HTTP server in a subprocess (127.0.0.1, ephemeral port) under --num-requests "
                         "concurrent streaming httpx clients, pipelined and not, stub cost 0; with --model: the "
@@ -136,7 +141,8 @@ def run(args, console: Console, backend) -> int:
     rows = [run_one(backend, engine, pipelined, cost, args.num_requests, args.new_tokens)
             for cost in COSTS_US for engine, pipelined in ENGINES]
     if args.refill_requests:
-        rows += [_median_refill(backend, cost, args.refill_requests, args.new_tokens) for cost in COSTS_US]
+        rows += [_median_refill(backend, cost, args.refill_requests, args.new_tokens, depth)
+                 for depth in args.pipeline_depth for cost in COSTS_US]
     for r in rows:
         r["transport"] = "in-process"
     if args.http:

@@ -79,9 +79,16 @@ def _layer_threads(n_layers: int) -> int:
     return min(MAX_LAYER_THREADS, max(32, (n_layers + 31) // 32 * 32))
 
 
-def _launch(name, grid, block, args, stream, shared_mem=0) -> None:
-    with stream:
-        kernel(name)(grid, block, args, shared_mem=shared_mem)
+@functools.cache
+def _function(device_id: int, name: str) -> cupy.cuda.function.Function:
+    """The compiled kernel's launchable function, which takes its stream as an argument."""
+    return _kernel(device_id, name).kernel
+
+
+def _launch(name, grid: tuple, block: tuple, args, stream, shared_mem=0) -> None:
+    # The stream goes to the launch itself: ``with stream:`` around a RawKernel call costs
+    # the host microseconds per launch, and admission launches while the GPU may be waiting.
+    _function(cupy.cuda.runtime.getDevice(), name)(grid, block, args, shared_mem=shared_mem, stream=stream)
 
 
 def _step_arg(step, n_rows):

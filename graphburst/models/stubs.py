@@ -245,29 +245,29 @@ class StubDraft(_StubModel, DraftModel):
         self.backend.upload(self._slot_block, self._host_slots, stream)
 
     def slot_options(self, options: dict) -> tuple:
-        """Validate ``{"accept_prob": p, "seed": s}`` (either optional) as ``(p or None, s or None)``."""
+        """Validate ``{"accept_prob": p, "seed": s}`` (either optional; a missing key takes the
+        model's default) as the slot's ``(seed, agree24)`` column of the settings block."""
         unknown = set(options) - self.option_keys
         if unknown:
             raise ValueError(f"unknown stub draft option {sorted(unknown)[0]!r}")
         prob, seed = options.get("accept_prob"), options.get("seed")
-        if prob is not None:
-            prob = check_prob("accept_prob", prob)
-        if seed is not None:
-            seed = check_int("seed", seed, minimum=0, maximum=2**32 - 1)
-        return prob, seed
+        prob = self.default_accept_prob if prob is None else check_prob("accept_prob", prob)
+        seed = self.default_seed if seed is None else check_int("seed", seed, minimum=0, maximum=2**32 - 1)
+        return seed, fixed24(prob)
 
     def set_slot_options(self, settings: dict, stream) -> None:
         """Apply :meth:`slot_options` results per slot; None restores the defaults.
 
-        The values were validated by :meth:`slot_options` (at a request's submission), and
-        admission runs while the GPU may wait on it, so they are not checked again here.
+        The values were validated and converted by :meth:`slot_options` (at a request's
+        submission), and admission runs while the GPU may wait on it: here they are one
+        column write and one upload.
         """
-        for slot, opt in settings.items():
-            prob, seed = (None, None) if opt is None else opt
-            self._host_agree[slot] = fixed24(self.default_accept_prob if prob is None else prob)
-            self._host_seed[slot] = self.default_seed if seed is None else seed
-        if settings:
-            self._upload_slots(stream)
+        if not settings:
+            return
+        default = (self.default_seed, fixed24(self.default_accept_prob))
+        columns = np.array([default if v is None else v for v in settings.values()], np.uint32)  # [n, 2] uint32
+        self._host_slots[:, list(settings)] = columns.T.view(np.int32)  # seeds as their uint32 bits
+        self._upload_slots(stream)
 
     def set_slots(self, settings: dict, stream=None) -> None:
         """Set sequences' agreement probability and seed between bursts (plain writes).

@@ -18,13 +18,14 @@ import contextlib
 import numpy as np
 import torch
 
+from ..constants import TP_MAX_DEPTH
 from ..models.torch_adapter import as_tensor
 from .dist import Context, ParallelError
 
 #: buffers folded into the checksum: everything the replicated epilogue writes and the host reads
 CHECKED = ("pos_ctr", "pend", "budget")
 _MIX = 0x9E3779B1  # odd multiplier: the weight of element i is (i + 1) * _MIX mod 2**31
-MAX_GRAPHS = 2  # a BurstGraph captures at most two graphs (gapless), each with its own host vector
+MAX_GRAPHS = TP_MAX_DEPTH  # graphs a CheckedGraph captures at most, each with its own host vector
 
 
 class RankDivergence(ParallelError):

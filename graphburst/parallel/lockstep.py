@@ -150,10 +150,11 @@ class LockstepLoop(ServeLoop):
 
         return ParallelDecoder(target, draft, self.ctx, **kw)
 
-    def _make_graph(self, *, gapless: bool):
+    def _make_graph(self, *, depth: int):
         from .runner import CheckedGraph
 
-        return CheckedGraph(self.dec, gapless=gapless, drain_timeout_s=self._drain_timeout_s)
+        return CheckedGraph(self.dec, gapless=depth > 1, depth=depth if depth > 1 else None,
+                            drain_timeout_s=self._drain_timeout_s)
 
     def _costs_only_its_requests(self, exc: Exception) -> bool:
         # A bad request (ValueError: CapacityError, a refused prefill) fails the same way on

@@ -15,7 +15,7 @@ import functools
 from ..burst import Call, SpecDecoder
 from ..capture import BurstGraph
 from ..models.torch_adapter import TorchDraft, TorchTarget
-from .check import RankCheck
+from .check import MAX_GRAPHS, RankCheck
 from .dist import Context, Layout, ParallelError, wait_until
 from .models import self_draft
 from .pp import StageLlama, StageTarget, stage_table
@@ -64,18 +64,24 @@ class CheckedGraph(BurstGraph):
     dec : ParallelDecoder
     gapless : bool
         As :class:`BurstGraph` (the serving loop keeps two bursts in flight).
+    depth : int, optional
+        As :class:`BurstGraph`, at most ``check.MAX_GRAPHS`` (one pinned check vector per graph).
     drain_timeout_s : float, optional
         Default: the group's timeout (``--dist-timeout``).
     """
 
-    def __init__(self, dec: ParallelDecoder, *, gapless: bool = False, drain_timeout_s: float | None = None):
+    def __init__(self, dec: ParallelDecoder, *, gapless: bool = False, depth: int | None = None,
+                 drain_timeout_s: float | None = None):
         if not isinstance(dec, ParallelDecoder):
             raise TypeError(f"dec must be a ParallelDecoder, got {type(dec).__name__}")
+        if isinstance(depth, int) and depth > MAX_GRAPHS:
+            raise ValueError(f"depth={depth!r}: a tensor-parallel burst graph keeps at most {MAX_GRAPHS} bursts in "
+                             "flight (one pinned rank-check vector each)")
         timeout = dec.ctx.timeout_s if drain_timeout_s is None else drain_timeout_s
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise ValueError(f"drain_timeout_s must be a number > 0, got {drain_timeout_s!r}")
         self.drain_timeout_s = float(timeout)
-        super().__init__(dec, gapless=gapless)
+        super().__init__(dec, gapless=gapless, depth=depth)
 
     def _program(self, graph_index: int) -> list[Call]:
         program = super()._program(graph_index)

@@ -102,11 +102,11 @@ class LoopAdmission:
         starts = {b: start for b, (start, _) in group.items()}
         try:
             if final:
-                # every admitted slot gets an entry: a reused one forgets its last request
-                self.dec.set_slot_options({b: slots[b].slot_options for b in group})
+                # every admitted slot gets an options entry: a reused one forgets its last request
                 self.dec.prefill_checked(rows, starts, limits={b: slots[b].limit for b in group},
                                          stops={b: NO_EOS if slots[b].eos is None else slots[b].eos for b in group},
-                                         sampling={b: slots[b].sampling for b in group} if self.sampling else None)
+                                         sampling={b: slots[b].sampling for b in group} if self.sampling else None,
+                                         options={b: slots[b].slot_options for b in group})
             else:
                 self.dec.prefill_checked(rows, starts, final=False)
         except Exception as exc:  # noqa: BLE001 - only the requests being prefilled are touched

@@ -16,7 +16,7 @@ import os
 
 from ..backend import BACKEND_NAMES, get_backend
 from ..buffers import StreamBufs
-from ..constants import MAX_K
+from ..constants import MAX_DEPTH, MAX_K, TP_MAX_DEPTH
 from ..models.capacity import DEFAULT_GPU_MEMORY_FRACTION, CapacityPlan, MemorySpec, auto_capacity, check_fraction
 from ..models.ngram import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, NGRAM_DRAFT, NgramDraft, check_ngram_range, ngram_for
 from ..models.stubs import stub_memory_spec, stub_pair
@@ -42,7 +42,7 @@ class ConfigError(ValueError):
 # field -> (minimum, maximum) of the numbers a ServeConfig takes (the flags' ranges)
 INT_RANGES = {"batch": (1, 65536), "k": (1, MAX_K), "rounds": (1, 1024), "capacity": (1, 2**31 - 1),
               "vocab": (2, 2**31 - 1), "layers": (1, 4096), "max_queue": (1, 1_000_000), "tp": (1, 64),
-              "prefill_chunk": (1, 2**31 - 1)}
+              "prefill_chunk": (1, 2**31 - 1), "pipeline_depth": (2, MAX_DEPTH)}
 REAL_RANGES = {"accept": (0.0, 1.0), "cost_us": (0.0, 1e6), "p_min": (0.0, 1.0), "drain_timeout": (0.0, 3600.0),
                "header_timeout": (0.1, 3600.0), "body_timeout": (0.1, 3600.0),
                "write_timeout": (0.1, 86400.0), "dist_timeout": (1.0, 3600.0)}
@@ -77,6 +77,7 @@ class ServeConfig:
     gpu_memory_fraction: float | None = None  # capacity="auto": share of the GPU (None: DEFAULT_GPU_MEMORY_FRACTION)
     sampling: bool = False
     pipelined: bool = True  # graph engine: keep a second burst in flight while the host hands out tokens
+    pipeline_depth: int = 2  # pipelined: bursts kept in flight (ServeLoop's depth)
     prefill_chunk: int | None = None  # prompt tokens prefilled per burst boundary (None: whole prompts)
     # stub models (the default)
     vocab: int | None = None
@@ -127,6 +128,9 @@ class ServeConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(name, f"must be a bool, got {getattr(self, name)!r}")
         self._check_capacity()
+        if self.pipeline_depth > TP_MAX_DEPTH and self.tp > 1:
+            raise ConfigError("pipeline_depth", f"tensor-parallel serving (--tp > 1) keeps at most {TP_MAX_DEPTH} bursts "
+                                                f"in flight, got {self.pipeline_depth}")
         if self.prefill_chunk is not None and self.tp > 1:
             raise ConfigError("prefill_chunk", "is not wired into tensor-parallel serving (--tp > 1); leave it unset")
         self._check_mode()
@@ -355,4 +359,5 @@ def build_loop(config: ServeConfig, backend=None) -> ServeLoop:
     if config.lookup:  # the built draft model (stub or tiny) is dropped: prompt lookup replaces it
         draft = ngram_for(target, n_min=config.ngram_min, n_max=config.ngram_max)
     return ServeLoop(target, draft, k=config.k, m_rounds=config.rounds, engine=config.engine,
-                     pipelined=config.pipelined, sampling=config.sampling, prefill_chunk=config.prefill_chunk)
+                     pipelined=config.pipelined, depth=config.pipeline_depth, sampling=config.sampling,
+                     prefill_chunk=config.prefill_chunk)

@@ -33,11 +33,13 @@ import numpy as np
 
 from ..burst import BurstMode, SpecDecoder
 from ..capture import BurstGraph
+from ..constants import MAX_DEPTH
 from ..sampling.params import SamplingParams
+from ..validate import check_int
 from .admit import LoopAdmission, check_prefill_chunk, describe
 from .events import Retired, Tokens
 from .intake import RequestIntake
-from .pipeline import BurstPipeline
+from .pipeline import BurstPipeline, graph_of
 from .request import Request, RequestState
 from .slot_tokens import SlotTokens
 from .timing import inter_token_latencies_us, percentiles
@@ -62,6 +64,10 @@ class ServeLoop(LoopAdmission):
     pipelined : bool
         Graph engine only: keep a second burst in flight (gapless drain) while the host
         hands out the previous burst's tokens.
+    depth : int
+        Pipelined: bursts kept in flight (2 to ``capture.MAX_DEPTH``). More lets the host
+        spend longer at a burst boundary (admitting requests) before the GPU runs dry, at
+        the price of a new request waiting for more queued bursts before its first.
     sampling : bool
         Decode with speculative rejection sampling, so requests may ask for temperature
         > 0 (the models must support it; see ``SpecDecoder``). Without it such a request
@@ -90,13 +96,14 @@ class ServeLoop(LoopAdmission):
     replays_ids = False
 
     def __init__(self, target, draft, *, k: int, m_rounds: int, engine: str = "graph", pipelined: bool = True,
-                 sampling: bool = False, prefill_chunk: int | None = None):
+                 depth: int = 2, sampling: bool = False, prefill_chunk: int | None = None):
         engine = BurstMode.parse(engine, SERVE_MODES, name="engine")
+        depth = check_int("depth", depth, minimum=2, maximum=MAX_DEPTH)
         self.sampling = bool(sampling)
         self.prefill_chunk = check_prefill_chunk(prefill_chunk, target, draft)
         self.dec = self._make_decoder(target, draft, k=k, m_rounds=m_rounds, sampling=self.sampling)
         self.engine = engine
-        self.pipeline = BurstPipeline(self.dec, engine, pipelined, make_graph=self._make_graph)
+        self.pipeline = BurstPipeline(self.dec, engine, pipelined, make_graph=self._make_graph, depth=depth)
         self.pipelined = self.pipeline.pipelined
         self.graph = self.pipeline.graph
         self.vocab = target.vocab
@@ -135,8 +142,8 @@ class ServeLoop(LoopAdmission):
     def _make_decoder(self, target, draft, **kw) -> SpecDecoder:
         return SpecDecoder(target, draft, **kw)
 
-    def _make_graph(self, *, gapless: bool) -> BurstGraph:
-        return BurstGraph(self.dec, gapless=gapless)
+    def _make_graph(self, *, depth: int) -> BurstGraph:
+        return graph_of(self.dec, depth=depth)
 
     # ------------------------------------------------------------------ requests
 

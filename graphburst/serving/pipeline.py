@@ -1,8 +1,8 @@
 """Which bursts are in flight: launching, refilling and draining the serving loop's bursts.
 
 The graph engine replays one captured :class:`BurstGraph`; pipelined (``gapless``) it
-keeps up to two bursts enqueued, so the host hands out one burst's tokens while the GPU
-runs the next two. The eager engine runs a burst that syncs every round, for comparison.
+keeps up to ``depth`` bursts enqueued (two by default), so the host hands out one burst's
+tokens and admits requests while the GPU runs the next ones. The eager engine runs a burst that syncs every round, for comparison.
 Each burst is timed on the device by a :class:`~graphburst.serving.timing.BurstClock`, and
 tagged at launch with whether every batch slot was running a request (the steady window).
 
@@ -15,12 +15,18 @@ returns.
 from __future__ import annotations
 
 import collections
+import functools
 
 import numpy as np
 
 from ..burst import BurstMode, SpecDecoder
 from ..capture import BurstGraph
 from .timing import BurstClock
+
+
+def graph_of(dec: SpecDecoder, *, depth: int) -> BurstGraph:
+    """The :class:`BurstGraph` of ``dec`` that keeps ``depth`` bursts in flight (gapless past 1)."""
+    return BurstGraph(dec, gapless=depth > 1, depth=depth if depth > 1 else None)
 
 
 class BurstPipeline:
@@ -32,20 +38,23 @@ class BurstPipeline:
     engine : BurstMode
         ``GRAPH`` or ``PER_ROUND_SYNC``.
     pipelined : bool
-        Graph engine only: keep a second burst in flight while the host works.
+        Graph engine only: keep more than one burst in flight while the host works.
+    depth : int
+        Pipelined: bursts kept in flight (``BurstGraph``'s ``depth``).
     make_graph : callable, optional
-        ``make_graph(gapless=...)`` returns the graph to replay (default: a
-        :class:`BurstGraph` of ``dec``; tensor-parallel serving passes its checked graph).
+        ``make_graph(depth=...)`` returns the graph to replay, gapless for a depth > 1
+        (default: a :class:`BurstGraph` of ``dec``; tensor-parallel serving passes its
+        checked graph).
     """
 
-    def __init__(self, dec: SpecDecoder, engine: str, pipelined: bool, make_graph=None):
+    def __init__(self, dec: SpecDecoder, engine: str, pipelined: bool, make_graph=None, depth: int = 2):
         self.dec = dec
         self.pipelined = bool(pipelined) and engine == BurstMode.GRAPH
         if make_graph is None:
-            make_graph = lambda gapless: BurstGraph(dec, gapless=gapless)  # noqa: E731
-        self.graph = make_graph(gapless=self.pipelined) if engine == BurstMode.GRAPH else None
-        self.depth = self.graph.n_slots if self.pipelined else 1  # bursts kept in flight
-        self.clock = BurstClock(dec.backend)
+            make_graph = functools.partial(graph_of, dec)
+        self.graph = make_graph(depth=depth if self.pipelined else 1) if engine == BurstMode.GRAPH else None
+        self.depth = self.graph.n_graphs if self.pipelined else 1  # bursts kept in flight
+        self.clock = BurstClock(dec.backend, self.depth)
         self._in_flight: collections.deque = collections.deque()  # (timing events or None, steady) per burst
 
     def __len__(self) -> int:

@@ -62,12 +62,13 @@ class BurstClock:
     ----------
     backend : Backend
         The decoder's; no timing unless ``backend.is_gpu``.
+    depth : int
+        Bursts that may be in flight at once.
     """
 
-    PAIRS = 3  # two bursts in flight plus the last drained burst's end, used for the next gap
-
-    def __init__(self, backend):
+    def __init__(self, backend, depth: int = 2):
         self.backend = backend
+        self.pairs = depth + 1  # the bursts in flight plus the last drained burst's end, used for the next gap
         self.overall = IdleTally()
         self.steady = IdleTally()
         self._pairs = None
@@ -83,9 +84,9 @@ class BurstClock:
             return None
         if self._pairs is None:
             xp = self.backend.xp
-            self._pairs = [(xp.cuda.Event(), xp.cuda.Event()) for _ in range(self.PAIRS)]
+            self._pairs = [(xp.cuda.Event(), xp.cuda.Event()) for _ in range(self.pairs)]
         self._launched += 1
-        pair = self._pairs[self._launched % self.PAIRS]
+        pair = self._pairs[self._launched % self.pairs]
         # Admission enqueued since the last launch ran in the gap before this burst (stream order).
         self._gap_windows[id(pair[0])], self._windows = self._windows, []
         return pair
