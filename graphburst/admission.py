@@ -144,7 +144,7 @@ class SlotAdmission:
         lens, starts_now = host[:b], host[b: 2 * b]
         ends = np.where(lens != NO_PREFILL, starts_now + lens, NO_PREFILL).astype(np.int32)  # [B] int32
         stage = self._stage_view("chunks", (host.size - STAGE_HEAD * b) // b)
-        self._prefill_models(stage, ends, slots, settings, final)
+        self._prefill_models(stage, ends, slots, settings, final, fresh=not starts_now.any())
         self._admit(np.asarray(slots, np.int64), ends, table, host[2 * b: 2 * b + table.size].reshape(3, -1))
 
     def _check_prefill(self, prompts, start, final, max_new_tokens, eos, temperature, top_k, top_p, seed):
@@ -287,9 +287,10 @@ class SlotAdmission:
             self._stage_views[(part, size)] = view
         return view
 
-    def _prefill_models(self, stage, ends, slots: list, settings: dict, final: bool) -> None:
+    def _prefill_models(self, stage, ends, slots: list, settings: dict, final: bool, fresh: bool = False) -> None:
         """Run: the models' prefill (the target sets ``pos_ctr`` and, when final, ``pend``), then
-        a sampled first token."""
+        a sampled first token. ``fresh``: every chunk starts at position 0, which the models
+        are told by ``start=None`` (a torch module then attends to the prompt's own tokens)."""
         s, bufs = self.stream, self.bufs
         sampling = self.sampling and final
         if sampling:
@@ -298,7 +299,7 @@ class SlotAdmission:
         pend = bufs.pend if final else None
         for model, pos_ctr, out in ((self.target, bufs.pos_ctr, pend), (self.draft, None, None)):
             if chunked_prefill(model):  # the slot list on the host spares the model a device sync
-                model.prefill(stage, self._prompt_len, pos_ctr, out, s, start=self._prompt_start,
+                model.prefill(stage, self._prompt_len, pos_ctr, out, s, start=None if fresh else self._prompt_start,
                               rows=np.asarray(slots, np.int64))
             else:
                 model.prefill(stage, self._prompt_len, pos_ctr, out, s)

@@ -203,6 +203,40 @@ def test_deterministic_attention_is_the_same_function_through_the_pinned_kernels
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
+@pytest.mark.parametrize("kind", ["gqa", "fold", "deterministic"])
+def test_a_fresh_prefill_is_the_masked_prefill_over_its_own_tokens(monkeypatch, kind):
+    """``fresh=True`` (every row at position 0): the same logits up to rounding and the same
+    KV as the masked forward over each slot's capacity; SDPA sees no mask (causal) unless
+    folded, and cuDNN is off inside it (PREFILL_SDPA) unless the model pins its own kernels."""
+    from graphburst.models import llama as llama_mod
+
+    cfg = CFG.replace(num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=8)
+    kw = {"gqa": {}, "fold": {"fold_gqa": True}, "deterministic": {"deterministic_attention": True}}[kind]
+    masked, fresh = (Llama(cfg, batch=4, capacity=64, **kw).init_random_(7) for _ in range(2))
+    seen = []
+    real = F.scaled_dot_product_attention
+
+    def spy(*a, **kwargs):
+        seen.append((kwargs.get("attn_mask") is None, kwargs.get("is_causal", False),
+                     torch.backends.cuda.cudnn_sdp_enabled(), a[1].shape[2]))
+        return real(*a, **kwargs)
+    monkeypatch.setattr(llama_mod.F, "scaled_dot_product_attention", spy)
+    tokens = torch.randint(0, 512, (3, 19), generator=torch.Generator().manual_seed(7))
+    rows = torch.tensor([3, 0, 2])
+    zero = torch.zeros(3, dtype=torch.int32)
+    with torch.no_grad():
+        want = masked(tokens, zero, [zero] * 2, rows)
+        seen.clear()
+        got = fresh(tokens, zero, [zero] * 2, rows, fresh=True)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    assert torch.equal(masked.kv[0][:, rows, :19], fresh.kv[0][:, rows, :19])  # layer 0 sees the same inputs
+    torch.testing.assert_close(fresh.kv[1][:, rows, :19], masked.kv[1][:, rows, :19], atol=1e-5, rtol=1e-5)
+    folded = kind != "gqa"
+    # keys: the 19 new tokens, not the 64-row capacity; no mask and causal unless folded
+    assert seen == [(not folded, not folded, False, 19)] * 2, seen  # cuDNN off in all three
+
+
 # ---------------------------------------------------------------------- GPU (H200)
 
 @pytest.mark.gpu
@@ -270,4 +304,26 @@ def test_gpu_deterministic_attention_runs_the_memory_efficient_kernel_not_cudnn(
     got, names_det = kernels(det, tokens, start)
     assert "cudnn" in names_plain.lower()  # the default this option avoids (if torch stops picking it, revisit)
     assert "cudnn" not in names_det.lower() and "fmha" in names_det.lower(), names_det
+    torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_gpu_a_fresh_prefill_runs_flash_attention_not_cudnn():
+    """bf16 prompts at position 0 on the H200: flash attention over the prompt's own tokens,
+    not cuDNN over each slot's capacity, and the same logits up to bf16 rounding."""
+    dev = "cuda"
+    cfg = CFG.replace(num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+                      hidden_size=512, intermediate_size=256)
+    model = Llama(cfg, batch=4, capacity=512, dtype=torch.bfloat16, device=dev, decode_kernels="off").init_random_(8)
+    tokens = torch.randint(0, cfg.vocab_size, (3, 257), device=dev)
+    rows = torch.tensor([1, 3, 0], device=dev)
+    zero = torch.zeros(3, dtype=torch.int32, device=dev)
+    with torch.no_grad():
+        want = model(tokens, zero, [zero], rows)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            got = model(tokens, zero, [zero], rows, fresh=True)
+            torch.cuda.synchronize()
+    names = " ".join(ev.name for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA).lower()
+    assert "cudnn" not in names and "flash" in names, names
     torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)

@@ -37,8 +37,8 @@ from torch import nn
 from ..constants import MAX_K
 from . import llama_decode
 from .llama_config import LLAMA3_KEYS, ROPE_TYPES, CheckpointError, LlamaConfig  # noqa: F401 (re-exported)
-from .llama_layers import (DETERMINISTIC_SDPA, MLP, Attention, Block, FusedLinear, RMSNorm,  # noqa: F401 (re-exported)
-                           fold_mask, kv_index)
+from .llama_layers import (DETERMINISTIC_SDPA, MLP, PREFILL_SDPA, Attention, Block, FusedLinear,  # noqa: F401
+                           LayerIndex, RMSNorm, fold_mask, kv_index)
 from .rope import apply_rope, rope_inv_freq, rope_rotation, rope_tables, rotate  # noqa: F401 (re-exported)
 
 #: rows past ``capacity`` in every KV tensor: a chain of up to MAX_K drafts plus the
@@ -165,7 +165,8 @@ class Llama(nn.Module):
             t.copy_(host)
         return self
 
-    def layer_inputs(self, start_pos: torch.Tensor, lengths, rows: torch.Tensor, t: int, dtype) -> list[tuple]:
+    def layer_inputs(self, start_pos: torch.Tensor, lengths, rows: torch.Tensor, t: int, dtype,
+                     fresh: bool = False) -> list[LayerIndex]:
         """What every layer's attention needs, built once per forward instead of once per layer.
 
         RoPE rotations depend only on the positions; KV write rows and masks only on a
@@ -181,10 +182,13 @@ class Llama(nn.Module):
         t : int
         dtype : torch.dtype
             The activations'.
+        fresh : bool
+            Every row starts at position 0 with nothing cached (``start_pos`` and ``lengths``
+            all 0): attention runs over the call's own tokens (:class:`LayerIndex`).
 
         Returns
         -------
-        list of (flat, mask, rotation), one per layer (see :class:`Attention`)
+        list of :class:`LayerIndex`, one per layer
         """
         if not len(self.layers):
             return []
@@ -195,11 +199,16 @@ class Llama(nn.Module):
         cos, sin = self.rope_cos[pos].to(dtype), self.rope_sin[pos].to(dtype)  # [R, T, head_dim]
         rot = rope_rotation(cos, sin, attn.n_heads + attn.n_kv, attn.n_kv)
         s = self.kv[0].shape[2]
+        backends = attn.backends if attn.backends is not None or not fresh else PREFILL_SDPA
         shared, out = {}, []
         for length in lengths:
             if id(length) not in shared:
-                flat, mask = kv_index(length, rows, t, s, dtype)
-                shared[id(length)] = (flat, fold_mask(mask, attn.n_heads // attn.n_kv) if attn.fold else mask, rot)
+                flat, mask = kv_index(length, rows, t, s, dtype, width=t if fresh else None)
+                if attn.fold:
+                    mask = fold_mask(mask, attn.n_heads // attn.n_kv)
+                elif fresh:
+                    mask = None  # causal over the call's own tokens: SDPA needs no mask
+                shared[id(length)] = LayerIndex(flat, mask, rot, fresh, backends)
             out.append(shared[id(length)])
         return out
 
@@ -207,9 +216,11 @@ class Llama(nn.Module):
     accepts_logits_at = True
     #: forward takes ``head=False``: a prompt's non-final chunk then writes KV and skips norm and head.
     accepts_head = True
+    #: forward takes ``fresh=True``: every row starts at position 0 (attention over its own tokens).
+    accepts_fresh = True
 
     def forward(self, tokens: torch.Tensor, start_pos: torch.Tensor, lengths, rows: torch.Tensor | None = None,
-                logits_at: torch.Tensor | None = None, head: bool = True):
+                logits_at: torch.Tensor | None = None, head: bool = True, fresh: bool = False):
         """Logits after each token; writes the tokens' KV, never moves a length.
 
         Parameters
@@ -223,6 +234,9 @@ class Llama(nn.Module):
             ``[R, T, vocab]`` would be large).
         head : bool
             False: only write the KV (a prompt chunk whose logits nobody reads) and return None.
+        fresh : bool
+            The caller's promise that ``start_pos`` and every length are 0 (whole prompts,
+            first chunks): attention then reads only the new tokens, causal.
 
         Returns
         -------
@@ -235,7 +249,7 @@ class Llama(nn.Module):
             rows = torch.arange(r, device=tokens.device)
         x = self.embed_tokens(tokens)
         for layer, kv, length, index in zip(self.layers, self.kv, lengths,
-                                            self.layer_inputs(start_pos, lengths, rows, t, x.dtype)):
+                                            self.layer_inputs(start_pos, lengths, rows, t, x.dtype, fresh)):
             x = layer(x, None, None, kv, length, rows, index)
         if not head:
             return None

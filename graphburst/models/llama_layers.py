@@ -25,11 +25,17 @@ a layer is written to issue few kernels (``tests/test_llama_ops.py`` bounds the 
   kernel) instead of upcast, normalise, downcast and multiply.
 * **An additive mask built once per forward** (:func:`kv_index`) in the activations'
   dtype: SDPA would turn a boolean mask into the same ``0 / -inf`` tensor on every call.
+* **A fresh prefill attends to its own tokens.** When every row starts at position 0
+  (``LayerIndex.fresh``: whole prompts, first chunks) the keys are the call's own K and V,
+  causal, with no mask, no gather of each slot's whole KV capacity, and no cuDNN
+  (:data:`PREFILL_SDPA`): eager prefill is host-bound, and cuDNN's attention builds a plan
+  per new shape.
 """
 
 from __future__ import annotations
 
 import contextlib
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +51,29 @@ from .rope import rope_rotation, rotate
 #: cannot run (the CPU). cuDNN's attention, torch's default for bf16 on the H200, is not in
 #: torch's deterministic set, and a replicated bf16 draft using it diverged across two GPUs.
 DETERMINISTIC_SDPA = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+#: SDPA kernels for a fresh prefill (causal over its own tokens, no mask): flash, with
+#: memory-efficient and math where it cannot run. Not cuDNN: on the H200 its attention cost
+#: the host 4.9 ms per layer call to plan each new prompt shape (torch.profiler, 1b shape),
+#: and eager prefill runs while the GPU may wait on the host.
+PREFILL_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+class LayerIndex(NamedTuple):
+    """What a layer's attention needs besides its input (:meth:`Llama.layer_inputs`).
+
+    flat : [R*T] int64, rows of the new tokens in the flat KV view (:func:`kv_index`)
+    mask : additive mask [R, 1, T, S] ([R, 1, T*G, S] folded), or [R, 1, T(*G), T] when
+        ``fresh``, or None for a fresh unfolded call (causal, no mask)
+    rot : the RoPE rotation (:func:`rope_rotation`)
+    fresh : every row starts at position 0, so the keys are the call's own tokens
+    backends : SDPA backends to pin, or None for torch's choice
+    """
+
+    flat: torch.Tensor
+    mask: torch.Tensor | None
+    rot: torch.Tensor
+    fresh: bool = False
+    backends: list | None = None
 
 
 class RMSNorm(nn.Module):
@@ -111,18 +140,18 @@ class Attention(nn.Module):
         kv : [2, B, S, n_kv, head_dim], written at rows ``length + [0, T)``
         length : [R] int32, valid rows before this call
         rows : [R] int64 batch rows of x (all B in a burst, the prefilled slots in prefill)
-        index : (flat [R*T] int64, mask [R, 1, T, S] or [R, 1, T*G, S] when folded, rotation), optional
+        index : LayerIndex, optional
             :func:`kv_index` of ``length`` in x's dtype (through :func:`fold_mask` when
-            ``self.fold``) and :func:`rope_rotation` of ``cos, sin`` (``Llama.forward``
+            ``self.fold``) and :func:`rope_rotation` of ``cos, sin`` (``Llama.layer_inputs``
             builds them once per forward); built here when absent.
         """
         r, t, _ = x.shape
         h, kvh, hd = self.n_heads, self.n_kv, self.head_dim
         if index is None:
             flat, mask = kv_index(length, rows, t, kv.shape[2], x.dtype)
-            index = (flat, fold_mask(mask, h // kvh) if self.fold else mask,
-                     rope_rotation(cos.to(x.dtype), sin.to(x.dtype), h + kvh, kvh))
-        flat, mask, rot = index
+            index = LayerIndex(flat, fold_mask(mask, h // kvh) if self.fold else mask,
+                               rope_rotation(cos.to(x.dtype), sin.to(x.dtype), h + kvh, kvh), False, self.backends)
+        flat, mask, rot, fresh, backends = index
         # One GEMM for q, k, v; one rotation for all three (v by the identity): [R, T, H + 2 KV, D].
         qkv = self.qkv_proj(x).view(r, t, h + 2 * kvh, hd)
         if self.qk_norm:  # per head, before RoPE (HF Qwen3); v is not normalised
@@ -131,16 +160,20 @@ class Attention(nn.Module):
         qkv = rotate(qkv, rot)
         # K and V sit side by side: one index_copy_ of the [2, R*T, KV, D] view into the flat cache.
         kv.view(2, -1, kvh, hd).index_copy_(1, flat, qkv[:, :, h:].reshape(r * t, 2, kvh, hd).transpose(0, 1))
-        keys, vals = (kv[0], kv[1]) if r == kv.shape[1] else (kv[0, rows], kv[1, rows])  # [R, S, n_kv, D]
+        if fresh:  # every row starts at position 0: its keys are its own new tokens
+            keys, vals = qkv[:, :, h: h + kvh], qkv[:, :, h + kvh:]  # [R, T, n_kv, D]
+        else:
+            keys, vals = (kv[0], kv[1]) if r == kv.shape[1] else (kv[0, rows], kv[1, rows])  # [R, S, n_kv, D]
         q = qkv[:, :, :h]  # [R, T, H, D]
         # sdpa_kernel sets torch's process-wide backend flags; entered and left on the thread
         # that runs the model, and a captured graph keeps the kernel it chose.
-        with contextlib.nullcontext() if self.backends is None else sdpa_kernel(self.backends):
+        with contextlib.nullcontext() if backends is None else sdpa_kernel(backends):
             y = self._attend(q, keys, vals, mask, r, t)
         return self.o_proj(y.reshape(r, t, h * hd))
 
     def _attend(self, q, keys, vals, mask, r: int, t: int):
-        """``[R, T, H, D]`` attention output of ``q [R, T, H, D]`` over ``keys``/``vals [R, S, KV, D]``."""
+        """``[R, T, H, D]`` attention output of ``q [R, T, H, D]`` over ``keys``/``vals [R, S, KV, D]``
+        (causal over ``S == T`` keys when ``mask`` is None)."""
         h, kvh, hd = self.n_heads, self.n_kv, self.head_dim
         if self.fold:  # query head kv*G + g reads KV head kv (HF's repeat_kv order); rows ordered (t, g)
             g = h // kvh
@@ -149,12 +182,13 @@ class Attention(nn.Module):
             y = y.view(r, kvh, t, g, hd).transpose(1, 2)  # [R, T, KV, G, D]
         else:
             y = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), vals.transpose(1, 2),
-                                               attn_mask=mask, enable_gqa=kvh != h).transpose(1, 2)  # [R, T, H, D]
+                                               attn_mask=mask, is_causal=mask is None,
+                                               enable_gqa=kvh != h).transpose(1, 2)  # [R, T, H, D]
         return y
 
 
 def kv_index(length: torch.Tensor, rows: torch.Tensor, t: int, s: int,
-             dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+             dtype: torch.dtype = torch.float32, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Where T new tokens go in a ``[2, B, S, ...]`` KV tensor, and what each may attend to.
 
     Parameters
@@ -165,19 +199,21 @@ def kv_index(length: torch.Tensor, rows: torch.Tensor, t: int, s: int,
         New tokens per row; rows per sequence in the KV tensor.
     dtype : torch.dtype
         Of the mask: the attention's query dtype.
+    width : int, optional
+        KV rows the mask covers (default ``s``; ``t`` for a fresh call's own tokens).
 
     Returns
     -------
     flat : [R*T] int64
         Row of each new token in the flat ``[2, B*S, ...]`` view; clamped so a corrupt
         length still writes in bounds.
-    mask : [R, 1, T, S] ``dtype``
+    mask : [R, 1, T, width] ``dtype``
         0 where token t of row r sees KV row s (``s <= length[r] + t``, rows already
         written), -inf elsewhere: the additive mask SDPA makes of a boolean one.
     """
     at = length.long().unsqueeze(1) + torch.arange(t, device=length.device)  # [R, T] row of each new token
     flat = (rows.unsqueeze(1) * s + at.clamp(max=s - 1)).reshape(-1)  # [R*T]
-    hidden = torch.arange(s, device=length.device) > at.unsqueeze(-1)  # [R, T, S]
+    hidden = torch.arange(s if width is None else width, device=length.device) > at.unsqueeze(-1)  # [R, T, width]
     mask = torch.zeros(hidden.shape, dtype=dtype, device=length.device).masked_fill_(hidden, float("-inf"))
     return flat, mask.unsqueeze(1)
 

@@ -14,7 +14,9 @@ The module implements two things over torch tensors:
   with ``accepts_logits_at = True`` also takes ``logits_at [R] int64`` and returns only
   those positions' logits ``[R, 1, vocab]``; prefill then skips the rest of the head. One
   with ``accepts_head = True`` also takes ``head=False``: write the KV, return None (a
-  prompt's non-final chunk, whose logits nobody reads).
+  prompt's non-final chunk, whose logits nobody reads). One with ``accepts_fresh = True``
+  also takes ``fresh=True`` when every row starts at position 0 (a prefill called with
+  ``start=None``), so it may attend to the call's own tokens only.
 
 Chunked prefill (``chunked_prefill = True``): a chunk of a longer prompt runs with
 ``start_pos = lengths = start``, the rows its earlier chunks wrote, so the module attends
@@ -223,7 +225,10 @@ class _TorchModel(Watched):
             plen = plen_all[idx]  # [R] int32
             at = torch.zeros_like(plen) if start is None else as_tensor(start)[idx]  # [R] int32 first position
             lengths = [None if ln is None else at for ln in self._lengths]  # the earlier chunks' rows
-            logits = self._prefill_forward(self._tokens(tok_all[idx]), at, lengths, idx, plen, pend is not None)
+            # start None: every row begins at position 0, so a module that can attends to the
+            # prompt's own tokens only (Llama's ``fresh``)
+            fresh = start is None and getattr(self.module, "accepts_fresh", False)
+            logits = self._prefill_forward(self._tokens(tok_all[idx]), at, lengths, idx, plen, pend is not None, fresh)
             end = at + plen  # [R] int32
             if self._length is not None:
                 self._length[idx] = end
@@ -254,18 +259,20 @@ class _TorchModel(Watched):
         # and the host moves on. A pageable or blocking copy could wait for the stream.
         return idx.pin_memory().to(plen_all.device, non_blocking=True)
 
-    def _prefill_forward(self, tokens, at, lengths, idx, plen, head: bool):
+    def _prefill_forward(self, tokens, at, lengths, idx, plen, head: bool, fresh: bool = False):
         """The module's forward over the prompt rows: ``[R, V]`` logits after each row's last
-        token when ``head``, else only the KV (as little head as the module allows) and None."""
+        token when ``head``, else only the KV (as little head as the module allows) and None.
+        ``fresh``: the module accepts ``fresh`` and every row starts at position 0."""
         torch, m = self.torch, self.module
         last = (plen.long() - 1).clamp(min=0)  # [R] the chunk's last token
+        kw = {"fresh": True} if fresh else {}
         if not head and getattr(m, "accepts_head", False):
-            m(tokens, at, lengths, idx, head=False)
+            m(tokens, at, lengths, idx, head=False, **kw)
             return None
         if getattr(m, "accepts_logits_at", False):
-            logits = m(tokens, at, lengths, idx, logits_at=last)[:, 0]
+            logits = m(tokens, at, lengths, idx, logits_at=last, **kw)[:, 0]
         else:
-            logits = m(tokens, at, lengths, idx)  # [R, P_max, V]
+            logits = m(tokens, at, lengths, idx, **kw)  # [R, P_max, V]
             logits = logits[torch.arange(idx.numel(), device=idx.device), last]
         return logits if head else None
 
