@@ -114,6 +114,32 @@ class SlotTokens:
         n, d = int(self.n[slot]), int(self.nd[slot])
         return self.tokens[slot, :n].copy(), self.when[slot, :d].copy(), self.count[slot, :d].copy()
 
+    def take_rows(self, slots: np.ndarray) -> tuple[list, list, list, list]:
+        """:meth:`take` of several slots at once, for requests finishing together.
+
+        Parameters
+        ----------
+        slots : [r] int64
+            Distinct slots.
+
+        Returns
+        -------
+        tokens, when, count : lists of r arrays
+            Copies of slot ``slots[i]``'s ``[n] int32`` tokens, ``[d] float64`` delivery times
+            and ``[d] int32`` counts.
+        acc : list of r ``[accepted, rounds]`` lists of int
+        """
+        # One copy per slot and kind: a fancy gather of every slot at once costs ~1 µs a kind
+        # however few slots finish (~4 a burst), a slice's copy 0.25 µs. The counters are
+        # read with one gather each rather than two numpy scalars per slot.
+        tokens, when, count = self.tokens, self.when, self.count
+        taken_tokens, taken_when, taken_count = [], [], []
+        for b, n, d in zip(slots.tolist(), self.n[slots].tolist(), self.nd[slots].tolist()):
+            taken_tokens.append(tokens[b, :n].copy())
+            taken_when.append(when[b, :d].copy())
+            taken_count.append(count[b, :d].copy())
+        return taken_tokens, taken_when, taken_count, self.acc.take(slots, 0).tolist()  # take: a third of acc[slots]
+
     def first_time(self, slot: int) -> float | None:
         return float(self.when[slot, 0]) if self.nd[slot] else None
 
