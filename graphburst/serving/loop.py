@@ -294,9 +294,8 @@ class ServeLoop(LoopAdmission):
             self.log.append(Tokens(now, self._slot_state[rows], rows, counts, tokens.data, self.store.acc[rows]))
         finished = np.equal(self.dec.host_left, self._no_left, out=self._finished)
         finished &= running
-        done = finished.nonzero()[0]  # not np.flatnonzero: a µs more
-        if done.size:
-            self._retire_finished(done, now)
+        if np.count_nonzero(finished):
+            self._retire_finished(finished.nonzero()[0], now)  # not np.flatnonzero: a µs more
         delivered = tokens.total
         self.tokens_out += delivered
         return delivered
