@@ -53,6 +53,9 @@ class SlotTokens:
         self._when_flat, self._count_flat = self.when.ravel(), self.count.ravel()
         self._del_base = np.arange(batch) * self.when.shape[1]  # [B]
         self._at = np.zeros(batch, np.int64)  # [B] scratch: flat offsets
+        # Each row as a 1-D view, for the copy-out of finishing slots: slicing a 1-D view costs
+        # a fifth less than a 2-D index.
+        self._rows = tuple(zip(self.tokens, self.when, self.count))  # B x (tokens [T + R], when, count)
 
     def reset(self, slots) -> None:
         """Empty the rows of newly admitted slots."""
@@ -133,12 +136,13 @@ class SlotTokens:
         # however few slots finish (~4 a burst), a slice's copy 0.25 µs. The counters are read
         # in one gather (``take``: a third of the cost of ``[:, slots]``), not four scalars a slot.
         n, nd, accepted, rounds = self._counters.take(slots, 1).tolist()
-        tokens, when, count = self.tokens, self.when, self.count
+        rows = self._rows
         taken_tokens, taken_when, taken_count = [], [], []
         for b, k, d in zip(slots.tolist(), n, nd):
-            taken_tokens.append(tokens[b, :k].copy())
-            taken_when.append(when[b, :d].copy())
-            taken_count.append(count[b, :d].copy())
+            tokens, when, count = rows[b]
+            taken_tokens.append(tokens[:k].copy())
+            taken_when.append(when[:d].copy())
+            taken_count.append(count[:d].copy())
         return taken_tokens, taken_when, taken_count, list(zip(accepted, rounds))
 
     def first_time(self, slot: int) -> float | None:
