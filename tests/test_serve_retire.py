@@ -31,7 +31,7 @@ def run_logged(loop, on_step=None):
         steps += 1
         for at, event in enumerate(loop.log):
             match event:
-                case Tokens(when, states, rows, counts, ring, acc):
+                case Tokens(when, states, rows, _, _, acc):
                     for i, (s, b) in enumerate(zip(states, rows)):
                         seen.setdefault(id(s), []).append((when, event.tokens_of(i)))
                         last_acc[id(s)] = tuple(acc[i].tolist())
