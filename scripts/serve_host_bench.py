@@ -11,7 +11,13 @@ Two workloads: ``steady`` (64 requests with long budgets, every slot busy, no
 admission and no request finishing in the timed window) and ``refill`` (4x more requests than slots with short budgets, so slots
 finish and are refilled at burst boundaries). ``--profile`` prints the top of a cProfile.
 
-Usage: ``PYTHONPATH=. python scripts/serve_host_bench.py [--full-model] [--profile] [--json FILE]``
+``--retire`` times instead, per request, the host work of a request finishing and of one
+being admitted, with no model work at all: ``_deliver`` of one synthetic drained burst in
+which N of the 64 running requests finish (retire, copy-out of their tokens, intake,
+events, freeing; less the same burst with none finishing), and ``_take_waiting`` of N
+waiting requests into N free slots. Trials interleave the sizes; figures are medians.
+
+Usage: ``PYTHONPATH=. python scripts/serve_host_bench.py [--full-model] [--profile] [--retire] [--json FILE]``
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import numpy as np
 sys.path.insert(0, ".")
 from graphburst.backend import get_backend  # noqa: E402
 from graphburst.bench.common import stub_models  # noqa: E402
+from graphburst.buffers import BurstTokens  # noqa: E402
 from graphburst.capture import RecordedProgram  # noqa: E402
 from graphburst.serving.loop import Request, ServeLoop  # noqa: E402
 
@@ -112,13 +119,92 @@ def measure(name: str, *, batch=64, k=4, m=8, new_tokens=16384, host_only=True, 
     return out
 
 
+RETIRE_SIZES = (0, 1, 4, 16, 64)  # requests finishing in one burst (0: the baseline delivery)
+RETIRE_TRIALS = 400
+
+
+def _refill_slots(loop, slots, budget: int) -> None:
+    """Put a new running request in each of ``slots`` (free), skipping prefill: host state only."""
+    for b in slots:
+        loop.submit(Request([1, 2, 3], budget, options={"seed": b}))
+    loop._take_waiting()
+    for b in slots:
+        del loop._prefilling[b]
+        loop._running[b] = True
+    loop.dec.host_left[slots] = budget
+
+
+def measure_retire(*, batch=64, k=4, m=8, trials=RETIRE_TRIALS, log=True) -> dict:
+    """Median host µs of finishing N requests in ``_deliver`` and of admitting N in ``_take_waiting``."""
+    width = m * (k + 1)
+    budget = 4 * width  # the tokens each trial delivers fit with room to spare
+    target, draft = stub_models(get_backend("numpy"), batch=batch, capacity=64 + budget + width)
+    loop = ServeLoop(target, draft, k=k, m_rounds=m)
+    loop.log = [] if log else None  # the HTTP and JSONL servers read the log: its events are part of the cost
+    _refill_slots(loop, range(batch), budget)
+    rng = np.random.default_rng(0)
+    ring = np.zeros((batch, 1 + width), np.int32)  # [B, 1 + R] int32: a drained ring, column 0 the count
+    ring[:, 1:] = rng.integers(0, 32000, (batch, width))
+    every = np.arange(batch)
+    finish, admit = {n: [] for n in RETIRE_SIZES}, {n: [] for n in RETIRE_SIZES if n}
+    for _ in range(trials):
+        for n in rng.permutation(RETIRE_SIZES):
+            n = int(n)
+            done = np.sort(rng.choice(batch, n, replace=False))
+            # Two bursts per trial: every request already holds tokens when it finishes (it copies them out).
+            ring[:, 0] = rng.integers(1, width + 1, batch)
+            loop.store.reset(every)
+            loop._deliver(BurstTokens(ring.copy()), loop.store.acc)
+            ring[:, 0] = rng.integers(0, width + 1, batch)  # a request may finish on a burst that gives it none
+            tokens, acc = BurstTokens(ring.copy()), loop.store.acc.copy()
+            loop.dec.host_left[done] = 0
+            t = time.perf_counter()
+            loop._deliver(tokens, acc)
+            finish[n].append(time.perf_counter() - t)
+            assert loop._n_occupied == batch - n and not loop._running[done].any()
+            if n:
+                for b in done:  # the admission half: submitted (validated) outside the timing
+                    loop.submit(Request([1, 2, 3], budget, options={"seed": int(b)}))
+                t = time.perf_counter()
+                loop._take_waiting()
+                admit[n].append(time.perf_counter() - t)
+                assert loop._n_occupied == batch
+                for b in done:
+                    del loop._prefilling[b]
+                    loop._running[b] = True
+                loop.dec.host_left[done] = budget
+            if loop.log is not None:
+                loop.log.clear()
+    base = float(np.median(finish[0])) * 1e6
+    out = {"batch": batch, "trials": trials, "log": log, "deliver_us_none_finishing": base,
+           "finish_us": {}, "finish_us_per_request": {}, "admit_us_per_request": {}}
+    for n in RETIRE_SIZES[1:]:
+        med = float(np.median(finish[n])) * 1e6
+        out["finish_us"][n] = med - base
+        out["finish_us_per_request"][n] = (med - base) / n
+        out["admit_us_per_request"][n] = float(np.median(admit[n])) * 1e6 / n
+    return out
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--full-model", action="store_true", help="run the stub models too (time includes them)")
     p.add_argument("--profile", action="store_true", help="print a cProfile of the steady run")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--retire", action="store_true", help="per-request host µs of finishing and admitting requests")
     p.add_argument("--json")
     a = p.parse_args(argv)
+    if a.retire:
+        r = measure_retire()
+        print(f"B={r['batch']}, {r['trials']} trials, events logged: _deliver with none finishing "
+              f"{r['deliver_us_none_finishing']:.1f} µs")
+        for n in RETIRE_SIZES[1:]:
+            print(f"  {n:2d} finishing: +{r['finish_us'][n]:6.1f} µs ({r['finish_us_per_request'][n]:5.2f} µs each); "
+                  f"admitting {n:2d}: {r['admit_us_per_request'][n]:5.2f} µs each")
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(r, f, indent=1)
+        return
     rows = []
     for name in ("steady", "refill"):
         # Refills change slots on the device, so the model must run: its time is subtracted instead.

@@ -136,3 +136,11 @@ class RequestIntake:
         """A request finished: its id may be used again."""
         if self.live.get(state.request.id) is state:
             del self.live[state.request.id]
+
+    def forget_all(self, states) -> None:
+        """:meth:`forget` of several finished requests."""
+        live = self.live
+        for state in states:
+            rid = state.request.id
+            if live.get(rid) is state:
+                del live[rid]

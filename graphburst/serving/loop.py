@@ -186,6 +186,22 @@ class ServeLoop(LoopAdmission):
         if self.log is not None:
             self.log.append(Retired(state))
 
+    def _retire_finished(self, rows: np.ndarray, now: float) -> None:
+        """:meth:`_retire` of the running requests of ``rows`` that stopped in a burst, at once,
+        and free their slots now (not at the boundary).
+
+        One pass over them (:meth:`RequestState._finish_rows`), with their slots' counters read in
+        one gather each: none goes through :meth:`_retire`'s per-request checks, since a running
+        slot's request is never done.
+        """
+        states = self._slot_state[rows].tolist()
+        self._running[rows] = False  # no later burst's tokens reach them
+        RequestState._finish_rows(states, self.store, rows, now)
+        self.intake.forget_all(states)
+        if self.log is not None:
+            self.log.extend(map(Retired, states))
+        self._free(rows.tolist())
+
     @property
     def active(self) -> int:
         return self._n_occupied
@@ -286,11 +302,7 @@ class ServeLoop(LoopAdmission):
         finished = np.equal(self.dec.host_left, self._no_left, out=self._finished)
         finished &= running
         if np.count_nonzero(finished):
-            done = np.flatnonzero(finished).tolist()
-            for b in done:
-                self._retire(self.slots[b], now)
-            self._n_stale -= len(done)  # freed now, not at the boundary
-            self._free(done)
+            self._retire_finished(finished.nonzero()[0], now)  # not np.flatnonzero: a µs more
         delivered = tokens.total
         self.tokens_out += delivered
         return delivered

@@ -200,6 +200,14 @@ class RequestState:
         self._acc = (int(store.acc[b, 0]), int(store.acc[b, 1]))
         self._store = None
 
+    @staticmethod
+    def _finish_rows(states: list, store: SlotTokens, slots: np.ndarray, now: float) -> None:
+        """Requests ``states`` (``states[i]`` in ``slots[i]``) finished together at ``now``:
+        :meth:`_detach` each (:meth:`SlotTokens.take_rows`, one call for all) and set ``finished``."""
+        tokens, when, count, acc = store.take_rows(slots)
+        for state, t, w, c, a in zip(states, tokens, when, count, acc):
+            state._tokens, state._when, state._count, state._acc, state._store, state.finished = t, w, c, a, None, now
+
     def _take_new(self) -> list:
         """Tokens not yet yielded to a stream consumer."""
         new = self.tokens_since(self._read)

@@ -31,12 +31,14 @@ class SlotTokens:
         # A burst's whole ring row is written at the slot's end (garbage past its count
         # is overwritten by the next append), so a row has room for one extra burst.
         self.tokens = np.zeros((batch, max_tokens + burst_tokens), np.int32)  # [B, T + R] int32
-        self.n = np.zeros(batch, np.int64)  # [B] valid tokens per row
+        # The per-slot counters in one block, so a finishing request's are read in one gather:
+        # valid tokens, deliveries, accepted drafts and rounds (as of the last burst).
+        self._counters = np.zeros((4, batch), np.int64)  # [4, B] int64
+        self.n, self.nd = self._counters[0], self._counters[1]  # [B] each, contiguous
+        self.acc = self._counters[2:].T  # [B, 2] view: accepted drafts, rounds
         # Deliveries: each one carries >= 1 token, so a request has at most max_tokens.
         self.when = np.zeros((batch, max_tokens + 1), np.float64)  # [B, T + 1] perf_counter seconds
         self.count = np.zeros((batch, max_tokens + 1), np.int32)  # [B, T + 1] tokens per delivery
-        self.nd = np.zeros(batch, np.int64)  # [B] deliveries per row
-        self.acc = np.zeros((batch, 2), np.int64)  # [B, 2] accepted drafts, rounds (as of the last burst)
         # Row b's next burst lands at tokens[b, n[b] : n[b] + R]. A view of every such window
         # ([B, T + 1, R], overlapping, over ``tokens``, which is never reallocated) makes the
         # append one fancy assignment of whole ring rows at (b, n[b]): no per-token index
@@ -51,12 +53,13 @@ class SlotTokens:
         self._when_flat, self._count_flat = self.when.ravel(), self.count.ravel()
         self._del_base = np.arange(batch) * self.when.shape[1]  # [B]
         self._at = np.zeros(batch, np.int64)  # [B] scratch: flat offsets
+        # Each row as a 1-D view, for the copy-out of finishing slots: slicing a 1-D view costs
+        # a fifth less than a 2-D index.
+        self._rows = tuple(zip(self.tokens, self.when, self.count))  # B x (tokens [T + R], when, count)
 
     def reset(self, slots) -> None:
         """Empty the rows of newly admitted slots."""
-        self.n[slots] = 0
-        self.nd[slots] = 0
-        self.acc[slots] = 0
+        self._counters[:, slots] = 0
 
     def append(self, ring: np.ndarray, counts: np.ndarray, rows: np.ndarray, acc, now: float) -> None:
         """Append one drained burst to ``rows``.
@@ -113,6 +116,34 @@ class SlotTokens:
         for a request leaving it (no Python list is built)."""
         n, d = int(self.n[slot]), int(self.nd[slot])
         return self.tokens[slot, :n].copy(), self.when[slot, :d].copy(), self.count[slot, :d].copy()
+
+    def take_rows(self, slots: np.ndarray) -> tuple[list, list, list, list]:
+        """:meth:`take` of several slots at once, for requests finishing together.
+
+        Parameters
+        ----------
+        slots : [r] int64
+            Distinct slots.
+
+        Returns
+        -------
+        tokens, when, count : lists of r arrays
+            Copies of slot ``slots[i]``'s ``[n] int32`` tokens, ``[d] float64`` delivery times
+            and ``[d] int32`` counts.
+        acc : list of r ``(accepted, rounds)`` tuples of int
+        """
+        # One copy per slot and kind: a fancy gather of every slot at once costs ~1 µs a kind
+        # however few slots finish (~4 a burst), a slice's copy 0.25 µs. The counters are read
+        # in one gather (``take``: a third of the cost of ``[:, slots]``), not four scalars a slot.
+        n, nd, accepted, rounds = self._counters.take(slots, 1).tolist()
+        rows = self._rows
+        taken_tokens, taken_when, taken_count = [], [], []
+        for b, k, d in zip(slots.tolist(), n, nd):
+            tokens, when, count = rows[b]
+            taken_tokens.append(tokens[:k].copy())
+            taken_when.append(when[:d].copy())
+            taken_count.append(count[:d].copy())
+        return taken_tokens, taken_when, taken_count, list(zip(accepted, rounds))
 
     def first_time(self, slot: int) -> float | None:
         return float(self.when[slot, 0]) if self.nd[slot] else None
