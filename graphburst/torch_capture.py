@@ -124,12 +124,12 @@ class TorchCapturer:
                     call(stream)
                 graph.capture_end()  # an invalidated capture raises here, and is reported the same way
             except Exception as exc:  # noqa: BLE001 - re-raised by on_error with the node's name
-                _end_quietly(graph, self.torch_stream.device)
+                end_capture_quietly(graph, self.torch_stream.device)
                 on_error(call, exc)
         return TorchGraph(graph, self.torch_stream)
 
 
-def _end_quietly(graph, device) -> None:
+def end_capture_quietly(graph, device) -> None:
     # Ending the capture returns the stream to normal use; the half-built graph, or the
     # error saying it was invalidated, is discarded. An invalidated capture makes torch's
     # capture_end raise before it ends the RNG generator's capture (capture_epilogue),

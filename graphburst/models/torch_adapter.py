@@ -52,6 +52,7 @@ from ..buffers import KVCache, KVLayer, StreamBufs
 from ..constants import NO_PREFILL
 from ..guard import Watched
 from ..validate import check_int, check_prob
+from .prefill_graphs import PrefillGraphs
 
 
 def _torch():
@@ -93,7 +94,8 @@ class _TorchModel(Watched):
     chunked_prefill = True  # the module writes at the lengths it is given and attends below them
     _watched = frozenset({"cache", "module"})
 
-    def __init__(self, module, *, batch: int, capacity: int, backend: Backend | str = "auto", vocab: int | None = None):
+    def __init__(self, module, *, batch: int, capacity: int, backend: Backend | str = "auto", vocab: int | None = None,
+                 prefill_graphs: bool | None = None):
         torch = _torch()
         self.torch = torch
         self.module = module
@@ -118,7 +120,22 @@ class _TorchModel(Watched):
         self._length = view if any(ln is not None for ln in self._lengths) else None
         self._streams = {}  # stream ptr -> torch ExternalStream, made once per stream
         self._bound: TorchBufs | None = None
+        self.prefill_graphs = self._prefill_graphs(prefill_graphs)
         self._settle()
+
+    def _prefill_graphs(self, wanted) -> PrefillGraphs | None:
+        """Bucketed CUDA graphs of fresh prefills (default: on a GPU, for a module that can)."""
+        if wanted is not None and not isinstance(wanted, bool):
+            raise TypeError(f"prefill_graphs must be a bool or None, got {type(wanted).__name__}")
+        able = all(getattr(self.module, f"accepts_{what}", False) for what in ("fresh", "logits_at", "head"))
+        if wanted and not able:
+            raise ValueError(f"prefill_graphs=True needs a module with accepts_fresh, accepts_logits_at and "
+                             f"accepts_head ({type(self.module).__name__} lacks one)")
+        if not (wanted or (wanted is None and able and self.backend.is_gpu)):
+            return None
+        # On numpy (asked for explicitly) the buckets run eagerly: the padding path, testable on a CPU.
+        return PrefillGraphs(self.module, kv_layers=[ln is not None for ln in self._lengths],
+                             capture=self.backend.is_gpu)
 
     def _settle(self) -> None:
         # cupy.zeros and torch's own init ran on other streams than the decoder's; finish
@@ -265,6 +282,10 @@ class _TorchModel(Watched):
         ``fresh``: the module accepts ``fresh`` and every row starts at position 0."""
         torch, m = self.torch, self.module
         last = (plen.long() - 1).clamp(min=0)  # [R] the chunk's last token
+        if fresh and self.prefill_graphs is not None:
+            out = self.prefill_graphs.run(tokens, idx, last, head)
+            if out is not NotImplemented:  # else past every bucket: eager below
+                return out
         kw = {"fresh": True} if fresh else {}
         if not head and getattr(m, "accepts_head", False):
             m(tokens, at, lengths, idx, head=False, **kw)
@@ -290,6 +311,11 @@ class TorchTarget(_TorchModel):
         cupy: the module's tensors are on that CUDA device; numpy: on CPU.
     vocab : int, optional
         Defaults to ``module.vocab``.
+    prefill_graphs : bool, optional
+        Replay bucketed CUDA graphs for prefills at position 0
+        (:mod:`~graphburst.models.prefill_graphs`). Default: on a GPU, when the module
+        can (``accepts_fresh``, ``accepts_logits_at``, ``accepts_head``). True on numpy runs
+        the same padded buckets eagerly.
     """
 
     def verify(self, bufs: StreamBufs, stream) -> None:
@@ -327,7 +353,7 @@ class TorchDraft(_TorchModel):
 
     Parameters
     ----------
-    module, batch, capacity, backend, vocab
+    module, batch, capacity, backend, vocab, prefill_graphs
         As for :class:`TorchTarget`.
     p_min : float
         A proposal whose probability is below this breaks the chain (0: never).
@@ -337,8 +363,9 @@ class TorchDraft(_TorchModel):
     """
 
     def __init__(self, module, *, batch: int, capacity: int, backend: Backend | str = "auto", vocab: int | None = None,
-                 p_min: float = 0.0, writes_verify_tokens: bool = True):
-        super().__init__(module, batch=batch, capacity=capacity, backend=backend, vocab=vocab)
+                 p_min: float = 0.0, writes_verify_tokens: bool = True, prefill_graphs: bool | None = None):
+        super().__init__(module, batch=batch, capacity=capacity, backend=backend, vocab=vocab,
+                         prefill_graphs=prefill_graphs)
         self.p_min = check_prob("p_min", p_min)
         self.writes_verify_tokens = bool(writes_verify_tokens)
 

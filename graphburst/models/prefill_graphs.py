@@ -1,0 +1,173 @@
+"""CUDA graphs of a torch module's fresh prefill, one per (rows, length) bucket.
+
+Eager prefill is host-bound. On an H200 lease the 1b shape's prefill issued ~430 kernels
+and cost the host 8-10 ms whether it admitted 1 prompt of 128 tokens or 11 (torch.profiler,
+after the fresh-attention change; docs/serving.md), while the GPU finished 1 x 128 in about
+a millisecond: the serving loop's idle under load is that host time. A captured forward is
+one launch.
+
+Admissions differ in how many prompts they carry and how long the longest is, so a call is
+padded up to a **bucket**: its rows and its length each rounded up the ladders below (at
+most 1.5x of waste in each, and none at the common small sizes), and a graph is captured
+the first time a bucket is used. Buckets past ``max_tokens`` run eagerly.
+
+**Padding rows** start at position ``S`` (the KV storage's rows per slot), so every KV row
+they write clamps to row ``S - 1`` of their slot (``llama.kv_index``), past ``capacity``
+plus the verify's ``k + 1`` rows: a row no attention reads (the adapter requires
+``kv_slack >= k + 2``), where a real row's own padding tokens already write. Only a
+**fresh** call (every row at position 0: :class:`~graphburst.models.llama_layers.LayerIndex`)
+is graphed, since its attention reads only the call's own tokens.
+
+Capture runs on a side stream ordered after the decoder's stream by events (no host sync):
+a warm-up forward over all-padding inputs, then the capture, then the decoder's stream
+waits for the side stream. Replays run on the decoder's stream. All graphs share one
+memory pool: they replay one at a time on one stream, and each output is read before the
+next replay.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+from ..torch_capture import end_capture_quietly
+
+#: rows of a bucket: padding rows cost a whole prompt's compute each, so the steps are fine
+ROW_LADDER = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+#: tokens per row of a bucket (then doubling past the last)
+LENGTH_LADDER = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
+#: the largest bucket graphed (rows x length): its activations stay reserved in the pool
+DEFAULT_MAX_TOKENS = 8192
+
+
+def _up(ladder, n: int) -> int:
+    """The smallest ladder value >= n (doubling the last value past the ladder's end)."""
+    i = bisect.bisect_left(ladder, n)
+    if i < len(ladder):
+        return ladder[i]
+    top = ladder[-1]
+    while top < n:
+        top *= 2
+    return top
+
+
+class _Bucket:
+    """Static inputs of one bucket's forward, its graph and its output."""
+
+    def __init__(self, torch, rows: int, length: int, s: int, device):
+        self.rows, self.length = rows, length
+        self.tokens = torch.zeros((rows, length), dtype=torch.int64, device=device)  # [R_b, P_b] int64
+        self.idx = torch.zeros(rows, dtype=torch.int64, device=device)  # [R_b] int64 batch rows
+        self.start = torch.full((rows,), s, dtype=torch.int32, device=device)  # [R_b] int32: S on padding rows
+        self.last = torch.zeros(rows, dtype=torch.int64, device=device)  # [R_b] int64 logits position
+        self.graph = None
+        self.out = None  # [R_b, 1, V] float32 logits, or None without a head
+
+
+class PrefillGraphs:
+    """Bucketed prefill forwards of one torch module, captured on a GPU.
+
+    Parameters
+    ----------
+    module
+        A module with ``accepts_fresh``, ``accepts_logits_at`` and ``accepts_head``
+        (:class:`~graphburst.models.llama.Llama`), and ``kv_layers()``.
+    kv_layers : list of bool
+        Which layers hold KV (the adapter's lengths list is None elsewhere).
+    capture : bool
+        Capture and replay CUDA graphs. False runs each bucket's padded forward eagerly
+        (the CPU path, so the bucketing and padding are tested without a GPU).
+    max_tokens : int
+        Buckets past this many rows x tokens run unpadded and eagerly (``run`` returns
+        None for the caller's own path).
+    """
+
+    def __init__(self, module, *, kv_layers, capture: bool, max_tokens: int = DEFAULT_MAX_TOKENS):
+        import torch
+
+        self.torch = torch
+        self.module = module
+        self.kv_layers = list(kv_layers)
+        self.capture = bool(capture)
+        self.max_tokens = max_tokens
+        storage = next(s for s in module.kv_layers() if s is not None)  # [2, B, S, KV, D]
+        self.s, self.device = storage.shape[2], storage.device
+        self._buckets: dict = {}  # (rows, length, head) -> _Bucket
+        self._pool = torch.cuda.graph_pool_handle() if self.capture else None
+        self._side = torch.cuda.Stream(self.device) if self.capture else None
+        self.captures = 0
+
+    def bucket(self, rows: int, length: int) -> tuple[int, int] | None:
+        """``(rows, length)`` of the bucket a call of that size runs in, or None (eager)."""
+        r, p = _up(ROW_LADDER, rows), _up(LENGTH_LADDER, length)
+        return (r, p) if r * p <= self.max_tokens else None
+
+    def run(self, tokens, idx, last, head: bool):
+        """The fresh prefill forward of ``tokens`` in its bucket, on the current torch stream.
+
+        Parameters
+        ----------
+        tokens : [R, P] int64 valid ids (every row at position 0)
+        idx : [R] int64 batch rows
+        last : [R] int64, each row's last prompt token (its logits' position)
+        head : bool
+            Compute the logits at ``last`` (else only the KV).
+
+        Returns
+        -------
+        [R, V] float32 logits (a view into the bucket's output, valid until its next run),
+        None without a head, or ``NotImplemented`` when the call is past every bucket (the
+        caller runs it eagerly).
+        """
+        r, p = tokens.shape
+        size = self.bucket(r, p)
+        if size is None:
+            return NotImplemented
+        key = (*size, bool(head))
+        b = self._buckets.get(key)
+        if b is None:
+            b = self._buckets[key] = _Bucket(self.torch, *size, self.s, self.device)
+            if self.capture:
+                self._capture(b, head)
+        b.tokens[:r, :p].copy_(tokens)  # columns past p keep earlier (valid) ids: padding, causal
+        b.idx[:r].copy_(idx)
+        b.start[:r].zero_()
+        b.last[:r].copy_(last)
+        if r < b.rows:
+            b.start[r:].fill_(self.s)  # padding rows write only row S - 1 of slot 0
+            b.idx[r:].zero_()
+            b.last[r:].zero_()
+        if self.capture:
+            b.graph.replay()
+            out = b.out
+        else:
+            out = self._forward(b, head)
+        return None if out is None else out[:r, 0]
+
+    def _forward(self, b: _Bucket, head: bool):
+        lengths = [b.start if has_kv else None for has_kv in self.kv_layers]
+        if not head:
+            return self.module(b.tokens, b.start, lengths, b.idx, head=False, fresh=True)
+        return self.module(b.tokens, b.start, lengths, b.idx, logits_at=b.last, fresh=True)
+
+    def _capture(self, b: _Bucket, head: bool) -> None:
+        """Warm up and capture ``b``'s forward on the side stream, ordered by events only."""
+        torch = self.torch
+        main = torch.cuda.current_stream(self.device)
+        self._side.wait_stream(main)  # the inputs' (all-padding) initialisation, and every write before
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(self._side):
+            self._forward(b, head)  # lazy first-call work (kernel loading, library handles) before capture
+            graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+            try:
+                out = self._forward(b, head)
+                graph.capture_end()
+            except Exception:
+                end_capture_quietly(graph, self.device)
+                raise
+        main.wait_stream(self._side)
+        b.graph, b.out = graph, out
+        self.captures += 1
+
+    def info(self) -> dict:
+        """Buckets made so far, as ``{(rows, length, head): captured}``."""
+        return {k: b.graph is not None for k, b in self._buckets.items()}

@@ -1,0 +1,166 @@
+"""Bucketed prefill graphs (graphburst.models.prefill_graphs) against the plain prefill.
+
+On the numpy backend ``prefill_graphs=True`` runs each bucket's padded forward eagerly, so
+the bucketing and the padding rows are held here: the same KV rows, lengths, positions and
+first tokens as the unpadded prefill, and nothing written outside the prefilled rows but
+row ``S - 1`` of slot 0. On the H200 the same checks run through captured graphs, and a
+replay of a captured bucket never syncs with the host.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from graphburst import SpecDecoder
+from graphburst.backend import Backend
+from graphburst.constants import NO_EOS
+from graphburst.models.llama import Llama
+from graphburst.models.prefill_graphs import PrefillGraphs
+from graphburst.models.torch_adapter import TorchDraft, TorchTarget
+
+from marks import BACKENDS, requires_gpu
+
+torch.set_num_threads(1)
+
+BATCH, CAPACITY = 7, 300
+
+
+def test_buckets_round_rows_and_lengths_up_the_ladders():
+    from graphburst.models.checkpoint import tiny_random_configs
+
+    cfg, _ = tiny_random_configs()
+    model = Llama(cfg, batch=2, capacity=64)
+    g = PrefillGraphs(model, kv_layers=[True] * cfg.num_hidden_layers, capture=False, max_tokens=8192)
+    assert g.bucket(1, 1) == (1, 16)
+    assert g.bucket(5, 100) == (6, 128)
+    assert g.bucket(11, 300) == (12, 384)
+    assert g.bucket(64, 64) == (64, 64)
+    assert g.bucket(1, 2049) == (1, 4096)  # past the ladder: doubling
+    assert g.bucket(5, 2000) is None  # 6 x 2048 tokens: past max_tokens, eager
+    assert g.bucket(257, 1) == (512, 16)  # rows double past the ladder too
+    assert g.bucket(513, 16) is None
+
+
+def _pair(backend, graphs: bool, seed=3):
+    from graphburst.models.checkpoint import tiny_random_configs
+
+    cfg, draft_cfg = tiny_random_configs()
+    dev = "cuda" if backend.is_gpu else "cpu"
+    t = Llama(cfg, batch=BATCH, capacity=CAPACITY, device=dev).init_random_(seed)
+    d = Llama(draft_cfg, batch=BATCH, capacity=CAPACITY, device=dev).init_random_(seed + 1)
+    return (TorchTarget(t, batch=BATCH, capacity=CAPACITY, backend=backend, prefill_graphs=graphs),
+            TorchDraft(d, batch=BATCH, capacity=CAPACITY, backend=backend, prefill_graphs=graphs))
+
+
+def _poisoned_decoder(backend, graphs: bool):
+    target, draft = _pair(backend, graphs)
+    dec = SpecDecoder(target, draft, k=3, m_rounds=2)
+    gen = torch.Generator().manual_seed(9)
+    for m in (target, draft):
+        for kv in m.module.kv:
+            kv.copy_(torch.randn(kv.shape, generator=gen))  # finite garbage everywhere
+    if backend.is_gpu:
+        torch.cuda.synchronize()
+    return dec
+
+
+def _kv(dec):
+    dec.stream.synchronize()
+    return [kv.detach().cpu().clone() for m in (dec.target, dec.draft) for kv in m.module.kv]
+
+
+@pytest.mark.parametrize("backend_name", BACKENDS)
+@pytest.mark.parametrize("lengths", [{2: 5}, {0: 19, 1: 257, 3: 7, 4: 1, 6: 30}, {b: 16 for b in range(BATCH)}],
+                         ids=["one", "five_padded", "all_equal"])
+def test_a_bucketed_prefill_writes_what_the_plain_one_writes(rng, backend_name, lengths):
+    backend = Backend(backend_name)
+    prompts = {b: rng.integers(0, 512, n).astype(np.int32) for b, n in lengths.items()}
+    decs = [_poisoned_decoder(backend, graphs) for graphs in (False, True)]
+    before = _kv(decs[1])
+    for dec in decs:
+        dec.prefill_checked(prompts, {b: 0 for b in prompts}, limits={b: 40 for b in prompts},
+                            stops={b: NO_EOS for b in prompts})
+    plain, graphed = decs
+    assert graphed.target.prefill_graphs is not None and plain.target.prefill_graphs is None
+    s = plain.target.module.kv[0].shape[2]
+    _, padded = graphed.target.prefill_graphs.bucket(len(prompts), max(lengths.values()))
+    for i, (want, got, old) in enumerate(zip(_kv(plain), _kv(graphed), before)):
+        for b in range(BATCH):
+            n = len(prompts.get(b, ()))
+            torch.testing.assert_close(got[:, b, :n], want[:, b, :n], atol=1e-5, rtol=1e-5,
+                                       msg=lambda m: f"kv {i} slot {b}: {m}")
+            # Nothing else moved but rows no attention reads (past each length): a prefilled
+            # slot's rows up to the bucket's length (its padding tokens), and the last storage
+            # row of slot 0 (padding rows) and of a prefilled slot (its tokens past S, clamped).
+            lo = padded if b in prompts else 0
+            hi = s - 1 if (b == 0 or b in prompts) else s
+            assert torch.equal(got[:, b, lo:hi], old[:, b, lo:hi]), f"kv {i} slot {b}: rows [{lo}, {hi}) moved"
+    np.testing.assert_array_equal(graphed.positions(), plain.positions())
+    np.testing.assert_array_equal(graphed.backend.to_host(graphed.bufs.pend, graphed.stream),
+                                  plain.backend.to_host(plain.bufs.pend, plain.stream))
+    for _ in range(3):
+        assert [t.tolist() for t in graphed.run_burst()] == [t.tolist() for t in plain.run_burst()]
+
+
+def test_prefill_graphs_are_checked_at_construction():
+    backend = Backend("numpy")
+    from graphburst.models.checkpoint import tiny_random_configs
+
+    cfg, _ = tiny_random_configs()
+    module = Llama(cfg, batch=2, capacity=32)
+    with pytest.raises(TypeError, match="prefill_graphs must be a bool"):
+        TorchTarget(module, batch=2, capacity=32, backend=backend, prefill_graphs="yes")
+    assert TorchTarget(module, batch=2, capacity=32, backend=backend).prefill_graphs is None  # CPU default: off
+
+    class NoFresh(torch.nn.Module):
+        vocab, capacity, batch = 512, 32, 2
+
+        def __init__(self):
+            super().__init__()
+            self.kv = [torch.zeros(2, 2, 40, 1, 4)]
+
+        def kv_layers(self):
+            return self.kv
+
+    with pytest.raises(ValueError, match="accepts_fresh"):
+        TorchTarget(NoFresh(), batch=2, capacity=32, backend=backend, prefill_graphs=True)
+
+
+def test_a_prefill_past_every_bucket_runs_eagerly(rng):
+    backend = Backend("numpy")
+    dec = _poisoned_decoder(backend, True)
+    dec.target.prefill_graphs.max_tokens = dec.draft.prefill_graphs.max_tokens = 64
+    prompts = {0: rng.integers(0, 512, 100).astype(np.int32)}
+    dec.prefill_checked(prompts, {0: 0}, limits={0: 9})
+    assert dec.target.prefill_graphs.info() == {}  # no bucket made: the eager path ran
+    ref = dec.target.module.greedy(prompts[0].tolist(), 9, row=5)
+    got = []
+    while len(got) < 9:
+        got += dec.run_burst()[0].tolist()
+    assert got[:9] == ref
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_gpu_bucket_replays_capture_once_and_never_sync(rng):
+    backend = Backend("cupy")
+    dec = _poisoned_decoder(backend, True)
+    for n in (3, 3, 2):  # 3 rows and then 2 share the 3-row bucket (2 is its own: 2 rows)
+        prompts = {b: rng.integers(0, 512, 20 + b).astype(np.int32) for b in range(n)}
+        if n == 3 and dec.target.prefill_graphs.captures:
+            torch.cuda.set_sync_debug_mode("error")  # a replay of a captured bucket never syncs
+        try:
+            dec.prefill_checked(prompts, {b: 0 for b in prompts}, limits={b: 30 for b in prompts})
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        got = {b: [] for b in prompts}
+        while any(dec.host_left[b] > 0 for b in prompts):
+            tokens = dec.run_burst()
+            for b in prompts:
+                got[b] += tokens[b].tolist()
+        for b, p in prompts.items():
+            assert got[b] == dec.target.module.greedy(p.tolist(), 30, row=BATCH - 1), f"slot {b}"
+    assert dec.target.prefill_graphs.info() == {(3, 32, True): True, (2, 32, True): True}
+    assert dec.draft.prefill_graphs.info() == {(3, 32, False): True, (2, 32, False): True}
