@@ -144,7 +144,7 @@ class SlotAdmission:
         lens, starts_now = host[:b], host[b: 2 * b]
         ends = np.where(lens != NO_PREFILL, starts_now + lens, NO_PREFILL).astype(np.int32)  # [B] int32
         stage = self._stage_view("chunks", (host.size - STAGE_HEAD * b) // b)
-        self._prefill_models(stage, ends, slots, settings, final, fresh=not starts_now.any())
+        self._prefill_models(stage, ends, slots, settings, final, lens, fresh=not starts_now.any())
         self._admit(np.asarray(slots, np.int64), ends, table, host[2 * b: 2 * b + table.size].reshape(3, -1))
 
     def _check_prefill(self, prompts, start, final, max_new_tokens, eos, temperature, top_k, top_p, seed):
@@ -287,22 +287,33 @@ class SlotAdmission:
             self._stage_views[(part, size)] = view
         return view
 
-    def _prefill_models(self, stage, ends, slots: list, settings: dict, final: bool, fresh: bool = False) -> None:
-        """Run: the models' prefill (the target sets ``pos_ctr`` and, when final, ``pend``), then
-        a sampled first token. ``fresh``: every chunk starts at position 0, which the models
-        are told by ``start=None`` (a torch module then attends to the prompt's own tokens)."""
+    def _prefill_models(self, stage, ends, slots: list, settings: dict, final: bool, host_lens: np.ndarray,
+                        fresh: bool = False) -> None:
+        """Run: the models' prefill (the target sets ``pos_ctr`` and, when final, ``pend``), in
+        the calls each model asks for (``prefill_groups``), then a sampled first token.
+        ``host_lens``: ``[B]`` chunk lengths (the staging head). ``fresh``: every chunk starts
+        at position 0, which the models are told by ``start=None`` (a torch module then
+        attends to the prompt's own tokens)."""
         s, bufs = self.stream, self.bufs
         sampling = self.sampling and final
         if sampling:
             self.host_sampling.set(settings)
             self.host_sampling.upload(self.backend, bufs, s)
         pend = bufs.pend if final else None
+        lens = None
         for model, pos_ctr, out in ((self.target, bufs.pos_ctr, pend), (self.draft, None, None)):
-            if chunked_prefill(model):  # the slot list on the host spares the model a device sync
-                model.prefill(stage, self._prompt_len, pos_ctr, out, s, start=None if fresh else self._prompt_start,
-                              rows=np.asarray(slots, np.int64))
-            else:
+            if not chunked_prefill(model):
                 model.prefill(stage, self._prompt_len, pos_ctr, out, s)
+                continue
+            if lens is None:
+                lens = dict(zip(slots, host_lens[slots].tolist()))
+            start = None if fresh else self._prompt_start
+            for group in hook(model, "prefill_groups")(lens, fresh):
+                # the slot list on the host spares the model a device sync; the staging is
+                # narrowed to this call's longest chunk, so the call pads to its own rows only
+                width = max(lens[b] for b in group)
+                model.prefill(stage if width == stage.shape[1] else stage[:, :width], self._prompt_len, pos_ctr, out,
+                              s, start=start, rows=np.asarray(group, np.int64))
         if sampling:
             sample_first_tokens(self.backend.ops, self.backend, bufs, ends, s)
 

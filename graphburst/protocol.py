@@ -110,6 +110,12 @@ Optional hooks (defaults in brackets)
     True when ``prefill`` continues a prompt already partly in the cache and takes
     ``start`` and ``rows`` (above): the decoder may then split a long prompt into chunks.
     A model without it gets the old five-argument call, each prompt whole.
+``prefill_groups(lengths: dict[int, int], fresh: bool) -> list[list[int]]`` [one call]
+    How a chunked-prefill model wants one admission split into ``prefill`` calls: the
+    slots of each call (every slot of ``lengths``, slot -> chunk length, exactly once).
+    ``fresh``: every chunk starts at position 0. The decoder narrows the prompt staging
+    to each call's longest chunk, so a call pads only to its own rows (a model whose
+    prefill cost grows with the padded tokens groups rows of like length).
 ``option_keys : frozenset[str]`` [empty]
     The per-request option names this model understands. The decoder rejects a key no
     model claims, and hands each model only the keys it claims.
@@ -156,6 +162,10 @@ class ModelHooks:
 
     def refresh_tables(self) -> None:
         """Rebuild address-derived state from the cache (before a recapture)."""
+
+    def prefill_groups(self, lengths: dict, fresh: bool) -> list:
+        """The slots of each ``prefill`` call of one admission (slot -> chunk length): one call."""
+        return [sorted(lengths)]
 
     def slot_options(self, options: dict) -> object:
         """Validate one request's options (this model's keys only)."""

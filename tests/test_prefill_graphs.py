@@ -17,7 +17,7 @@ from graphburst import SpecDecoder
 from graphburst.backend import Backend
 from graphburst.constants import NO_EOS
 from graphburst.models.llama import Llama
-from graphburst.models.prefill_graphs import PrefillGraphs
+from graphburst.models.prefill_graphs import CALL_COST_TOKENS, PrefillGraphs
 from graphburst.models.torch_adapter import TorchDraft, TorchTarget
 
 from marks import BACKENDS, requires_gpu
@@ -41,6 +41,47 @@ def test_buckets_round_rows_and_lengths_up_the_ladders():
     assert g.bucket(5, 2000) is None  # 6 x 2048 tokens: past max_tokens, eager
     assert g.bucket(257, 1) == (512, 16)  # rows double past the ladder too
     assert g.bucket(513, 16) is None
+
+
+def _graphs(max_tokens=8192):
+    from graphburst.models.checkpoint import tiny_random_configs
+
+    cfg, _ = tiny_random_configs()
+    return PrefillGraphs(Llama(cfg, batch=2, capacity=64), kv_layers=[True] * cfg.num_hidden_layers, capture=False,
+                         max_tokens=max_tokens)
+
+
+def _cost(g, groups, lengths):
+    total = 0
+    for group in groups:
+        size = g.bucket(len(group), max(lengths[b] for b in group))
+        total += CALL_COST_TOKENS + (size[0] * size[1] if size else len(group) * max(lengths[b] for b in group))
+    return total
+
+
+def test_plan_hand_cases():
+    g = _graphs()
+    # one long prompt among short ones is a call of its own; the short ones share one
+    assert g.plan({0: 500, 1: 20, 2: 22, 3: 25}) == [[0], [1, 2, 3]]
+    assert g.plan({4: 16, 2: 16, 6: 16}) == [[2, 4, 6]]  # alike: one call
+    assert g.plan({3: 7}) == [[3]]
+    assert g.plan({0: 100, 1: 90, 2: 200, 3: 210}) == [[2, 3], [0, 1]]
+
+
+def test_plan_is_the_cheapest_split_into_runs_of_sorted_lengths(rng):
+    """Against every split of the longest-first order into contiguous runs (2^(n-1) of them)."""
+    import itertools
+
+    g = _graphs(max_tokens=2048)
+    for _ in range(60):
+        n = int(rng.integers(1, 8))
+        lengths = {int(b): int(x) for b, x in zip(rng.choice(64, n, replace=False), rng.integers(1, 700, n))}
+        groups = g.plan(lengths)
+        assert sorted(b for grp in groups for b in grp) == sorted(lengths)  # every slot exactly once
+        order = [b for b, _ in sorted(lengths.items(), key=lambda kv: (-kv[1], kv[0]))]
+        best = min(_cost(g, [order[i:j] for i, j in zip((0, *cuts), (*cuts, n))], lengths)
+                   for k in range(n) for cuts in itertools.combinations(range(1, n), k))
+        assert _cost(g, groups, lengths) == best, (lengths, groups)
 
 
 def _pair(backend, graphs: bool, seed=3):

@@ -37,6 +37,11 @@ ROW_LADDER = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 LENGTH_LADDER = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
 #: the largest bucket graphed (rows x length): its activations stay reserved in the pool
 DEFAULT_MAX_TOKENS = 8192
+#: The cost of one more prefill call, in padded tokens: a call reads every weight once
+#: (2 bytes per parameter at 4.8 TB/s) and a token costs 2 FLOPs per parameter (at the
+#: ~600 bf16 TFLOP/s a prefill GEMM reaches on the H200), so a call costs as much as
+#: 600e12 / 4.8e12 = 125 tokens, whatever the model's size.
+CALL_COST_TOKENS = 128
 
 
 def _up(ladder, n: int) -> int:
@@ -168,6 +173,47 @@ class PrefillGraphs:
         b.graph, b.out = graph, out
         self.captures += 1
 
+    def plan(self, lengths: dict) -> list[list[int]]:
+        """Split one fresh admission (slot -> prompt length) into calls of like length.
+
+        Rows sorted longest first are cut into runs that minimise the padded tokens of
+        their buckets plus :data:`CALL_COST_TOKENS` per call (an O(n^2) dynamic program
+        over at most a batch of rows): one long prompt among short ones no longer pads
+        them all to its length, and rows of like length stay in one call.
+        """
+        items = sorted(lengths.items(), key=lambda kv: (-kv[1], kv[0]))
+        n = len(items)
+        best, cut = [0] + [float("inf")] * n, [0] * (n + 1)
+        for j in range(1, n + 1):
+            for i in range(j):  # the run items[i:j], whose longest is items[i]
+                size = self.bucket(j - i, items[i][1])
+                cost = best[i] + CALL_COST_TOKENS + (size[0] * size[1] if size else (j - i) * items[i][1])
+                if cost < best[j]:
+                    best[j], cut[j] = cost, i
+        groups, j = [], n
+        while j:
+            groups.append(sorted(slot for slot, _ in items[cut[j]: j]))
+            j = cut[j]
+        return groups[::-1]
+
     def info(self) -> dict:
         """Buckets made so far, as ``{(rows, length, head): captured}``."""
         return {k: b.graph is not None for k, b in self._buckets.items()}
+
+
+def prefill_graphs_for(module, wanted: bool | None, kv_layers, *, gpu: bool) -> PrefillGraphs | None:
+    """An adapter's prefill graphs: ``wanted`` None means on a GPU for a module that can.
+
+    Raises TypeError for a ``wanted`` that is not a bool or None, ValueError for True with a
+    module that lacks ``accepts_fresh``, ``accepts_logits_at`` or ``accepts_head``. On
+    numpy, True gives the padded buckets run eagerly (the path CPU tests hold).
+    """
+    if wanted is not None and not isinstance(wanted, bool):
+        raise TypeError(f"prefill_graphs must be a bool or None, got {type(wanted).__name__}")
+    able = all(getattr(module, f"accepts_{what}", False) for what in ("fresh", "logits_at", "head"))
+    if wanted and not able:
+        raise ValueError(f"prefill_graphs=True needs a module with accepts_fresh, accepts_logits_at and "
+                         f"accepts_head ({type(module).__name__} lacks one)")
+    if not (wanted or (wanted is None and able and gpu)):
+        return None
+    return PrefillGraphs(module, kv_layers=kv_layers, capture=gpu)

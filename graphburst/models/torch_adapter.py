@@ -52,7 +52,7 @@ from ..buffers import KVCache, KVLayer, StreamBufs
 from ..constants import NO_PREFILL
 from ..guard import Watched
 from ..validate import check_int, check_prob
-from .prefill_graphs import PrefillGraphs
+from .prefill_graphs import prefill_graphs_for
 
 
 def _torch():
@@ -120,22 +120,16 @@ class _TorchModel(Watched):
         self._length = view if any(ln is not None for ln in self._lengths) else None
         self._streams = {}  # stream ptr -> torch ExternalStream, made once per stream
         self._bound: TorchBufs | None = None
-        self.prefill_graphs = self._prefill_graphs(prefill_graphs)
+        self.prefill_graphs = prefill_graphs_for(self.module, prefill_graphs, [ln is not None for ln in self._lengths],
+                                                 gpu=self.backend.is_gpu)
         self._settle()
 
-    def _prefill_graphs(self, wanted) -> PrefillGraphs | None:
-        """Bucketed CUDA graphs of fresh prefills (default: on a GPU, for a module that can)."""
-        if wanted is not None and not isinstance(wanted, bool):
-            raise TypeError(f"prefill_graphs must be a bool or None, got {type(wanted).__name__}")
-        able = all(getattr(self.module, f"accepts_{what}", False) for what in ("fresh", "logits_at", "head"))
-        if wanted and not able:
-            raise ValueError(f"prefill_graphs=True needs a module with accepts_fresh, accepts_logits_at and "
-                             f"accepts_head ({type(self.module).__name__} lacks one)")
-        if not (wanted or (wanted is None and able and self.backend.is_gpu)):
-            return None
-        # On numpy (asked for explicitly) the buckets run eagerly: the padding path, testable on a CPU.
-        return PrefillGraphs(self.module, kv_layers=[ln is not None for ln in self._lengths],
-                             capture=self.backend.is_gpu)
+    def prefill_groups(self, lengths: dict, fresh: bool) -> list:
+        """Protocol hook: with prefill graphs, a fresh admission in calls of like length
+        (:meth:`PrefillGraphs.plan`); else one call (an eager call costs the host its launches)."""
+        if fresh and self.prefill_graphs is not None and len(lengths) > 1:
+            return self.prefill_graphs.plan(lengths)
+        return [sorted(lengths)]
 
     def _settle(self) -> None:
         # cupy.zeros and torch's own init ran on other streams than the decoder's; finish
