@@ -17,7 +17,7 @@ from graphburst import SpecDecoder
 from graphburst.backend import Backend
 from graphburst.constants import NO_EOS
 from graphburst.models.llama import Llama
-from graphburst.models.prefill_graphs import CALL_COST_TOKENS, PrefillGraphs
+from graphburst.models.prefill_graphs import PrefillGraphs
 from graphburst.models.torch_adapter import TorchDraft, TorchTarget
 
 from marks import BACKENDS, requires_gpu
@@ -55,7 +55,7 @@ def _cost(g, groups, lengths):
     total = 0
     for group in groups:
         size = g.bucket(len(group), max(lengths[b] for b in group))
-        total += CALL_COST_TOKENS + (size[0] * size[1] if size else len(group) * max(lengths[b] for b in group))
+        total += g._call_cost(len(group), max(lengths[b] for b in group))
     return total
 
 
@@ -185,23 +185,28 @@ def test_a_prefill_past_every_bucket_runs_eagerly(rng):
 
 @pytest.mark.gpu
 @requires_gpu
-def test_gpu_bucket_replays_capture_once_and_never_sync(rng):
+def test_gpu_a_bucket_runs_eagerly_then_captures_then_replays_without_a_sync(rng):
     backend = Backend("cupy")
     dec = _poisoned_decoder(backend, True)
-    for n in (3, 3, 2):  # 3 rows and then 2 share the 3-row bucket (2 is its own: 2 rows)
+    graphs = dec.target.prefill_graphs
+    seen = []
+    for n in (3, 3, 3, 2, 2):  # (3, 32): eager, captured, replayed; (2, 32): eager, captured
         prompts = {b: rng.integers(0, 512, 20 + b).astype(np.int32) for b in range(n)}
-        if n == 3 and dec.target.prefill_graphs.captures:
+        replay = graphs.info().get((n, 32, True), False)
+        if replay:
             torch.cuda.set_sync_debug_mode("error")  # a replay of a captured bucket never syncs
         try:
             dec.prefill_checked(prompts, {b: 0 for b in prompts}, limits={b: 30 for b in prompts})
         finally:
             torch.cuda.set_sync_debug_mode("default")
+        seen.append((n, graphs.captures, replay))
         got = {b: [] for b in prompts}
         while any(dec.host_left[b] > 0 for b in prompts):
             tokens = dec.run_burst()
             for b in prompts:
                 got[b] += tokens[b].tolist()
         for b, p in prompts.items():
-            assert got[b] == dec.target.module.greedy(p.tolist(), 30, row=BATCH - 1), f"slot {b}"
-    assert dec.target.prefill_graphs.info() == {(3, 32, True): True, (2, 32, True): True}
+            assert got[b] == dec.target.module.greedy(p.tolist(), 30, row=BATCH - 1), f"{n} rows, slot {b}"
+    assert seen == [(3, 0, False), (3, 1, False), (3, 1, True), (2, 1, False), (2, 2, False)]
+    assert graphs.info() == {(3, 32, True): True, (2, 32, True): True}
     assert dec.draft.prefill_graphs.info() == {(3, 32, False): True, (2, 32, False): True}

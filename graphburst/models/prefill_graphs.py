@@ -8,8 +8,11 @@ one launch.
 
 Admissions differ in how many prompts they carry and how long the longest is, so a call is
 padded up to a **bucket**: its rows and its length each rounded up the ladders below (at
-most 1.5x of waste in each, and none at the common small sizes), and a graph is captured
-the first time a bucket is used. Buckets past ``max_tokens`` run eagerly.
+most 1.5x of waste in each, and none at the common small sizes). A bucket's first call
+runs eagerly and unpadded (a capture costs the host about two eager forwards, wasted on a
+size seen once); its second call runs the padded forward for real, then captures it; later
+calls replay. Buckets past ``max_tokens`` always run eagerly. :meth:`PrefillGraphs.plan`
+splits one admission into calls of like length, so a long prompt does not pad short ones.
 
 **Padding rows** start at position ``S`` (the KV storage's rows per slot), so every KV row
 they write clamps to row ``S - 1`` of their slot (``llama.kv_index``), past ``capacity``
@@ -19,7 +22,8 @@ plus the verify's ``k + 1`` rows: a row no attention reads (the adapter requires
 is graphed, since its attention reads only the call's own tokens.
 
 Capture runs on a side stream ordered after the decoder's stream by events (no host sync):
-a warm-up forward over all-padding inputs, then the capture, then the decoder's stream
+the bucket's real forward (which is also the capture's warm-up: lazy kernel loading and
+library handles happen outside the capture), then the capture, then the decoder's stream
 waits for the side stream. Replays run on the decoder's stream. All graphs share one
 memory pool: they replay one at a time on one stream, and each output is read before the
 next replay.
@@ -42,6 +46,11 @@ DEFAULT_MAX_TOKENS = 8192
 #: ~600 bf16 TFLOP/s a prefill GEMM reaches on the H200), so a call costs as much as
 #: 600e12 / 4.8e12 = 125 tokens, whatever the model's size.
 CALL_COST_TOKENS = 128
+#: The extra cost of a call that runs eagerly (a bucket's first use): its launches cost the
+#: host ~10 ms on an H200 lease (1b shape), what the GPU spends on ~1000 prompt tokens.
+EAGER_CALL_COST_TOKENS = 1024
+#: A bucket is captured at its second call (its first runs eagerly and unpadded).
+CAPTURE_AT_USE = 2
 
 
 def _up(ladder, n: int) -> int:
@@ -83,7 +92,7 @@ class PrefillGraphs:
         (the CPU path, so the bucketing and padding are tested without a GPU).
     max_tokens : int
         Buckets past this many rows x tokens run unpadded and eagerly (``run`` returns
-        None for the caller's own path).
+        ``NotImplemented``: the caller's own path).
     """
 
     def __init__(self, module, *, kv_layers, capture: bool, max_tokens: int = DEFAULT_MAX_TOKENS):
@@ -97,6 +106,10 @@ class PrefillGraphs:
         storage = next(s for s in module.kv_layers() if s is not None)  # [2, B, S, KV, D]
         self.s, self.device = storage.shape[2], storage.device
         self._buckets: dict = {}  # (rows, length, head) -> _Bucket
+        self._uses: dict = {}  # (rows, length) -> calls so far, graphed or not
+        # eagerly padded on the CPU from the first call (the path tests hold); on a GPU a
+        # bucket is captured at its CAPTURE_AT_USE-th call
+        self.capture_at = CAPTURE_AT_USE if self.capture else 1
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
         self._side = torch.cuda.Stream(self.device) if self.capture else None
         self.captures = 0
@@ -120,19 +133,20 @@ class PrefillGraphs:
         Returns
         -------
         [R, V] float32 logits (a view into the bucket's output, valid until its next run),
-        None without a head, or ``NotImplemented`` when the call is past every bucket (the
-        caller runs it eagerly).
+        None without a head, or ``NotImplemented`` when the caller is to run the call
+        eagerly and unpadded (past every bucket, or the bucket's first use).
         """
         r, p = tokens.shape
         size = self.bucket(r, p)
         if size is None:
             return NotImplemented
+        self._uses[size] = uses = self._uses.get(size, 0) + 1
         key = (*size, bool(head))
         b = self._buckets.get(key)
         if b is None:
+            if uses < self.capture_at:
+                return NotImplemented
             b = self._buckets[key] = _Bucket(self.torch, *size, self.s, self.device)
-            if self.capture:
-                self._capture(b, head)
         b.tokens[:r, :p].copy_(tokens)  # columns past p keep earlier (valid) ids: padding, causal
         b.idx[:r].copy_(idx)
         b.start[:r].zero_()
@@ -141,11 +155,13 @@ class PrefillGraphs:
             b.start[r:].fill_(self.s)  # padding rows write only row S - 1 of slot 0
             b.idx[r:].zero_()
             b.last[r:].zero_()
-        if self.capture:
+        if not self.capture:
+            out = self._forward(b, head)
+        elif b.graph is None:
+            out = self._capture(b, head)
+        else:
             b.graph.replay()
             out = b.out
-        else:
-            out = self._forward(b, head)
         return None if out is None else out[:r, 0]
 
     def _forward(self, b: _Bucket, head: bool):
@@ -154,14 +170,17 @@ class PrefillGraphs:
             return self.module(b.tokens, b.start, lengths, b.idx, head=False, fresh=True)
         return self.module(b.tokens, b.start, lengths, b.idx, logits_at=b.last, fresh=True)
 
-    def _capture(self, b: _Bucket, head: bool) -> None:
-        """Warm up and capture ``b``'s forward on the side stream, ordered by events only."""
+    def _capture(self, b: _Bucket, head: bool):
+        """Run ``b``'s forward for real on the side stream, then capture it there; ordered by
+        events only. Returns the real forward's output."""
         torch = self.torch
         main = torch.cuda.current_stream(self.device)
-        self._side.wait_stream(main)  # the inputs' (all-padding) initialisation, and every write before
+        self._side.wait_stream(main)  # the inputs just copied in, and every write before
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.stream(self._side):
-            self._forward(b, head)  # lazy first-call work (kernel loading, library handles) before capture
+            # the real call, and the capture's warm-up: lazy first-call work (kernel loading,
+            # library handles for this stream) happens here, outside the capture
+            real = self._forward(b, head)
             graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
             try:
                 out = self._forward(b, head)
@@ -170,31 +189,44 @@ class PrefillGraphs:
                 end_capture_quietly(graph, self.device)
                 raise
         main.wait_stream(self._side)
+        if real is not None:
+            real.record_stream(main)  # made on the side stream, read on the decoder's
         b.graph, b.out = graph, out
         self.captures += 1
+        return real
 
     def plan(self, lengths: dict) -> list[list[int]]:
         """Split one fresh admission (slot -> prompt length) into calls of like length.
 
         Rows sorted longest first are cut into runs that minimise the padded tokens of
-        their buckets plus :data:`CALL_COST_TOKENS` per call (an O(n^2) dynamic program
-        over at most a batch of rows): one long prompt among short ones no longer pads
-        them all to its length, and rows of like length stay in one call.
+        their buckets plus :data:`CALL_COST_TOKENS` per call and
+        :data:`EAGER_CALL_COST_TOKENS` per call that would run eagerly (an O(n^2) dynamic
+        program over at most a batch of rows): one long prompt among short ones no longer
+        pads them all to its length, rows of like length stay in one call, and sizes
+        never seen are not split into several eager calls.
         """
         items = sorted(lengths.items(), key=lambda kv: (-kv[1], kv[0]))
         n = len(items)
         best, cut = [0] + [float("inf")] * n, [0] * (n + 1)
         for j in range(1, n + 1):
             for i in range(j):  # the run items[i:j], whose longest is items[i]
-                size = self.bucket(j - i, items[i][1])
-                cost = best[i] + CALL_COST_TOKENS + (size[0] * size[1] if size else (j - i) * items[i][1])
-                if cost < best[j]:
-                    best[j], cut[j] = cost, i
+                best_i = best[i] + self._call_cost(j - i, items[i][1])
+                if best_i < best[j]:
+                    best[j], cut[j] = best_i, i
         groups, j = [], n
         while j:
             groups.append(sorted(slot for slot, _ in items[cut[j]: j]))
             j = cut[j]
         return groups[::-1]
+
+    def _call_cost(self, rows: int, length: int) -> int:
+        """A call's cost in padded tokens for :meth:`plan`; an eager one (a bucket's first
+        use, or past every bucket) also pays for its launches."""
+        size = self.bucket(rows, length)
+        if size is None:
+            return CALL_COST_TOKENS + EAGER_CALL_COST_TOKENS + rows * length
+        eager = self._uses.get(size, 0) + 1 < self.capture_at
+        return CALL_COST_TOKENS + EAGER_CALL_COST_TOKENS * eager + size[0] * size[1]
 
     def info(self) -> dict:
         """Buckets made so far, as ``{(rows, length, head): captured}``."""
