@@ -15,9 +15,11 @@
 * **Weights**: counted from the module itself, built on the meta device (no memory), so
   every bias and norm the config switches on is in the figure.
 * **Reserve** (the estimate): :meth:`LlamaConfig.activation_bytes_per_token` for a
-  prefill of ``prefill_tokens`` tokens (run eagerly, in torch's ordinary pool) plus one
-  decode forward of ``batch x decode_tokens`` (the captured burst's private pool holds its
-  peak for as long as the graph lives), plus the head's outputs: logits in the dtype,
+  prefill of ``prefill_tokens`` tokens (run eagerly, in torch's ordinary pool), again for
+  the prefill graphs' private pool (``models.prefill_graphs``: it keeps its largest
+  bucket's peak, at most ``DEFAULT_MAX_TOKENS`` tokens, for as long as the graphs live),
+  plus one decode forward of ``batch x decode_tokens`` (the captured burst's private pool
+  holds its peak for as long as the graph lives), plus the head's outputs: logits in the dtype,
   their fp32 copy, and softmax or argmax outputs (16 bytes per vocabulary entry at most),
   for ``batch x (decode_tokens + 1)`` rows (the +1: the prefill's logits at one position).
 * **Cap**: ``max_position_embeddings``, and the largest capacity whose per-layer K stays
@@ -31,6 +33,7 @@ import torch
 from .capacity import MemorySpec
 from .llama import DEFAULT_KV_SLACK, KV_ROW_MULTIPLE, Llama
 from .llama_config import LlamaConfig
+from .prefill_graphs import DEFAULT_MAX_TOKENS
 
 #: Tokens one prefill forward is sized for when the caller does not say (a chunked
 #: prefill's chunk bounds it; admitting more prompt tokens at once than this may not fit).
@@ -69,7 +72,8 @@ def memory_spec(cfg: LlamaConfig, *, name: str, dtype: torch.dtype, batch: int, 
     if not isinstance(cfg, LlamaConfig):
         raise TypeError(f"cfg must be a LlamaConfig, got {type(cfg).__name__}")
     size = torch.empty((), dtype=dtype).element_size()
-    act = cfg.activation_bytes_per_token(size) * (prefill_tokens + batch * decode_tokens)
+    graphed = min(prefill_tokens, DEFAULT_MAX_TOKENS)  # the prefill graphs' pool: its largest bucket
+    act = cfg.activation_bytes_per_token(size) * (prefill_tokens + graphed + batch * decode_tokens)
     head = batch * (decode_tokens + 1) * cfg.vocab_size * (size + HEAD_EXTRA_BYTES)
     rope = 2 * cfg.head_dim * 4  # rope_cos and rope_sin rows, float32
     mask = (prefill_tokens + batch * decode_tokens) * (size + 1)  # additive masks and their booleans, per KV row
