@@ -1,0 +1,135 @@
+"""What admitting prompts costs a real model: host and GPU time of one ``prefill_checked`` call.
+
+A random-weight shape of ``graphburst bench real`` (bf16 on a GPU) behind a SpecDecoder of
+64 slots; each case admits some prompts at position 0, six times (new slots each time),
+and the figures are medians over the last four (so a prefill-graph bucket is captured by
+then: ``models.prefill_graphs``). Host time is the call's own (it never waits for the GPU);
+GPU time is a CUDA event pair around it on the decoder's stream. Before timing, every
+case's first token is checked against the model's own greedy continuation (a full
+re-run of the prompt that shares no state with the prefill).
+
+``--eager`` turns the prefill graphs off (the plain eager prefill, for a before/after on
+one lease); ``--profile`` prints torch.profiler's table of the last case's call.
+
+Usage: ``PYTHONPATH=. python scripts/prefill_profile.py [--model 1b] [--eager] [--json FILE]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, ".")
+from graphburst import SpecDecoder  # noqa: E402
+from graphburst.backend import get_backend  # noqa: E402
+from graphburst.bench.real_models import MODELS, instance, random_target, subspace_draft  # noqa: E402
+from graphburst.models.torch_adapter import TorchDraft, TorchTarget  # noqa: E402
+
+BATCH, K, M, MAX_PROMPT = 64, 4, 8, 512
+REPS, TIMED = 6, 4  # calls per case, of which the last TIMED are timed
+#: (label, rows, lengths): fixed sizes, and lognormal lengths (mean 128 in [16, 512], the load
+#: benchmark's) drawn once per case ("the same") or anew for every call ("new each time": cold buckets)
+CASES = (("1 x 128", 1, 128), ("1 x 512", 1, 512), ("4 x 128", 4, 128), ("11 x 128", 11, 128),
+         ("11 lognormal, the same", 11, "same"), ("11 lognormal, new each time", 11, "new"))
+
+
+def _lognormal(rng, n):
+    return np.clip(np.rint(rng.lognormal(np.log(128) - 0.125, 0.5, n)), 16, MAX_PROMPT).astype(int)
+
+
+def build(name: str, backend, eager: bool, dtype: str):
+    import torch
+
+    spec = MODELS[name]
+    device = f"cuda:{backend.device_id}" if backend.is_gpu else "cpu"
+    cap = 2 * MAX_PROMPT + M * (K + 1)
+    src = random_target(spec, batch=BATCH, capacity=cap, kv_slack=K + 2, dtype=getattr(torch, dtype), device=device,
+                        seed=0)
+    draft = instance(src, layers=spec.draft_layers) if spec.draft_cfg is None else subspace_draft(src, spec, seed=0)
+    graphs = False if eager else None  # None: the adapters' default (on a GPU)
+    target = TorchTarget(src, batch=BATCH, capacity=cap, backend=backend, prefill_graphs=graphs)
+    dft = TorchDraft(draft, batch=BATCH, capacity=cap, backend=backend, prefill_graphs=graphs)
+    return SpecDecoder(target, dft, k=K, m_rounds=M)
+
+
+def _check_first_tokens(dec, rows: dict) -> None:
+    """pend after the prefill against the model's own greedy next token (row BATCH - 1 as scratch)."""
+    pend = dec.backend.to_host(dec.bufs.pend, dec.stream)
+    for b, prompt in rows.items():
+        want = dec.target.module.greedy(prompt.tolist(), 1, row=BATCH - 1)[0]
+        if int(pend[b]) != want:
+            raise AssertionError(f"slot {b}: prefill's first token {int(pend[b])}, greedy {want}")
+
+
+def measure(dec, label: str, n: int, lengths, rng, *, check: bool = True) -> dict:
+    import torch
+
+    gpu = dec.backend.is_gpu
+    fixed = _lognormal(rng, n) if lengths == "same" else None
+    host_ms, gpu_ms = [], []
+    for rep in range(REPS):
+        lens = (fixed if fixed is not None else _lognormal(rng, n) if lengths == "new" else np.full(n, lengths))
+        slots = sorted(rng.choice(BATCH - 1, n, replace=False).tolist())  # BATCH - 1: the greedy check's scratch
+        rows = {b: rng.integers(0, dec.target.vocab, int(ln)).astype(np.int32) for b, ln in zip(slots, lens)}
+        if gpu:
+            stream = torch.cuda.ExternalStream(dec.stream.ptr)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record(stream)
+        t0 = time.perf_counter()
+        dec.prefill_checked(rows, {b: 0 for b in rows}, limits={b: 64 for b in rows})
+        t1 = time.perf_counter()
+        if gpu:
+            end.record(stream)
+            torch.cuda.synchronize()
+        if check and rep == 0:
+            _check_first_tokens(dec, rows)
+        if rep >= REPS - TIMED:
+            host_ms.append((t1 - t0) * 1e3)
+            if gpu:
+                gpu_ms.append(start.elapsed_time(end))
+    graphs = dec.target.prefill_graphs
+    return {"case": label, "rows": n, "tokens": int(sum(len(r) for r in rows.values())),
+            "padded_to_longest": int(n * max(len(r) for r in rows.values())),
+            "host_ms": float(np.median(host_ms)), "gpu_ms": float(np.median(gpu_ms)) if gpu else None,
+            "captures": None if graphs is None else graphs.captures}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--backend", default="auto", choices=("auto", "cupy", "numpy"))
+    p.add_argument("--model", default="1b", choices=sorted(MODELS))
+    p.add_argument("--dtype", default=None, help="default bfloat16 on a GPU, float32 on the CPU")
+    p.add_argument("--eager", action="store_true", help="no prefill graphs (the eager prefill)")
+    p.add_argument("--cases", type=int, default=len(CASES), help="run the first N cases")
+    p.add_argument("--profile", action="store_true", help="torch.profiler table of one more call of the last case")
+    p.add_argument("--json")
+    a = p.parse_args(argv)
+    backend = get_backend(a.backend)
+    dec = build(a.model, backend, a.eager, a.dtype or ("bfloat16" if backend.is_gpu else "float32"))
+    rng = np.random.default_rng(0)
+    rows = [measure(dec, label, n, lengths, rng) for label, n, lengths in CASES[: a.cases]]
+    mode = "eager" if dec.target.prefill_graphs is None else "graphs"
+    for r in rows:
+        gpu = "-" if r["gpu_ms"] is None else f"{r['gpu_ms']:.2f}"
+        print(f"{a.model} {mode} {r['case']:>28}: host {r['host_ms']:7.2f} ms, "
+              f"GPU {gpu} ms, {r['tokens']} tokens ({r['padded_to_longest']} padded to the longest), "
+              f"captures {r['captures']}")
+    if a.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        label, n, lengths = CASES[a.cases - 1]
+        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if backend.is_gpu else [])) as prof:
+            measure(dec, label, n, lengths, rng, check=False)
+        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=20, max_name_column_width=60))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"model": a.model, "backend": backend.name, "prefill": mode, "results": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
