@@ -237,31 +237,20 @@ class SlotAdmission:
         (``[3, n]``: slot, budget, stop token; budget 0 until a prompt's final chunk) and the
         chunks padded to the longest (``[B, P_max]``). Returns ``(the host block [5B + B*P_max]
         int32, the table's device view [3, n] int32)``."""
-        # Vectorised over the slots: a numpy call costs about a microsecond of host time
-        # whatever its size, and a boundary admitting 14 slots one by one made 56 of them.
         batch, n = self.batch, len(slots)
-        chunks = [rows[b] for b in slots]
-        lens = np.fromiter(map(len, chunks), np.int64, n)  # [n] int64
-        p_max = int(lens.max())
+        p_max = max(len(rows[b]) for b in slots)
         host = np.zeros(STAGE_HEAD * batch + batch * p_max, np.int32)  # the head, then [B, P_max] int32
         host[:batch] = NO_PREFILL
-        at = np.asarray(slots, np.int64)  # [n] int64
-        host[at] = lens
-        host[batch + at] = [starts.get(b, 0) for b in slots]
         table = host[2 * batch: 2 * batch + 3 * n].reshape(3, n)  # [3, n] int32
-        table[0] = at
-        if final:
-            table[1] = [limits[b] for b in slots]
-            table[2] = [stops[b] for b in slots]
-        else:
-            table[2] = NO_EOS  # budget 0: the slot stays idle until its final chunk
         tokens = host[STAGE_HEAD * batch:].reshape(batch, p_max)  # [B, P_max] int32
-        if n == 1 or (lens == p_max).all():
-            tokens[at] = chunks  # every chunk is P_max long: one row copy each
-        else:
-            padded = np.zeros((n, p_max), np.int32)  # [n, P_max] int32
-            padded[np.arange(p_max) < lens[:, None]] = np.concatenate(chunks)
-            tokens[at] = padded
+        # Slot by slot: at a boundary's ~14 slots this costs the host less than building
+        # the block in whole-array numpy calls (14.5 against 17.0 µs on the CI CPU).
+        for i, b in enumerate(slots):
+            row = rows[b]
+            host[b] = len(row)
+            host[batch + b] = starts.get(b, 0)
+            tokens[b, : len(row)] = row
+            table[:, i] = (b, limits[b], stops[b]) if final else (b, 0, NO_EOS)
         # Stream-ordered, into the staging block: a second prefill enqueued before the first
         # has run overwrites it only after the first's kernels have read it.
         self.backend.upload(self._stage_view("head+chunks", p_max), host, self.stream)

@@ -368,8 +368,8 @@ def test_prefill_checked_writes_what_prefill_writes(backend):
 @pytest.mark.parametrize("lengths", [[4], [3, 3, 3], [1, 7, 2], [19, 1, 257, 5]])
 @pytest.mark.parametrize("final", [True, False])
 def test_staging_block_matches_a_slot_by_slot_build(backend, lengths, final):
-    """The vectorised staging block against the plain per-slot loop it replaced, and the
-    device copy of it after the one upload (on cupy: the runtime copy from pageable memory)."""
+    """The staging block against a build written out position by position, and the device
+    copy of it after the one upload (on cupy: the runtime copy from pageable memory)."""
     from graphburst.admission import STAGE_HEAD
     from graphburst.constants import NO_EOS, NO_PREFILL
 
