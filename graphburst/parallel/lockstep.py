@@ -38,6 +38,7 @@ import time
 import numpy as np
 
 from ..serving.loop import Request, ServeLoop
+from ..serving.pipeline import graph_of
 from .dist import Context, ParallelError
 
 # .runner and .check import torch: imported where used, so `serve --tp` flag errors stay fast.
@@ -153,8 +154,7 @@ class LockstepLoop(ServeLoop):
     def _make_graph(self, *, depth: int):
         from .runner import CheckedGraph
 
-        return CheckedGraph(self.dec, gapless=depth > 1, depth=depth if depth > 1 else None,
-                            drain_timeout_s=self._drain_timeout_s)
+        return graph_of(self.dec, depth=depth, graph_cls=CheckedGraph, drain_timeout_s=self._drain_timeout_s)
 
     def _costs_only_its_requests(self, exc: Exception) -> bool:
         # A bad request (ValueError: CapacityError, a refused prefill) fails the same way on

@@ -24,9 +24,10 @@ from ..capture import BurstGraph
 from .timing import BurstClock
 
 
-def graph_of(dec: SpecDecoder, *, depth: int) -> BurstGraph:
-    """The :class:`BurstGraph` of ``dec`` that keeps ``depth`` bursts in flight (gapless past 1)."""
-    return BurstGraph(dec, gapless=depth > 1, depth=depth if depth > 1 else None)
+def graph_of(dec: SpecDecoder, *, depth: int, graph_cls=BurstGraph, **kw) -> BurstGraph:
+    """The ``graph_cls`` (a :class:`BurstGraph`) of ``dec`` that keeps ``depth`` bursts in
+    flight (gapless past 1); ``kw`` go to its constructor."""
+    return graph_cls(dec, gapless=depth > 1, depth=depth if depth > 1 else None, **kw)
 
 
 class BurstPipeline:
