@@ -67,8 +67,11 @@ class StreamBufs(Watched):
 
     _watched = frozenset(LAYOUT) | frozenset(SAMPLING_LAYOUT) | {"out_block"}
     #: buffers the host reads back after every burst; they share one allocation
-    #: (``out_block``) so a graph copies them to the host in a single node.
-    OUTPUTS = ("ring", "acc")
+    #: (``out_block``) so a graph copies them to the host in a single node. The position
+    #: counter and budget ride along so the host mirror of a drained burst is two copies
+    #: (``SpecDecoder.finish_burst``) instead of recomputing stops and budgets in a dozen
+    #: numpy calls between bursts, while the GPU may wait.
+    OUTPUTS = ("ring", "acc", "pos_ctr", "budget")
 
     def __init__(self, batch: int, k: int, m_rounds: int, backend: Backend | str = "auto", *,
                  vocab: int | None = None):
@@ -90,7 +93,7 @@ class StreamBufs(Watched):
                 setattr(self, name, self.backend.zeros(shapes[name], dtype))
         self._out_shapes = [shapes[n] for n in self.OUTPUTS]
         size = sum(int(np.prod(shape)) for shape in self._out_shapes)
-        self.out_block = self.backend.zeros((size,), np.int32)  # [B*R + B*2] int32: ring, then acc
+        self.out_block = self.backend.zeros((size,), np.int32)  # [B*R + 4B] int32: ring, acc, pos_ctr, budget
         self.eos[...] = NO_EOS  # budget stays 0: a slot is idle, and emits nothing, until a prefill
 
     def _outputs(self) -> list:
@@ -110,6 +113,21 @@ class StreamBufs(Watched):
     def acc(self):
         """``[B, 2] int32`` accept counters ``[accepted drafts, rounds]`` (a view of out_block)."""
         return self._outputs()[1]
+
+    @property
+    def pos_ctr(self):
+        """``[B] int32`` device position counter, the append base (a view of out_block)."""
+        return self._outputs()[2]
+
+    @property
+    def budget(self):
+        """``[B] int32`` tokens still allowed, 0 idle or stopped (a view of out_block)."""
+        return self._outputs()[3]
+
+    @property
+    def output_shapes(self) -> list:
+        """Shapes of :attr:`OUTPUTS` in ``out_block`` order (for views of a host copy)."""
+        return list(self._out_shapes)
 
     @property
     def ring_capacity(self) -> int:

@@ -262,19 +262,45 @@ class SpecDecoder(SlotAdmission, Watched):
         self.finish_burst(tokens)
         return tokens
 
-    def finish_burst(self, tokens: BurstTokens) -> None:
+    def finish_burst(self, tokens: BurstTokens, mirror=None) -> None:
         """Advance the host mirror by a drained burst's tokens (vectorised over the batch).
 
         Tokens for a slot prefilled or released since the burst's launch are dropped from
         ``tokens`` first (their counts become 0): they belonged to the slot's previous sequence.
+
+        Parameters
+        ----------
+        tokens : BurstTokens
+        mirror : ([B] int32, [B] int32), optional
+            The device's ``pos_ctr`` and ``budget`` as of the burst's end (a graph copies
+            them with the ring). The host mirror of every slot the burst committed for
+            becomes these values: what the device computed, in two copies. Without them the
+            mirror is advanced from the tokens (:meth:`_advance_mirror`), as the device does.
         """
         self.host_syncs += 1
         self.bursts += 1
         self.outstanding -= 1
         current = np.equal(self._launch_gen.popleft(), self.slot_gen, out=self._current)  # [B] bool
-        if np.count_nonzero(current) != self.batch:  # count_nonzero: a fifth of the cost of .all()
-            tokens.drop(~current)
+        every = np.count_nonzero(current) == self.batch  # count_nonzero: a fifth of the cost of .all()
+        if not every:
+            tokens.drop(np.logical_not(current, out=self._mask2))
         self._inflight -= current  # one burst fewer in flight for the sequences it committed for
+        if mirror is None:
+            self._advance_mirror(tokens)
+            return
+        pos, budget = mirror
+        if every:
+            np.copyto(self.host_pos, pos)
+            np.copyto(self.host_left, budget)
+        else:  # a refilled or released slot keeps the values its admission or release set
+            np.copyto(self.host_pos, pos, where=current)
+            np.copyto(self.host_left, budget, where=current)
+
+    def _advance_mirror(self, tokens: BurstTokens) -> None:
+        """``host_pos`` and ``host_left`` after ``tokens`` (dropped rows count 0), computed on
+        the host the way the commit kernel does on the device: positions advance by the
+        count, a bounded budget falls by it, and a slot whose last token is its stop token
+        stops (budget 0)."""
         counts = tokens.counts
         self.host_pos += counts
         if self._any_limit:

@@ -195,9 +195,10 @@ class BurstGraph:
                 raise ValueError("torch models need the decoder's torch stream; build the SpecDecoder with them")
             self._torch = TorchCapturer(decoder.torch_stream)  # one graph pool for both gapless graphs
         bufs = decoder.bufs
-        # Pinned copies of bufs.out_block ([B*R + B*2] int32), one per graph, viewed as (ring, acc).
+        # Pinned copies of bufs.out_block ([B*R + 4B] int32), one per graph, viewed as
+        # (ring, acc, pos_ctr, budget).
         self._host_blocks = [_host_buffer(self.backend, bufs.out_block.shape) for _ in range(self.n_graphs)]
-        self._host_views = [split_out_block(h, [bufs.ring.shape, bufs.acc.shape]) for h in self._host_blocks]
+        self._host_views = [split_out_block(h, bufs.output_shapes) for h in self._host_blocks]
         self.last_acc = np.zeros((decoder.batch, 2), np.int32)  # accept counters as of the last drained burst
         self._events = [self._new_event() for _ in range(self.n_graphs)]
         self._pending: deque[int] = deque()
@@ -329,10 +330,10 @@ class BurstGraph:
             raise RuntimeError("no burst to drain: replay() first")
         i = self._pending.popleft()
         self._events[i].synchronize()
-        ring, acc = self._host_views[i]
+        ring, acc, pos, budget = self._host_views[i]
         tokens = split_ring(ring)
         self.last_acc = acc.copy()
-        self.dec.finish_burst(tokens)
+        self.dec.finish_burst(tokens, mirror=(pos, budget))  # read now: the next launch of graph i rewrites them
         return tokens
 
     @property

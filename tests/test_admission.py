@@ -162,6 +162,43 @@ def test_loop_depth_is_checked_before_anything_is_built(depth, err):
         ServeLoop(target, draft, k=2, m_rounds=1, depth=depth)
 
 
+def test_the_drained_mirror_equals_the_hosts_own_advance(backend, rng):
+    """The graph hands finish_burst the device's pos_ctr and budget; they must be what the host
+    computes from the tokens (stops on EOS mid-burst, budgets, refills and cancels in flight)."""
+    target, draft = _pair(backend, batch=4, capacity=256)
+    loop = ServeLoop(target, draft, k=4, m_rounds=2, depth=3)
+    dec, real, seen = loop.dec, loop.dec.finish_burst, []
+
+    def finish(tokens, mirror=None):
+        assert mirror is not None  # the graph path reads them from the output block
+        pos, left = dec.host_pos.copy(), dec.host_left.copy()
+        real(tokens, mirror)
+        got = dec.host_pos.copy(), dec.host_left.copy()
+        dec.host_pos[:], dec.host_left[:] = pos, left
+        dec._advance_mirror(tokens)  # dropped rows count 0 there, so they keep their values
+        assert (dec.host_pos == got[0]).all() and (dec.host_left == got[1]).all(), (got, dec.host_left)
+        seen.append(tokens.total)
+
+    dec.finish_burst = finish
+    states = []
+    for i in range(20):
+        prompt = rng.integers(0, VOCAB, int(rng.integers(1, 9))).tolist()
+        n = int(rng.integers(5, 40))
+        eos = greedy_reference(prompt, n, VOCAB)[n // 2] if i % 2 else None  # a stop mid-way
+        states.append(loop.submit(Request(prompt, n, eos=eos, options=dict(accept_prob=0.8, seed=3))))
+    loop.step()
+    loop.cancel(states[1])
+    loop.run_until_idle()
+    stopped = [s for s in states[2:] if s.request.eos is not None]
+    assert any(len(s.tokens) < s.request.max_new_tokens for s in stopped)  # EOS ended some early
+    for s in states[2:]:
+        ref = greedy_reference(s.request.prompt, s.request.max_new_tokens, VOCAB)
+        if s.request.eos is not None:
+            ref = ref[: ref.index(s.request.eos) + 1]
+        assert s.tokens == ref
+    assert len(seen) == loop.bursts and sum(seen) > 0
+
+
 def test_cancel_and_refill_in_flight(backend):
     target, draft = _pair(backend, batch=1, capacity=256)
     loop = ServeLoop(target, draft, k=3, m_rounds=2, pipelined=True)
