@@ -55,7 +55,8 @@ def weight_bytes(cfg: LlamaConfig, dtype: torch.dtype) -> int:
 
 
 def memory_spec(cfg: LlamaConfig, *, name: str, dtype: torch.dtype, batch: int, decode_tokens: int,
-                prefill_tokens: int = DEFAULT_PREFILL_TOKENS, warm_rows: int = 0, warm_head: bool = False) -> MemorySpec:
+                prefill_tokens: int = DEFAULT_PREFILL_TOKENS, warm_rows: int = 0,
+                warm_head: bool = False) -> MemorySpec:
     """One Llama's :class:`MemorySpec` (module docstring).
 
     Parameters
