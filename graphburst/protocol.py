@@ -116,6 +116,12 @@ Optional hooks (defaults in brackets)
     ``fresh``: every chunk starts at position 0. The decoder narrows the prompt staging
     to each call's longest chunk, so a call pads only to its own rows (a model whose
     prefill cost grows with the padded tokens groups rows of like length).
+``warm_prefill(max_rows: int, max_length: int | None = None) -> dict`` [{}]
+    Called once before serving, outside any capture: make now whatever the model's
+    prefill would otherwise build at its first admissions of up to ``max_rows`` prompts
+    of up to ``max_length`` tokens (None: up to the capacity), e.g. captured prefill
+    graphs, without changing any cache entry a slot can read. Returns what it did for the
+    start-up log (``buckets``, ``seconds``), or {} when it had nothing to do.
 ``option_keys : frozenset[str]`` [empty]
     The per-request option names this model understands. The decoder rejects a key no
     model claims, and hands each model only the keys it claims.
@@ -166,6 +172,10 @@ class ModelHooks:
     def prefill_groups(self, lengths: dict, fresh: bool) -> list:
         """The slots of each ``prefill`` call of one admission (slot -> chunk length): one call."""
         return [sorted(lengths)]
+
+    def warm_prefill(self, max_rows: int, max_length: int | None = None) -> dict:
+        """Prepare the prefill before serving (nothing to prepare): what it did, {}."""
+        return {}
 
     def slot_options(self, options: dict) -> object:
         """Validate one request's options (this model's keys only)."""

@@ -19,7 +19,8 @@ from .cli_args import AUTO, NGRAM_DRAFT, FlagError, add_ngram_flags, check_backe
     check_ngram_flags, fraction, int_in, int_or_auto, readable_file, real_in, same_file, writable_file
 from .constants import MAX_DEPTH, MAX_K
 from .models.capacity import DEFAULT_GPU_MEMORY_FRACTION
-from .serving.factory import STUB_DEFAULTS, TINY_RANDOM, ConfigError, ServeConfig, build_loop, resolve_capacity
+from .serving.factory import DEFAULT_PREFILL_WARMUP, STUB_DEFAULTS, TINY_RANDOM, ConfigError, ServeConfig, build_loop, \
+    resolve_capacity
 from .serving.jsonl import error_text, stderr_console
 from .serving.loop import ENGINE_MODES, ServeLoop
 
@@ -68,6 +69,10 @@ def add_parser(sub) -> None:
     p.add_argument("--prefill-chunk", type=int_in(1, 2**31 - 1), default=None, metavar="N",
                    help="prefill at most N prompt tokens per burst boundary, so a long prompt goes in chunks "
                         "while the other slots keep decoding (default: whole prompts)")
+    p.add_argument("--prefill-warmup", type=int_in(0, 65536), default=None, metavar="ROWS",
+                   help="before serving, capture the prefill graphs of every bucket of up to ROWS prompts, so no "
+                        f"admission pays a bucket's first calls (default {DEFAULT_PREFILL_WARMUP} where prefill graphs "
+                        "run: a GPU and Llama models; 0: off)")
     p.add_argument("--sampling", action="store_true",
                    help="decode with speculative rejection sampling, so requests may set temperature > 0")
     p.add_argument("--no-pipeline", action="store_true",
@@ -151,13 +156,18 @@ def build(config: ServeConfig, err: Console) -> ServeLoop | None:
         config, plan = resolve_capacity(config)
         if plan is not None:
             print(f"graphburst serve: {plan.describe()}", file=sys.stderr, flush=True)
-        loop = build_loop(config)
+        loop = build_loop(config, log=log_line)
     except (ValueError, TypeError, RuntimeError, OSError, ImportError) as exc:
         print(f"graphburst serve: {error_text(exc)}", file=sys.stderr)
         return None
     if not loop.dec.backend.is_gpu:
         err.print("graphburst serve: no GPU in use; running the numpy reference backend")
     return loop
+
+
+def log_line(line: str) -> None:
+    """One start-up line of the server on stderr."""
+    print(f"graphburst serve: {line}", file=sys.stderr, flush=True)
 
 
 def serve(config: ServeConfig, loop: ServeLoop | None, console: Console) -> int:

@@ -273,6 +273,8 @@ def _has(module: str) -> bool:
     (["--model", "/no/such/dir", "--http", "--draft", "ngram"], "--model: '/no/such/dir' is not a directory"),
     (["--rates", "4"], "--rates: applies to the open-loop benchmark only"),
     (["--draft", "ngram"], "--draft: applies to the open-loop benchmark only"),
+    (["--prefill-warmup", "2"], "--prefill-warmup: applies to the open-loop benchmark only"),
+    (SMALL + ["--prefill-warmup", "-1"], "--prefill-warmup"),
 ])
 def test_a_bad_flag_is_one_line_and_exit_2(args, why):
     proc = _cli(*args, timeout=60)

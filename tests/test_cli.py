@@ -36,7 +36,8 @@ def one_line_error(out, flag):
 BAD_FLAGS = [("-k", "0"), ("-k", "65"), ("-m", "0"), ("--rounds", "0"), ("--batch", "0"), ("--batch", "1000000"),
              ("--vocab", "1"), ("--layers", "0"), ("--capacity", "0"), ("--accept", "1.5"), ("--accept", "nan"),
              ("--cost-us", "-1"), ("--cost-us", "nan"), ("--capacity", "abc"), ("--prefill-chunk", "0"),
-             ("--prefill-chunk", "x"), ("--pipeline-depth", "1"), ("--pipeline-depth", "9")]
+             ("--prefill-chunk", "x"), ("--pipeline-depth", "1"), ("--pipeline-depth", "9"),
+             ("--prefill-warmup", "-1"), ("--prefill-warmup", "x"), ("--prefill-warmup", "65537")]
 
 
 @pytest.mark.parametrize("flag, value", BAD_FLAGS)

@@ -69,6 +69,7 @@ def test_duck_typed_model_gets_the_default_hooks_and_bind_is_called():
     assert seen == [dec.bufs]
     assert dec.assemble  # writes_verify_tokens defaults to False
     assert hook(duck, "graph_buffers")() == {} and tuple(hook(duck, "watched")()) == ()
+    assert hook(duck, "warm_prefill")(4) == {}  # nothing to warm before serving
     dec.prefill([[1, 2]])
     assert len(dec.run_burst()[0]) > 0
 

@@ -73,6 +73,9 @@ def add_flags(p) -> None:
                    help="KV entries per slot (default --prompt-max + --output-max)")
     g.add_argument("--prefill-chunk", type=int_in(1, 2**31 - 1), default=None, metavar="N",
                    help="the server prefills at most N prompt tokens per burst boundary (default: whole prompts)")
+    g.add_argument("--prefill-warmup", type=int_in(0, 65536), default=None, metavar="ROWS",
+                   help="the server captures its prefill buckets of up to ROWS prompts before the runs (default: "
+                        "serve's; 0: off, to see a cold server)")
     g.add_argument("--max-queue", type=int_in(1, 1_000_000), default=256,
                    help="requests waiting for a slot before the server answers 429")
     g.add_argument("--rates", default=None,
@@ -127,7 +130,7 @@ def _rates(text: str) -> list[float] | None:
 
 #: open-loop flags with no default, refused without --model (each would be dropped)
 ONLY_WITH_MODEL = ("--draft", "--dtype", "--eps", "--capacity", "--rates", "--burst-at", "--prompt-mean",
-                   "--output-mean", "--plot", "--ngram-min", "--ngram-max")
+                   "--output-mean", "--plot", "--ngram-min", "--ngram-max", "--prefill-warmup")
 
 
 def refuse_without_model(args) -> None:
@@ -169,7 +172,7 @@ def check_args(args) -> None:
         raise FlagError("--draft", f"a shape builds its own draft (or use {NGRAM_DRAFT!r}), got {args.draft!r}")
     server = dict(model=args.model, draft=args.draft, shape=shape, backend=args.backend, batch=args.batch, k=args.k,
                   m=args.rounds, capacity=capacity, max_queue=args.max_queue, ngram_min=args.ngram_min,
-                  ngram_max=args.ngram_max, prefill_chunk=args.prefill_chunk,
+                  ngram_max=args.ngram_max, prefill_chunk=args.prefill_chunk, prefill_warmup=args.prefill_warmup,
                   dtype=args.dtype or ("bfloat16" if shape else "float32"),
                   eps=(DEFAULT_EPS if args.eps is None else args.eps) if shape else None, seed=args.seed,
                   checks=CHECK_REQUESTS,
@@ -180,7 +183,7 @@ def check_args(args) -> None:
             ServeConfig(backend=args.backend, batch=args.batch, k=args.k,
                         rounds=args.rounds, capacity=capacity, max_queue=args.max_queue, model=args.model,
                         draft=args.draft, dtype=server["dtype"], ngram_min=args.ngram_min, ngram_max=args.ngram_max,
-                        prefill_chunk=args.prefill_chunk, http="127.0.0.1:0")
+                        prefill_chunk=args.prefill_chunk, prefill_warmup=args.prefill_warmup, http="127.0.0.1:0")
         except ConfigError as exc:
             flag = {"rounds": "--rounds", "k": "-k"}.get(exc.field, "--" + exc.field.replace("_", "-"))
             raise FlagError(flag, exc.why) from None

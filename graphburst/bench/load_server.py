@@ -3,7 +3,8 @@
 A child of ``graphburst bench serve --model ... --http`` (its own process, so the load
 generator's event loop does not share the server's GIL). It
 
-1. builds the serving loop: through :class:`~graphburst.serving.factory.ServeConfig` and
+1. builds the serving loop and warms its prefill (before any request, so no measured run
+   pays it): through :class:`~graphburst.serving.factory.ServeConfig` and
    :func:`~graphburst.serving.factory.build_loop` for what ``graphburst serve --model``
    takes (a checkpoint directory, ``tiny-random``), or, for a random-weight shape of
    ``graphburst bench real`` (:data:`graphburst.bench.real_models.MODELS`), its seeded
@@ -25,7 +26,7 @@ import sys
 from rich.console import Console
 
 from ..backend import get_backend
-from ..serving.factory import ServeConfig, build_loop
+from ..serving.factory import ServeConfig, build_loop, describe_warmup, warm_models
 from ..serving.loop import Request, ServeLoop
 from .load_schedule import LengthDist, check_requests
 
@@ -63,7 +64,7 @@ def build(s: dict) -> tuple[ServeLoop, ServeConfig]:
     """The loop and the HTTP server's config of the settings ``s`` (see ``load.server_settings``)."""
     common = dict(backend=s["backend"], batch=s["batch"], k=s["k"], rounds=s["m"], capacity=s["capacity"],
                   max_queue=s["max_queue"], http=LOOPBACK, ngram_min=s["ngram_min"], ngram_max=s["ngram_max"],
-                  prefill_chunk=s.get("prefill_chunk"))
+                  prefill_chunk=s.get("prefill_chunk"), prefill_warmup=s.get("prefill_warmup"))
     if s["shape"]:
         from ..models.ngram import NGRAM_DRAFT, ngram_for
 
@@ -73,12 +74,20 @@ def build(s: dict) -> tuple[ServeLoop, ServeConfig]:
                                      dtype=s["dtype"], eps=s["eps"], seed=s["seed"], backend=backend, lookup=lookup)
         if lookup:
             draft = ngram_for(target, n_min=s["ngram_min"], n_max=s["ngram_max"])
-        loop = ServeLoop(target, draft, k=s["k"], m_rounds=s["m"], prefill_chunk=s.get("prefill_chunk"))
         # The server's own settings; the model fields stay unset because the loop is built here.
         common.update(ngram_min=None, ngram_max=None)
-        return loop, ServeConfig(**common, served_model_name=s["served_name"])
+        config = ServeConfig(**common, served_model_name=s["served_name"])
+        _log(warm_models((target, draft), config.warmup_rows, config.prefill_chunk))  # as build_loop does
+        return ServeLoop(target, draft, k=s["k"], m_rounds=s["m"], prefill_chunk=s.get("prefill_chunk")), config
     config = ServeConfig(**common, model=s["model"], draft=s["draft"], dtype=s["dtype"])
-    return build_loop(config), config
+    return build_loop(config, log=_log), config
+
+
+def _log(done) -> None:
+    """The warm-up's start-up line (a line from build_loop, or warm_models' dict), as serve prints it."""
+    if done:
+        print(f"graphburst serve: {done if isinstance(done, str) else describe_warmup(done)}", file=sys.stderr,
+              flush=True)
 
 
 def check_in_process(loop: ServeLoop, requests: list) -> list[list[int]]:

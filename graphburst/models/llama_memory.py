@@ -17,7 +17,9 @@
 * **Reserve** (the estimate): :meth:`LlamaConfig.activation_bytes_per_token` for a
   prefill of ``prefill_tokens`` tokens (run eagerly, in torch's ordinary pool), again for
   the prefill graphs' private pool (``models.prefill_graphs``: it keeps its largest
-  bucket's peak, at most ``DEFAULT_MAX_TOKENS`` tokens, for as long as the graphs live),
+  bucket's peak, at most ``DEFAULT_MAX_TOKENS`` tokens, for as long as the graphs live;
+  with a warm-up of ``warm_rows``, the largest bucket it makes, and with a head the
+  outputs every warmed bucket keeps, ``[R_b, 1, V]`` float32: ``prefill_graphs.warm_sizes``),
   plus one decode forward of ``batch x decode_tokens`` (the captured burst's private pool
   holds its peak for as long as the graph lives), plus the head's outputs: logits in the dtype,
   their fp32 copy, and softmax or argmax outputs (16 bytes per vocabulary entry at most),
@@ -33,7 +35,7 @@ import torch
 from .capacity import MemorySpec
 from .llama import DEFAULT_KV_SLACK, KV_ROW_MULTIPLE, Llama
 from .llama_config import LlamaConfig
-from .prefill_graphs import DEFAULT_MAX_TOKENS
+from .prefill_graphs import DEFAULT_MAX_TOKENS, warm_output_bytes, warm_sizes
 
 #: Tokens one prefill forward is sized for when the caller does not say (a chunked
 #: prefill's chunk bounds it; admitting more prompt tokens at once than this may not fit).
@@ -53,7 +55,8 @@ def weight_bytes(cfg: LlamaConfig, dtype: torch.dtype) -> int:
 
 
 def memory_spec(cfg: LlamaConfig, *, name: str, dtype: torch.dtype, batch: int, decode_tokens: int,
-                prefill_tokens: int = DEFAULT_PREFILL_TOKENS) -> MemorySpec:
+                prefill_tokens: int = DEFAULT_PREFILL_TOKENS, warm_rows: int = 0,
+                warm_head: bool = False) -> MemorySpec:
     """One Llama's :class:`MemorySpec` (module docstring).
 
     Parameters
@@ -68,13 +71,22 @@ def memory_spec(cfg: LlamaConfig, *, name: str, dtype: torch.dtype, batch: int, 
         Tokens per row of one decode forward: k + 1 for a target's verify, 1 for a draft step.
     prefill_tokens : int
         Prompt tokens (rows x padded length) of the largest prefill forward.
+    warm_rows : int
+        Rows of the prefill graphs' warm-up before serving (``PrefillGraphs.warm_up``; 0: none).
+    warm_head : bool
+        The warm-up's buckets compute logits (a target's), so each keeps its output.
     """
     if not isinstance(cfg, LlamaConfig):
         raise TypeError(f"cfg must be a LlamaConfig, got {type(cfg).__name__}")
     size = torch.empty((), dtype=dtype).element_size()
-    graphed = min(prefill_tokens, DEFAULT_MAX_TOKENS)  # the prefill graphs' pool: its largest bucket
+    # the prefill graphs' pool: its largest bucket's activations (a warm-up's largest may pass a
+    # chunk, as its rows are rounded up the ladder), and the outputs the warmed buckets keep
+    warm = warm_sizes(warm_rows, DEFAULT_MAX_TOKENS, prefill_tokens)
+    graphed = max([min(prefill_tokens, DEFAULT_MAX_TOKENS)] + [r * p for r, p in warm])
     act = cfg.activation_bytes_per_token(size) * (prefill_tokens + graphed + batch * decode_tokens)
     head = batch * (decode_tokens + 1) * cfg.vocab_size * (size + HEAD_EXTRA_BYTES)
+    if warm_head:
+        head += warm_output_bytes(warm_rows, cfg.vocab_size, DEFAULT_MAX_TOKENS, prefill_tokens)
     rope = 2 * cfg.head_dim * 4  # rope_cos and rope_sin rows, float32
     mask = (prefill_tokens + batch * decode_tokens) * (size + 1)  # additive masks and their booleans, per KV row
     gather = batch * 2 * cfg.num_key_value_heads * cfg.head_dim * size  # one layer's K and V of the prefilled slots

@@ -14,6 +14,12 @@ size seen once); its second call runs the padded forward for real, then captures
 calls replay. Buckets past ``max_tokens`` always run eagerly. :meth:`PrefillGraphs.plan`
 splits one admission into calls of like length, so a long prompt does not pad short ones.
 
+**Warm-up** (:meth:`PrefillGraphs.warm_up`, before serving): under load most admissions
+are of a size not seen yet, and each bucket's first two calls stall the decoding streams
+(an eager call, then a capture). Warm-up captures every bucket of up to a few rows
+(:func:`warm_sizes`) from calls made of padding rows only, so it writes no KV row a slot
+reads; a warmed bucket's first real call replays.
+
 **Padding rows** start at position ``S`` (the KV storage's rows per slot), so every KV row
 they write clamps to row ``S - 1`` of their slot (``llama.kv_index``), past ``capacity``
 plus the verify's ``k + 1`` rows: a row no attention reads (the adapter requires
@@ -32,8 +38,10 @@ next replay.
 from __future__ import annotations
 
 import bisect
+import time
 
 from ..torch_capture import end_capture_quietly
+from ..validate import check_int
 
 #: rows of a bucket: padding rows cost a whole prompt's compute each, so the steps are fine
 ROW_LADDER = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
@@ -62,6 +70,41 @@ def _up(ladder, n: int) -> int:
     while top < n:
         top *= 2
     return top
+
+
+def _ladder_to(ladder, top: int) -> list[int]:
+    """Every value :func:`_up` can give that is <= ``top``: the ladder, then its doublings."""
+    out = [v for v in ladder if v <= top]
+    v = ladder[-1] * 2
+    while v <= top:
+        out.append(v)
+        v *= 2
+    return out
+
+
+def warm_sizes(max_rows: int, max_tokens: int = DEFAULT_MAX_TOKENS, max_length: int | None = None) -> list:
+    """The ``(rows, length)`` buckets a warm-up of ``max_rows`` captures, largest first.
+
+    Every bucket whose rows are at most the bucket of ``max_rows`` (rows of a call never
+    exceed the batch, so a few rows cover most admissions under load), whose length is at
+    most the bucket of ``max_length`` (None: any; a prompt never exceeds the KV capacity,
+    nor a chunk the chunk size) and whose ``rows x length <= max_tokens``. Largest first:
+    the shared pool then grows to its largest bucket's activations at the first capture
+    and the later, smaller ones reuse that memory.
+    """
+    max_rows = check_int("max_rows", max_rows, minimum=0)
+    if max_rows == 0:
+        return []
+    top_len = max_tokens if max_length is None else min(max_tokens, _up(LENGTH_LADDER, max_length))
+    sizes = [(r, p) for r in _ladder_to(ROW_LADDER, _up(ROW_LADDER, max_rows))
+             for p in _ladder_to(LENGTH_LADDER, min(top_len, max_tokens // r))]
+    return sorted(sizes, key=lambda rp: (-rp[0] * rp[1], -rp[0]))
+
+
+def warm_output_bytes(max_rows: int, vocab: int, max_tokens: int = DEFAULT_MAX_TOKENS,
+                      max_length: int | None = None) -> int:
+    """Bytes the outputs of a warm-up with a head keep in the pool: ``[R_b, 1, V]`` float32 per bucket."""
+    return sum(r for r, _ in warm_sizes(max_rows, max_tokens, max_length)) * vocab * 4
 
 
 class _Bucket:
@@ -93,9 +136,14 @@ class PrefillGraphs:
     max_tokens : int
         Buckets past this many rows x tokens run unpadded and eagerly (``run`` returns
         ``NotImplemented``: the caller's own path).
+    capture_at : int, optional
+        The call of a bucket that makes it (captured on a GPU); earlier calls run eagerly
+        and unpadded. Default :data:`CAPTURE_AT_USE` with ``capture``, else 1 (every call
+        padded, the path CPU tests hold); CPU tests give the GPU's policy to hold it too.
     """
 
-    def __init__(self, module, *, kv_layers, capture: bool, max_tokens: int = DEFAULT_MAX_TOKENS):
+    def __init__(self, module, *, kv_layers, capture: bool, max_tokens: int = DEFAULT_MAX_TOKENS,
+                 capture_at: int | None = None):
         import torch
 
         self.torch = torch
@@ -107,9 +155,11 @@ class PrefillGraphs:
         self.s, self.device = storage.shape[2], storage.device
         self._buckets: dict = {}  # (rows, length, head) -> _Bucket
         self._uses: dict = {}  # (rows, length) -> calls so far, graphed or not
+        self._warm: set = set()  # (rows, length) made by warm_up: no eager first call
         # eagerly padded on the CPU from the first call (the path tests hold); on a GPU a
         # bucket is captured at its CAPTURE_AT_USE-th call
-        self.capture_at = CAPTURE_AT_USE if self.capture else 1
+        default = CAPTURE_AT_USE if self.capture else 1
+        self.capture_at = default if capture_at is None else check_int("capture_at", capture_at, minimum=1)
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
         self._side = torch.cuda.Stream(self.device) if self.capture else None
         self.captures = 0
@@ -134,7 +184,9 @@ class PrefillGraphs:
         -------
         [R, V] float32 logits (a view into the bucket's output, valid until its next run),
         None without a head, or ``NotImplemented`` when the caller is to run the call
-        eagerly and unpadded (past every bucket, or the bucket's first use).
+        eagerly and unpadded (past every bucket, or the bucket's first use unless
+        :meth:`warm_up` made its size: then the other head's bucket is made at once too,
+        as :meth:`plan` prices it).
         """
         r, p = tokens.shape
         size = self.bucket(r, p)
@@ -144,25 +196,79 @@ class PrefillGraphs:
         key = (*size, bool(head))
         b = self._buckets.get(key)
         if b is None:
-            if uses < self.capture_at:
+            if uses < self.capture_at and size not in self._warm:
                 return NotImplemented
             b = self._buckets[key] = _Bucket(self.torch, *size, self.s, self.device)
         b.tokens[:r, :p].copy_(tokens)  # columns past p keep earlier (valid) ids: padding, causal
         b.idx[:r].copy_(idx)
         b.start[:r].zero_()
         b.last[:r].copy_(last)
+        self._pad(b, r)
+        out = self._call(b, head)
+        return None if out is None else out[:r, 0]
+
+    def _pad(self, b: _Bucket, r: int) -> None:
+        """Rows ``r:`` of ``b`` become padding rows: they write only row S - 1 of slot 0."""
         if r < b.rows:
-            b.start[r:].fill_(self.s)  # padding rows write only row S - 1 of slot 0
+            b.start[r:].fill_(self.s)
             b.idx[r:].zero_()
             b.last[r:].zero_()
+
+    def _call(self, b: _Bucket, head: bool):
+        """``b``'s forward: eager without capture, else captured at its first call, then replayed."""
         if not self.capture:
-            out = self._forward(b, head)
-        elif b.graph is None:
-            out = self._capture(b, head)
-        else:
-            b.graph.replay()
-            out = b.out
-        return None if out is None else out[:r, 0]
+            return self._forward(b, head)
+        if b.graph is None:
+            return self._capture(b, head)
+        b.graph.replay()
+        return b.out
+
+    def warm_up(self, max_rows: int, head: bool, max_length: int | None = None) -> dict:
+        """Make, before serving, every bucket of :func:`warm_sizes` (captured on a GPU).
+
+        Each warm-up call is padding rows only (position ``S``, slot 0), so every KV row it
+        writes clamps to row ``S - 1`` of slot 0, which no attention reads: no cache
+        content a slot can read changes. A warmed bucket's first real call then replays
+        (no eager call, no capture at serving time), and :meth:`plan` prices it so. On a
+        GPU it runs on the current torch stream and waits for the device at the end (at
+        start-up, outside any capture).
+
+        Parameters
+        ----------
+        max_rows : int
+            Rows of the largest admission to warm (0: nothing).
+        head : bool
+            The head the caller's fresh prefills use (a target's final chunk: True; a draft: False).
+        max_length : int, optional
+            The longest call's tokens per row (the KV capacity, or a prefill chunk).
+
+        Returns
+        -------
+        dict: ``buckets`` (made now), ``seconds`` (host time, device work included), and
+        ``device_bytes`` (GPU memory it took, from ``cudaMemGetInfo``; None on the CPU).
+        """
+        torch, key_head = self.torch, bool(head)
+        sizes = warm_sizes(max_rows, self.max_tokens, max_length)
+        t0 = time.perf_counter()
+        free = torch.cuda.mem_get_info(self.device)[0] if self.capture else None
+        made = 0
+        with torch.no_grad():
+            for size in sizes:
+                b = self._buckets.get((*size, key_head))
+                if b is not None and (b.graph is not None or not self.capture):
+                    self._warm.add(size)
+                    continue  # made by an earlier call already
+                if b is None:
+                    b = self._buckets[(*size, key_head)] = _Bucket(torch, *size, self.s, self.device)
+                self._pad(b, 0)  # padding rows only
+                self._call(b, key_head)
+                self._warm.add(size)
+                made += 1
+        used = None
+        if self.capture:
+            torch.cuda.synchronize(self.device)
+            used = free - torch.cuda.mem_get_info(self.device)[0]
+        return {"buckets": made, "seconds": time.perf_counter() - t0, "device_bytes": used}
 
     def _forward(self, b: _Bucket, head: bool):
         lengths = [b.start if has_kv else None for has_kv in self.kv_layers]
@@ -221,11 +327,11 @@ class PrefillGraphs:
 
     def _call_cost(self, rows: int, length: int) -> int:
         """A call's cost in padded tokens for :meth:`plan`; an eager one (a bucket's first
-        use, or past every bucket) also pays for its launches."""
+        use, or past every bucket; never a warmed one) also pays for its launches."""
         size = self.bucket(rows, length)
         if size is None:
             return CALL_COST_TOKENS + EAGER_CALL_COST_TOKENS + rows * length
-        eager = self._uses.get(size, 0) + 1 < self.capture_at
+        eager = size not in self._warm and self._uses.get(size, 0) + 1 < self.capture_at
         return CALL_COST_TOKENS + EAGER_CALL_COST_TOKENS * eager + size[0] * size[1]
 
     def info(self) -> dict:

@@ -131,6 +131,24 @@ class _TorchModel(Watched):
             return self.prefill_graphs.plan(lengths)
         return [sorted(lengths)]
 
+    def warm_prefill(self, max_rows: int, max_length: int | None = None) -> dict:
+        """Protocol hook: make the prefill graphs' buckets of up to ``max_rows`` rows before
+        serving (:meth:`PrefillGraphs.warm_up`, with the head this model's fresh prefills
+        use), so no admission pays a bucket's first calls. No KV row a slot reads changes.
+
+        ``max_rows`` is capped at the batch (a call never has more rows), ``max_length``
+        (a prefill chunk, None: whole prompts) at the capacity. Returns warm_up's dict, or
+        {} without prefill graphs or with ``max_rows`` 0.
+        """
+        max_rows = check_int("max_rows", max_rows, minimum=0)
+        length = self.capacity if max_length is None else min(check_int("max_length", max_length, minimum=1),
+                                                               self.capacity)
+        if self.prefill_graphs is None or max_rows == 0:
+            return {}
+        on_device = self.torch.cuda.device(self.backend.device_id) if self.backend.is_gpu else contextlib.nullcontext()
+        with on_device:
+            return self.prefill_graphs.warm_up(min(max_rows, self.batch), self._prefill_head, length)
+
     def _settle(self) -> None:
         # cupy.zeros and torch's own init ran on other streams than the decoder's; finish
         # them now (outside any capture) so the decoder's stream never sees them unfinished.
@@ -312,6 +330,8 @@ class TorchTarget(_TorchModel):
         the same padded buckets eagerly.
     """
 
+    _prefill_head = True  # a fresh prefill's final chunk computes the logits after the prompt
+
     def verify(self, bufs: StreamBufs, stream) -> None:
         """Logits at ``pos_ctr + [0, k]`` for ``vtok``; greedy tokens into ``tgt_pred [B, k+1]``."""
         t = self._views(bufs)
@@ -355,6 +375,8 @@ class TorchDraft(_TorchModel):
         Also write usable proposals into ``vtok[:, 1 + step]`` so the burst skips its
         assemble launch.
     """
+
+    _prefill_head = False  # a draft's prefill writes only the KV
 
     def __init__(self, module, *, batch: int, capacity: int, backend: Backend | str = "auto", vocab: int | None = None,
                  p_min: float = 0.0, writes_verify_tokens: bool = True, prefill_graphs: bool | None = None):

@@ -20,6 +20,7 @@ from ..constants import MAX_DEPTH, MAX_K, TP_MAX_DEPTH
 from ..models.capacity import DEFAULT_GPU_MEMORY_FRACTION, CapacityPlan, MemorySpec, auto_capacity, check_fraction
 from ..models.ngram import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, NGRAM_DRAFT, NgramDraft, check_ngram_range, ngram_for
 from ..models.stubs import stub_memory_spec, stub_pair
+from ..protocol import hook
 from .loop import ENGINE_MODES, ServeLoop
 
 STUB_DEFAULTS = {"vocab": 32000, "layers": 4, "accept": 0.7, "cost_us": 0.0}
@@ -29,6 +30,10 @@ DRAFT_MODES = ("sharded", "replicated")
 STUB_MODEL_NAME = "graphburst-stub"
 AUTO_CAPACITY = "auto"  # capacity value: size the KV cache from the GPU's memory (resolve_capacity)
 PROMPT_STAGING_BYTES = 4  # the decoder's prefill staging, [B * capacity] int32: per slot per row
+#: Rows of the largest admission whose prefill buckets are made before serving (the
+#: models' ``warm_prefill`` hook): under load an admission carries a few prompts, and each
+#: bucket's first calls otherwise stall the decoding slots (models.prefill_graphs).
+DEFAULT_PREFILL_WARMUP = 4
 
 
 class ConfigError(ValueError):
@@ -42,7 +47,7 @@ class ConfigError(ValueError):
 # field -> (minimum, maximum) of the numbers a ServeConfig takes (the flags' ranges)
 INT_RANGES = {"batch": (1, 65536), "k": (1, MAX_K), "rounds": (1, 1024), "capacity": (1, 2**31 - 1),
               "vocab": (2, 2**31 - 1), "layers": (1, 4096), "max_queue": (1, 1_000_000), "tp": (1, 64),
-              "prefill_chunk": (1, 2**31 - 1), "pipeline_depth": (2, MAX_DEPTH)}
+              "prefill_chunk": (1, 2**31 - 1), "pipeline_depth": (2, MAX_DEPTH), "prefill_warmup": (0, 65536)}
 REAL_RANGES = {"accept": (0.0, 1.0), "cost_us": (0.0, 1e6), "p_min": (0.0, 1.0), "drain_timeout": (0.0, 3600.0),
                "header_timeout": (0.1, 3600.0), "body_timeout": (0.1, 3600.0),
                "write_timeout": (0.1, 86400.0), "dist_timeout": (1.0, 3600.0)}
@@ -79,6 +84,7 @@ class ServeConfig:
     pipelined: bool = True  # graph engine: keep a second burst in flight while the host hands out tokens
     pipeline_depth: int = 2  # pipelined: bursts kept in flight (ServeLoop's depth)
     prefill_chunk: int | None = None  # prompt tokens prefilled per burst boundary (None: whole prompts)
+    prefill_warmup: int | None = None  # rows warmed before serving (None: DEFAULT_PREFILL_WARMUP; 0: off)
     # stub models (the default)
     vocab: int | None = None
     layers: int | None = None
@@ -131,8 +137,9 @@ class ServeConfig:
         if self.pipeline_depth > TP_MAX_DEPTH and self.tp > 1:
             raise ConfigError("pipeline_depth", f"tensor-parallel serving (--tp > 1) keeps at most {TP_MAX_DEPTH} bursts "
                                                 f"in flight, got {self.pipeline_depth}")
-        if self.prefill_chunk is not None and self.tp > 1:
-            raise ConfigError("prefill_chunk", "is not wired into tensor-parallel serving (--tp > 1); leave it unset")
+        for name in ("prefill_chunk", "prefill_warmup"):
+            if getattr(self, name) is not None and self.tp > 1:
+                raise ConfigError(name, "is not wired into tensor-parallel serving (--tp > 1); leave it unset")
         self._check_mode()
         self._check_ngram()
         if self.model is None:
@@ -229,6 +236,11 @@ class ServeConfig:
         return self.model is None
 
     @property
+    def warmup_rows(self) -> int:
+        """Rows of the prefill warm-up (``prefill_warmup``, None: :data:`DEFAULT_PREFILL_WARMUP`)."""
+        return DEFAULT_PREFILL_WARMUP if self.prefill_warmup is None else self.prefill_warmup
+
+    @property
     def lookup(self) -> bool:
         """Prompt-lookup drafting (``draft="ngram"``): no draft model."""
         return self.draft == NGRAM_DRAFT
@@ -281,10 +293,10 @@ def memory_specs(config: ServeConfig, prefill_tokens: int | None = None) -> list
         else:
             t_cfg = checkpoint.read_config(config.model)
             d_cfg = None if config.lookup else checkpoint.read_config(config.draft)
-        kw = dict(dtype=getattr(torch, config.dtype), batch=config.batch,
+        kw = dict(dtype=getattr(torch, config.dtype), batch=config.batch, warm_rows=config.warmup_rows,
                   prefill_tokens=llama_memory.DEFAULT_PREFILL_TOKENS if prefill_tokens is None else prefill_tokens)
         vocab = t_cfg.vocab_size
-        target = llama_memory.memory_spec(t_cfg, name="target", decode_tokens=config.k + 1, **kw)
+        target = llama_memory.memory_spec(t_cfg, name="target", decode_tokens=config.k + 1, warm_head=True, **kw)
         draft = None if config.lookup else llama_memory.memory_spec(d_cfg, name="draft", decode_tokens=1, **kw)
     if config.lookup:
         draft = NgramDraft.memory_spec()
@@ -323,7 +335,22 @@ def resolve_capacity(config: ServeConfig, backend=None, *, free_bytes: int | Non
     return dataclasses.replace(config, capacity=plan.capacity, gpu_memory_fraction=None), plan
 
 
-def build_loop(config: ServeConfig, backend=None) -> ServeLoop:
+def warm_models(models, rows: int, max_length: int | None = None) -> dict | None:
+    """Each model's ``warm_prefill`` hook (protocol), before serving: the buckets made and the
+    seconds they took in all, or None when no model had anything to warm."""
+    done = [hook(m, "warm_prefill")(rows, max_length) for m in models if m is not None]
+    done = [d for d in done if d]
+    if not done:
+        return None
+    return {"buckets": sum(d.get("buckets", 0) for d in done), "seconds": sum(d.get("seconds", 0.0) for d in done)}
+
+
+def describe_warmup(done: dict) -> str:
+    """The start-up line of a prefill warm-up (:func:`warm_models`)."""
+    return f"prefill warm-up: {done['buckets']} buckets captured in {done['seconds']:.2f} s"
+
+
+def build_loop(config: ServeConfig, backend=None, *, log=None) -> ServeLoop:
     """The models and the loop ``config`` describes; ``backend`` defaults to ``config.backend``'s.
 
     Stubs by default; ``model=DIR, draft=DIR`` loads a Llama pair with
@@ -331,7 +358,9 @@ def build_loop(config: ServeConfig, backend=None) -> ServeLoop:
     cupy backend uses, else the CPU), ``model="tiny-random"`` builds
     :func:`graphburst.models.checkpoint.tiny_random_pair`. ``capacity="auto"`` is sized
     first by :func:`resolve_capacity` (call that yourself to see the plan, or to pass
-    the memory figures).
+    the memory figures). The models' prefill is then warmed (``prefill_warmup`` rows,
+    :func:`warm_models`) before the loop is built; ``log`` (a callable taking one line,
+    optional) gets :func:`describe_warmup`'s line when a model warmed anything.
 
     Raises
     ------
@@ -358,6 +387,9 @@ def build_loop(config: ServeConfig, backend=None) -> ServeLoop:
             target, draft = checkpoint.load_pair(config.model, config.draft, **kw, p_min=config.p_min)
     if config.lookup:  # the built draft model (stub or tiny) is dropped: prompt lookup replaces it
         draft = ngram_for(target, n_min=config.ngram_min, n_max=config.ngram_max)
+    done = warm_models((target, draft), config.warmup_rows, config.prefill_chunk)
+    if done is not None and log is not None:
+        log(describe_warmup(done))
     return ServeLoop(target, draft, k=config.k, m_rounds=config.rounds, engine=config.engine,
                      pipelined=config.pipelined, depth=config.pipeline_depth, sampling=config.sampling,
                      prefill_chunk=config.prefill_chunk)

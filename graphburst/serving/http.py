@@ -372,6 +372,10 @@ async def _serve(args, loop: ServeLoop, host: str, port: int, tokenizer, chat) -
     return 0
 
 
+def _log_line(line: str) -> None:
+    print(f"graphburst serve: {line}", file=sys.stderr, flush=True)
+
+
 def run(args, console, loop: ServeLoop | None = None) -> int:
     """Entry point of ``graphburst serve --http``; CLI errors are one stderr line and exit 2.
 
@@ -388,7 +392,7 @@ def run(args, console, loop: ServeLoop | None = None) -> int:
             args, plan = resolve_capacity(args, backend)  # --capacity auto: before anything is allocated
             if plan is not None:
                 print(f"graphburst serve: {plan.describe()}", file=sys.stderr, flush=True)
-            loop = build_loop(args, backend)
+            loop = build_loop(args, backend, log=_log_line)
     except (ValueError, TypeError, RuntimeError, OSError, ImportError) as exc:
         print(f"graphburst serve: {exc}", file=sys.stderr)
         return 2
