@@ -132,9 +132,14 @@ class SlotAdmission:
         if options:
             self._set_slot_options(options)
         limits, stops = limits or {}, stops or {}
-        self._prefill_checked(rows, starts, {b: limits.get(b, UNBOUNDED_BUDGET) for b in rows},
-                              {b: stops.get(b, NO_EOS) for b in rows},
-                              {b: (sampling or {}).get(b) or GREEDY for b in rows} if final else {}, final)
+        # A serving loop gives every row its limit and stop token: no per-slot re-mapping then.
+        if limits.keys() != rows.keys():
+            limits = {b: limits.get(b, UNBOUNDED_BUDGET) for b in rows}
+        if stops.keys() != rows.keys():
+            stops = {b: stops.get(b, NO_EOS) for b in rows}
+        # only a sampling decoder reads the settings (greedy decoders sample nothing)
+        settings = {b: (sampling or {}).get(b) or GREEDY for b in rows} if final and self.sampling else {}
+        self._prefill_checked(rows, starts, limits, stops, settings, final)
 
     def _prefill_checked(self, rows: dict, starts, limits: dict, stops: dict, settings: dict, final: bool) -> None:
         """Stage (one upload), run the models' prefill, then admit (one launch)."""
@@ -316,8 +321,6 @@ class SlotAdmission:
         self.host_left[slots] = host_table[1]
         self.host_eos[slots] = host_table[2]
         self._new_generation(slots)
-        self._any_limit = bool(((self.host_left > 0) & (self.host_left != UNBOUNDED_BUDGET)).any()
-                               or (self.host_eos != NO_EOS).any())
         self._update_fits()
 
     # ------------------------------------------------------------------ release and options

@@ -104,7 +104,6 @@ class SpecDecoder(SlotAdmission, Watched):
         self.host_left = np.zeros(self.batch, np.int64)  # tokens still allowed; 0 = idle or finished
         self.host_eos = np.full(self.batch, NO_EOS, np.int64)
         self.host_sampling = SlotSampling(self.batch) if self.sampling else None
-        self._any_limit = False  # any slot with a token budget or an EOS: finish_burst must track it
         self.host_syncs = 0
         self.bursts = 0
         self.outstanding = 0  # bursts enqueued but not yet drained
@@ -303,17 +302,16 @@ class SpecDecoder(SlotAdmission, Watched):
         stops (budget 0)."""
         counts = tokens.counts
         self.host_pos += counts
-        if self._any_limit:
-            left, eos = self.host_left, self.host_eos
-            bounded = np.not_equal(left, self._unbounded, out=self._mask)
-            np.subtract(left, counts, out=left, where=bounded)
-            # A slot stops when its last committed token is its stop token. tail() is that
-            # token where the count is > 0 (counts are >= 0, so logical_and tests count > 0).
-            stopped = np.equal(tokens.tail(), eos, out=self._mask)
-            np.logical_and(stopped, counts, out=stopped)
-            stopped &= np.not_equal(eos, self._no_eos, out=self._mask2)
-            if np.count_nonzero(stopped):
-                left[stopped] = 0
+        left, eos = self.host_left, self.host_eos
+        bounded = np.not_equal(left, self._unbounded, out=self._mask)
+        np.subtract(left, counts, out=left, where=bounded)
+        # A slot stops when its last committed token is its stop token. tail() is that
+        # token where the count is > 0 (counts are >= 0, so logical_and tests count > 0).
+        stopped = np.equal(tokens.tail(), eos, out=self._mask)
+        np.logical_and(stopped, counts, out=stopped)
+        stopped &= np.not_equal(eos, self._no_eos, out=self._mask2)
+        if np.count_nonzero(stopped):
+            left[stopped] = 0
 
     def run_burst(self, *, mode: BurstMode | str = BurstMode.PRE_ISSUED) -> BurstTokens:
         """Enqueue one eager burst and drain it."""

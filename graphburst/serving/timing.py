@@ -119,15 +119,21 @@ class BurstClock:
             self.overall.bursts += 1
             self.steady.bursts += steady
             return
+        start, end = events
         elapsed = self.backend.xp.cuda.get_elapsed_time
-        events[1].synchronize()
-        busy = elapsed(*events)
-        gap = None if self._last_end is None else elapsed(self._last_end, events[0])
-        windows = self._gap_windows.pop(id(events[0]), [])
-        admission = sum(elapsed(start, end) for start, end in windows)  # they precede events[1]: done
-        self._window_pool += windows
-        self.record(busy, gap, steady, admission)
-        self._last_end = events[1]
+        end.synchronize()
+        busy = elapsed(start, end)
+        last = self._last_end
+        gap = None if last is None else elapsed(last, start)
+        admission = 0.0
+        windows = self._gap_windows.pop(id(start), None)
+        if windows:  # most gaps hold no admission: no generator, no pool growth
+            admission = sum(elapsed(a, b) for a, b in windows)  # they precede ``end``: done
+            self._window_pool += windows
+        self.overall.add(busy, gap, admission)
+        if steady:
+            self.steady.add(busy, gap, admission)
+        self._last_end = end
 
     def record(self, busy_ms: float, gap_ms: float | None, steady: bool, admission_ms: float = 0.0) -> None:
         """Count one burst: ``busy_ms`` on the device, ``gap_ms`` idle before it (None: no gap counted),
