@@ -9,9 +9,10 @@ case's first token is checked against the model's own greedy continuation (a ful
 re-run of the prompt that shares no state with the prefill).
 
 ``--eager`` turns the prefill graphs off (the plain eager prefill, for a before/after on
-one lease); ``--profile`` prints torch.profiler's table of the last case's call.
+one lease); ``--warmup ROWS`` warms their buckets first, as serving does; ``--profile``
+prints torch.profiler's table of the last case's call.
 
-Usage: ``PYTHONPATH=. python scripts/prefill_profile.py [--model 1b] [--eager] [--json FILE]``
+Usage: ``PYTHONPATH=. python scripts/prefill_profile.py [--model 1b] [--eager] [--warmup ROWS] [--json FILE]``
 """
 
 from __future__ import annotations
@@ -118,6 +119,8 @@ def main(argv=None) -> None:
     p.add_argument("--model", default="1b", choices=sorted(MODELS))
     p.add_argument("--dtype", default=None, help="default bfloat16 on a GPU, float32 on the CPU")
     p.add_argument("--eager", action="store_true", help="no prefill graphs (the eager prefill)")
+    p.add_argument("--warmup", type=int, default=0, metavar="ROWS",
+                   help="warm the prefill graphs' buckets of up to ROWS rows first (as serve --prefill-warmup)")
     p.add_argument("--cases", type=int, default=len(CASES), help="run the first N cases")
     p.add_argument("--profile", action="store_true", help="torch.profiler table of one more call of the last case")
     p.add_argument("--json")
@@ -125,6 +128,10 @@ def main(argv=None) -> None:
     backend = get_backend(a.backend)
     dtype = a.dtype or ("bfloat16" if backend.is_gpu else "float32")
     dec = build(a.model, backend, a.eager, dtype)
+    warmed = [m.warm_prefill(a.warmup) for m in (dec.target, dec.draft)] if a.warmup else []
+    for role, w in zip(("target", "draft"), warmed):
+        if w:
+            print(f"{a.model} {role} warm-up: {w['buckets']} buckets in {w['seconds']:.2f} s")
     rng = np.random.default_rng(0)
     tol = NEAR_TIE_TOL.get(dtype, NEAR_TIE_TOL["bfloat16"])
     rows = [measure(dec, label, n, lengths, rng, tol=tol) for label, n, lengths in CASES[: a.cases]]
@@ -143,7 +150,8 @@ def main(argv=None) -> None:
         print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=20, max_name_column_width=60))
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"model": a.model, "backend": backend.name, "prefill": mode, "results": rows}, f, indent=1)
+            json.dump({"model": a.model, "backend": backend.name, "prefill": mode, "warmup_rows": a.warmup,
+                       "warmed": warmed, "results": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
