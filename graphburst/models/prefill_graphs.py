@@ -251,7 +251,11 @@ class PrefillGraphs:
         torch, key_head = self.torch, bool(head)
         sizes = warm_sizes(max_rows, self.max_tokens, max_length)
         t0 = time.perf_counter()
-        free = torch.cuda.mem_get_info(self.device)[0] if self.capture else None
+        free = None
+        if self.capture:  # measured from an empty cache, so device_bytes is what warm-up keeps
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+            free = torch.cuda.mem_get_info(self.device)[0]
         made = 0
         with torch.no_grad():
             for size in sizes:
