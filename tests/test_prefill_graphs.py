@@ -17,7 +17,7 @@ from graphburst import SpecDecoder
 from graphburst.backend import Backend
 from graphburst.constants import NO_EOS
 from graphburst.models.llama import Llama
-from graphburst.models.prefill_graphs import PrefillGraphs
+from graphburst.models.prefill_graphs import CAPTURE_AT_USE, PrefillGraphs
 from graphburst.models.torch_adapter import TorchDraft, TorchTarget
 
 from marks import BACKENDS, requires_gpu
@@ -43,12 +43,12 @@ def test_buckets_round_rows_and_lengths_up_the_ladders():
     assert g.bucket(513, 16) is None
 
 
-def _graphs(max_tokens=8192):
+def _graphs(max_tokens=8192, capture_at=None):
     from graphburst.models.checkpoint import tiny_random_configs
 
     cfg, _ = tiny_random_configs()
     return PrefillGraphs(Llama(cfg, batch=2, capacity=64), kv_layers=[True] * cfg.num_hidden_layers, capture=False,
-                         max_tokens=max_tokens)
+                         max_tokens=max_tokens, capture_at=capture_at)
 
 
 def _cost(g, groups, lengths):
@@ -66,6 +66,22 @@ def test_plan_hand_cases():
     assert g.plan({4: 16, 2: 16, 6: 16}) == [[2, 4, 6]]  # alike: one call
     assert g.plan({3: 7}) == [[3]]
     assert g.plan({0: 100, 1: 90, 2: 200, 3: 210}) == [[2, 3], [0, 1]]
+
+
+def test_a_bucket_passed_over_for_its_first_use_is_taken_the_next_time(rng):
+    """With the GPU's policy (an eager first call), held on the CPU: 4 x 128 is split into calls of a
+    captured 1 x 128 bucket rather than run its own bucket eagerly, but only once."""
+    g = _graphs(capture_at=CAPTURE_AT_USE)
+    one = torch.from_numpy(rng.integers(0, 100, (1, 128))).long()
+    at = (torch.tensor([0]), torch.tensor([127]))
+    assert g.run(one, *at, head=True) is NotImplemented  # the 1 x 128 bucket's first use: eager
+    assert g.run(one, *at, head=True) is not NotImplemented  # its second: in the bucket from now on
+    four = {0: 128, 1: 128, 2: 128, 3: 128}
+    assert g.plan(four) == [[0], [1], [2], [3]]  # its own bucket would run eagerly: split
+    assert g.plan(four) == [[0, 1, 2, 3]]  # that counted as its first use: one call now
+    assert g.plan({0: 128, 1: 100}) == [[0], [1]] and g.plan({0: 128, 1: 100}) == [[0, 1]]  # (2, 128) alike
+    uses = dict(g._uses)
+    assert g.plan({5: 128}) == [[5]] and g._uses == uses  # an admission of one call counts nothing
 
 
 def test_plan_is_the_cheapest_split_into_runs_of_sorted_lengths(rng):

@@ -319,7 +319,9 @@ class PrefillGraphs:
         :data:`EAGER_CALL_COST_TOKENS` per call that would run eagerly (an O(n^2) dynamic
         program over at most a batch of rows): one long prompt among short ones no longer
         pads them all to its length, rows of like length stay in one call, and sizes
-        never seen are not split into several eager calls.
+        never seen are not split into several eager calls. A split that avoided the whole
+        admission's bucket only for its eager first use counts as that use
+        (:meth:`_note_avoided`).
         """
         items = sorted(lengths.items(), key=lambda kv: (-kv[1], kv[0]))
         n = len(items)
@@ -333,7 +335,19 @@ class PrefillGraphs:
         while j:
             groups.append(sorted(slot for slot, _ in items[cut[j]: j]))
             j = cut[j]
+        if len(groups) > 1 and n:
+            self._note_avoided(n, items[0][1])
         return groups[::-1]
+
+    def _note_avoided(self, rows: int, length: int) -> None:
+        """The admission was split though one call would have served it: if its bucket was
+        passed over only for its eager first use, count this as that use. Otherwise a size
+        that smaller captured buckets can cover is never used, so never captured, and is split
+        at every admission (four calls of 1 x 128 for 4 x 128, at twice the GPU time); counted,
+        its next admission captures it at once (no eager call)."""
+        size = self.bucket(rows, length)
+        if size is not None and size not in self._warm and self._uses.get(size, 0) + 1 < self.capture_at:
+            self._uses[size] = self._uses.get(size, 0) + 1
 
     def _call_cost(self, rows: int, length: int) -> int:
         """A call's cost in padded tokens for :meth:`plan`; an eager one (a bucket's first
