@@ -130,9 +130,7 @@ class BurstClock:
         if windows:  # most gaps hold no admission: no generator, no pool growth
             admission = sum(elapsed(a, b) for a, b in windows)  # they precede ``end``: done
             self._window_pool += windows
-        self.overall.add(busy, gap, admission)
-        if steady:
-            self.steady.add(busy, gap, admission)
+        self.record(busy, gap, steady, admission)
         self._last_end = end
 
     def record(self, busy_ms: float, gap_ms: float | None, steady: bool, admission_ms: float = 0.0) -> None:
