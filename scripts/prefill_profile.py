@@ -72,7 +72,8 @@ def _check_first_tokens(dec, rows: dict, tol: float) -> None:
     for b, prompt in rows.items():
         tokens = torch.tensor([prompt.tolist()], device=device)
         last = torch.tensor([len(prompt) - 1], device=device)
-        logits = module(tokens, zero, [zero] * len(module.layers), row, logits_at=last)[0, -1].float()
+        with torch.no_grad():
+            logits = module(tokens, zero, [zero] * len(module.layers), row, logits_at=last)[0, -1].float()
         want, got = int(logits.argmax()), int(pend[b])
         if got != want and not near_tie(logits, got, want, tol)["ok"]:
             raise AssertionError(f"slot {b}: prefill's first token {got}, greedy {want}: "
