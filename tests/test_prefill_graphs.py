@@ -21,6 +21,7 @@ from graphburst.models.prefill_graphs import CAPTURE_AT_USE, PrefillGraphs
 from graphburst.models.torch_adapter import TorchDraft, TorchTarget
 
 from marks import BACKENDS, requires_gpu
+from prefill_cases import assert_decodes_greedy, prefill_fresh
 
 torch.set_num_threads(1)
 
@@ -54,7 +55,6 @@ def _graphs(max_tokens=8192, capture_at=None):
 def _cost(g, groups, lengths):
     total = 0
     for group in groups:
-        size = g.bucket(len(group), max(lengths[b] for b in group))
         total += g._call_cost(len(group), max(lengths[b] for b in group))
     return total
 
@@ -209,20 +209,9 @@ def test_gpu_a_bucket_runs_eagerly_then_captures_then_replays_without_a_sync(rng
     for n in (3, 3, 3, 2, 2):  # (3, 32): eager, captured, replayed; (2, 32): eager, captured
         prompts = {b: rng.integers(0, 512, 20 + b).astype(np.int32) for b in range(n)}
         replay = graphs.info().get((n, 32, True), False)
-        if replay:
-            torch.cuda.set_sync_debug_mode("error")  # a replay of a captured bucket never syncs
-        try:
-            dec.prefill_checked(prompts, {b: 0 for b in prompts}, limits={b: 30 for b in prompts})
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+        prefill_fresh(dec, prompts, 30, no_sync=replay)  # a replay of a captured bucket never syncs
         seen.append((n, graphs.captures, replay))
-        got = {b: [] for b in prompts}
-        while any(dec.host_left[b] > 0 for b in prompts):
-            tokens = dec.run_burst()
-            for b in prompts:
-                got[b] += tokens[b].tolist()
-        for b, p in prompts.items():
-            assert got[b] == dec.target.module.greedy(p.tolist(), 30, row=BATCH - 1), f"{n} rows, slot {b}"
+        assert_decodes_greedy(dec, prompts, 30, scratch_row=BATCH - 1, label=f"{n} rows")
     assert seen == [(3, 0, False), (3, 1, False), (3, 1, True), (2, 1, False), (2, 2, False)]
     assert graphs.info() == {(3, 32, True): True, (2, 32, True): True}
     assert dec.draft.prefill_graphs.info() == {(3, 32, False): True, (2, 32, False): True}

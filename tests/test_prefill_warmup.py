@@ -27,6 +27,7 @@ from graphburst.models.torch_adapter import TorchDraft, TorchTarget
 from graphburst.serving.factory import ConfigError, ServeConfig, build_loop, memory_specs, warm_models
 
 from marks import requires_gpu
+from prefill_cases import assert_decodes_greedy, prefill_fresh
 
 torch.set_num_threads(1)
 
@@ -246,19 +247,9 @@ def test_gpu_a_warmed_buckets_first_call_replays_without_a_sync_or_capture(rng):
     captures = [m.prefill_graphs.captures for m in models]
     for n in (3, 1, 2):  # buckets (3, 32), (1, 32), (2, 32): each first used here
         prompts = {b: rng.integers(0, 512, 20 + b).astype(np.int32) for b in range(n)}
-        torch.cuda.set_sync_debug_mode("error")  # a replay never syncs (the capture count is checked below)
-        try:
-            dec.prefill_checked(prompts, {b: 0 for b in prompts}, limits={b: 30 for b in prompts})
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+        prefill_fresh(dec, prompts, 30, no_sync=True)  # a replay never syncs (the capture count is checked below)
         assert [m.prefill_graphs.captures for m in models] == captures, f"{n} rows: captured at serving time"
-        got = {b: [] for b in prompts}
-        while any(dec.host_left[b] > 0 for b in prompts):
-            tokens = dec.run_burst()
-            for b in prompts:
-                got[b] += tokens[b].tolist()
-        for b, p in prompts.items():
-            assert got[b] == dec.target.module.greedy(p.tolist(), 30, row=BATCH - 1), f"{n} rows, slot {b}"
+        assert_decodes_greedy(dec, prompts, 30, scratch_row=BATCH - 1, label=f"{n} rows")
 
 
 @pytest.mark.gpu
