@@ -146,6 +146,26 @@ class Backend:
             return arr.get(stream=stream)
         return np.array(arr, copy=True)
 
+    def host_buffer(self, shape) -> np.ndarray:
+        """A zeroed host int32 array: pinned on cupy, so a copy into it is truly asynchronous."""
+        if not self.is_gpu:
+            return np.zeros(shape, np.int32)
+        n = int(np.prod(shape))
+        mem = self.xp.cuda.alloc_pinned_memory(n * 4)
+        arr = np.frombuffer(mem, np.int32, n).reshape(shape)
+        arr[...] = 0
+        return arr  # the array keeps ``mem`` alive through its base
+
+    def copy_to_host(self, host_dst: np.ndarray, src, stream) -> None:
+        """Stream-ordered copy of a device array into a (pinned, :meth:`host_buffer`) host array:
+        no host sync; the host reads it once an event recorded after it has completed. A plain
+        copy on numpy."""
+        if self.is_gpu:
+            rt = self.xp.cuda.runtime
+            rt.memcpyAsync(host_dst.ctypes.data, src.data.ptr, src.nbytes, rt.memcpyDeviceToHost, stream.ptr)
+        else:
+            np.copyto(host_dst, src)
+
     def upload(self, dst, host: np.ndarray, stream) -> None:
         """Stream-ordered host-to-device copy into an existing array (no allocation)."""
         host = np.ascontiguousarray(host, dtype=dst.dtype)

@@ -91,26 +91,6 @@ class HostEvent:
         """Nothing to wait for."""
 
 
-def _copy_to_host(backend, host_dst: np.ndarray, src, *, stream) -> None:
-    """Stream-ordered copy of a device buffer into a (pinned) host buffer."""
-    if backend.is_gpu:
-        rt = backend.xp.cuda.runtime
-        rt.memcpyAsync(host_dst.ctypes.data, src.data.ptr, src.nbytes, rt.memcpyDeviceToHost, stream.ptr)
-    else:
-        np.copyto(host_dst, src)
-
-
-def _host_buffer(backend, shape) -> np.ndarray:
-    """A host int32 buffer: pinned on cupy, so the copy node is truly asynchronous."""
-    if not backend.is_gpu:
-        return np.zeros(shape, np.int32)
-    n = int(np.prod(shape))
-    mem = backend.xp.cuda.alloc_pinned_memory(n * 4)
-    arr = np.frombuffer(mem, np.int32, n).reshape(shape)
-    arr[...] = 0
-    return arr  # the array keeps ``mem`` alive through its base
-
-
 def _capture_failed(call, exc: Exception):
     """Raise CaptureError naming the call that failed (the stream is already out of capture)."""
     where = call.name if call is not None else "start"
@@ -197,7 +177,7 @@ class BurstGraph:
         bufs = decoder.bufs
         # Pinned copies of bufs.out_block ([B*R + 4B] int32), one per graph, viewed as
         # (ring, acc, pos_ctr, budget).
-        self._host_blocks = [_host_buffer(self.backend, bufs.out_block.shape) for _ in range(self.n_graphs)]
+        self._host_blocks = [self.backend.host_buffer(bufs.out_block.shape) for _ in range(self.n_graphs)]
         self._host_views = [split_out_block(h, bufs.output_shapes) for h in self._host_blocks]
         self.last_acc = np.zeros((decoder.batch, 2), np.int32)  # accept counters as of the last drained burst
         self._events = [self._new_event() for _ in range(self.n_graphs)]
@@ -215,7 +195,7 @@ class BurstGraph:
         return HostEvent()
 
     def _program(self, graph_index: int) -> list[Call]:
-        copy = functools.partial(_copy_to_host, self.backend, self._host_blocks[graph_index], self.dec.bufs.out_block)
+        copy = functools.partial(self.backend.copy_to_host, self._host_blocks[graph_index], self.dec.bufs.out_block)
         return self.dec.burst_calls() + [Call("outputs_to_host", copy)]
 
     def _capture_one(self, graph_index: int):

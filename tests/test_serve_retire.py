@@ -69,7 +69,8 @@ def test_every_slot_finishing_in_one_burst_keeps_its_own_record():
     assert len(finished) == 1  # the burst's time, set once for the batch
     for s in states:
         assert s.tokens == greedy_reference(s.request.prompt, 20, VOCAB)
-        assert [n for _, n in s.deliveries] == [8, 8, 4] and s.finish_reason == "length"
+        # the first token is handed out after the prefill, then the first burst brings the other 7
+        assert [n for _, n in s.deliveries] == [1, 7, 8, 4] and s.finish_reason == "length"
         check_finished(s, seen, last_acc)
         assert s.rounds >= 1 and s.accepted > 0
     assert loop.active == 0 and not loop.intake.live and loop._slot_state.tolist() == [None] * 64
@@ -90,7 +91,8 @@ def test_a_cancel_and_stops_by_length_and_by_eos_in_the_same_delivery():
     fresh = []
 
     def on_step(step):
-        if step == 1:  # bursts in flight hold tokens for both: they must never reach them
+        if step == 2:  # (step 1 handed out first tokens, step 2 the first burst) bursts in flight hold
+            # tokens for both: they must never reach them
             loop.cancel(long)
             fresh.append(loop.submit(Request([8], 30)))  # then refills the first freed slot
             loop.cancel(fresh[0])  # cancelled while waiting: never admitted

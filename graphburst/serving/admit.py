@@ -12,10 +12,13 @@ the slots, the intake, the decoder and the token store it uses.
 
 from __future__ import annotations
 
+import numpy as np
+
 from ..admission import chunked_prefill
 from ..constants import NO_EOS
 from ..validate import check_int
 from .events import Admitted
+from .first_tokens import NO_COPY
 
 
 class LoopAdmission:
@@ -27,6 +30,10 @@ class LoopAdmission:
             self._prefilling.pop(b, None)
         self._slot_state[slots] = None
         self._n_occupied -= len(slots)
+        self._first_copy[slots] = NO_COPY  # a copy still pending for them is for nobody now
+        if self._n_lead:
+            self._n_lead -= np.count_nonzero(self._lead[slots])
+            self._lead[slots] = False
 
     def _boundary(self) -> None:
         """The burst boundary: free slots of finished, cancelled or failed requests, give free
@@ -126,6 +133,10 @@ class LoopAdmission:
                 self._running[b] = True
             else:
                 self._prefilling[b] = end
+        if final:  # their first tokens, copied to the host behind the prefill (first_tokens.py)
+            live = np.fromiter(group, np.int64, len(group))
+            self._first_copy[live] = self._first.enqueue(self.dec.bufs.pend, live, self.pipeline.launched,
+                                                         self.dec.stream)
 
     def _costs_only_its_requests(self, exc: Exception) -> bool:
         """Whether a failed prefill ends only the requests being admitted (here: always).

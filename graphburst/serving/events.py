@@ -2,9 +2,9 @@
 
 A consumer that forwards tokens elsewhere (the JSONL writer, the HTTP engine thread, a
 test) sets ``loop.log = []``; every step then appends, in order, one :class:`Tokens` per
-drained burst that delivered tokens, one :class:`Admitted` when a request takes a batch
-slot and one :class:`Retired` when a request finishes for any reason (stop, length,
-cancel, error). The consumer reads them by type (``isinstance`` or ``match``) and
+drained burst that delivered tokens and per batch of first tokens handed out, one
+:class:`Admitted` when a request takes a batch slot and one :class:`Retired` when a
+request finishes for any reason (stop, length, cancel, error). The consumer reads them by type (``isinstance`` or ``match``) and
 empties the list. The events are frozen: the arrays they carry belong to the consumer.
 """
 
@@ -19,7 +19,9 @@ from .request import RequestState
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Tokens:
-    """One drained burst's tokens, for every request that received some.
+    """One drained burst's tokens, for every request that received some; or the first tokens
+    of requests just prefilled (one each, handed out before their first burst is drained:
+    :mod:`graphburst.serving.first_tokens`).
 
     Row ``rows[i]`` of ``ring`` holds ``counts[rows[i]]`` tokens of ``states[i]``, from
     column 1. The engine thread splits these per request on the event loop, off the
@@ -30,7 +32,7 @@ class Tokens:
     states: np.ndarray  # [r] object: the RequestState of each receiving slot
     rows: np.ndarray  # [r] int64: their batch slots
     counts: np.ndarray  # [B] int: tokens per slot in this burst
-    ring: np.ndarray  # [B, 1 + R] int32: the drained ring (column 0 is the committed token before the burst)
+    ring: np.ndarray  # [B, 1 + R] int32: the drained ring (column 0 is the count)
     acc: np.ndarray  # [r, 2] int64: accepted drafts and rounds so far of each receiving request (a copy)
 
     def tokens_of(self, i: int) -> list:

@@ -38,6 +38,7 @@ from ..sampling.params import SamplingParams
 from ..validate import check_int
 from .admit import LoopAdmission, check_prefill_chunk, describe
 from .events import Retired, Tokens
+from .first_tokens import NO_COPY, FirstTokenCopies, LoopFirstTokens
 from .intake import RequestIntake
 from .pipeline import BurstPipeline, graph_of
 from .request import Request, RequestState
@@ -51,7 +52,7 @@ __all__ = ["ENGINE_MODES", "SERVE_MODES", "Request", "RequestState", "ServeLoop"
            "percentiles"]
 
 
-class ServeLoop(LoopAdmission):
+class ServeLoop(LoopAdmission, LoopFirstTokens):
     """Continuous batching of requests over one captured burst graph.
 
     Parameters
@@ -127,6 +128,12 @@ class ServeLoop(LoopAdmission):
         # Slots whose prompt is still being prefilled (admission order): slot -> prompt tokens
         # already in the caches. Such a slot holds its request but is idle in bursts.
         self._prefilling: dict[int, int] = {}
+        # First tokens are handed out once the prefill has made them (first_tokens.py), and
+        # dropped from the head of the slot's first drained ring row.
+        self._first = FirstTokenCopies(self.dec.backend, batch)
+        self._first_copy = np.full(batch, NO_COPY, np.int64)  # [B] int64: the copy holding the slot's first token
+        self._lead = np.zeros(batch, bool)  # [B] bool: first token handed out; its first burst not yet drained
+        self._n_lead = 0  # slots with _lead set
         self.intake = RequestIntake(vocab=self.vocab, capacity=self.dec.capacity, sampling=self.sampling,
                                     slot_options=self.dec.slot_options, replays_ids=self.replays_ids)
         self.log: list | None = None
@@ -242,6 +249,7 @@ class ServeLoop(LoopAdmission):
         pipeline = self.pipeline
         if self.graph is not None:
             while pipeline:  # launched bursts still hold the other requests' tokens
+                delivered += self._hand_out_first(pipeline.oldest)  # first tokens before their bursts
                 delivered += self._deliver(*pipeline.drain())
         if self.dec.outstanding:  # a burst failed part-way through being enqueued
             self.dec.abandon_enqueued()
@@ -260,6 +268,8 @@ class ServeLoop(LoopAdmission):
             pipeline.clock.forget_gap()
         if self.graph is None:
             self._boundary()
+            if self._first:  # every copy precedes the next burst: hand its tokens out first
+                return self._hand_out_first(pipeline.launched)
             return self._deliver(*pipeline.run_eager(self._steady())) if self._running.any() else 0
         delivered = 0
         if not pipeline:  # nothing in flight (always so unpipelined): admit before launching
@@ -268,6 +278,10 @@ class ServeLoop(LoopAdmission):
         pipeline.fill(steady)
         if not pipeline:
             return delivered  # no live slot (prompts still being prefilled, or none at all)
+        if self._first.due(pipeline.oldest):
+            # Admitted requests' first tokens are ready no later than the oldest burst in flight:
+            # wait for them instead, and return, so a consumer forwards them before the burst.
+            return self._hand_out_first(pipeline.oldest)
         drained = pipeline.drain()
         # Refill before handing the drained tokens out: while the host delivers burst n,
         # bursts n+1 and n+2 are both queued, so the GPU has work even if delivery is slow.
@@ -291,6 +305,8 @@ class ServeLoop(LoopAdmission):
         """
         now = time.perf_counter()
         self.bursts += 1
+        if self._n_lead:
+            self._drop_first(tokens)
         counts = tokens.counts
         running = self._running
         # Counts are >= 0 (BurstTokens clamps them), so logical_and tests count > 0.

@@ -57,15 +57,22 @@ class BurstPipeline:
         self.depth = self.graph.n_graphs if self.pipelined else 1  # bursts kept in flight
         self.clock = BurstClock(dec.backend, self.depth)
         self._in_flight: collections.deque = collections.deque()  # (timing events or None, steady) per burst
+        self.launched = 0  # bursts launched so far (graph and eager): burst i is the i-th, from 0
 
     def __len__(self) -> int:
         return len(self._in_flight)
+
+    @property
+    def oldest(self) -> int:
+        """Launch index of the oldest burst in flight (:attr:`launched` when none is)."""
+        return self.launched - len(self._in_flight)
 
     def launch(self, steady: bool) -> None:
         """Enqueue one graph burst; ``steady``: every batch slot runs a request."""
         events = self.clock.events()
         self.graph.replay(timing_events=events)
         self._in_flight.append((events, steady))
+        self.launched += 1
 
     def drain(self):
         """Drain the oldest burst in flight: ``(BurstTokens, accept counters [B, 2])``, not yet handed out."""
@@ -90,6 +97,7 @@ class BurstPipeline:
         if events:
             events[0].record(self.dec.stream)
         tokens = self.dec.run_burst(mode=BurstMode.PER_ROUND_SYNC)
+        self.launched += 1
         if events:
             events[1].record(self.dec.stream)
         self.clock.account(events, steady)

@@ -1,0 +1,112 @@
+"""First tokens handed out after the prefill, before the first burst is drained
+(``graphburst.serving.first_tokens``). Expected tokens come from the CPU greedy oracle."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from graphburst import greedy_reference, stub_pair
+from graphburst.serving.events import Tokens
+from graphburst.serving.loop import Request, ServeLoop
+
+VOCAB = 997
+SURE = {"accept_prob": 1.0}  # every draft accepted: a slot commits exactly m * (k + 1) tokens a burst
+
+
+def make_loop(batch, *, backend="numpy", engine="graph", pipelined=True, cost_ns=0, m=2, k=3, depth=2):
+    target, draft = stub_pair(batch, VOCAB, 2, 1, 256, backend=backend, cost_ns=cost_ns)
+    return ServeLoop(target, draft, k=k, m_rounds=m, engine=engine, pipelined=pipelined, depth=depth)
+
+
+@pytest.mark.parametrize("engine,pipelined", [("graph", True), ("graph", False), ("eager_sync", False)])
+def test_the_first_token_comes_alone_before_any_burst_is_drained(engine, pipelined):
+    loop = make_loop(3, engine=engine, pipelined=pipelined)
+    loop.log = []
+    states = [loop.submit(Request([4 + i, 1], 20, options=SURE)) for i in range(3)]
+    loop.step()
+    assert loop.bursts == 0  # no burst drained yet
+    for s in states:
+        ref = greedy_reference(s.request.prompt, 20, VOCAB)
+        assert s.tokens == ref[:1] and s.n_tokens == 1
+    (event,) = [e for e in loop.log if isinstance(e, Tokens)]
+    assert event.ring.shape == (3, 2) and event.counts.tolist() == [1, 1, 1]
+    assert [event.tokens_of(i) for i in range(3)] == [s.tokens for s in states]
+    loop.run_until_idle()
+    for s in states:
+        assert s.tokens == greedy_reference(s.request.prompt, 20, VOCAB)
+        # 1 alone, then the first burst's other m * (k + 1) - 1 = 7: the ring's leading copy is dropped
+        assert [n for _, n in s.deliveries] == [1, 7, 8, 4]
+        assert s.first_token == s.deliveries[0][0] < s.deliveries[1][0]
+    assert loop.tokens_out == 3 * 20
+
+
+def test_a_one_token_request_and_a_first_token_stop_end_on_that_token():
+    loop = make_loop(2)
+    ref = greedy_reference([6, 1], 10, VOCAB)
+    one = loop.submit(Request([3, 3], 1))
+    stop = loop.submit(Request([6, 1], 10, eos=ref[0]))  # its first token is its stop token
+    loop.run_until_idle()
+    assert one.tokens == greedy_reference([3, 3], 1, VOCAB) and one.finish_reason == "length"
+    assert stop.tokens == ref[:1] and stop.finish_reason == "eos"
+    assert [n for _, n in one.deliveries] == [n for _, n in stop.deliveries] == [1]
+    assert loop.tokens_out == 2 and loop.active == 0
+
+
+def test_a_slot_refilled_before_its_last_copy_is_handed_out_gets_its_own_first_token():
+    loop = make_loop(1, depth=3)
+    # a long first request keeps bursts in flight; a second waits for its slot
+    first = loop.submit(Request([2], 60, options=SURE))
+    loop.step()  # its first token
+    second = loop.submit(Request([7], 30))
+    third = loop.submit(Request([9, 9], 12))
+    loop.cancel(first)  # the boundary frees the slot and admits the second behind 3 bursts in flight
+    while loop.slots[0] is not second:
+        loop.step()
+    assert len(loop._first) == 1 and second.n_tokens == 0  # its copy is pending behind the bursts
+    loop.cancel(second)  # cancelled before its copy is handed out: the third takes the slot
+    while loop.slots[0] is not third:
+        loop.step()
+    assert len(loop._first) == 2  # the second's copy, for nobody now, is still pending
+    loop.run_until_idle()
+    assert second.tokens == [] and second.finish_reason == "cancelled"
+    assert third.tokens == greedy_reference([9, 9], 12, VOCAB) and third.finish_reason == "length"
+    assert first.tokens == greedy_reference([2], 60, VOCAB)[: first.n_tokens]
+
+
+def test_a_prefill_in_chunks_hands_out_its_first_token_after_the_last_chunk():
+    target, draft = stub_pair(2, VOCAB, 2, 1, 256, backend="numpy")
+    loop = ServeLoop(target, draft, k=3, m_rounds=2, prefill_chunk=4)
+    prompt = list(range(3, 13))  # 10 tokens: chunks of 4, 4, 2 over three boundaries
+    other = loop.submit(Request([5], 40))
+    long = loop.submit(Request(prompt, 9))
+    seen = []
+    while not loop.idle:
+        loop.step()
+        seen.append(long.n_tokens)
+    assert long.tokens == greedy_reference(prompt, 9, VOCAB) and other.tokens == greedy_reference([5], 40, VOCAB)
+    assert 1 in seen  # its first token stood alone for a step
+    assert [n for _, n in long.deliveries][0] == 1
+
+
+@pytest.mark.gpu
+def test_gpu_first_token_is_handed_out_while_its_first_burst_still_runs():
+    from graphburst.backend import Backend
+
+    # 2 ms per model call: a burst of m=4 rounds runs for well over 10 ms after the prefill
+    loop = make_loop(2, backend=Backend("cupy"), cost_ns=2_000_000, m=4)
+    loop.log = []
+    warm = loop.submit(Request([1], 3))
+    loop.run_until_idle()  # compiles and captures
+    assert warm.tokens == greedy_reference([1], 3, VOCAB)
+    states = [loop.submit(Request([4 + i, 1], 40)) for i in range(2)]
+    loop.step()
+    assert [s.n_tokens for s in states] == [1, 1]
+    graph = loop.pipeline.graph
+    oldest = graph._pending[0]
+    assert not graph._events[oldest].done  # the burst that commits it has not finished
+    loop.run_until_idle()
+    for s in states:
+        assert s.tokens == greedy_reference(s.request.prompt, 40, VOCAB)
+        assert s.deliveries[0][1] == 1
+    np.testing.assert_array_equal(loop._lead, False)
