@@ -21,6 +21,7 @@ from .constants import MAX_DEPTH, MAX_K
 from .models.capacity import DEFAULT_GPU_MEMORY_FRACTION
 from .serving.factory import DEFAULT_PREFILL_WARMUP, STUB_DEFAULTS, TINY_RANDOM, ConfigError, ServeConfig, build_loop, \
     resolve_capacity
+from .serving.admit import ADMISSION_MODES
 from .serving.jsonl import error_text, stderr_console
 from .serving.loop import ENGINE_MODES, ServeLoop
 
@@ -80,6 +81,10 @@ def add_parser(sub) -> None:
     p.add_argument("--pipeline-depth", type=int_in(2, MAX_DEPTH), default=2, metavar="N",
                    help="graph engine: bursts kept in flight (default 2); more gives the host longer to admit requests "
                         "between drains when bursts are short, and makes a new request wait for more queued bursts")
+    p.add_argument("--admission", choices=ADMISSION_MODES, default="auto",
+                   help="graph engine, pipelined: admit waiting requests before refilling the queue of bursts "
+                        "(early: their first burst comes one burst sooner) or after it (late: the GPU keeps a full "
+                        "queue while the host admits); auto: early once a burst outlasts an admission's host time")
     p.add_argument("--live", action="store_true", help="show the live view even when stderr is not a terminal")
     # --- HTTP mode (graphburst/serving/http.py) ---
     h = p.add_argument_group("HTTP server (--http)")

@@ -110,3 +110,74 @@ def test_gpu_first_token_is_handed_out_while_its_first_burst_still_runs():
         assert s.tokens == greedy_reference(s.request.prompt, 40, VOCAB)
         assert s.deliveries[0][1] == 1
     np.testing.assert_array_equal(loop._lead, False)
+
+
+def _bursts_between_a_finish_and_the_next_first_token(admission, **kw):
+    """Drained bursts from the one that finishes A to B's first token, B admitted into A's slot while
+    a long request in the other slot keeps the pipeline launching."""
+    loop = make_loop(2, **kw)
+    loop.admission = admission
+    loop.submit(Request([1], 3))
+    loop.run_until_idle()  # compiles and captures, so the admission timed below is a plain one
+    a = loop.submit(Request([2], 5, options=SURE))  # one burst: 1 + 7 > 5
+    long = loop.submit(Request([4], 60, options=SURE))
+    b = loop.submit(Request([3], 9, options=SURE))
+    a_done = b_first = None
+    while not loop.idle:
+        loop.step()
+        if a.done and a_done is None:
+            a_done = loop.bursts
+        if b.n_tokens and b_first is None:
+            b_first = loop.bursts
+    assert a.tokens == greedy_reference([2], 5, VOCAB) and b.tokens == greedy_reference([3], 9, VOCAB)
+    assert long.tokens == greedy_reference([4], 60, VOCAB)
+    return b_first - a_done
+
+
+def test_early_admission_gives_a_freed_slot_its_next_request_one_burst_sooner():
+    # late: B is prefilled behind the burst launched after A's drain, and its copy behind that one too
+    assert _bursts_between_a_finish_and_the_next_first_token("late") == 2
+    assert _bursts_between_a_finish_and_the_next_first_token("early") == 1
+    assert _bursts_between_a_finish_and_the_next_first_token("auto") == 2  # no GPU timing: late
+
+
+@pytest.mark.parametrize("admission", ["early", "late"])
+def test_either_admission_order_serves_a_refill_workload_greedily(admission):
+    loop = make_loop(3, depth=3)
+    loop.admission = admission
+    loop.log = []
+    states = [loop.submit(Request([5 + i, 2], n)) for i, n in enumerate((25, 7, 13, 4, 18, 1, 30, 9))]
+    seen = {id(s): [] for s in states}
+    while not loop.idle:
+        loop.step()
+        for e in loop.log:
+            if isinstance(e, Tokens):
+                for i, s in enumerate(e.states):
+                    seen[id(s)] += e.tokens_of(i)
+        loop.log.clear()
+    for s in states:
+        assert seen[id(s)] == s.tokens == greedy_reference(s.request.prompt, s.request.max_new_tokens, VOCAB)
+        assert s.deliveries[0][1] == 1 and s.finish_reason == "length"
+
+
+def test_admission_is_validated_by_the_loop_and_the_config():
+    from graphburst.serving.factory import ConfigError, ServeConfig
+
+    target, draft = stub_pair(2, VOCAB, 2, 1, 64, backend="numpy")
+    with pytest.raises(ValueError, match="admission must be one of auto, early, late, got 'soon'"):
+        ServeLoop(target, draft, k=3, m_rounds=2, admission="soon")
+    with pytest.raises(ConfigError, match="admission"):
+        ServeConfig(admission="soon")
+    with pytest.raises(ConfigError, match="tensor-parallel"):
+        ServeConfig(admission="early", tp=2)
+    assert ServeConfig(admission="late").admission == "late"
+
+
+@pytest.mark.gpu
+def test_gpu_auto_admission_turns_early_when_bursts_outlast_admissions():
+    from graphburst.backend import Backend
+
+    # 1 ms per model call: a burst takes milliseconds, an admission of stubs well under one
+    assert _bursts_between_a_finish_and_the_next_first_token("auto", backend=Backend("cupy"), cost_ns=1_000_000) == 1
+    # zero-cost stubs: a burst is shorter than the host's admission, so the queue is refilled first
+    assert _bursts_between_a_finish_and_the_next_first_token("auto", backend=Backend("cupy")) == 2

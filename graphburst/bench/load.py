@@ -35,6 +35,7 @@ from rich.console import Console
 from ..cli_args import FlagError, add_ngram_flags, check_ngram_flags, int_in, real_in, writable_file
 from ..constants import MAX_K
 from ..models.ngram import NGRAM_DRAFT
+from ..serving.admit import ADMISSION_MODES
 from ..serving.factory import TINY_RANDOM, ConfigError, ServeConfig
 from .common import float_list, write_results
 from .load_schedule import DIST_KINDS, LengthDist, schedule
@@ -76,6 +77,8 @@ def add_flags(p) -> None:
     g.add_argument("--prefill-warmup", type=int_in(0, 65536), default=None, metavar="ROWS",
                    help="the server captures its prefill buckets of up to ROWS prompts before the runs (default: "
                         "serve's; 0: off, to see a cold server)")
+    g.add_argument("--admission", choices=ADMISSION_MODES, default=None,
+                   help="the server's --admission (before or after refilling the queue of bursts; default auto)")
     g.add_argument("--max-queue", type=int_in(1, 1_000_000), default=256,
                    help="requests waiting for a slot before the server answers 429")
     g.add_argument("--rates", default=None,
@@ -130,7 +133,7 @@ def _rates(text: str) -> list[float] | None:
 
 #: open-loop flags with no default, refused without --model (each would be dropped)
 ONLY_WITH_MODEL = ("--draft", "--dtype", "--eps", "--capacity", "--rates", "--burst-at", "--prompt-mean",
-                   "--output-mean", "--plot", "--ngram-min", "--ngram-max", "--prefill-warmup")
+                   "--output-mean", "--plot", "--ngram-min", "--ngram-max", "--prefill-warmup", "--admission")
 
 
 def refuse_without_model(args) -> None:
@@ -173,7 +176,7 @@ def check_args(args) -> None:
     server = dict(model=args.model, draft=args.draft, shape=shape, backend=args.backend, batch=args.batch, k=args.k,
                   m=args.rounds, capacity=capacity, max_queue=args.max_queue, ngram_min=args.ngram_min,
                   ngram_max=args.ngram_max, prefill_chunk=args.prefill_chunk, prefill_warmup=args.prefill_warmup,
-                  dtype=args.dtype or ("bfloat16" if shape else "float32"),
+                  admission=args.admission, dtype=args.dtype or ("bfloat16" if shape else "float32"),
                   eps=(DEFAULT_EPS if args.eps is None else args.eps) if shape else None, seed=args.seed,
                   checks=CHECK_REQUESTS,
                   prompt=dataclasses.asdict(prompt), output=dataclasses.asdict(output),
@@ -183,7 +186,8 @@ def check_args(args) -> None:
             ServeConfig(backend=args.backend, batch=args.batch, k=args.k,
                         rounds=args.rounds, capacity=capacity, max_queue=args.max_queue, model=args.model,
                         draft=args.draft, dtype=server["dtype"], ngram_min=args.ngram_min, ngram_max=args.ngram_max,
-                        prefill_chunk=args.prefill_chunk, prefill_warmup=args.prefill_warmup, http="127.0.0.1:0")
+                        prefill_chunk=args.prefill_chunk, prefill_warmup=args.prefill_warmup,
+                        admission=args.admission or "auto", http="127.0.0.1:0")
         except ConfigError as exc:
             flag = {"rounds": "--rounds", "k": "-k"}.get(exc.field, "--" + exc.field.replace("_", "-"))
             raise FlagError(flag, exc.why) from None

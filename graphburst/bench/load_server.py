@@ -64,7 +64,8 @@ def build(s: dict) -> tuple[ServeLoop, ServeConfig]:
     """The loop and the HTTP server's config of the settings ``s`` (see ``load.server_settings``)."""
     common = dict(backend=s["backend"], batch=s["batch"], k=s["k"], rounds=s["m"], capacity=s["capacity"],
                   max_queue=s["max_queue"], http=LOOPBACK, ngram_min=s["ngram_min"], ngram_max=s["ngram_max"],
-                  prefill_chunk=s.get("prefill_chunk"), prefill_warmup=s.get("prefill_warmup"))
+                  prefill_chunk=s.get("prefill_chunk"), prefill_warmup=s.get("prefill_warmup"),
+                  admission=s.get("admission") or "auto")
     if s["shape"]:
         from ..models.ngram import NGRAM_DRAFT, ngram_for
 
@@ -78,7 +79,8 @@ def build(s: dict) -> tuple[ServeLoop, ServeConfig]:
         common.update(ngram_min=None, ngram_max=None)
         config = ServeConfig(**common, served_model_name=s["served_name"])
         _log(warm_models((target, draft), config.warmup_rows, config.prefill_chunk))  # as build_loop does
-        return ServeLoop(target, draft, k=s["k"], m_rounds=s["m"], prefill_chunk=s.get("prefill_chunk")), config
+        return ServeLoop(target, draft, k=s["k"], m_rounds=s["m"], prefill_chunk=s.get("prefill_chunk"),
+                         admission=config.admission), config
     config = ServeConfig(**common, model=s["model"], draft=s["draft"], dtype=s["dtype"])
     return build_loop(config, log=_log), config
 

@@ -156,6 +156,11 @@ class LockstepLoop(ServeLoop):
 
         return graph_of(self.dec, depth=depth, graph_cls=CheckedGraph, drain_timeout_s=self._drain_timeout_s)
 
+    def _admit_early(self) -> bool:
+        # Admission's place in a step must be the same on every rank (its prefill holds
+        # collectives), so it never follows a rank's own timings: always after the refill.
+        return False
+
     def _costs_only_its_requests(self, exc: Exception) -> bool:
         # A bad request (ValueError: CapacityError, a refused prefill) fails the same way on
         # every rank, so every rank recovers the same way. Anything else (a peer died, a

@@ -12,6 +12,8 @@ the slots, the intake, the decoder and the token store it uses.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from ..admission import chunked_prefill
@@ -19,6 +21,11 @@ from ..constants import NO_EOS
 from ..validate import check_int
 from .events import Admitted
 from .first_tokens import NO_COPY
+
+#: ``ServeLoop(admission=...)``: when a pipelined step runs the burst boundary (see LoopAdmission._admit_early)
+ADMISSION_MODES = ("auto", "early", "late")
+#: auto: admit before refilling once the bursts still queued outlast this many boundaries' host time
+EARLY_ADMISSION_MARGIN = 2.0
 
 
 class LoopAdmission:
@@ -50,6 +57,7 @@ class LoopAdmission:
             self._free(freed)
             self._n_stale = 0
             self.dec.release(freed)
+        t0 = time.perf_counter()
         if self.intake.queue and self._n_occupied < self.dec.batch:
             self._take_waiting()
         if self._prefilling:
@@ -60,6 +68,23 @@ class LoopAdmission:
                 self._prefill_some()
             finally:
                 clock.admission_end(span, stream)
+            self._admission_ms = (time.perf_counter() - t0) * 1e3  # taking requests and prefilling them
+
+    def _admit_early(self) -> bool:
+        """Whether a pipelined step admits before refilling the pipeline (``admission``).
+
+        Early, the host delivers the drained burst and admits while the ``depth - 1`` bursts
+        still queued run, and the next launch carries the new slots: their first tokens come
+        one burst sooner. Late, the step launches first, so the GPU has a full queue while the
+        host admits, and new slots wait behind one more burst. ``auto`` admits early once the
+        last drained burst's GPU time, times ``depth - 1``, exceeds ``EARLY_ADMISSION_MARGIN``
+        times the last admission's host time (real models: a burst is tens of milliseconds, an
+        admission a few), and late until both are measured or without GPU timing.
+        """
+        if self.admission != "auto":
+            return self.admission == "early"
+        busy = self.pipeline.clock.last_busy_ms
+        return busy is not None and busy * (self.pipeline.depth - 1) > EARLY_ADMISSION_MARGIN * self._admission_ms
 
     def _take_waiting(self) -> None:
         """Give each free slot the oldest waiting request (host bookkeeping only)."""
@@ -151,6 +176,13 @@ class LoopAdmission:
         is still being prefilled."""
         return bool(self.intake.queue and self._n_occupied < self.dec.batch) or self._n_stale > 0 \
             or bool(self._prefilling)
+
+
+def check_admission(mode) -> str:
+    """``admission``: one of :data:`ADMISSION_MODES`."""
+    if mode not in ADMISSION_MODES:
+        raise ValueError(f"admission must be one of {', '.join(ADMISSION_MODES)}, got {mode!r}")
+    return mode
 
 
 def check_prefill_chunk(chunk, target, draft) -> int | None:

@@ -21,6 +21,7 @@ from ..models.capacity import DEFAULT_GPU_MEMORY_FRACTION, CapacityPlan, MemoryS
 from ..models.ngram import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, NGRAM_DRAFT, NgramDraft, check_ngram_range, ngram_for
 from ..models.stubs import stub_memory_spec, stub_pair
 from ..protocol import hook
+from .admit import ADMISSION_MODES
 from .loop import ENGINE_MODES, ServeLoop
 
 STUB_DEFAULTS = {"vocab": 32000, "layers": 4, "accept": 0.7, "cost_us": 0.0}
@@ -85,6 +86,7 @@ class ServeConfig:
     pipeline_depth: int = 2  # pipelined: bursts kept in flight (ServeLoop's depth)
     prefill_chunk: int | None = None  # prompt tokens prefilled per burst boundary (None: whole prompts)
     prefill_warmup: int | None = None  # rows warmed before serving (None: DEFAULT_PREFILL_WARMUP; 0: off)
+    admission: str = "auto"  # pipelined: admit before ("early") or after ("late") refilling; ServeLoop's admission
     # stub models (the default)
     vocab: int | None = None
     layers: int | None = None
@@ -125,7 +127,8 @@ class ServeConfig:
             value = getattr(self, name)
             if value is not None:
                 self._set(name, _real_in(name, value, lo, hi))
-        for name, choices in (("backend", BACKEND_NAMES), ("engine", ENGINE_MODES), ("draft_mode", DRAFT_MODES)):
+        for name, choices in (("backend", BACKEND_NAMES), ("engine", ENGINE_MODES), ("draft_mode", DRAFT_MODES),
+                              ("admission", ADMISSION_MODES)):
             if getattr(self, name) not in choices:
                 raise ConfigError(name, f"must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
         if self.dtype is not None and self.dtype not in DTYPES:
@@ -137,6 +140,9 @@ class ServeConfig:
         if self.pipeline_depth > TP_MAX_DEPTH and self.tp > 1:
             raise ConfigError("pipeline_depth", f"tensor-parallel serving (--tp > 1) keeps at most {TP_MAX_DEPTH} bursts "
                                                 f"in flight, got {self.pipeline_depth}")
+        if self.admission == "early" and self.tp > 1:
+            raise ConfigError("admission", "tensor-parallel serving (--tp > 1) admits after refilling, the same on "
+                                           "every rank; leave it auto or late")
         for name in ("prefill_chunk", "prefill_warmup"):
             if getattr(self, name) is not None and self.tp > 1:
                 raise ConfigError(name, "is not wired into tensor-parallel serving (--tp > 1); leave it unset")
@@ -392,4 +398,4 @@ def build_loop(config: ServeConfig, backend=None, *, log=None) -> ServeLoop:
         log(describe_warmup(done))
     return ServeLoop(target, draft, k=config.k, m_rounds=config.rounds, engine=config.engine,
                      pipelined=config.pipelined, depth=config.pipeline_depth, sampling=config.sampling,
-                     prefill_chunk=config.prefill_chunk)
+                     prefill_chunk=config.prefill_chunk, admission=config.admission)

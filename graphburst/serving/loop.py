@@ -36,7 +36,7 @@ from ..capture import BurstGraph
 from ..constants import MAX_DEPTH
 from ..sampling.params import SamplingParams
 from ..validate import check_int
-from .admit import LoopAdmission, check_prefill_chunk, describe
+from .admit import LoopAdmission, check_admission, check_prefill_chunk, describe
 from .events import Retired, Tokens
 from .first_tokens import NO_COPY, FirstTokenCopies, LoopFirstTokens
 from .intake import RequestIntake
@@ -77,6 +77,11 @@ class ServeLoop(LoopAdmission, LoopFirstTokens):
         At most this many prompt tokens are prefilled per burst boundary; a longer prompt
         is prefilled in chunks over several boundaries while the other slots keep decoding
         (both models must declare ``chunked_prefill``). None: whole prompts at once.
+    admission : {"auto", "early", "late"}
+        Pipelined: whether a step admits waiting requests before refilling the pipeline
+        (their first burst comes one burst sooner) or after it (the GPU keeps a full queue
+        while the host admits); ``auto`` picks early once bursts outlast admissions
+        (:meth:`~graphburst.serving.admit.LoopAdmission._admit_early`).
 
     Attributes
     ----------
@@ -97,9 +102,11 @@ class ServeLoop(LoopAdmission, LoopFirstTokens):
     replays_ids = False
 
     def __init__(self, target, draft, *, k: int, m_rounds: int, engine: str = "graph", pipelined: bool = True,
-                 depth: int = 2, sampling: bool = False, prefill_chunk: int | None = None):
+                 depth: int = 2, sampling: bool = False, prefill_chunk: int | None = None, admission: str = "auto"):
         engine = BurstMode.parse(engine, SERVE_MODES, name="engine")
         depth = check_int("depth", depth, minimum=2, maximum=MAX_DEPTH)
+        self.admission = check_admission(admission)
+        self._admission_ms = float("inf")  # host time of the last admission (none yet: assume it is long)
         self.sampling = bool(sampling)
         self.prefill_chunk = check_prefill_chunk(prefill_chunk, target, draft)
         self.dec = self._make_decoder(target, draft, k=k, m_rounds=m_rounds, sampling=self.sampling)
@@ -283,6 +290,14 @@ class ServeLoop(LoopAdmission, LoopFirstTokens):
             # wait for them instead, and return, so a consumer forwards them before the burst.
             return self._hand_out_first(pipeline.oldest)
         drained = pipeline.drain()
+        if self.pipelined and self._admit_early():
+            # The bursts still queued outlast delivery and admission: admit first, so the next
+            # launch carries the new slots.
+            delivered += self._deliver(*drained)
+            if self._needs_boundary():
+                self._boundary()
+            pipeline.fill(self._steady())
+            return delivered
         # Refill before handing the drained tokens out: while the host delivers burst n,
         # bursts n+1 and n+2 are both queued, so the GPU has work even if delivery is slow.
         try:

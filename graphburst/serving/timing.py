@@ -74,6 +74,7 @@ class BurstClock:
         self._pairs = None
         self._launched = 0
         self._last_end = None
+        self.last_busy_ms = None  # device time of the last burst accounted (None before one, or without a GPU)
         self._windows: list = []  # admission spans (start, end events) recorded since the last launch
         self._gap_windows: dict = {}  # id(a burst's start event) -> the admission spans of the gap before it
         self._window_pool: list = []  # event pairs of accounted spans, reused
@@ -123,6 +124,7 @@ class BurstClock:
         elapsed = self.backend.xp.cuda.get_elapsed_time
         end.synchronize()
         busy = elapsed(start, end)
+        self.last_busy_ms = busy
         last = self._last_end
         gap = None if last is None else elapsed(last, start)
         admission = 0.0
