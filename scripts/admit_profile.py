@@ -12,7 +12,8 @@ boundary. On a GPU the burst clock gives device busy, idle and admission-span ti
 outputs lognormal, mean 128, in [16, 512], as the open-loop load benchmark draws them), all
 requests submitted at once, with no HTTP: the loop's own idle under a real model.
 
-Usage: ``PYTHONPATH=. python scripts/admit_profile.py [--backend cupy] [-m 8 16 32] [--model 1b] [--json FILE]``
+Usage: ``PYTHONPATH=. python scripts/admit_profile.py [--backend cupy] [-m 8 16 32] [--depth 2 4] [--admission late]
+[--model 1b] [--json FILE]``
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ class _TimedEvent:
 
 
 def measure(backend_name: str, *, requests=256, batch=64, new_tokens=256, k=4, m=8, prefill_chunk=None,
-            prof=None, model=None, depth=2) -> dict:
+            prof=None, model=None, depth=2, order=None) -> dict:
     backend = get_backend(backend_name)
     rng = np.random.default_rng(0)
     if model is None:
@@ -96,6 +97,8 @@ def measure(backend_name: str, *, requests=256, batch=64, new_tokens=256, k=4, m
         lens = np.clip(np.rint(rng.lognormal(np.log(128) - 0.125, 0.5, (2, requests))), 16, LOAD_MAX).astype(int)
         reqs = [Request(rng.integers(0, target.vocab, p).tolist(), int(n)) for p, n in lens.T]
     deeper = {} if depth == 2 else {"depth": depth}  # an older graphburst has no depth (always 2)
+    if order is not None:  # nor an admission order (always late)
+        deeper["admission"] = order
     loop = ServeLoop(target, draft, k=k, m_rounds=m, prefill_chunk=prefill_chunk, **deeper)
     warm = loop.submit(Request([1, 2, 3], m * (k + 1)))  # compiles kernels, captures the graph
     loop.run_until_idle()
@@ -127,7 +130,7 @@ def measure(backend_name: str, *, requests=256, batch=64, new_tokens=256, k=4, m
     med = {k: float(np.median([r[k] for r in admitting])) for k in admitting[0] if k != "occupied_before"} \
         if admitting else {}
     return {"backend": backend.name, "model": model or "stubs", "requests": requests, "batch": batch, "k": k, "m": m,
-            "depth": depth,
+            "depth": depth, "admission": order or "default",
             "wall_ms": wall * 1e3,
             "bursts": loop.bursts, "boundaries": len(per_boundary), "admitting_boundaries": len(admitting),
             "gpu_busy_ms": busy if backend.is_gpu else None, "gpu_idle_ms": idle if backend.is_gpu else None,
@@ -150,6 +153,8 @@ def main(argv=None) -> None:
     p.add_argument("-k", type=int, default=4, help="drafts per round")
     p.add_argument("-m", type=int, nargs="+", default=[8], help="rounds per burst (several: a sweep)")
     p.add_argument("--depth", type=int, nargs="+", default=[2], help="bursts kept in flight (several: a sweep)")
+    p.add_argument("--admission", choices=("auto", "early", "late"),
+                   help="the loop's admission order (default: the loop's own, auto)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--profile", choices=[label for label, _, _ in PHASES],
                    help="print a cProfile of this phase in the first run (boundary, step, ...)")
@@ -160,7 +165,7 @@ def main(argv=None) -> None:
         prof = cProfile.Profile()
         prof.label = a.profile
     runs = [measure(a.backend, requests=a.requests, k=a.k, m=m, prof=prof if i == 0 else None, model=a.model,
-                    prefill_chunk=a.prefill_chunk, depth=d)
+                    prefill_chunk=a.prefill_chunk, depth=d, order=a.admission)
             for m in a.m for d in a.depth for i in range(a.repeats)]
     if prof is not None:
         steps = runs[0]["bursts"]
@@ -173,7 +178,8 @@ def main(argv=None) -> None:
         med = "  ".join(f"{k} {v:.0f}" for k, v in r["median_us_per_admitting_boundary"].items())
         idle = "-" if r["gpu_idle_fraction"] is None else f"{100 * r['gpu_idle_fraction']:.1f}%"
         plain = "  ".join(f"{k} {v:.0f}" for k, v in r["median_us_per_plain_step"].items())
-        print(f"{r['backend']} {r['model']} k={r['k']} M={r['m']} depth={r['depth']}: {r['bursts']} bursts, "
+        print(f"{r['backend']} {r['model']} k={r['k']} M={r['m']} depth={r['depth']} admission={r['admission']}: "
+              f"{r['bursts']} bursts, wall {r['wall_ms']:.1f} ms, "
               f"{r['admitting_boundaries']}/{r['boundaries']} admitting boundaries, "
               f"host {r['host_us_per_step']:.0f} µs/step, GPU busy {r['gpu_busy_ms']} ms idle {r['gpu_idle_ms']} ms "
               f"({idle}; admission spans {r['gpu_admission_ms']} ms); median µs per admitting boundary: {med}; "

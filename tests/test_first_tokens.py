@@ -177,7 +177,26 @@ def test_admission_is_validated_by_the_loop_and_the_config():
 def test_gpu_auto_admission_turns_early_when_bursts_outlast_admissions():
     from graphburst.backend import Backend
 
-    # 1 ms per model call: a burst takes milliseconds, an admission of stubs well under one
-    assert _bursts_between_a_finish_and_the_next_first_token("auto", backend=Backend("cupy"), cost_ns=1_000_000) == 1
+    # 2 ms per model call: a burst takes 16 ms, an admission of stubs well under one
+    assert _bursts_between_a_finish_and_the_next_first_token("auto", backend=Backend("cupy"), cost_ns=2_000_000) == 1
     # zero-cost stubs: a burst is shorter than the host's admission, so the queue is refilled first
     assert _bursts_between_a_finish_and_the_next_first_token("auto", backend=Backend("cupy")) == 2
+
+
+def test_auto_admission_is_early_only_when_a_burst_outlasts_the_admission_by_the_margin():
+    from graphburst.serving.admit import EARLY_ADMISSION_MARGIN
+
+    loop = make_loop(2)
+    clock = loop.pipeline.clock
+    assert not loop._admit_early()  # nothing measured (and no GPU timing here)
+    clock.last_busy_ms, loop._admission_ms = 35.0, 2.0  # a 1b burst, a small admission
+    assert loop._admit_early()
+    clock.last_busy_ms, loop._admission_ms = 0.11, 0.1  # zero-cost stubs
+    assert not loop._admit_early()
+    clock.last_busy_ms = 0.1 * EARLY_ADMISSION_MARGIN  # exactly at the margin: late
+    assert not loop._admit_early()
+    loop.admission = "early"
+    assert loop._admit_early()
+    loop.admission = "late"
+    clock.last_busy_ms = 1e9
+    assert not loop._admit_early()

@@ -24,8 +24,10 @@ from .first_tokens import NO_COPY
 
 #: ``ServeLoop(admission=...)``: when a pipelined step runs the burst boundary (see LoopAdmission._admit_early)
 ADMISSION_MODES = ("auto", "early", "late")
-#: auto: admit before refilling once the bursts still queued outlast this many boundaries' host time
-EARLY_ADMISSION_MARGIN = 2.0
+#: auto: admit before refilling once a burst outlasts this many times an admission's host time. Wide:
+#: zero-cost stubs (a 0.1 ms burst against 0.1-0.3 ms admissions) lose when admitting early, real models
+#: (35-140 ms bursts against 1-10 ms admissions) gain a burst of time to first token.
+EARLY_ADMISSION_MARGIN = 8.0
 
 
 class LoopAdmission:
@@ -77,14 +79,14 @@ class LoopAdmission:
         still queued run, and the next launch carries the new slots: their first tokens come
         one burst sooner. Late, the step launches first, so the GPU has a full queue while the
         host admits, and new slots wait behind one more burst. ``auto`` admits early once the
-        last drained burst's GPU time, times ``depth - 1``, exceeds ``EARLY_ADMISSION_MARGIN``
-        times the last admission's host time (real models: a burst is tens of milliseconds, an
-        admission a few), and late until both are measured or without GPU timing.
+        last drained burst's GPU time exceeds ``EARLY_ADMISSION_MARGIN`` times the last
+        admission's host time (real models: a burst is tens of milliseconds, an admission a
+        few), and late until both are measured or without GPU timing.
         """
         if self.admission != "auto":
             return self.admission == "early"
         busy = self.pipeline.clock.last_busy_ms
-        return busy is not None and busy * (self.pipeline.depth - 1) > EARLY_ADMISSION_MARGIN * self._admission_ms
+        return busy is not None and busy > EARLY_ADMISSION_MARGIN * self._admission_ms
 
     def _take_waiting(self) -> None:
         """Give each free slot the oldest waiting request (host bookkeeping only)."""
