@@ -84,7 +84,8 @@ def add_parser(sub) -> None:
     p.add_argument("--admission", choices=ADMISSION_MODES, default="auto",
                    help="graph engine, pipelined: admit waiting requests before refilling the queue of bursts "
                         "(early: their first burst comes one burst sooner) or after it (late: the GPU keeps a full "
-                        "queue while the host admits); auto: early once a burst outlasts 8 times an admission's host time")
+                        "queue while the host admits); auto: early once the queued bursts outlast 4 typical "
+                        "admissions' host time")
     p.add_argument("--live", action="store_true", help="show the live view even when stderr is not a terminal")
     # --- HTTP mode (graphburst/serving/http.py) ---
     h = p.add_argument_group("HTTP server (--http)")

@@ -119,6 +119,7 @@ def _bursts_between_a_finish_and_the_next_first_token(admission, **kw):
     loop.admission = admission
     loop.submit(Request([1], 3))
     loop.run_until_idle()  # compiles and captures, so the admission timed below is a plain one
+    loop._admission_ms.clear()  # nor does auto count the compiles as an admission's host time
     a = loop.submit(Request([2], 5, options=SURE))  # one burst: 1 + 7 > 5
     long = loop.submit(Request([4], 60, options=SURE))
     b = loop.submit(Request([3], 9, options=SURE))
@@ -183,18 +184,26 @@ def test_gpu_auto_admission_turns_early_when_bursts_outlast_admissions():
     assert _bursts_between_a_finish_and_the_next_first_token("auto", backend=Backend("cupy")) == 2
 
 
-def test_auto_admission_is_early_only_when_a_burst_outlasts_the_admission_by_the_margin():
-    from graphburst.serving.admit import EARLY_ADMISSION_MARGIN
+def test_auto_admission_is_early_only_when_the_queued_bursts_outlast_typical_admissions():
+    from graphburst.serving.admit import ADMISSION_WINDOW, EARLY_ADMISSION_MARGIN
 
-    loop = make_loop(2)
+    loop = make_loop(2)  # depth 2: one burst still queued when an early step admits
     clock = loop.pipeline.clock
     assert not loop._admit_early()  # nothing measured (and no GPU timing here)
-    clock.last_busy_ms, loop._admission_ms = 35.0, 2.0  # a 1b burst, a small admission
-    assert loop._admit_early()
-    clock.last_busy_ms, loop._admission_ms = 0.11, 0.1  # zero-cost stubs
+    clock.last_busy_ms = 35.0  # a 1b burst
+    assert not loop._admit_early()  # no admission measured yet
+    loop._admission_ms.extend([2.0, 1.5, 20.0])  # small admissions, and one of a burst of prompts
+    assert loop._admit_early()  # the median (2 ms), not the big one, is typical
+    loop._admission_ms.extend([0.3, 0.1, 0.3, 0.4, 0.1, 0.2])  # zero-cost stubs' admissions
+    clock.last_busy_ms = 0.11
+    assert not loop._admit_early()
+    loop._admission_ms.clear()
+    loop._admission_ms.append(0.1)  # a one-slot admission alone: the margin still says late
     assert not loop._admit_early()
     clock.last_busy_ms = 0.1 * EARLY_ADMISSION_MARGIN  # exactly at the margin: late
     assert not loop._admit_early()
+    loop._admission_ms.extend([100.0] * ADMISSION_WINDOW)  # the window forgets older admissions
+    assert list(loop._admission_ms) == [100.0] * ADMISSION_WINDOW
     loop.admission = "early"
     assert loop._admit_early()
     loop.admission = "late"

@@ -12,6 +12,7 @@ the slots, the intake, the decoder and the token store it uses.
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import numpy as np
@@ -24,10 +25,13 @@ from .first_tokens import NO_COPY
 
 #: ``ServeLoop(admission=...)``: when a pipelined step runs the burst boundary (see LoopAdmission._admit_early)
 ADMISSION_MODES = ("auto", "early", "late")
-#: auto: admit before refilling once a burst outlasts this many times an admission's host time. Wide:
-#: zero-cost stubs (a 0.1 ms burst against 0.1-0.3 ms admissions) lose when admitting early, real models
-#: (35-140 ms bursts against 1-10 ms admissions) gain a burst of time to first token.
-EARLY_ADMISSION_MARGIN = 8.0
+#: auto: admit before refilling once the bursts still queued outlast this many times a typical
+#: admission's host time (the median of the last ADMISSION_WINDOW). Zero-cost stubs (0.1 ms bursts,
+#: 0.1-0.4 ms admissions) stay late; real models (35-140 ms bursts, 1-10 ms admissions) go early. The
+#: median, not the last admission: sizes alternate in waves, and a one-slot admission must not send
+#: the next fourteen-slot one early.
+EARLY_ADMISSION_MARGIN = 4.0
+ADMISSION_WINDOW = 16
 
 
 class LoopAdmission:
@@ -70,7 +74,7 @@ class LoopAdmission:
                 self._prefill_some()
             finally:
                 clock.admission_end(span, stream)
-            self._admission_ms = (time.perf_counter() - t0) * 1e3  # taking requests and prefilling them
+            self._admission_ms.append((time.perf_counter() - t0) * 1e3)  # taking requests and prefilling them
 
     def _admit_early(self) -> bool:
         """Whether a pipelined step admits before refilling the pipeline (``admission``).
@@ -79,14 +83,16 @@ class LoopAdmission:
         still queued run, and the next launch carries the new slots: their first tokens come
         one burst sooner. Late, the step launches first, so the GPU has a full queue while the
         host admits, and new slots wait behind one more burst. ``auto`` admits early once the
-        last drained burst's GPU time exceeds ``EARLY_ADMISSION_MARGIN`` times the last
-        admission's host time (real models: a burst is tens of milliseconds, an admission a
-        few), and late until both are measured or without GPU timing.
+        last drained burst's GPU time, times the ``depth - 1`` bursts still queued, exceeds
+        ``EARLY_ADMISSION_MARGIN`` times the median host time of the last ``ADMISSION_WINDOW``
+        admissions (real models: a burst is tens of milliseconds, an admission a few), and late
+        until both are measured or without GPU timing.
         """
         if self.admission != "auto":
             return self.admission == "early"
-        busy = self.pipeline.clock.last_busy_ms
-        return busy is not None and busy > EARLY_ADMISSION_MARGIN * self._admission_ms
+        busy, spent = self.pipeline.clock.last_busy_ms, self._admission_ms
+        return busy is not None and bool(spent) and \
+            busy * (self.pipeline.depth - 1) > EARLY_ADMISSION_MARGIN * statistics.median(spent)
 
     def _take_waiting(self) -> None:
         """Give each free slot the oldest waiting request (host bookkeeping only)."""

@@ -26,6 +26,7 @@ cancellation, a request's retirement, streaming and the loop's counters; the bou
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 from collections.abc import AsyncIterator, Iterator
 
@@ -36,7 +37,7 @@ from ..capture import BurstGraph
 from ..constants import MAX_DEPTH
 from ..sampling.params import SamplingParams
 from ..validate import check_int
-from .admit import LoopAdmission, check_admission, check_prefill_chunk, describe
+from .admit import ADMISSION_WINDOW, LoopAdmission, check_admission, check_prefill_chunk, describe
 from .events import Retired, Tokens
 from .first_tokens import NO_COPY, FirstTokenCopies, LoopFirstTokens
 from .intake import RequestIntake
@@ -106,7 +107,7 @@ class ServeLoop(LoopAdmission, LoopFirstTokens):
         engine = BurstMode.parse(engine, SERVE_MODES, name="engine")
         depth = check_int("depth", depth, minimum=2, maximum=MAX_DEPTH)
         self.admission = check_admission(admission)
-        self._admission_ms = float("inf")  # host time of the last admission (none yet: assume it is long)
+        self._admission_ms = collections.deque(maxlen=ADMISSION_WINDOW)  # host ms of the last admissions
         self.sampling = bool(sampling)
         self.prefill_chunk = check_prefill_chunk(prefill_chunk, target, draft)
         self.dec = self._make_decoder(target, draft, k=k, m_rounds=m_rounds, sampling=self.sampling)
