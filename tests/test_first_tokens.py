@@ -25,13 +25,14 @@ def test_the_first_token_comes_alone_before_any_burst_is_drained(engine, pipelin
     loop.log = []
     states = [loop.submit(Request([4 + i, 1], 20, options=SURE)) for i in range(3)]
     loop.step()
-    assert loop.bursts == 0  # no burst drained yet
+    eager = engine == "eager_sync"  # its step hands the first tokens out, then runs (and syncs) a burst
+    assert loop.bursts == (1 if eager else 0)
     for s in states:
         ref = greedy_reference(s.request.prompt, 20, VOCAB)
-        assert s.tokens == ref[:1] and s.n_tokens == 1
-    (event,) = [e for e in loop.log if isinstance(e, Tokens)]
+        assert s.tokens == ref[: 8 if eager else 1]
+    event = [e for e in loop.log if isinstance(e, Tokens)][0]
     assert event.ring.shape == (3, 2) and event.counts.tolist() == [1, 1, 1]
-    assert [event.tokens_of(i) for i in range(3)] == [s.tokens for s in states]
+    assert [event.tokens_of(i) for i in range(3)] == [s.tokens[:1] for s in states]
     loop.run_until_idle()
     for s in states:
         assert s.tokens == greedy_reference(s.request.prompt, 20, VOCAB)
@@ -171,6 +172,10 @@ def test_admission_is_validated_by_the_loop_and_the_config():
         ServeConfig(admission="soon")
     with pytest.raises(ConfigError, match="tensor-parallel"):
         ServeConfig(admission="early", tp=2)
+    with pytest.raises(ConfigError, match="pipelined graph engine"):
+        ServeConfig(admission="early", pipelined=False)
+    with pytest.raises(ConfigError, match="pipelined graph engine"):
+        ServeConfig(admission="late", engine="per_round_sync")
     assert ServeConfig(admission="late").admission == "late"
 
 
@@ -209,3 +214,33 @@ def test_auto_admission_is_early_only_when_the_queued_bursts_outlast_typical_adm
     loop.admission = "late"
     clock.last_busy_ms = 1e9
     assert not loop._admit_early()
+
+
+def test_a_first_token_event_carries_zero_counters_not_the_slots_last_requests():
+    loop = make_loop(1, depth=3)
+    loop.log = []
+    first = loop.submit(Request([2], 100, options=SURE))
+    for _ in range(4):
+        loop.step()
+    second = loop.submit(Request([7], 30))
+    loop.cancel(first)  # bursts in flight still carry its counters into the slot's row
+    while second.n_tokens == 0:
+        loop.step()
+    assert first.accepted > 0
+    (event,) = [e for e in loop.log if isinstance(e, Tokens) and any(s is second for s in e.states)]
+    assert event.ring.shape[1] == 2 and event.acc.tolist() == [[0, 0]]
+    loop.run_until_idle()
+    assert second.tokens == greedy_reference([7], 30, VOCAB) and second.rounds > 0
+
+
+def test_the_eager_engine_runs_its_burst_in_the_step_that_hands_out_first_tokens():
+    loop = make_loop(2, engine="eager_sync", pipelined=False)
+    long = loop.submit(Request([3], 60))
+    loop.step()
+    got = long.n_tokens
+    for i in range(20):  # a client submits and cancels a request every step
+        loop.cancel(loop.submit(Request([5 + i], 10)))
+        loop.step()
+    assert long.n_tokens >= got + 20  # each step still ran a burst for it
+    loop.run_until_idle()
+    assert long.tokens == greedy_reference([3], 60, VOCAB)

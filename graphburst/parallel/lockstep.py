@@ -156,6 +156,11 @@ class LockstepLoop(ServeLoop):
 
         return graph_of(self.dec, depth=depth, graph_cls=CheckedGraph, drain_timeout_s=self._drain_timeout_s)
 
+    # A rank waits for a first-token copy with no time limit, where its drains are bounded
+    # (CheckedGraph, wait_until): a peer dying mid-prefill would hang it instead of failing the
+    # loop. Until that wait is bounded too, first tokens arrive with the first burst here.
+    early_first_tokens = False
+
     def _admit_early(self) -> bool:
         # Admission's place in a step must be the same on every rank (its prefill holds
         # collectives), so it never follows a rank's own timings: always after the refill.

@@ -166,7 +166,7 @@ class LoopAdmission:
                 self._running[b] = True
             else:
                 self._prefilling[b] = end
-        if final:  # their first tokens, copied to the host behind the prefill (first_tokens.py)
+        if final and self.early_first_tokens:  # their first tokens, copied behind the prefill (first_tokens.py)
             live = np.fromiter(group, np.int64, len(group))
             self._first_copy[live] = self._first.enqueue(self.dec.bufs.pend, live, self.pipeline.launched,
                                                          self.dec.stream)

@@ -33,7 +33,7 @@ class Tokens:
     rows: np.ndarray  # [r] int64: their batch slots
     counts: np.ndarray  # [B] int: tokens per slot in this burst
     ring: np.ndarray  # [B, 1 + R] int32: the drained ring (column 0 is the count)
-    acc: np.ndarray  # [r, 2] int64: accepted drafts and rounds so far of each receiving request (a copy)
+    acc: np.ndarray  # [r, 2] int64: accepted drafts and rounds so far of each receiving request (a copy; 0 with first tokens)
 
     def tokens_of(self, i: int) -> list:
         """The new tokens of ``states[i]`` as a list."""

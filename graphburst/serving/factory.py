@@ -140,9 +140,6 @@ class ServeConfig:
         if self.pipeline_depth > TP_MAX_DEPTH and self.tp > 1:
             raise ConfigError("pipeline_depth", f"tensor-parallel serving (--tp > 1) keeps at most {TP_MAX_DEPTH} bursts "
                                                 f"in flight, got {self.pipeline_depth}")
-        if self.admission == "early" and self.tp > 1:
-            raise ConfigError("admission", "tensor-parallel serving (--tp > 1) admits after refilling, the same on "
-                                           "every rank; leave it auto or late")
         for name in ("prefill_chunk", "prefill_warmup"):
             if getattr(self, name) is not None and self.tp > 1:
                 raise ConfigError(name, "is not wired into tensor-parallel serving (--tp > 1); leave it unset")
@@ -170,7 +167,11 @@ class ServeConfig:
         self._set("gpu_memory_fraction", fraction)
 
     def _check_mode(self) -> None:
-        """A field of the other serving mode would be ignored: refuse it rather than drop it."""
+        """A field of the other serving mode (or engine) would be ignored: refuse it rather than drop it."""
+        if self.admission != "auto" and (self.engine != "graph" or not self.pipelined):
+            raise ConfigError("admission", f"orders the pipelined graph engine's steps only, got {self.admission!r}")
+        if self.admission == "early" and self.tp > 1:
+            raise ConfigError("admission", "tensor-parallel serving (--tp > 1) admits after refilling on every rank")
         if self.http is None:
             for name in ("tokenizer", "served_model_name"):
                 if getattr(self, name) is not None:

@@ -138,7 +138,9 @@ class LoopFirstTokens:
         store = self.store
         store.append(ring, counts, rows, store.acc, now)
         if self.log is not None:
-            self.log.append(Tokens(now, self._slot_state[rows], rows, counts, ring, store.acc[rows]))
+            # No round has run for them: zero counters, as admission set on the device (the store's
+            # rows may still hold the slot's last request's, until this request's first burst drains).
+            self.log.append(Tokens(now, self._slot_state[rows], rows, counts, ring, np.zeros((rows.size, 2), np.int64)))
         self._lead[rows] = True
         self._n_lead += rows.size
         self.tokens_out += rows.size

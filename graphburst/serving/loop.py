@@ -93,7 +93,8 @@ class ServeLoop(LoopAdmission, LoopFirstTokens):
     log : list or None
         None (the default) or a list of :mod:`~graphburst.serving.events` the loop appends
         to, in order, for a consumer that forwards tokens elsewhere (JSONL writer, HTTP
-        engine thread): a :class:`~.events.Tokens` per drained burst, an
+        engine thread): a :class:`~.events.Tokens` per drained burst and per batch of
+        first tokens handed out, an
         :class:`~.events.Admitted` when a request takes a slot, a :class:`~.events.Retired`
         when one finishes for any reason. The consumer empties it.
     """
@@ -101,6 +102,8 @@ class ServeLoop(LoopAdmission, LoopFirstTokens):
     #: True where request ids come from a loop that made them up already (a lockstep follower):
     #: the intake then takes ids of the made-up form.
     replays_ids = False
+    #: Hand first tokens out after the prefill (first_tokens.py); False: with the first burst.
+    early_first_tokens = True
 
     def __init__(self, target, draft, *, k: int, m_rounds: int, engine: str = "graph", pipelined: bool = True,
                  depth: int = 2, sampling: bool = False, prefill_chunk: int | None = None, admission: str = "auto"):
@@ -231,10 +234,11 @@ class ServeLoop(LoopAdmission, LoopFirstTokens):
     def step(self) -> int:
         """One iteration: admit, run a burst, drain, stream tokens, free finished slots.
 
-        With the pipelined graph engine two bursts stay in flight: the oldest is drained,
-        the next one is enqueued, and only then are the drained tokens handed out, so
-        the GPU keeps working while the host does; then finished slots are refilled
-        behind the bursts in flight. Returns the number of tokens delivered.
+        Pipelined, ``depth`` bursts stay in flight: the oldest is drained, the next enqueued,
+        then the drained tokens handed out and finished slots refilled behind the bursts in
+        flight (late admission), or handed out and refilled before the next is enqueued
+        (early: it carries the new slots). A step that finds first tokens due before the
+        oldest burst hands out only those (first_tokens.py). Returns the tokens delivered.
 
         An exception inside the iteration finishes the requests it touches with an
         error (those of the slots it names, else every running one) and is not raised;
@@ -276,9 +280,10 @@ class ServeLoop(LoopAdmission, LoopFirstTokens):
             pipeline.clock.forget_gap()
         if self.graph is None:
             self._boundary()
-            if self._first:  # every copy precedes the next burst: hand its tokens out first
-                return self._hand_out_first(pipeline.launched)
-            return self._deliver(*pipeline.run_eager(self._steady())) if self._running.any() else 0
+            # Every copy precedes the next burst: hand its tokens out first, then run the burst in the
+            # same step (returning in between would let a stream of admissions hold every burst back).
+            delivered = self._hand_out_first(pipeline.launched) if self._first else 0
+            return delivered + (self._deliver(*pipeline.run_eager(self._steady())) if self._running.any() else 0)
         delivered = 0
         if not pipeline:  # nothing in flight (always so unpipelined): admit before launching
             self._boundary()
@@ -291,9 +296,7 @@ class ServeLoop(LoopAdmission, LoopFirstTokens):
             # wait for them instead, and return, so a consumer forwards them before the burst.
             return self._hand_out_first(pipeline.oldest)
         drained = pipeline.drain()
-        if self.pipelined and self._admit_early():
-            # The bursts still queued outlast delivery and admission: admit first, so the next
-            # launch carries the new slots.
+        if self.pipelined and self._admit_early():  # the bursts still queued outlast admission
             delivered += self._deliver(*drained)
             if self._needs_boundary():
                 self._boundary()

@@ -162,7 +162,8 @@ class RequestState:
 
     @property
     def deliveries(self) -> list:
-        """``[(time, n_tokens), ...]``, one per burst that delivered tokens to this request."""
+        """``[(time, n_tokens), ...]``: the first token alone (handed out after the prefill, unless
+        a lockstep loop serves it), then one per burst that delivered tokens to this request."""
         if self._store is not None:
             return self._store.deliveries(self.slot)
         if self._when is None:
