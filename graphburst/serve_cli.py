@@ -19,9 +19,9 @@ from .cli_args import AUTO, NGRAM_DRAFT, FlagError, add_ngram_flags, check_backe
     check_ngram_flags, fraction, int_in, int_or_auto, readable_file, real_in, same_file, writable_file
 from .constants import MAX_DEPTH, MAX_K
 from .models.capacity import DEFAULT_GPU_MEMORY_FRACTION
+from .serving.admit import ADMISSION_MODES
 from .serving.factory import DEFAULT_PREFILL_WARMUP, STUB_DEFAULTS, TINY_RANDOM, ConfigError, ServeConfig, build_loop, \
     resolve_capacity
-from .serving.admit import ADMISSION_MODES
 from .serving.jsonl import error_text, stderr_console
 from .serving.loop import ENGINE_MODES, ServeLoop
 

@@ -11,7 +11,9 @@ burst is drained, the ring row's leading token (the same one) is dropped.
 Which copies the loop waits for is decided by stream order alone, never by polling an
 event: a copy enqueued before burst ``i`` was launched is complete by the time burst ``i``
 is, so the loop hands it out (waiting for the copy, not the burst) just before it would
-wait on burst ``i``. Every rank of a lockstep loop so takes the same steps.
+wait on burst ``i``. Every rank of a lockstep loop would so take the same steps, but
+lockstep loops keep first tokens with the first burst for now (``early_first_tokens``:
+their wait for a copy is not bounded as their drains are).
 
 :class:`FirstTokenCopies` keeps the copies; :class:`LoopFirstTokens` (a mixin of
 :class:`~graphburst.serving.loop.ServeLoop`, which owns the slots, the token store and the
@@ -22,7 +24,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-
 import time
 
 import numpy as np
