@@ -208,6 +208,12 @@ class BurstTokens(Sequence):
         self.counts = np.where(rows, 0, self.counts)
         self.data[rows, RING_COUNT_COLUMN] = 0
 
+    def drop_first(self, rows: np.ndarray) -> None:
+        """Forget the first token of ``rows`` (``[r]`` int, each with a count > 0): the rest move up one."""
+        self.data[rows, 1:-1] = self.data[rows, 2:]
+        self.counts[rows] -= 1
+        self.data[rows, RING_COUNT_COLUMN] = self.counts[rows]
+
     @property
     def total(self) -> int:
         """Tokens committed over the whole batch."""

@@ -244,3 +244,14 @@ def test_the_eager_engine_runs_its_burst_in_the_step_that_hands_out_first_tokens
     assert long.n_tokens >= got + 20  # each step still ran a burst for it
     loop.run_until_idle()
     assert long.tokens == greedy_reference([3], 60, VOCAB)
+
+
+def test_burst_tokens_drop_first_moves_the_rest_of_each_named_row_up_one():
+    from graphburst.buffers import BurstTokens
+
+    ring = np.array([[2, 5, 6, 0], [1, 9, 0, 0], [3, 1, 2, 3]], np.int32)  # column 0: the count
+    tokens = BurstTokens(ring.copy())
+    tokens.drop_first(np.array([0, 2]))
+    assert tokens.counts.tolist() == [1, 1, 2]
+    assert [tokens[b].tolist() for b in range(3)] == [[6], [9], [2, 3]]
+    assert tokens.data[:, 0].tolist() == [1, 1, 2] and tokens.total == 4

@@ -4,8 +4,8 @@ A consumer that forwards tokens elsewhere (the JSONL writer, the HTTP engine thr
 test) sets ``loop.log = []``; every step then appends, in order, one :class:`Tokens` per
 drained burst that delivered tokens and per batch of first tokens handed out, one
 :class:`Admitted` when a request takes a batch slot and one :class:`Retired` when a
-request finishes for any reason (stop, length, cancel, error). The consumer reads them by type (``isinstance`` or ``match``) and
-empties the list. The events are frozen: the arrays they carry belong to the consumer.
+request finishes for any reason (stop, length, cancel, error). The consumer reads them
+by type (``isinstance`` or ``match``) and empties the list. The events are frozen: the arrays they carry belong to the consumer.
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ class Tokens:
     rows: np.ndarray  # [r] int64: their batch slots
     counts: np.ndarray  # [B] int: tokens per slot in this burst
     ring: np.ndarray  # [B, 1 + R] int32: the drained ring (column 0 is the count)
-    acc: np.ndarray  # [r, 2] int64: accepted drafts and rounds so far of each receiving request (a copy; 0 with first tokens)
+    # [r, 2] int64: accepted drafts and rounds so far of each receiving request (a copy; 0 with first tokens)
+    acc: np.ndarray
 
     def tokens_of(self, i: int) -> list:
         """The new tokens of ``states[i]`` as a list."""

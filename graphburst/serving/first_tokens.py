@@ -28,6 +28,7 @@ import time
 
 import numpy as np
 
+from ..constants import RING_COUNT_COLUMN
 from .events import Tokens
 
 #: ``ServeLoop._first_copy`` of a slot with no first-token copy pending.
@@ -133,9 +134,9 @@ class LoopFirstTokens:
         """Hand ``rows`` their first token from ``pend`` ([B] int32, host), as a one-token delivery."""
         now = time.perf_counter()
         ring = np.zeros((len(self.slots), 2), np.int32)  # [B, 2] int32: count, token (the ring's layout)
-        ring[rows, 0] = 1
+        ring[rows, RING_COUNT_COLUMN] = 1
         ring[rows, 1] = pend[rows]
-        counts = ring[:, 0].copy()  # [B] int32
+        counts = ring[:, RING_COUNT_COLUMN].copy()  # [B] int32
         store = self.store
         store.append(ring, counts, rows, store.acc, now)
         if self.log is not None:
@@ -153,9 +154,6 @@ class LoopFirstTokens:
         rows = np.logical_and(self._lead, tokens.counts).nonzero()[0]  # counts >= 0
         if not rows.size:
             return
-        data, counts = tokens.data, tokens.counts
-        data[rows, 1:-1] = data[rows, 2:]
-        counts[rows] -= 1
-        data[rows, 0] = counts[rows]
+        tokens.drop_first(rows)
         self._lead[rows] = False
         self._n_lead -= rows.size

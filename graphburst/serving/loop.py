@@ -282,7 +282,7 @@ class ServeLoop(LoopAdmission, LoopFirstTokens):
             self._boundary()
             # Every copy precedes the next burst: hand its tokens out first, then run the burst in the
             # same step (returning in between would let a stream of admissions hold every burst back).
-            delivered = self._hand_out_first(pipeline.launched) if self._first else 0
+            delivered = self._hand_out_first(pipeline.launched)
             return delivered + (self._deliver(*pipeline.run_eager(self._steady())) if self._running.any() else 0)
         delivered = 0
         if not pipeline:  # nothing in flight (always so unpipelined): admit before launching
