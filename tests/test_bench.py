@@ -43,6 +43,18 @@ def test_bench_serve_on_numpy(tmp_path):
     assert all(r["gpu_idle_fraction"] is None and r["gpu_idle_fraction_steady"] is None for r in res["results"])
 
 
+def test_bench_serve_takes_the_loop_shape(tmp_path):
+    """--batch, -k and -m shape the stubs' loop (they were once ignored: -m 16 ran M=8)."""
+    res = bench("serve", "--num-requests", "2", "--new-tokens", "5", "--refill-requests", "9", "--batch", "4",
+                "-k", "2", "-m", "16", tmp_path=tmp_path)
+    assert res["meta"]["m"] == 16 and res["meta"]["k"] == 2 and res["meta"]["batch"] == 4
+    assert all((r["batch"], r["k"], r["m"]) == (4, 2, 16) for r in res["results"])
+    refill = [r for r in res["results"] if r["workload"] == "refill"]
+    # 9 requests through 4 slots, 5 tokens each, per stub cost; one burst of M=16 rounds serves a slot's 5 tokens
+    assert [r["tokens"] for r in refill] == [45, 45]
+    assert all(r["bursts"] >= 3 for r in refill)  # three waves of admissions at the least
+
+
 def test_bench_serve_http_on_numpy(tmp_path):
     """The server runs as a subprocess on loopback; concurrent httpx clients check every stream's tokens."""
     pytest.importorskip("aiohttp")

@@ -1,5 +1,5 @@
-"""``graphburst bench serve``: 64 concurrent requests at B=64, k=4, M=8, stub cost 0 and
-100 µs, through the captured graph (pipelined and not) and through eager bursts that
+"""``graphburst bench serve``: 64 concurrent requests at B=64, k=4, M=8 (``--batch``, ``-k``,
+``-m``), stub cost 0 and 100 µs, through the captured graph (pipelined and not) and through eager bursts that
 sync every round. A warm-up request through each loop is checked against the greedy
 reference before the timed requests start; every timed request is checked after.
 ``--http`` adds the HTTP server under real concurrent streaming clients (.serve_http).
@@ -73,10 +73,11 @@ def run_one(backend, engine, pipelined, cost_us, n_req, new_tokens, batch=BATCH,
 REFILL_RUNS = 3  # the refill row is the run of median GPU idle: one run of ~60 bursts varies by 10+ points
 
 
-def _median_refill(backend, cost_us, n_req, new_tokens, depth=2) -> dict:
-    """The refill workload ``REFILL_RUNS`` times; the run of median idle, every run's idle beside it."""
+def _median_refill(backend, cost_us, n_req, new_tokens, depth=2, **shape) -> dict:
+    """The refill workload ``REFILL_RUNS`` times; the run of median idle, every run's idle beside it.
+    ``shape``: ``batch``, ``k``, ``m`` for :func:`run_one`."""
     n_runs = REFILL_RUNS if backend.is_gpu else 1  # numpy: no device timing, nothing to rank
-    runs = [run_one(backend, "graph", True, cost_us, n_req, new_tokens, workload="refill", depth=depth)
+    runs = [run_one(backend, "graph", True, cost_us, n_req, new_tokens, workload="refill", depth=depth, **shape)
             for _ in range(n_runs)]
     if n_runs == 1:
         return runs[0]
@@ -98,7 +99,7 @@ def add_parser(sub) -> None:
     p.add_argument("--requests", type=int_in(1, 1_000_000), dest="num_requests", action=DeprecatedAlias,
                    help=argparse.SUPPRESS)
     p.add_argument("--refill-requests", type=int_in(0, 1_000_000), default=4 * BATCH,
-                   help="requests of the refill workload (graph pipelined, more requests than the 64 slots, so "
+                   help="requests of the refill workload (graph pipelined, more requests than the --batch slots, so "
                         "slots refill at burst boundaries); 0 skips it")
     p.add_argument("--pipeline-depth", type=int_in(2, MAX_DEPTH), nargs="+", default=[2], metavar="N",
                    help="bursts kept in flight in the refill workload's rows, one row set per value (default 2)")
@@ -108,7 +109,7 @@ def add_parser(sub) -> None:
                         "open-loop benchmark instead (below)")
     p.add_argument("--http-timeout", type=int_in(1, 3600), default=120,
                    help="seconds the HTTP clients of one run may take in all (open loop: after the last arrival)")
-    load.add_flags(p)
+    load.add_flags(p)  # its --batch, -k and -m/--rounds also shape the stubs' loop here
 
 
 def check_args(args) -> None:
@@ -121,7 +122,8 @@ def check_args(args) -> None:
         return
     load.refuse_without_model(args)
     # One loop's KV caches at the largest request, and every request's tokens kept to the end.
-    check_kv_memory(BATCH, _capacity(args.new_tokens), STUB_LAYERS + 1, flags=("--new-tokens",))
+    check_kv_memory(args.batch, _capacity(args.new_tokens, args.k, args.rounds), STUB_LAYERS + 1,
+                    flags=("--batch", "--new-tokens", "--rounds"))
     n_req = max(args.num_requests, args.refill_requests)
     check_memory(n_req * args.new_tokens * TOKEN_BYTES, f"{n_req} requests x {args.new_tokens} new tokens",
                  ("--num-requests" if args.num_requests >= args.refill_requests else "--refill-requests",
@@ -138,10 +140,12 @@ def check_args(args) -> None:
 def run(args, console: Console, backend) -> int:
     if args.model is not None:
         return load.run(args, console, backend)
-    rows = [run_one(backend, engine, pipelined, cost, args.num_requests, args.new_tokens)
+    # The open-loop shape flags set the stubs' loop too (they were ignored here once: -m 16 ran M=8).
+    shape = dict(batch=args.batch, k=args.k, m=args.rounds)
+    rows = [run_one(backend, engine, pipelined, cost, args.num_requests, args.new_tokens, **shape)
             for cost in COSTS_US for engine, pipelined in ENGINES]
     if args.refill_requests:
-        rows += [_median_refill(backend, cost, args.refill_requests, args.new_tokens, depth)
+        rows += [_median_refill(backend, cost, args.refill_requests, args.new_tokens, depth, **shape)
                  for depth in args.pipeline_depth for cost in COSTS_US]
     for r in rows:
         r["transport"] = "in-process"
@@ -149,8 +153,11 @@ def run(args, console: Console, backend) -> int:
         from .serve_http import run_http
 
         rows += [run_http(backend.name, pipelined=pipelined, cost_us=0, clients=args.num_requests,
-                          new_tokens=args.new_tokens, timeout_s=args.http_timeout) for pipelined in (True, False)]
-    table = new_table(f"serve: B={BATCH}, k=4, M=8, {args.new_tokens} tokens per request; burst: {args.num_requests} "
+                          new_tokens=args.new_tokens, timeout_s=args.http_timeout, **shape)
+                 for pipelined in (True, False)]
+    for r in rows:
+        r.update(shape)
+    table = new_table(f"serve: B={args.batch}, k={args.k}, M={args.rounds}, {args.new_tokens} tokens per request; burst: {args.num_requests} "
                       f"requests, refill: {args.refill_requests}; {label(backend)}",
                       ["transport", "workload", "engine", "stub µs/call", "tokens/s", "ITL p50 µs", "ITL p99 µs",
                        "delivery gap p50 µs", "delivery gap p99 µs", "TTFT p50 ms", "GPU idle (all)",
@@ -163,7 +170,7 @@ def run(args, console: Console, backend) -> int:
                       _pct(r["gpu_idle_fraction_steady"]),
                       f"{r['bursts']} ({r['steady_bursts']})")
     write_results(console, args.json, backend=backend, tables=[table], results=rows,
-                  requests=args.num_requests, refill_requests=args.refill_requests, new_tokens=args.new_tokens,
+                  requests=args.num_requests, refill_requests=args.refill_requests, new_tokens=args.new_tokens, **shape,
                   idle_note="gpu_idle_fraction: every gap while a request held a slot (the earlier figure); "
                             "gpu_idle_fraction_steady: gaps before bursts launched with every slot running")
     return 0
