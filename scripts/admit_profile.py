@@ -133,6 +133,7 @@ def measure(backend_name: str, *, requests=256, batch=64, new_tokens=256, k=4, m
             "depth": depth, "admission": order or "default",
             "wall_ms": wall * 1e3,
             "bursts": loop.bursts, "boundaries": len(per_boundary), "admitting_boundaries": len(admitting),
+            "deferred_boundaries": getattr(loop, "deferred_boundaries", None),  # an older graphburst has none
             "gpu_busy_ms": busy if backend.is_gpu else None, "gpu_idle_ms": idle if backend.is_gpu else None,
             "gpu_idle_fraction": idle / (busy + idle) if backend.is_gpu and busy + idle > 0 else None,
             "gpu_admission_ms": admission if backend.is_gpu else None,
@@ -180,7 +181,8 @@ def main(argv=None) -> None:
         plain = "  ".join(f"{k} {v:.0f}" for k, v in r["median_us_per_plain_step"].items())
         print(f"{r['backend']} {r['model']} k={r['k']} M={r['m']} depth={r['depth']} admission={r['admission']}: "
               f"{r['bursts']} bursts, wall {r['wall_ms']:.1f} ms, "
-              f"{r['admitting_boundaries']}/{r['boundaries']} admitting boundaries, "
+              f"{r['admitting_boundaries']}/{r['boundaries']} admitting boundaries "
+              f"({r['deferred_boundaries']} deferred), "
               f"host {r['host_us_per_step']:.0f} µs/step, GPU busy {r['gpu_busy_ms']} ms idle {r['gpu_idle_ms']} ms "
               f"({idle}; admission spans {r['gpu_admission_ms']} ms); median µs per admitting boundary: {med}; "
               f"per plain step: {plain}")

@@ -120,7 +120,7 @@ def _bursts_between_a_finish_and_the_next_first_token(admission, **kw):
     loop.admission = admission
     loop.submit(Request([1], 3))
     loop.run_until_idle()  # compiles and captures, so the admission timed below is a plain one
-    loop._admission_ms.clear()  # nor does auto count the compiles as an admission's host time
+    loop._forget_admissions()  # nor does auto count the compiles as an admission's host time
     a = loop.submit(Request([2], 5, options=SURE))  # one burst: 1 + 7 > 5
     long = loop.submit(Request([4], 60, options=SURE))
     b = loop.submit(Request([3], 9, options=SURE))
@@ -197,18 +197,21 @@ def test_auto_admission_is_early_only_when_the_queued_bursts_outlast_typical_adm
     assert not loop._admit_early()  # nothing measured (and no GPU timing here)
     clock.last_busy_ms = 35.0  # a 1b burst
     assert not loop._admit_early()  # no admission measured yet
-    loop._admission_ms.extend([2.0, 1.5, 20.0])  # small admissions, and one of a burst of prompts
+    for ms in (2.0, 1.5, 20.0):  # small admissions, and one of a burst of prompts
+        loop._note_admission(ms)
     assert loop._admit_early()  # the median (2 ms), not the big one, is typical
-    loop._admission_ms.extend([0.3, 0.1, 0.3, 0.4, 0.1, 0.2])  # zero-cost stubs' admissions
+    for ms in (0.3, 0.1, 0.3, 0.4, 0.1, 0.2):  # zero-cost stubs' admissions
+        loop._note_admission(ms)
     clock.last_busy_ms = 0.11
     assert not loop._admit_early()
-    loop._admission_ms.clear()
-    loop._admission_ms.append(0.1)  # a one-slot admission alone: the margin still says late
+    loop._forget_admissions()
+    loop._note_admission(0.1)  # a one-slot admission alone: the margin still says late
     assert not loop._admit_early()
     clock.last_busy_ms = 0.1 * EARLY_ADMISSION_MARGIN  # exactly at the margin: late
     assert not loop._admit_early()
-    loop._admission_ms.extend([100.0] * ADMISSION_WINDOW)  # the window forgets older admissions
-    assert list(loop._admission_ms) == [100.0] * ADMISSION_WINDOW
+    for _ in range(ADMISSION_WINDOW):  # the window forgets older admissions
+        loop._note_admission(100.0)
+    assert list(loop._admission_ms) == [100.0] * ADMISSION_WINDOW and loop._typical_admission_ms == 100.0
     loop.admission = "early"
     assert loop._admit_early()
     loop.admission = "late"

@@ -166,6 +166,10 @@ class LockstepLoop(ServeLoop):
         # collectives), so it never follows a rank's own timings: always after the refill.
         return False
 
+    def _defer_boundary(self) -> bool:
+        # Nor does whether a step admits at all: a due boundary always runs.
+        return False
+
     def _costs_only_its_requests(self, exc: Exception) -> bool:
         # A bad request (ValueError: CapacityError, a refused prefill) fails the same way on
         # every rank, so every rank recovers the same way. Anything else (a peer died, a

@@ -32,6 +32,13 @@ ADMISSION_MODES = ("auto", "early", "late")
 #: the next fourteen-slot one early.
 EARLY_ADMISSION_MARGIN = 4.0
 ADMISSION_WINDOW = 16
+#: auto: while the last burst's GPU time is under this many typical admissions (the host, not the
+#: GPU, is then the bottleneck: zero-cost stubs, ~0.1 ms bursts against ~0.2 ms admissions), a
+#: boundary due one burst after an admission waits one burst, so the next admission takes both
+#: bursts' freed slots. An admission's host time is mostly fixed (H200 lease, stubs at M=8:
+#: ~200 us plus ~6 us a slot), and finishing requests free slots over consecutive bursts.
+#: Real models (35-140 ms bursts, 1-10 ms admissions) never defer.
+COALESCE_BELOW = 1.0
 
 
 class LoopAdmission:
@@ -74,7 +81,36 @@ class LoopAdmission:
                 self._prefill_some()
             finally:
                 clock.admission_end(span, stream)
-            self._admission_ms.append((time.perf_counter() - t0) * 1e3)  # taking requests and prefilling them
+            self._note_admission((time.perf_counter() - t0) * 1e3)  # taking requests and prefilling them
+            self._admitted_at = self.pipeline.launched
+
+    def _note_admission(self, ms: float) -> None:
+        """One admission's host milliseconds; the typical one is the median of the last
+        :data:`ADMISSION_WINDOW`, computed here once rather than at every step that reads it."""
+        self._admission_ms.append(ms)
+        self._typical_admission_ms = statistics.median(self._admission_ms)
+
+    def _forget_admissions(self) -> None:
+        """Drop the admission times measured so far (those of a warm-up that compiled kernels, say)."""
+        self._admission_ms.clear()
+        self._typical_admission_ms = None
+
+    def _defer_boundary(self) -> bool:
+        """Whether ``auto`` admission lets a due boundary wait one burst, to coalesce it with the next.
+
+        Only when the host is the bottleneck (the last burst's GPU time is under
+        :data:`COALESCE_BELOW` typical admissions), only right after an admission (no burst
+        launched since the one after it), never while a prompt is part-way through a chunked
+        prefill, and never twice in a row: a freed slot waits at most one more burst.
+        """
+        if self.admission != "auto" or self._prefilling or self.pipeline.launched - self._admitted_at > 1:
+            return False
+        busy = self.pipeline.clock.last_busy_ms
+        if busy is None or self._typical_admission_ms is None or busy >= COALESCE_BELOW * self._typical_admission_ms:
+            return False
+        self._admitted_at = -2  # the next due boundary runs
+        self.deferred_boundaries += 1
+        return True
 
     def _admit_early(self) -> bool:
         """Whether a pipelined step admits before refilling the pipeline (``admission``).
@@ -90,9 +126,9 @@ class LoopAdmission:
         """
         if self.admission != "auto":
             return self.admission == "early"
-        busy, spent = self.pipeline.clock.last_busy_ms, self._admission_ms
-        return busy is not None and bool(spent) and \
-            busy * (self.pipeline.depth - 1) > EARLY_ADMISSION_MARGIN * statistics.median(spent)
+        busy, typical = self.pipeline.clock.last_busy_ms, self._typical_admission_ms
+        return busy is not None and typical is not None and \
+            busy * (self.pipeline.depth - 1) > EARLY_ADMISSION_MARGIN * typical
 
     def _take_waiting(self) -> None:
         """Give each free slot the oldest waiting request (host bookkeeping only)."""
@@ -184,6 +220,10 @@ class LoopAdmission:
         is still being prefilled."""
         return bool(self.intake.queue and self._n_occupied < self.dec.batch) or self._n_stale > 0 \
             or bool(self._prefilling)
+
+    def _boundary_due(self) -> bool:
+        """A pipelined step runs the boundary now: it is needed and not deferred (:meth:`_defer_boundary`)."""
+        return self._needs_boundary() and not self._defer_boundary()
 
 
 def check_admission(mode) -> str:

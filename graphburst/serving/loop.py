@@ -111,6 +111,9 @@ class ServeLoop(LoopAdmission, LoopFirstTokens):
         depth = check_int("depth", depth, minimum=2, maximum=MAX_DEPTH)
         self.admission = check_admission(admission)
         self._admission_ms = collections.deque(maxlen=ADMISSION_WINDOW)  # host ms of the last admissions
+        self._typical_admission_ms = None  # their median (None before the first)
+        self._admitted_at = -2  # pipeline.launched at the last admission (coalescing: admit.py)
+        self.deferred_boundaries = 0  # boundaries auto admission let wait a burst (LoopAdmission._defer_boundary)
         self.sampling = bool(sampling)
         self.prefill_chunk = check_prefill_chunk(prefill_chunk, target, draft)
         self.dec = self._make_decoder(target, draft, k=k, m_rounds=m_rounds, sampling=self.sampling)
@@ -298,7 +301,7 @@ class ServeLoop(LoopAdmission, LoopFirstTokens):
         drained = pipeline.drain()
         if self.pipelined and self._admit_early():  # the bursts still queued outlast admission
             delivered += self._deliver(*drained)
-            if self._needs_boundary():
+            if self._boundary_due():
                 self._boundary()
             pipeline.fill(self._steady())
             return delivered
@@ -309,7 +312,7 @@ class ServeLoop(LoopAdmission, LoopFirstTokens):
                 pipeline.fill(steady)
         finally:  # a launch that fails (a capacity error, say) must not lose the drained tokens
             delivered += self._deliver(*drained)
-        if self.pipelined and self._needs_boundary():
+        if self.pipelined and self._boundary_due():
             # Admission without draining: the boundary's writes queue behind the bursts in
             # flight, and the next launch carries the new slots.
             self._boundary()
@@ -379,7 +382,9 @@ class ServeLoop(LoopAdmission, LoopFirstTokens):
     def stats(self) -> dict:
         """Loop-level counters: bursts, tokens/s, GPU-idle fraction between bursts.
 
-        ``gpu_idle_fraction`` counts every gap while a request held a slot;
+        ``deferred_boundaries``: boundaries ``auto`` admission let wait one burst to coalesce
+        them with the next (:meth:`LoopAdmission._defer_boundary`). ``gpu_idle_fraction``
+        counts every gap while a request held a slot;
         ``gpu_idle_fraction_steady`` only the gaps before bursts launched with every
         batch slot running (ramp-up and ramp-down left out); ``gpu_admission_fraction``
         is the part of ``gpu_idle_fraction`` spent in admission spans (prefill:
@@ -399,4 +404,5 @@ class ServeLoop(LoopAdmission, LoopFirstTokens):
             "gpu_admission_fraction": clock.overall.admission_fraction,
             "steady_bursts": clock.steady.bursts,
             "captures": self.graph.captures if self.graph is not None else 0,
+            "deferred_boundaries": self.deferred_boundaries,
         }
