@@ -141,7 +141,7 @@ def run(args, console: Console, backend) -> int:
     if args.model is not None:
         return load.run(args, console, backend)
     # The open-loop shape flags set the stubs' loop too (they were ignored here once: -m 16 ran M=8).
-    shape = dict(batch=args.batch, k=args.k, m=args.rounds)
+    shape = {"batch": args.batch, "k": args.k, "m": args.rounds}
     rows = [run_one(backend, engine, pipelined, cost, args.num_requests, args.new_tokens, **shape)
             for cost in COSTS_US for engine, pipelined in ENGINES]
     if args.refill_requests:

@@ -82,7 +82,8 @@ class ServeLoop(LoopAdmission, LoopFirstTokens):
         Pipelined: whether a step admits waiting requests before refilling the pipeline
         (their first burst comes one burst sooner) or after it (the GPU keeps a full queue
         while the host admits); ``auto`` picks early once bursts outlast admissions
-        (:meth:`~graphburst.serving.admit.LoopAdmission._admit_early`).
+        (:meth:`~graphburst.serving.admit.LoopAdmission._admit_early`), and while bursts are
+        shorter than admissions lets a boundary due right after one wait a burst (``_defer_boundary``).
 
     Attributes
     ----------
