@@ -372,8 +372,9 @@ def test_metrics_parse_as_prometheus_text(server):
     assert delta("graphburst_spec_rounds_total") >= 2
     for name in ("graphburst_inter_token_latency_seconds_count", "graphburst_accepted_drafts_per_round_count",
                  "graphburst_gpu_idle_fraction", "graphburst_queue_depth", "graphburst_active_slots",
-                 "graphburst_bursts_total"):
+                 "graphburst_bursts_total", "graphburst_deferred_boundaries_total"):
         assert (name, ()) in after, name
+    assert delta("graphburst_deferred_boundaries_total") == 0  # numpy: no GPU timing, so never deferred
 
 
 def test_a_host_stop_counts_its_rounds_in_the_metrics(server):

@@ -62,6 +62,11 @@ class _LoopCollector:
                                      "Bursts launched with every batch slot running (timed on a GPU only)")
         steady.add_metric([], s.get("steady_bursts", 0))
         yield steady
+        deferred = CounterMetricFamily("graphburst_deferred_boundaries",
+                                       "Burst boundaries auto admission let wait one burst, to admit with the next "
+                                       "(the host was the bottleneck)")
+        deferred.add_metric([], s.get("deferred_boundaries", 0))
+        yield deferred
 
 
 def _gauge(name, doc, value):
