@@ -70,10 +70,16 @@ def test_auto_coalesces_boundaries_when_bursts_are_shorter_than_admissions():
 
 
 def test_a_boundary_is_deferred_only_right_after_an_admission_never_twice_nor_mid_prompt():
+    from graphburst.serving.admit import COALESCE_AFTER
+
     loop = make_loop()
     loop.pipeline.clock.last_busy_ms = 0.1
     loop._note_admission(0.3)
     assert not loop._defer_boundary()  # no admission yet in this loop's life
+    loop._admitted_at = loop.pipeline.launched
+    assert not loop._defer_boundary()  # one admission measured: it may have compiled kernels
+    for _ in range(COALESCE_AFTER - 1):
+        loop._note_admission(0.3)
     loop._admitted_at = loop.pipeline.launched
     loop._prefilling[0] = 4  # a prompt part-way through a chunked prefill goes on at every boundary
     assert not loop._defer_boundary()
@@ -92,11 +98,26 @@ def test_a_boundary_is_deferred_only_right_after_an_admission_never_twice_nor_mi
     assert loop.deferred_boundaries == 1
 
 
+def test_no_deferral_where_auto_admits_early():
+    """At depth 6 and more a burst can be under one typical admission while the queued bursts
+    outlast four: auto then admits early, and deferring would only cost a burst."""
+    loop = make_loop(depth=6)
+    for _ in range(3):
+        loop._note_admission(1.0)
+    loop.pipeline.clock.last_busy_ms = 0.9  # 0.9 * (6 - 1) > 4 * 1.0: early
+    loop._admitted_at = loop.pipeline.launched
+    assert loop._admit_early()
+    assert not loop._defer_boundary()
+    loop.pipeline.clock.last_busy_ms = 0.5  # 0.5 * 5 < 4: late, and host-bound
+    assert not loop._admit_early()
+    assert loop._defer_boundary()
+
+
 @pytest.mark.gpu
 def test_gpu_zero_cost_stubs_coalesce_and_costly_ones_do_not():
     from graphburst.backend import Backend
 
-    cheap = make_loop(backend=Backend("cupy"), batch=8, depth=4)
+    cheap = make_loop(backend=Backend("cupy"), batch=4, depth=4)  # 12 requests through 4 slots: many admissions
     _serve(cheap)
     assert cheap.deferred_boundaries > 0  # ~0.02 ms bursts against ~0.2 ms admissions
     costly = make_loop(backend=Backend("cupy"), cost_ns=2_000_000, depth=2)

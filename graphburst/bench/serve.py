@@ -98,9 +98,9 @@ def add_parser(sub) -> None:
                    help="requests of the burst workload (and concurrent clients with --http)")
     p.add_argument("--requests", type=int_in(1, 1_000_000), dest="num_requests", action=DeprecatedAlias,
                    help=argparse.SUPPRESS)
-    p.add_argument("--refill-requests", type=int_in(0, 1_000_000), default=4 * BATCH,
+    p.add_argument("--refill-requests", type=int_in(0, 1_000_000), default=None,
                    help="requests of the refill workload (graph pipelined, more requests than the --batch slots, so "
-                        "slots refill at burst boundaries); 0 skips it")
+                        "slots refill at burst boundaries; default 4x --batch); 0 skips it")
     p.add_argument("--pipeline-depth", type=int_in(2, MAX_DEPTH), nargs="+", default=[2], metavar="N",
                    help="bursts kept in flight in the refill workload's rows, one row set per value (default 2)")
     p.add_argument("--http", action="store_true",
@@ -121,6 +121,8 @@ def check_args(args) -> None:
         load.check_args(args)
         return
     load.refuse_without_model(args)
+    if args.refill_requests is None:
+        args.refill_requests = 4 * args.batch
     # One loop's KV caches at the largest request, and every request's tokens kept to the end.
     check_kv_memory(args.batch, _capacity(args.new_tokens, args.k, args.rounds), STUB_LAYERS + 1,
                     flags=("--batch", "--new-tokens", "--rounds"))

@@ -39,6 +39,9 @@ ADMISSION_WINDOW = 16
 #: ~200 us plus ~6 us a slot), and finishing requests free slots over consecutive bursts.
 #: Real models (35-140 ms bursts, 1-10 ms admissions) never defer.
 COALESCE_BELOW = 1.0
+#: ... and only once this many admissions are measured: a server's first admissions can include
+#: kernel compiles and graph captures, which must not pass for a typical admission.
+COALESCE_AFTER = 3
 
 
 class LoopAdmission:
@@ -99,14 +102,18 @@ class LoopAdmission:
         """Whether ``auto`` admission lets a due boundary wait one burst, to coalesce it with the next.
 
         Only when the host is the bottleneck (the last burst's GPU time is under
-        :data:`COALESCE_BELOW` typical admissions), only right after an admission (no burst
-        launched since the one after it), never while a prompt is part-way through a chunked
-        prefill, and never twice in a row: a freed slot waits at most one more burst.
+        :data:`COALESCE_BELOW` typical admissions, of at least :data:`COALESCE_AFTER` measured)
+        and auto does not admit early (at depth 6 and more the two rules overlap: the queued
+        bursts then hide the admission, and waiting would only cost a burst), only right after
+        an admission (no burst launched since the one after it), never while a prompt is
+        part-way through a chunked prefill, and never twice in a row: a freed slot waits at
+        most one more burst.
         """
         if self.admission != "auto" or self._prefilling or self.pipeline.launched - self._admitted_at > 1:
             return False
-        busy = self.pipeline.clock.last_busy_ms
-        if busy is None or self._typical_admission_ms is None or busy >= COALESCE_BELOW * self._typical_admission_ms:
+        busy, typical = self.pipeline.clock.last_busy_ms, self._typical_admission_ms
+        if busy is None or len(self._admission_ms) < COALESCE_AFTER or busy >= COALESCE_BELOW * typical \
+                or self._admit_early():
             return False
         self._admitted_at = -2  # the next due boundary runs
         self.deferred_boundaries += 1
