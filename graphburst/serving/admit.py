@@ -42,6 +42,8 @@ COALESCE_BELOW = 1.0
 #: ... and only once this many admissions are measured: a server's first admissions can include
 #: kernel compiles and graph captures, which must not pass for a typical admission.
 COALESCE_AFTER = 3
+#: ``_admitted_at`` when no boundary may be deferred: ``pipeline.launched`` minus it is always > 1
+NO_RECENT_ADMISSION = -2
 
 
 class LoopAdmission:
@@ -115,7 +117,7 @@ class LoopAdmission:
         if busy is None or len(self._admission_ms) < COALESCE_AFTER or busy >= COALESCE_BELOW * typical \
                 or self._admit_early():
             return False
-        self._admitted_at = -2  # the next due boundary runs
+        self._admitted_at = NO_RECENT_ADMISSION  # the next due boundary runs
         self.deferred_boundaries += 1
         return True
 

@@ -37,7 +37,8 @@ from ..capture import BurstGraph
 from ..constants import MAX_DEPTH
 from ..sampling.params import SamplingParams
 from ..validate import check_int
-from .admit import ADMISSION_WINDOW, LoopAdmission, check_admission, check_prefill_chunk, describe
+from .admit import (ADMISSION_WINDOW, NO_RECENT_ADMISSION, LoopAdmission, check_admission, check_prefill_chunk,
+                    describe)
 from .events import Retired, Tokens
 from .first_tokens import NO_COPY, FirstTokenCopies, LoopFirstTokens
 from .intake import RequestIntake
@@ -113,7 +114,7 @@ class ServeLoop(LoopAdmission, LoopFirstTokens):
         self.admission = check_admission(admission)
         self._admission_ms = collections.deque(maxlen=ADMISSION_WINDOW)  # host ms of the last admissions
         self._typical_admission_ms = None  # their median (None before the first)
-        self._admitted_at = -2  # pipeline.launched at the last admission (coalescing: admit.py)
+        self._admitted_at = NO_RECENT_ADMISSION  # pipeline.launched at the last admission (coalescing: admit.py)
         self.deferred_boundaries = 0  # boundaries auto admission let wait a burst (LoopAdmission._defer_boundary)
         self.sampling = bool(sampling)
         self.prefill_chunk = check_prefill_chunk(prefill_chunk, target, draft)
