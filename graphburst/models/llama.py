@@ -38,7 +38,7 @@ from ..constants import MAX_K
 from . import llama_decode
 from .llama_config import LLAMA3_KEYS, ROPE_TYPES, CheckpointError, LlamaConfig  # noqa: F401 (re-exported)
 from .llama_layers import (DETERMINISTIC_SDPA, MLP, PREFILL_SDPA, Attention, Block, FusedLinear,  # noqa: F401
-                           LayerIndex, RMSNorm, fold_mask, kv_index)
+                           LayerIndex, Packed, RMSNorm, fold_mask, kv_index)
 from .rope import apply_rope, rope_inv_freq, rope_rotation, rope_tables, rotate  # noqa: F401 (re-exported)
 
 #: rows past ``capacity`` in every KV tensor: a chain of up to MAX_K drafts plus the
@@ -212,6 +212,24 @@ class Llama(nn.Module):
             out.append(shared[id(length)])
         return out
 
+    def packed_index(self, packed: Packed, dtype) -> LayerIndex:
+        """The :class:`LayerIndex` every layer of a packed forward shares (:class:`Packed`):
+        RoPE at each token's own position, KV rows ``slot * S + pos`` (clamped into the slot's
+        storage), no mask."""
+        attn = self.layers[0].self_attn
+        pos = packed.pos.clamp(0, self.rope_cos.shape[0] - 1)  # [T]
+        cos, sin = self.rope_cos[pos].to(dtype).unsqueeze(0), self.rope_sin[pos].to(dtype).unsqueeze(0)  # [1, T, D]
+        rot = rope_rotation(cos, sin, attn.n_heads + attn.n_kv, attn.n_kv)
+        s = self.kv[0].shape[2]
+        flat = packed.slot * s + packed.pos.clamp(max=s - 1)  # [T]
+        return LayerIndex(flat, None, rot, True, None, packed.cu, packed.max_len)
+
+    @property
+    def accepts_packed(self) -> bool:
+        """forward takes ``packed=``: fresh prompts end to end in one row (:class:`Packed`).
+        Not with ``deterministic_attention``: torch's flash kernels are not in its set."""
+        return bool(len(self.layers)) and self.layers[0].self_attn.backends is None
+
     #: forward takes ``logits_at``: prefill then computes the head at one position per row only.
     accepts_logits_at = True
     #: forward takes ``head=False``: a prompt's non-final chunk then writes KV and skips norm and head.
@@ -220,7 +238,8 @@ class Llama(nn.Module):
     accepts_fresh = True
 
     def forward(self, tokens: torch.Tensor, start_pos: torch.Tensor, lengths, rows: torch.Tensor | None = None,
-                logits_at: torch.Tensor | None = None, head: bool = True, fresh: bool = False):
+                logits_at: torch.Tensor | None = None, head: bool = True, fresh: bool = False,
+                packed: Packed | None = None):
         """Logits after each token; writes the tokens' KV, never moves a length.
 
         Parameters
@@ -237,11 +256,18 @@ class Llama(nn.Module):
         fresh : bool
             The caller's promise that ``start_pos`` and every length are 0 (whole prompts,
             first chunks): attention then reads only the new tokens, causal.
+        packed : Packed, optional
+            ``tokens [1, T]`` are fresh prompts end to end (:class:`Packed`; only where
+            :attr:`accepts_packed`): ``start_pos``, ``lengths`` (but for which layers hold
+            KV), ``rows``, ``logits_at`` and ``fresh`` are not read, and the logits are
+            those after each prompt's ``packed.last`` token.
 
         Returns
         -------
-        [R, T, vocab] float32, or [R, 1, vocab] with ``logits_at``, or None without ``head``
+        [R, T, vocab] float32, or [R, 1, vocab] with ``logits_at`` or ``packed``, or None without ``head``
         """
+        if packed is not None:
+            return self._packed_forward(tokens, lengths, packed, head)
         r, t = tokens.shape
         if self.decode_ops is not None and rows is None and logits_at is None and head and t <= MAX_K + 1:
             return llama_decode.fused_forward(self, tokens, start_pos, lengths, self.decode_ops)
@@ -256,6 +282,15 @@ class Llama(nn.Module):
         if logits_at is not None:
             x = x[torch.arange(r, device=x.device), logits_at].unsqueeze(1)  # [R, 1, hidden]
         return F.linear(self.norm(x), self.head_weight()).float()
+
+    def _packed_forward(self, tokens, lengths, packed: Packed, head: bool):
+        x = self.embed_tokens(tokens)  # [1, T, hidden]
+        index = self.packed_index(packed, x.dtype)
+        for layer, kv, length in zip(self.layers, self.kv, lengths):
+            x = layer(x, None, None, kv, length, None, index)
+        if not head:
+            return None
+        return F.linear(self.norm(x[0, packed.last].unsqueeze(1)), self.head_weight()).float()  # [R, 1, vocab]
 
     @torch.no_grad()
     def greedy(self, prompt, n: int, row: int = 0) -> list[int]:

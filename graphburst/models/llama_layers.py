@@ -30,6 +30,9 @@ a layer is written to issue few kernels (``tests/test_llama_ops.py`` bounds the 
   causal, with no mask, no gather of each slot's whole KV capacity, and no cuDNN
   (:data:`PREFILL_SDPA`): eager prefill is host-bound, and cuDNN's attention builds a plan
   per new shape.
+* **A packed prefill pads nothing between prompts** (:class:`Packed`): the prompts of a
+  fresh admission sit end to end in one row, each token carries its own position and slot,
+  and attention is causal within each prompt (:mod:`~graphburst.models.varlen`).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .llama_config import LlamaConfig
 from .rope import rope_rotation, rotate
+from .varlen import causal_varlen
 
 
 #: SDPA kernels for ``deterministic_attention``: torch's memory-efficient kernel (its forward
@@ -67,6 +71,8 @@ class LayerIndex(NamedTuple):
     rot : the RoPE rotation (:func:`rope_rotation`)
     fresh : every row starts at position 0, so the keys are the call's own tokens
     backends : SDPA backends to pin, or None for torch's choice
+    cu, max_len : a packed call's segment offsets and longest segment bound
+        (:class:`Packed`), or None and 0
     """
 
     flat: torch.Tensor
@@ -74,6 +80,29 @@ class LayerIndex(NamedTuple):
     rot: torch.Tensor
     fresh: bool = False
     backends: list | None = None
+    cu: torch.Tensor | None = None
+    max_len: int = 0
+
+
+class Packed(NamedTuple):
+    """Fresh prompts packed end to end into one row of ``T`` tokens (``tokens [1, T]``).
+
+    pos : [T] int64, each token's position in its prompt
+    slot : [T] int64, each token's batch row (its KV goes to row ``slot * S + pos``)
+    cu : [N + 1] int32, segment offsets (:func:`~graphburst.models.varlen.causal_varlen`);
+        tokens past the prompts (a bucket's padding) form segments of their own
+    max_len : int, a bound on a segment's length
+    last : [R] int64, the token whose logits each prompt's head reads
+
+    Padding tokens take position ``S`` and slot 0: their KV write clamps to row ``S - 1``
+    of slot 0, which no attention reads (``prefill_graphs``'s padding rows do the same).
+    """
+
+    pos: torch.Tensor
+    slot: torch.Tensor
+    cu: torch.Tensor
+    max_len: int
+    last: torch.Tensor
 
 
 class RMSNorm(nn.Module):
@@ -151,7 +180,7 @@ class Attention(nn.Module):
             flat, mask = kv_index(length, rows, t, kv.shape[2], x.dtype)
             index = LayerIndex(flat, fold_mask(mask, h // kvh) if self.fold else mask,
                                rope_rotation(cos.to(x.dtype), sin.to(x.dtype), h + kvh, kvh), False, self.backends)
-        flat, mask, rot, fresh, backends = index
+        flat, mask, rot, fresh, backends = index[:5]
         # One GEMM for q, k, v; one rotation for all three (v by the identity): [R, T, H + 2 KV, D].
         qkv = self.qkv_proj(x).view(r, t, h + 2 * kvh, hd)
         if self.qk_norm:  # per head, before RoPE (HF Qwen3); v is not normalised
@@ -160,6 +189,9 @@ class Attention(nn.Module):
         qkv = rotate(qkv, rot)
         # K and V sit side by side: one index_copy_ of the [2, R*T, KV, D] view into the flat cache.
         kv.view(2, -1, kvh, hd).index_copy_(1, flat, qkv[:, :, h:].reshape(r * t, 2, kvh, hd).transpose(0, 1))
+        if index.cu is not None:  # packed prompts (R = 1): each token attends within its own prompt
+            y = causal_varlen(qkv[0, :, :h], qkv[0, :, h: h + kvh], qkv[0, :, h + kvh:], index.cu, index.max_len)
+            return self.o_proj(y.reshape(r, t, h * hd))
         if fresh:  # every row starts at position 0: its keys are its own new tokens
             keys, vals = qkv[:, :, h: h + kvh], qkv[:, :, h + kvh:]  # [R, T, n_kv, D]
         else:
