@@ -306,8 +306,10 @@ class SlotAdmission:
                 # the slot list on the host spares the model a device sync; the staging is
                 # narrowed to this call's longest chunk, so the call pads to its own rows only
                 width = max(lens[b] for b in group)
+                # a packing model takes the lengths too, so it never reads them from the device
+                extra = {"lengths": host_lens[group]} if getattr(model, "packed_prefill", False) else {}
                 model.prefill(stage if width == stage.shape[1] else stage[:, :width], self._prompt_len, pos_ctr, out,
-                              s, start=start, rows=np.asarray(group, np.int64))
+                              s, start=start, rows=np.asarray(group, np.int64), **extra)
         if sampling:
             sample_first_tokens(self.backend.ops, self.backend, bufs, ends, s)
 

@@ -36,6 +36,9 @@ Required, both models
       ``NO_PREFILL``, sorted). A model that needs the slot list on the host uses it instead
       of reading ``prompt_len`` back (a device-to-host sync would stall the host behind
       bursts in flight); without it, the model may read it.
+    * ``lengths``: given (with ``rows``) only to a model whose ``packed_prefill`` is True: a
+      host numpy int array of each slot's chunk length, in ``rows``' order, so the model
+      can lay the prompts end to end without reading ``prompt_len`` back.
     * It runs eagerly between bursts (or beside bursts in flight), never inside a capture,
       but only on ``stream``: the decoder syncs that stream when it needs the result.
 
@@ -110,6 +113,8 @@ Optional hooks (defaults in brackets)
     True when ``prefill`` continues a prompt already partly in the cache and takes
     ``start`` and ``rows`` (above): the decoder may then split a long prompt into chunks.
     A model without it gets the old five-argument call, each prompt whole.
+``packed_prefill`` [False]
+    True when a chunked-prefill model's ``prefill`` takes ``lengths`` (above).
 ``prefill_groups(lengths: dict[int, int], fresh: bool) -> list[list[int]]`` [one call]
     How a chunked-prefill model wants one admission split into ``prefill`` calls: the
     slots of each call (every slot of ``lengths``, slot -> chunk length, exactly once).
@@ -153,6 +158,7 @@ class ModelHooks:
     capture_api: str = "cupy"
     supports_sampling: bool = False
     chunked_prefill: bool = False
+    packed_prefill: bool = False
     option_keys: frozenset = frozenset()
 
     def bind(self, bufs: StreamBufs) -> None:

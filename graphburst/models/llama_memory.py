@@ -19,7 +19,8 @@
   the prefill graphs' private pool (``models.prefill_graphs``: it keeps its largest
   bucket's peak, at most ``DEFAULT_MAX_TOKENS`` tokens, for as long as the graphs live;
   with a warm-up of ``warm_rows``, the largest bucket it makes, and with a head the
-  outputs every warmed bucket keeps, ``[R_b, 1, V]`` float32: ``prefill_graphs.warm_sizes``),
+  outputs every warmed bucket keeps, ``[R_b, 1, V]`` float32: ``prefill_graphs.warm_sizes``, or
+  ``packed_prefill.packed_warm_sizes`` where that keeps more),
   plus one decode forward of ``batch x decode_tokens`` (the captured burst's private pool
   holds its peak for as long as the graph lives), plus the head's outputs: logits in the dtype,
   their fp32 copy, and softmax or argmax outputs (16 bytes per vocabulary entry at most),
@@ -35,6 +36,7 @@ import torch
 from .capacity import MemorySpec
 from .llama import DEFAULT_KV_SLACK, KV_ROW_MULTIPLE, Llama
 from .llama_config import LlamaConfig
+from .packed_prefill import packed_warm_sizes
 from .prefill_graphs import DEFAULT_MAX_TOKENS, warm_output_bytes, warm_sizes
 
 #: Tokens one prefill forward is sized for when the caller does not say (a chunked
@@ -81,12 +83,15 @@ def memory_spec(cfg: LlamaConfig, *, name: str, dtype: torch.dtype, batch: int, 
     size = torch.empty((), dtype=dtype).element_size()
     # the prefill graphs' pool: its largest bucket's activations (a warm-up's largest may pass a
     # chunk, as its rows are rounded up the ladder), and the outputs the warmed buckets keep
+    # (padded or packed buckets, whichever keeps more: the adapter picks per module)
     warm = warm_sizes(warm_rows, DEFAULT_MAX_TOKENS, prefill_tokens)
-    graphed = max([min(prefill_tokens, DEFAULT_MAX_TOKENS)] + [r * p for r, p in warm])
+    packed = packed_warm_sizes(warm_rows, DEFAULT_MAX_TOKENS, prefill_tokens)
+    graphed = max([min(prefill_tokens, DEFAULT_MAX_TOKENS)] + [r * p for r, p in warm] + [t for _, t in packed])
     act = cfg.activation_bytes_per_token(size) * (prefill_tokens + graphed + batch * decode_tokens)
     head = batch * (decode_tokens + 1) * cfg.vocab_size * (size + HEAD_EXTRA_BYTES)
     if warm_head:
-        head += warm_output_bytes(warm_rows, cfg.vocab_size, DEFAULT_MAX_TOKENS, prefill_tokens)
+        head += max(warm_output_bytes(warm_rows, cfg.vocab_size, DEFAULT_MAX_TOKENS, prefill_tokens),
+                    sum(r for r, _ in packed) * cfg.vocab_size * 4)
     rope = 2 * cfg.head_dim * 4  # rope_cos and rope_sin rows, float32
     mask = (prefill_tokens + batch * decode_tokens) * (size + 1)  # additive masks and their booleans, per KV row
     gather = batch * 2 * cfg.num_key_value_heads * cfg.head_dim * size  # one layer's K and V of the prefilled slots

@@ -142,6 +142,9 @@ class PrefillGraphs:
         padded, the path CPU tests hold); CPU tests give the GPU's policy to hold it too.
     """
 
+    #: calls pad each prompt to the call's longest (False) or pack them end to end (the subclass)
+    packed = False
+
     def __init__(self, module, *, kv_layers, capture: bool, max_tokens: int = DEFAULT_MAX_TOKENS,
                  capture_at: int | None = None):
         import torch
@@ -198,7 +201,7 @@ class PrefillGraphs:
         if b is None:
             if uses < self.capture_at and size not in self._warm:
                 return NotImplemented
-            b = self._buckets[key] = _Bucket(self.torch, *size, self.s, self.device)
+            b = self._buckets[key] = self._new_bucket(size)
         b.tokens[:r, :p].copy_(tokens)  # columns past p keep earlier (valid) ids: padding, causal
         b.idx[:r].copy_(idx)
         b.start[:r].zero_()
@@ -206,6 +209,13 @@ class PrefillGraphs:
         self._pad(b, r)
         out = self._call(b, head)
         return None if out is None else out[:r, 0]
+
+    def _new_bucket(self, size: tuple[int, int]) -> _Bucket:
+        return _Bucket(self.torch, *size, self.s, self.device)
+
+    def warm_sizes(self, max_rows: int, max_length: int | None = None) -> list:
+        """The buckets :meth:`warm_up` makes (:func:`warm_sizes`)."""
+        return warm_sizes(max_rows, self.max_tokens, max_length)
 
     def _pad(self, b: _Bucket, r: int) -> None:
         """Rows ``r:`` of ``b`` become padding rows: they write only row S - 1 of slot 0."""
@@ -249,7 +259,7 @@ class PrefillGraphs:
         real forwards left cached are released; None on the CPU).
         """
         torch, key_head = self.torch, bool(head)
-        sizes = warm_sizes(max_rows, self.max_tokens, max_length)
+        sizes = self.warm_sizes(max_rows, max_length)
         t0 = time.perf_counter()
         free = None
         if self.capture:  # measured from an empty cache, so device_bytes is what warm-up keeps
@@ -264,7 +274,7 @@ class PrefillGraphs:
                     self._warm.add(size)
                     continue  # made by an earlier call already
                 if b is None:
-                    b = self._buckets[(*size, key_head)] = _Bucket(torch, *size, self.s, self.device)
+                    b = self._buckets[(*size, key_head)] = self._new_bucket(size)
                 self._pad(b, 0)  # padding rows only
                 self._call(b, key_head)
                 self._warm.add(size)
@@ -361,21 +371,3 @@ class PrefillGraphs:
     def info(self) -> dict:
         """Buckets made so far, as ``{(rows, length, head): captured}``."""
         return {k: b.graph is not None for k, b in self._buckets.items()}
-
-
-def prefill_graphs_for(module, wanted: bool | None, kv_layers, *, gpu: bool) -> PrefillGraphs | None:
-    """An adapter's prefill graphs: ``wanted`` None means on a GPU for a module that can.
-
-    Raises TypeError for a ``wanted`` that is not a bool or None, ValueError for True with a
-    module that lacks ``accepts_fresh``, ``accepts_logits_at`` or ``accepts_head``. On
-    numpy, True gives the padded buckets run eagerly (the path CPU tests hold).
-    """
-    if wanted is not None and not isinstance(wanted, bool):
-        raise TypeError(f"prefill_graphs must be a bool or None, got {type(wanted).__name__}")
-    able = all(getattr(module, f"accepts_{what}", False) for what in ("fresh", "logits_at", "head"))
-    if wanted and not able:
-        raise ValueError(f"prefill_graphs=True needs a module with accepts_fresh, accepts_logits_at and "
-                         f"accepts_head ({type(module).__name__} lacks one)")
-    if not (wanted or (wanted is None and able and gpu)):
-        return None
-    return PrefillGraphs(module, kv_layers=kv_layers, capture=gpu)

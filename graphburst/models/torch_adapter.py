@@ -52,7 +52,7 @@ from ..buffers import KVCache, KVLayer, StreamBufs
 from ..constants import NO_PREFILL
 from ..guard import Watched
 from ..validate import check_int, check_prob
-from .prefill_graphs import prefill_graphs_for
+from .packed_prefill import prefill_graphs_for
 
 
 def _torch():
@@ -95,7 +95,7 @@ class _TorchModel(Watched):
     _watched = frozenset({"cache", "module"})
 
     def __init__(self, module, *, batch: int, capacity: int, backend: Backend | str = "auto", vocab: int | None = None,
-                 prefill_graphs: bool | None = None):
+                 prefill_graphs: bool | None = None, packed_prefill: bool | None = None):
         torch = _torch()
         self.torch = torch
         self.module = module
@@ -121,8 +121,13 @@ class _TorchModel(Watched):
         self._streams = {}  # stream ptr -> torch ExternalStream, made once per stream
         self._bound: TorchBufs | None = None
         self.prefill_graphs = prefill_graphs_for(self.module, prefill_graphs, [ln is not None for ln in self._lengths],
-                                                 gpu=self.backend.is_gpu)
+                                                 gpu=self.backend.is_gpu, packed=packed_prefill)
         self._settle()
+
+    @property
+    def packed_prefill(self) -> bool:
+        """Protocol: ``prefill`` takes ``lengths`` (packed prefill graphs pack fresh prompts end to end)."""
+        return self.prefill_graphs is not None and self.prefill_graphs.packed
 
     def prefill_groups(self, lengths: dict, fresh: bool) -> list:
         """Protocol hook: with prefill graphs, a fresh admission in calls of like length
@@ -227,7 +232,7 @@ class _TorchModel(Watched):
     def _tokens(self, t):
         return t.clamp(0, self.vocab - 1).long()  # PLACEHOLDER_TOKEN (-1) becomes a valid id
 
-    def prefill(self, prompt, prompt_len, pos_ctr, pend, stream, *, start=None, rows=None) -> None:
+    def prefill(self, prompt, prompt_len, pos_ctr, pend, stream, *, start=None, rows=None, lengths=None) -> None:
         """Write the prompts' KV, or one chunk of each at ``start`` (protocol ``prefill``).
 
         Eager, on ``stream``. Given ``rows`` it never syncs with the device (the slot list
@@ -244,6 +249,8 @@ class _TorchModel(Watched):
             it the module runs no head at all
         start : [B] int32 backend array or None (all 0), the position of ``prompt[:, 0]``
         rows : host int array of the prefilled slots (sorted), or None
+        lengths : host int array of their chunk lengths (with ``rows``), or None; a fresh call
+            given them runs packed where :attr:`packed_prefill`
         """
         torch = self.torch
         with self._on(stream), torch.no_grad():
@@ -253,11 +260,14 @@ class _TorchModel(Watched):
                 return
             plen = plen_all[idx]  # [R] int32
             at = torch.zeros_like(plen) if start is None else as_tensor(start)[idx]  # [R] int32 first position
-            lengths = [None if ln is None else at for ln in self._lengths]  # the earlier chunks' rows
             # start None: every row begins at position 0, so a module that can attends to the
             # prompt's own tokens only (Llama's ``fresh``)
             fresh = start is None and getattr(self.module, "accepts_fresh", False)
-            logits = self._prefill_forward(self._tokens(tok_all[idx]), at, lengths, idx, plen, pend is not None, fresh)
+            if fresh and lengths is not None and self.packed_prefill:
+                logits = self.prefill_graphs.run_packed(tok_all, rows, lengths, pend is not None)
+            else:
+                logits = self._prefill_forward(self._tokens(tok_all[idx]), at, self._cached_lengths(at), idx, plen,
+                                               pend is not None, fresh)
             end = at + plen  # [R] int32
             if self._length is not None:
                 self._length[idx] = end
@@ -267,6 +277,10 @@ class _TorchModel(Watched):
                 if self._bound is not None and self._bound.source.sampling:
                     self._bound.tgt_logits[idx, 0] = logits.float()  # the decoder samples the first token
                 as_tensor(pend)[idx] = logits.argmax(-1).to(torch.int32)
+
+    def _cached_lengths(self, at):
+        """Each layer's KV rows before a prefill call: its earlier chunks' (``at``), None without KV."""
+        return [None if ln is None else at for ln in self._lengths]
 
     def _prefill_rows(self, plen_all, rows):
         """The prefilled slots as an ``[R] int64`` tensor on the model's device, or None if none."""
@@ -294,7 +308,7 @@ class _TorchModel(Watched):
         ``fresh``: the module accepts ``fresh`` and every row starts at position 0."""
         torch, m = self.torch, self.module
         last = (plen.long() - 1).clamp(min=0)  # [R] the chunk's last token
-        if fresh and self.prefill_graphs is not None:
+        if fresh and self.prefill_graphs is not None and not self.prefill_graphs.packed:  # packed: prefill() packs
             out = self.prefill_graphs.run(tokens, idx, last, head)
             if out is not NotImplemented:  # else past every bucket: eager below
                 return out
@@ -327,7 +341,11 @@ class TorchTarget(_TorchModel):
         Replay bucketed CUDA graphs for prefills at position 0
         (:mod:`~graphburst.models.prefill_graphs`). Default: on a GPU, when the module
         can (``accepts_fresh``, ``accepts_logits_at``, ``accepts_head``). True on numpy runs
-        the same padded buckets eagerly.
+        the same buckets eagerly.
+    packed_prefill : bool, optional
+        With prefill graphs: lay a fresh admission's prompts end to end in one call
+        (:mod:`~graphburst.models.packed_prefill`) instead of padding each to the call's
+        longest. Default: where the module ``accepts_packed``.
     """
 
     _prefill_head = True  # a fresh prefill's final chunk computes the logits after the prompt
@@ -367,7 +385,7 @@ class TorchDraft(_TorchModel):
 
     Parameters
     ----------
-    module, batch, capacity, backend, vocab, prefill_graphs
+    module, batch, capacity, backend, vocab, prefill_graphs, packed_prefill
         As for :class:`TorchTarget`.
     p_min : float
         A proposal whose probability is below this breaks the chain (0: never).
@@ -379,9 +397,10 @@ class TorchDraft(_TorchModel):
     _prefill_head = False  # a draft's prefill writes only the KV
 
     def __init__(self, module, *, batch: int, capacity: int, backend: Backend | str = "auto", vocab: int | None = None,
-                 p_min: float = 0.0, writes_verify_tokens: bool = True, prefill_graphs: bool | None = None):
+                 p_min: float = 0.0, writes_verify_tokens: bool = True, prefill_graphs: bool | None = None,
+                 packed_prefill: bool | None = None):
         super().__init__(module, batch=batch, capacity=capacity, backend=backend, vocab=vocab,
-                         prefill_graphs=prefill_graphs)
+                         prefill_graphs=prefill_graphs, packed_prefill=packed_prefill)
         self.p_min = check_prob("p_min", p_min)
         self.writes_verify_tokens = bool(writes_verify_tokens)
 
