@@ -1,6 +1,6 @@
 """Bucketed prefill graphs (graphburst.models.prefill_graphs) against the plain prefill.
 
-On the numpy backend ``prefill_graphs=True`` runs each bucket's padded forward eagerly, so
+On the numpy backend ``prefill_graphs=True`` runs each bucket's forward eagerly, so
 the bucketing and the padding rows are held here: the same KV rows, lengths, positions and
 first tokens as the unpadded prefill, and nothing written outside the prefilled rows but
 row ``S - 1`` of slot 0. On the H200 the same checks run through captured graphs, and a
@@ -100,19 +100,20 @@ def test_plan_is_the_cheapest_split_into_runs_of_sorted_lengths(rng):
         assert _cost(g, groups, lengths) == best, (lengths, groups)
 
 
-def _pair(backend, graphs: bool, seed=3):
+def _pair(backend, graphs: bool, seed=3, packed: bool = False):
     from graphburst.models.checkpoint import tiny_random_configs
 
     cfg, draft_cfg = tiny_random_configs()
     dev = "cuda" if backend.is_gpu else "cpu"
     t = Llama(cfg, batch=BATCH, capacity=CAPACITY, device=dev).init_random_(seed)
     d = Llama(draft_cfg, batch=BATCH, capacity=CAPACITY, device=dev).init_random_(seed + 1)
-    return (TorchTarget(t, batch=BATCH, capacity=CAPACITY, backend=backend, prefill_graphs=graphs),
-            TorchDraft(d, batch=BATCH, capacity=CAPACITY, backend=backend, prefill_graphs=graphs))
+    kw = {"packed_prefill": packed} if graphs else {}
+    return (TorchTarget(t, batch=BATCH, capacity=CAPACITY, backend=backend, prefill_graphs=graphs, **kw),
+            TorchDraft(d, batch=BATCH, capacity=CAPACITY, backend=backend, prefill_graphs=graphs, **kw))
 
 
-def _poisoned_decoder(backend, graphs: bool):
-    target, draft = _pair(backend, graphs)
+def _poisoned_decoder(backend, graphs: bool, packed: bool = False):
+    target, draft = _pair(backend, graphs, packed=packed)
     dec = SpecDecoder(target, draft, k=3, m_rounds=2)
     gen = torch.Generator().manual_seed(9)
     for m in (target, draft):
@@ -129,20 +130,25 @@ def _kv(dec):
 
 
 @pytest.mark.parametrize("backend_name", BACKENDS)
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 @pytest.mark.parametrize("lengths", [{2: 5}, {0: 19, 1: 257, 3: 7, 4: 1, 6: 30}, {b: 16 for b in range(BATCH)}],
                          ids=["one", "five_padded", "all_equal"])
-def test_a_bucketed_prefill_writes_what_the_plain_one_writes(rng, backend_name, lengths):
+def test_a_bucketed_prefill_writes_what_the_plain_one_writes(rng, backend_name, lengths, packed):
+    """Padded buckets, and prompts packed end to end (models.packed_prefill): the same KV rows as
+    the plain prefill, and nothing else moved but rows no attention reads."""
     backend = Backend(backend_name)
     prompts = {b: rng.integers(0, 512, n).astype(np.int32) for b, n in lengths.items()}
-    decs = [_poisoned_decoder(backend, graphs) for graphs in (False, True)]
+    decs = [_poisoned_decoder(backend, graphs, packed) for graphs in (False, True)]
     before = _kv(decs[1])
     for dec in decs:
         dec.prefill_checked(prompts, {b: 0 for b in prompts}, limits={b: 40 for b in prompts},
                             stops={b: NO_EOS for b in prompts})
     plain, graphed = decs
     assert graphed.target.prefill_graphs is not None and plain.target.prefill_graphs is None
+    assert graphed.target.packed_prefill == graphed.draft.packed_prefill == packed
     s = plain.target.module.kv[0].shape[2]
-    _, padded = graphed.target.prefill_graphs.bucket(len(prompts), max(lengths.values()))
+    # padded: a prompt's own padding tokens write its rows up to the bucket's length; packed: none
+    padded = None if packed else graphed.target.prefill_graphs.bucket(len(prompts), max(lengths.values()))[1]
     for i, (want, got, old) in enumerate(zip(_kv(plain), _kv(graphed), before)):
         for b in range(BATCH):
             n = len(prompts.get(b, ()))
@@ -151,7 +157,7 @@ def test_a_bucketed_prefill_writes_what_the_plain_one_writes(rng, backend_name, 
             # Nothing else moved but rows no attention reads (past each length): a prefilled
             # slot's rows up to the bucket's length (its padding tokens), and the last storage
             # row of slot 0 (padding rows) and of a prefilled slot (its tokens past S, clamped).
-            lo = padded if b in prompts else 0
+            lo = (n if packed else padded) if b in prompts else 0
             hi = s - 1 if (b == 0 or b in prompts) else s
             assert torch.equal(got[:, b, lo:hi], old[:, b, lo:hi]), f"kv {i} slot {b}: rows [{lo}, {hi}) moved"
     np.testing.assert_array_equal(graphed.positions(), plain.positions())
@@ -203,7 +209,7 @@ def test_a_prefill_past_every_bucket_runs_eagerly(rng):
 @requires_gpu
 def test_gpu_a_bucket_runs_eagerly_then_captures_then_replays_without_a_sync(rng):
     backend = Backend("cupy")
-    dec = _poisoned_decoder(backend, True)
+    dec = _poisoned_decoder(backend, True)  # padded buckets (the packed ones: test_packed_prefill.py)
     graphs = dec.target.prefill_graphs
     seen = []
     for n in (3, 3, 3, 2, 2):  # (3, 32): eager, captured, replayed; (2, 32): eager, captured

@@ -20,6 +20,7 @@ from graphburst.models.checkpoint import tiny_random_configs
 from graphburst.models.llama import Llama
 from graphburst.models.llama_config import LlamaConfig
 from graphburst.models.llama_memory import memory_spec
+from graphburst.models.packed_prefill import packed_warm_sizes
 from graphburst.models.prefill_graphs import (CALL_COST_TOKENS, CAPTURE_AT_USE, EAGER_CALL_COST_TOKENS, PrefillGraphs,
                                               warm_output_bytes, warm_sizes)
 from graphburst.models.stubs import stub_pair
@@ -78,13 +79,14 @@ def test_warm_up_makes_exactly_the_warm_sizes():
 # ---------------------------------------------------------------------- the KV a slot reads
 
 
-def _adapters(backend, seed=3):
+def _adapters(backend, seed=3, packed=False):
+    """Padded prefill graphs unless ``packed`` (test_packed_prefill.py holds the packed ones)."""
     cfg, draft_cfg = tiny_random_configs()
     dev = "cuda" if backend.is_gpu else "cpu"
     t = Llama(cfg, batch=BATCH, capacity=CAPACITY, device=dev).init_random_(seed)
     d = Llama(draft_cfg, batch=BATCH, capacity=CAPACITY, device=dev).init_random_(seed + 1)
-    return (TorchTarget(t, batch=BATCH, capacity=CAPACITY, backend=backend, prefill_graphs=True),
-            TorchDraft(d, batch=BATCH, capacity=CAPACITY, backend=backend, prefill_graphs=True))
+    return (TorchTarget(t, batch=BATCH, capacity=CAPACITY, backend=backend, prefill_graphs=True, packed_prefill=packed),
+            TorchDraft(d, batch=BATCH, capacity=CAPACITY, backend=backend, prefill_graphs=True, packed_prefill=packed))
 
 
 def _poison(models):
@@ -174,19 +176,23 @@ def test_the_reserve_counts_what_warm_up_keeps():
     # whole prompts: the largest warmed bucket is the pool's 8192 tokens already; the outputs are new,
     # [R_b, 1, V] float32 per bucket: rows 1 x 16 buckets, 2 x 15, 3 x 14, 4 x 14
     assert warm_output_bytes(4, 1000) == (16 + 2 * 15 + 3 * 14 + 4 * 14) * 1000 * 4
+    # packed buckets (the GPU default) keep more: rows 1, 2 and 4 x the 28 token buckets up to 8192; the
+    # reserve takes the larger of the two
+    assert sum(r for r, _ in packed_warm_sizes(4)) == (1 + 2 + 4) * 28 > 144
     cold, warm = memory_spec(cfg, **kw), memory_spec(cfg, **kw, warm_rows=4, warm_head=True)
-    assert warm.reserve_bytes - cold.reserve_bytes == 144 * 1000 * 4
+    assert warm.reserve_bytes - cold.reserve_bytes == 196 * 1000 * 4
     assert memory_spec(cfg, **kw, warm_rows=4).reserve_bytes == cold.reserve_bytes  # no head: no outputs
     # chunks of 512: the pool's largest bucket is 4 x 512 tokens, not 512; lengths 16..512 are 10 buckets a row count
     cold, warm = (memory_spec(cfg, **kw, prefill_tokens=512),
                   memory_spec(cfg, **kw, prefill_tokens=512, warm_rows=4, warm_head=True))
-    assert warm.reserve_bytes - cold.reserve_bytes == per_token * (4 * 512 - 512) + (1 + 2 + 3 + 4) * 10 * 1000 * 4
+    # (padded: (1 + 2 + 3 + 4) x 10 rows; packed: 1 x 12 token buckets up to 512, 2 x 16 up to 1024, 4 x 20 up to 2048)
+    assert warm.reserve_bytes - cold.reserve_bytes == per_token * (4 * 512 - 512) + (12 + 2 * 16 + 4 * 20) * 1000 * 4
     # the serve config's default warms 4 rows: the target keeps outputs, the draft only the larger pool
     config = dict(backend="numpy", batch=4, k=2, rounds=3, capacity="auto", model="tiny-random")
     on, off = memory_specs(ServeConfig(**config), 512), memory_specs(ServeConfig(**config, prefill_warmup=0), 512)
     t_cfg, d_cfg = tiny_random_configs()
     assert on[0].reserve_bytes - off[0].reserve_bytes == \
-        t_cfg.activation_bytes_per_token(4) * 1536 + 100 * t_cfg.vocab_size * 4
+        t_cfg.activation_bytes_per_token(4) * 1536 + 124 * t_cfg.vocab_size * 4
     assert on[1].reserve_bytes - off[1].reserve_bytes == d_cfg.activation_bytes_per_token(4) * 1536
 
 
@@ -219,8 +225,8 @@ def test_warm_models_goes_through_the_hook():
 # ---------------------------------------------------------------------- on the GPU
 
 
-def _decoder(backend):
-    models = _adapters(backend)
+def _decoder(backend, packed=False):
+    models = _adapters(backend, packed=packed)
     dec = SpecDecoder(*models, k=3, m_rounds=2)
     return dec, models, _poison(models)
 
@@ -257,6 +263,7 @@ def test_gpu_a_warmed_buckets_first_call_replays_without_a_sync_or_capture(rng):
 def test_gpu_build_loop_warms_both_models_and_logs_one_line():
     lines = []
     loop = build_loop(ServeConfig(backend="cupy", model="tiny-random", batch=4, capacity=256), log=lines.append)
-    n = len(warm_sizes(4, max_length=256))
+    assert loop.dec.target.packed_prefill  # the GPU default: prompts packed end to end
+    n = len(loop.dec.target.prefill_graphs.warm_sizes(4, max_length=256))
     assert lines == [lines[0]] and lines[0].startswith(f"prefill warm-up: {2 * n} buckets captured in ")
     assert loop.dec.target.prefill_graphs.captures == loop.dec.draft.prefill_graphs.captures == n
