@@ -107,20 +107,25 @@ def test_gpu_flash_varlen_matches_the_reference(dtype):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_a_packed_forward_is_each_prompt_run_alone(rng, family):
+@pytest.mark.parametrize("slots, lengths, r_b", [([3, 0, 2], [19, 1, 7], 4), ([2], [19], 1)],
+                         ids=["three_prompts", "one_prompt"])
+def test_a_packed_forward_is_each_prompt_run_alone(rng, family, slots, lengths, r_b):
+    """Several prompts attend by variable-length attention; one (a bucket of one row) by causal SDPA
+    over the whole row, padding included (Llama.packed_index)."""
     from graphburst.bench.real_models import QWEN3_TINY
 
     cfg = tiny_random_configs()[0] if family == "llama" else QWEN3_TINY
     m = Llama(cfg, batch=4, capacity=64).init_random_(5)
     alone = Llama(cfg, batch=4, capacity=64).init_random_(5)
-    slots, lengths = [3, 0, 2], [19, 1, 7]
     prompts = [torch.from_numpy(rng.integers(0, cfg.vocab_size, n)) for n in lengths]
     s = m.kv[0].shape[2]
-    block = torch.from_numpy(packed_index(slots, lengths, 1, 32, 4, s))
-    cu = block[3 * 32 + 4:].to(torch.int32)
-    packed = Packed(block[32:64], block[64:96], cu, 32, block[96:100])
+    block = torch.from_numpy(packed_index(slots, lengths, 1, 32, r_b, s))
+    cu = block[3 * 32 + r_b:].to(torch.int32)
+    packed = Packed(block[32:64], block[64:96], cu, 32, block[96: 96 + r_b])
+    assert (m.packed_index(packed, torch.float32).cu is None) == (r_b == 1)
     tokens = torch.zeros(1, 32, dtype=torch.int64)
-    tokens[0, :27] = torch.cat(prompts)
+    tokens[0, : sum(lengths)] = torch.cat(prompts)
+    tokens[0, sum(lengths):] = 7  # padding tokens: any valid id
     n_layers = len(m.layers)
     with torch.no_grad():
         got = m(tokens, None, [None] * n_layers, packed=packed)  # [R_b, 1, V]
