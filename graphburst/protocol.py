@@ -13,7 +13,7 @@ Required, both models
 ``cache : KVCache``
     The model's KV layers (``None`` for a layer without KV). The burst rolls back every
     layer's ``length`` through one pointer table and never touches the storage.
-``prefill(prompt, prompt_len, pos_ctr, pend, stream, *, start=None, rows=None)``
+``prefill(prompt, prompt_len, pos_ctr, pend, stream, *, start=None, rows=None, lengths=None)``
     Enqueue, on ``stream``, the prompt's KV entries into every KV layer.
 
     * ``prompt : [B, P_max] int32`` device array, row b holds ``prompt_len[b]`` tokens
@@ -200,7 +200,7 @@ class TargetModel(ModelHooks):
     vocab: int
     cache: KVCache
 
-    def prefill(self, prompt, prompt_len, pos_ctr, pend, stream, *, start=None, rows=None) -> None:
+    def prefill(self, prompt, prompt_len, pos_ctr, pend, stream, *, start=None, rows=None, lengths=None) -> None:
         raise NotImplementedError
 
     def verify(self, bufs: StreamBufs, stream) -> None:
@@ -213,7 +213,7 @@ class DraftModel(ModelHooks):
     vocab: int
     cache: KVCache
 
-    def prefill(self, prompt, prompt_len, pos_ctr, pend, stream, *, start=None, rows=None) -> None:
+    def prefill(self, prompt, prompt_len, pos_ctr, pend, stream, *, start=None, rows=None, lengths=None) -> None:
         raise NotImplementedError
 
     def draft_step(self, bufs: StreamBufs, step: int, stream) -> None:

@@ -5,7 +5,9 @@ per-prompt SDPA, a packed forward against each prompt run alone (Llama and Qwen3
 the buckets, the plan, warm-up writing no KV row a slot reads, and the adapter's switches.
 The decoder-level check (the same KV rows and first tokens as the plain prefill, nothing
 else moved but rows no attention reads) is ``test_prefill_graphs.py``'s, parametrized over
-packing. On the H200: torch's flash kernel against the reference, and a bucket that runs
+packing. On the H200: torch's flash kernel against the reference, in bf16 inside captured
+buckets (eager first use, capture, replay; padding in several segments; one-prompt buckets)
+against each prompt run alone, and, in fp32 (the reference path), a bucket that runs
 eagerly, is captured, then replays with no host sync and decodes the greedy tokens.
 """
 
@@ -176,6 +178,10 @@ def test_packed_warm_sizes_by_hand():
     assert packed_warm_sizes(2, max_tokens=128, max_length=20) == [(2, 64), (2, 48), (2, 32), (1, 32), (2, 16),
                                                                    (1, 16)]
     assert packed_warm_sizes(0) == []
+    # 33 prompts of one token take a 64-prompt bucket of 48 tokens: reachable, so warmed
+    assert (64, 48) in packed_warm_sizes(64, max_tokens=64) and (64, 32) not in packed_warm_sizes(64, max_tokens=64)
+    g64 = _graphs(max_tokens=64)
+    assert g64.bucket(33, 33) == (64, 48)
     g = _graphs(max_tokens=128)
     assert all(g.bucket(r, t) == (r, t) for r, t in packed_warm_sizes(5, 128))
 
@@ -253,6 +259,8 @@ def test_the_adapter_switches():
     assert not TorchTarget(module, batch=2, capacity=32, backend=backend).packed_prefill  # no graphs on the CPU
     with pytest.raises(TypeError, match="packed_prefill must be a bool"):
         TorchTarget(module, batch=2, capacity=32, backend=backend, prefill_graphs=True, packed_prefill=1)
+    with pytest.raises(ValueError, match="needs prefill graphs"):
+        TorchTarget(module, batch=2, capacity=32, backend=backend, prefill_graphs=False, packed_prefill=True)
     det = Llama(cfg, batch=2, capacity=32, deterministic_attention=True)
     with pytest.raises(ValueError, match="accepts_packed"):
         TorchTarget(det, batch=2, capacity=32, backend=backend, prefill_graphs=True, packed_prefill=True)
@@ -278,6 +286,37 @@ def test_a_sampling_decoder_gets_the_same_first_logits_packed(rng):
 
 
 # ---------------------------------------------------------------------- on the GPU
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_gpu_flash_in_captured_buckets_matches_each_prompt_alone(rng):
+    """bf16 (the flash kernel): each case's first call runs eagerly and unpadded, its second is
+    captured, its third replays; logits and KV rows against each prompt run alone (SDPA, masked).
+    A small S gives a bucket of 128 tokens three padding segments of at most S each."""
+    cfg, _ = tiny_random_configs(hidden=128)  # head_dim 32
+    kw = dict(batch=BATCH, capacity=40, device="cuda", dtype=torch.bfloat16)
+    m, alone = Llama(cfg, **kw).init_random_(5), Llama(cfg, **kw).init_random_(5)
+    g = PackedPrefillGraphs(m, kv_layers=[True] * cfg.num_hidden_layers, capture=True)
+    s = g.s
+    assert s < 128 and padding_segments(128, s) == 3
+    zero = torch.zeros(1, dtype=torch.int32, device="cuda")
+    for slots, lengths in (([1, 4, 2], [19, 7, 1]), ([0, 3, 5], [40, 40, 35]), ([6], [33]), ([2], [1])):
+        staging = torch.zeros(BATCH, 40, dtype=torch.int32, device="cuda")
+        for b, n in zip(slots, lengths):
+            staging[b, :n] = torch.from_numpy(rng.integers(0, cfg.vocab_size, n)).cuda()
+        with torch.no_grad():
+            want = [alone(staging[b: b + 1, :n].long(), zero, [zero] * len(alone.kv), torch.tensor([b], device="cuda"),
+                          logits_at=torch.tensor([n - 1], device="cuda"))[0, 0] for b, n in zip(slots, lengths)]
+            for call in ("eager", "capture", "replay"):
+                got = g.run_packed(staging, np.array(slots), np.array(lengths), head=True)
+                for i, (b, n) in enumerate(zip(slots, lengths)):
+                    torch.testing.assert_close(got[i], want[i], atol=6e-2, rtol=6e-2,
+                                               msg=lambda msg: f"{lengths} {call}, prompt {i}: {msg}")
+                    for kv_p, kv_a in zip(m.kv, alone.kv):
+                        torch.testing.assert_close(kv_p[:, b, :n].float(), kv_a[:, b, :n].float(), atol=3e-2,
+                                                   rtol=3e-2)
+        assert g.info()[(*g.bucket(len(slots), sum(lengths)), True)], f"{lengths}: not captured"
 
 
 @pytest.mark.gpu

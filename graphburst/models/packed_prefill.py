@@ -41,14 +41,17 @@ PACKED_ROW_LADDER = (1, 2, 4, 8, 16, 32, 64)
 
 def packed_warm_sizes(max_rows: int, max_tokens: int = DEFAULT_MAX_TOKENS, max_length: int | None = None) -> list:
     """The ``(rows, tokens)`` buckets a packed warm-up of ``max_rows`` makes, largest first: rows up
-    the ladder to ``max_rows``' bucket, tokens from the rows up to ``max_tokens`` and to ``rows``
+    the ladder to ``max_rows``' bucket, tokens from the fewest a call of those rows can have (one
+    more prompt than the rows bucket below, one token each) up to ``max_tokens`` and to ``rows``
     times ``max_length``'s bucket (a prompt never exceeds the capacity, nor a chunk the chunk size)."""
     if max_rows <= 0:
         return []
-    sizes = []
+    sizes, below = [], 0  # below: the rows bucket under r (a call in bucket r has more prompts)
     for r in _ladder_to(PACKED_ROW_LADDER, _up(PACKED_ROW_LADDER, max_rows)):
         top = max_tokens if max_length is None else min(max_tokens, r * _up(TOKEN_LADDER, max_length))
-        sizes += [(r, t) for t in _ladder_to(TOKEN_LADDER, top) if t >= r]
+        # a call of below + 1 prompts of one token each is the bucket's smallest
+        sizes += [(r, t) for t in _ladder_to(TOKEN_LADDER, top) if t > below]
+        below = r
     return sorted(sizes, key=lambda rt: (-rt[1], -rt[0]))
 
 
@@ -125,6 +128,10 @@ class PackedPrefillGraphs(PrefillGraphs):
 
     packed = True
 
+    @property
+    def vocab(self) -> int | None:
+        return getattr(self.module, "vocab", None)
+
     def bucket(self, rows: int, tokens: int) -> tuple[int, int] | None:
         """``(rows, tokens)`` of the bucket a packed call runs in, or None (eager, unpadded)."""
         t = _up(TOKEN_LADDER, tokens)
@@ -178,6 +185,8 @@ class PackedPrefillGraphs(PrefillGraphs):
         host = torch.from_numpy(packed_index(rows, lengths, staging.shape[1], b.length, b.rows, self.s))
         b.upload(torch, host, pinned=self.device.type == "cuda")
         b.tokens[0].copy_(staging.reshape(-1)[b.src])
+        if self.vocab is not None:  # prompts are validated at submission; a stray id must not index past the table
+            b.tokens.clamp_(0, self.vocab - 1)
         out = self._call(b, head) if graphed else self._forward(b, head, max_len=int(lengths.max()))
         return None if out is None else out[:r, 0]
 
@@ -205,11 +214,12 @@ def prefill_graphs_for(module, wanted: bool | None, kv_layers, *, gpu: bool,
     """An adapter's prefill graphs: ``wanted`` None means on a GPU for a module that can.
 
     ``packed``: the prompts of a call end to end (:mod:`~graphburst.models.packed_prefill`);
-    None means where the module ``accepts_packed``.
+    None means where the module ``accepts_packed`` and its KV's dtype and device take the
+    flash kernel (:func:`~graphburst.models.varlen.flash_varlen_available`), or on the CPU.
 
     Raises TypeError for a ``wanted`` or ``packed`` that is not a bool or None, ValueError for
     True with a module that lacks ``accepts_fresh``, ``accepts_logits_at`` or ``accepts_head``
-    (or ``accepts_packed``). On numpy, True gives the buckets run eagerly (the path CPU
+    (or ``accepts_packed``), and for ``packed`` True without prefill graphs. On numpy, True gives the buckets run eagerly (the path CPU
     tests hold).
     """
     for name, value in (("prefill_graphs", wanted), ("packed_prefill", packed)):
@@ -224,7 +234,15 @@ def prefill_graphs_for(module, wanted: bool | None, kv_layers, *, gpu: bool,
         raise ValueError(f"packed_prefill=True needs a module with accepts_packed ({type(module).__name__} "
                          "lacks it, or runs deterministic attention)")
     if not (wanted or (wanted is None and able and gpu)):
+        if packed:
+            raise ValueError("packed_prefill=True needs prefill graphs (they run on a GPU by default; "
+                             "pass prefill_graphs=True elsewhere)")
         return None
-    if can_pack if packed is None else packed:
+    if packed is None:  # by default only where the flash kernel serves it (else the O(T^2) reference would)
+        from .varlen import flash_varlen_available  # needs torch: imported on use, as graphburst imports without it
+
+        storage = next(s for s in module.kv_layers() if s is not None)
+        packed = can_pack and (storage.device.type == "cpu" or flash_varlen_available(storage.dtype, storage.device))
+    if packed:
         return PackedPrefillGraphs(module, kv_layers=kv_layers, capture=gpu)
     return PrefillGraphs(module, kv_layers=kv_layers, capture=gpu)

@@ -5,7 +5,7 @@ the 8b shape, 11 prompts of lognormal lengths (1402 tokens) ran as 2816 padded t
 (docs/serving.md). Packed, the prompts are one row of ``T`` tokens, and each token attends
 causally to the tokens of its own prompt only: ``cu`` marks where each prompt starts.
 
-On a CUDA device with fp16/bf16 this is torch's variable-length flash attention
+On a CUDA device (Ampere on) with fp16/bf16 this is torch's variable-length flash attention
 (``torch.nn.attention.varlen.varlen_attn``: no mask, any number of segments, empty ones
 included, and it captures in a CUDA graph). Elsewhere (the CPU, fp32) it is
 :func:`varlen_reference`: SDPA under a block-diagonal causal mask, the reference the GPU
@@ -14,6 +14,7 @@ path is tested against.
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -24,18 +25,32 @@ try:  # torch >= 2.9; the H200 image has 2.11, CI 2.13
 except ImportError:  # pragma: no cover - older torch: the reference serves
     _varlen_attn = None
 
-#: varlen_attn's causal switch: ``window_size=(-1, 0)`` (torch 2.11 and later)
+_PARAMS = inspect.signature(_varlen_attn).parameters if _varlen_attn is not None else {}
+#: varlen_attn's causal switch: ``window_size=(-1, 0)`` from torch 2.11, ``is_causal=True`` in 2.9 and 2.10
 CAUSAL_WINDOW = (-1, 0)
+_CAUSAL = {"window_size": CAUSAL_WINDOW} if "window_size" in _PARAMS else \
+    {"is_causal": True} if "is_causal" in _PARAMS else None
 #: torch 2.13 asks for ``enable_gqa=True`` when K/V have fewer heads than Q; 2.11 has no such
 #: argument (its flash kernel takes grouped heads as they are)
-_GQA_ARG = _varlen_attn is not None and "enable_gqa" in inspect.signature(_varlen_attn).parameters
+_GQA_ARG = "enable_gqa" in _PARAMS
 #: dtypes the flash kernel takes
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
+#: the flash kernel's oldest GPUs (Ampere)
+FLASH_MIN_CAPABILITY = (8, 0)
+
+
+@functools.lru_cache(maxsize=None)  # asked once per layer call: the answer is fixed per (dtype, device)
+def flash_varlen_available(dtype: torch.dtype, device) -> bool:
+    """Whether torch's variable-length flash kernel serves ``dtype`` on ``device`` (a torch device):
+    a torch that has it with a causal switch, a CUDA device from Ampere on, fp16 or bf16."""
+    device = torch.device(device)
+    return (_varlen_attn is not None and _CAUSAL is not None and device.type == "cuda" and dtype in FLASH_DTYPES
+            and torch.cuda.get_device_capability(device) >= FLASH_MIN_CAPABILITY)
 
 
 def flash_varlen_ok(q: torch.Tensor) -> bool:
     """Whether :func:`causal_varlen` runs torch's flash kernel for ``q`` (else the reference)."""
-    return _varlen_attn is not None and q.is_cuda and q.dtype in FLASH_DTYPES
+    return flash_varlen_available(q.dtype, q.device)
 
 
 def causal_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int) -> torch.Tensor:
@@ -58,7 +73,7 @@ def causal_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.T
     if not flash_varlen_ok(q):
         return varlen_reference(q, k, v, cu)
     kw = {"enable_gqa": True} if _GQA_ARG and k.shape[1] != q.shape[1] else {}
-    return _varlen_attn(q, k, v, cu, cu, max_len, max_len, window_size=CAUSAL_WINDOW, **kw)
+    return _varlen_attn(q, k, v, cu, cu, max_len, max_len, **_CAUSAL, **kw)
 
 
 def segment_ids(cu: torch.Tensor, t: int) -> torch.Tensor:
