@@ -293,15 +293,15 @@ def test_a_sampling_decoder_gets_the_same_first_logits_packed(rng):
 def test_gpu_flash_in_captured_buckets_matches_each_prompt_alone(rng):
     """bf16 (the flash kernel): each case's first call runs eagerly and unpadded, its second is
     captured, its third replays; logits and KV rows against each prompt run alone (SDPA, masked).
-    A small S gives a bucket of 128 tokens three padding segments of at most S each."""
+    A bucket of 256 tokens past S: the kernel's max_len is S, and the padding has segments of its own."""
     cfg, _ = tiny_random_configs(hidden=128)  # head_dim 32
     kw = dict(batch=BATCH, capacity=40, device="cuda", dtype=torch.bfloat16)
     m, alone = Llama(cfg, **kw).init_random_(5), Llama(cfg, **kw).init_random_(5)
     g = PackedPrefillGraphs(m, kv_layers=[True] * cfg.num_hidden_layers, capture=True)
-    s = g.s
-    assert s < 128 and padding_segments(128, s) == 3
+    assert g.bucket(7, 245) == (8, 256) and 256 > g.s and padding_segments(256, g.s) >= 3
     zero = torch.zeros(1, dtype=torch.int32, device="cuda")
-    for slots, lengths in (([1, 4, 2], [19, 7, 1]), ([0, 3, 5], [40, 40, 35]), ([6], [33]), ([2], [1])):
+    for slots, lengths in (([1, 4, 2], [19, 7, 1]), (list(range(7)), [40, 40, 35, 35, 35, 30, 30]), ([6], [33]),
+                           ([2], [1])):
         staging = torch.zeros(BATCH, 40, dtype=torch.int32, device="cuda")
         for b, n in zip(slots, lengths):
             staging[b, :n] = torch.from_numpy(rng.integers(0, cfg.vocab_size, n)).cuda()
