@@ -1,5 +1,6 @@
-"""Shared GPU checks of the prefill graphs' tests: a fresh prefill (optionally under torch's
-sync-debug "error" mode) and the decoded tokens against the target module's own greedy."""
+"""Shared checks of the prefill graphs' tests: a fresh prefill (optionally under torch's
+sync-debug "error" mode), the decoded tokens against the target module's own greedy, and
+poisoned caches whose readable rows a warm-up must leave alone."""
 
 from __future__ import annotations
 
@@ -27,3 +28,25 @@ def assert_decodes_greedy(dec, prompts: dict, new_tokens: int, *, scratch_row: i
             got[b] += tokens[b].tolist()
     for b, p in prompts.items():
         assert got[b] == dec.target.module.greedy(p.tolist(), new_tokens, row=scratch_row), f"{label}, slot {b}"
+
+
+def poison(models) -> list:
+    """Fill every KV storage of ``models`` (torch adapters) with finite garbage; returns CPU copies."""
+    gen = torch.Generator().manual_seed(9)
+    for m in models:
+        for kv in m.module.kv:
+            kv.copy_(torch.randn(kv.shape, generator=gen))
+    if models[0].backend.is_gpu:
+        torch.cuda.synchronize()
+    return [kv.detach().cpu().clone() for m in models for kv in m.module.kv]
+
+
+def check_untouched(models, before) -> None:
+    """After a warm-up: every row a slot can read (below S - 1) bit for bit as ``before`` (:func:`poison`'s),
+    and row S - 1 of slot 0 written (the forwards ran)."""
+    after = [kv.detach().cpu().clone() for m in models for kv in m.module.kv]
+    s = after[0].shape[2]
+    for i, (old, new) in enumerate(zip(before, after)):
+        assert torch.equal(new[:, :, : s - 1], old[:, :, : s - 1]), f"kv {i}: a readable row moved"
+        assert torch.equal(new[:, 1:], old[:, 1:]), f"kv {i}: a slot past 0 moved"
+        assert not torch.equal(new[:, 0, s - 1], old[:, 0, s - 1]), f"kv {i}: the warm-up wrote nothing"

@@ -29,7 +29,7 @@ from graphburst.models.torch_adapter import TorchDraft, TorchTarget
 from graphburst.models.varlen import causal_varlen, flash_varlen_ok, segment_ids, varlen_reference
 
 from marks import requires_gpu
-from prefill_cases import assert_decodes_greedy, prefill_fresh
+from prefill_cases import assert_decodes_greedy, check_untouched, poison, prefill_fresh
 
 torch.set_num_threads(1)
 
@@ -218,35 +218,15 @@ def _adapters(backend, seed=3):
             TorchDraft(d, batch=BATCH, capacity=CAPACITY, backend=backend, prefill_graphs=True, packed_prefill=True))
 
 
-def _poison(models):
-    gen = torch.Generator().manual_seed(9)
-    for m in models:
-        for kv in m.module.kv:
-            kv.copy_(torch.randn(kv.shape, generator=gen))  # finite garbage everywhere
-    if models[0].backend.is_gpu:
-        torch.cuda.synchronize()
-    return [kv.detach().cpu().clone() for m in models for kv in m.module.kv]
-
-
-def _check_untouched(models, before):
-    """Every row a slot can read (below S - 1) bit for bit; row S - 1 of slot 0 written (the forwards ran)."""
-    after = [kv.detach().cpu().clone() for m in models for kv in m.module.kv]
-    s = after[0].shape[2]
-    for i, (old, new) in enumerate(zip(before, after)):
-        assert torch.equal(new[:, :, : s - 1], old[:, :, : s - 1]), f"kv {i}: a readable row moved"
-        assert torch.equal(new[:, 1:], old[:, 1:]), f"kv {i}: a slot past 0 moved"
-        assert not torch.equal(new[:, 0, s - 1], old[:, 0, s - 1]), f"kv {i}: the warm-up wrote nothing"
-
-
 def test_packed_warm_up_leaves_every_readable_kv_row_bit_identical():
     models = _adapters(Backend("numpy"))
-    before = _poison(models)
+    before = poison(models)
     done = [m.warm_prefill(3) for m in models]
     sizes = packed_warm_sizes(3, max_length=CAPACITY)
     assert [d["buckets"] for d in done] == [len(sizes)] * 2
     assert set(models[0].prefill_graphs.info()) == {(r, t, True) for r, t in sizes}
     assert set(models[1].prefill_graphs.info()) == {(r, t, False) for r, t in sizes}
-    _check_untouched(models, before)
+    check_untouched(models, before)
 
 
 def test_the_adapter_switches():
@@ -324,7 +304,7 @@ def test_gpu_flash_in_captured_buckets_matches_each_prompt_alone(rng):
 def test_gpu_a_packed_bucket_runs_eagerly_then_captures_then_replays_without_a_sync(rng):
     backend = Backend("cupy")
     models = _adapters(backend)
-    _poison(models)
+    poison(models)
     dec = SpecDecoder(*models, k=3, m_rounds=2)
     graphs = dec.target.prefill_graphs
     seen = []
@@ -346,12 +326,12 @@ def test_gpu_a_packed_bucket_runs_eagerly_then_captures_then_replays_without_a_s
 def test_gpu_packed_warm_up_captures_leaves_the_readable_kv_and_its_first_call_replays(rng):
     backend = Backend("cupy")
     models = _adapters(backend)
-    before = _poison(models)
+    before = poison(models)
     done = [m.warm_prefill(3) for m in models]
     sizes = packed_warm_sizes(3, max_length=CAPACITY)
     assert [d["buckets"] for d in done] == [len(sizes)] * 2 and all(d["device_bytes"] > 0 for d in done)
     assert models[0].prefill_graphs.info() == {(r, t, True): True for r, t in sizes}
-    _check_untouched(models, before)
+    check_untouched(models, before)
     dec = SpecDecoder(*models, k=3, m_rounds=2)
     captures = [m.prefill_graphs.captures for m in models]
     for n in (3, 1, 2):

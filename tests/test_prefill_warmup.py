@@ -28,7 +28,7 @@ from graphburst.models.torch_adapter import TorchDraft, TorchTarget
 from graphburst.serving.factory import ConfigError, ServeConfig, build_loop, memory_specs, warm_models
 
 from marks import requires_gpu
-from prefill_cases import assert_decodes_greedy, prefill_fresh
+from prefill_cases import assert_decodes_greedy, check_untouched, poison, prefill_fresh
 
 torch.set_num_threads(1)
 
@@ -89,37 +89,17 @@ def _adapters(backend, seed=3, packed=False):
             TorchDraft(d, batch=BATCH, capacity=CAPACITY, backend=backend, prefill_graphs=True, packed_prefill=packed))
 
 
-def _poison(models):
-    gen = torch.Generator().manual_seed(9)
-    for m in models:
-        for kv in m.module.kv:
-            kv.copy_(torch.randn(kv.shape, generator=gen))  # finite garbage everywhere
-    if models[0].backend.is_gpu:
-        torch.cuda.synchronize()
-    return [kv.detach().cpu().clone() for m in models for kv in m.module.kv]
-
-
-def _check_untouched(models, before):
-    """Every row a slot can read (below S - 1) bit for bit; row S - 1 of slot 0 written (the forwards ran)."""
-    after = [kv.detach().cpu().clone() for m in models for kv in m.module.kv]
-    s = after[0].shape[2]
-    for i, (old, new) in enumerate(zip(before, after)):
-        assert torch.equal(new[:, :, : s - 1], old[:, :, : s - 1]), f"kv {i}: a readable row moved"
-        assert torch.equal(new[:, 1:], old[:, 1:]), f"kv {i}: a slot past 0 moved"
-        assert not torch.equal(new[:, 0, s - 1], old[:, 0, s - 1]), f"kv {i}: the warm-up wrote nothing"
-
-
 def test_warm_up_leaves_every_readable_kv_row_bit_identical():
     backend = Backend("numpy")
     models = _adapters(backend)
-    before = _poison(models)
+    before = poison(models)
     lengths = [m.cache.layers[0].length.copy() for m in models]
     done = [m.warm_prefill(3) for m in models]
     # rows 1..3, lengths up to the capacity's bucket (64): 4 + 4 + 4 buckets each
     assert [d["buckets"] for d in done] == [12, 12]
     assert set(models[0].prefill_graphs.info()) == {(r, p, True) for r, p in warm_sizes(3, max_length=CAPACITY)}
     assert set(models[1].prefill_graphs.info()) == {(r, p, False) for r, p in warm_sizes(3, max_length=CAPACITY)}
-    _check_untouched(models, before)
+    check_untouched(models, before)
     for m, old in zip(models, lengths):
         np.testing.assert_array_equal(m.cache.layers[0].length, old)  # no length moved either
 
@@ -228,7 +208,7 @@ def test_warm_models_goes_through_the_hook():
 def _decoder(backend, packed=False):
     models = _adapters(backend, packed=packed)
     dec = SpecDecoder(*models, k=3, m_rounds=2)
-    return dec, models, _poison(models)
+    return dec, models, poison(models)
 
 
 @pytest.mark.gpu
@@ -241,7 +221,7 @@ def test_gpu_warm_up_captures_and_leaves_the_readable_kv():
     assert models[0].prefill_graphs.info() == {(r, p, True): True for r, p in sizes}
     assert models[1].prefill_graphs.info() == {(r, p, False): True for r, p in sizes}
     assert [m.prefill_graphs.captures for m in models] == [len(sizes)] * 2
-    _check_untouched(models, before)
+    check_untouched(models, before)
 
 
 @pytest.mark.gpu
