@@ -219,9 +219,9 @@ class Llama(nn.Module):
 
         A call of one prompt (``packed.last`` of one row, so at most one real segment, then
         padding) attends as a fresh prefill does, by causal SDPA over the whole row: the
-        prompt's tokens come first, so none of them sees a padding token, and on the H200
-        SDPA's flash kernel ran a 512-token prompt of the 8b 7% faster than the
-        variable-length one (docs/serving.md, "Packed prefill")."""
+        prompt's tokens come first, so none of them sees a padding token. On the H200 a
+        512-token prompt of the 8b ran 7% slower packed (variable-length kernel) than padded
+        (SDPA), 2.6% by this route (docs/serving.md, "Packed prefill")."""
         attn = self.layers[0].self_attn
         pos = packed.pos.clamp(0, self.rope_cos.shape[0] - 1)  # [T]
         cos, sin = self.rope_cos[pos].to(dtype).unsqueeze(0), self.rope_sin[pos].to(dtype).unsqueeze(0)  # [1, T, D]

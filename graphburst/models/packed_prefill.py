@@ -9,11 +9,11 @@ tokens, and attention is causal within each prompt (variable-length flash attent
 :mod:`~graphburst.models.varlen`).
 
 A call is padded only at its end, up to a **bucket** of ``(rows, tokens)``: the tokens
-rounded up :data:`TOKEN_LADDER` (at most 1.5x, none at the common sizes) and the rows up
+rounded up :data:`TOKEN_LADDER` (at most 1.25x past 256 tokens) and the rows up
 :data:`PACKED_ROW_LADDER` (a padding row costs only its logits; a padding token costs a
-token's compute). Padding tokens form a segment of their own at position ``S`` in slot 0,
-so their KV writes clamp to row ``S - 1`` of slot 0, which no attention reads, as the
-padding rows of the padded buckets do. Capture, replay, the eager first use and warm-up are
+token's compute). Padding tokens form segments of their own, of at most ``S`` tokens, at
+position ``S`` in slot 0, so their KV writes clamp to row ``S - 1`` of slot 0, which no
+attention reads, as the padding rows of the padded buckets do. Capture, replay, the eager first use and warm-up are
 :class:`PrefillGraphs`' own.
 
 The host builds each call's index block (the source of each token in the prompt staging,
@@ -219,8 +219,8 @@ def prefill_graphs_for(module, wanted: bool | None, kv_layers, *, gpu: bool,
 
     Raises TypeError for a ``wanted`` or ``packed`` that is not a bool or None, ValueError for
     True with a module that lacks ``accepts_fresh``, ``accepts_logits_at`` or ``accepts_head``
-    (or ``accepts_packed``), and for ``packed`` True without prefill graphs. On numpy, True gives the buckets run eagerly (the path CPU
-    tests hold).
+    (or ``accepts_packed``), and for ``packed`` True without prefill graphs. On numpy, True
+    gives the buckets run eagerly (the path CPU tests hold).
     """
     for name, value in (("prefill_graphs", wanted), ("packed_prefill", packed)):
         if value is not None and not isinstance(value, bool):

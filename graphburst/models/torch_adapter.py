@@ -345,7 +345,8 @@ class TorchTarget(_TorchModel):
     packed_prefill : bool, optional
         With prefill graphs: lay a fresh admission's prompts end to end in one call
         (:mod:`~graphburst.models.packed_prefill`) instead of padding each to the call's
-        longest. Default: where the module ``accepts_packed``.
+        longest. Default: where the module ``accepts_packed`` and the flash kernel serves its
+        dtype on its GPU (fp16/bf16, Ampere on), and on the CPU (``prefill_graphs_for``).
     """
 
     _prefill_head = True  # a fresh prefill's final chunk computes the logits after the prompt
