@@ -339,3 +339,40 @@ def test_gpu_packed_warm_up_captures_leaves_the_readable_kv_and_its_first_call_r
         prefill_fresh(dec, prompts, 30, no_sync=True)
         assert [m.prefill_graphs.captures for m in models] == captures, f"{n} prompts: captured at serving time"
         assert_decodes_greedy(dec, prompts, 30, scratch_row=BATCH - 1, label=f"{n} prompts")
+
+
+def test_random_admissions_packed_equal_the_plain_prefill(rng):
+    """Random fresh admissions (1 to 7 prompts of 1 to 60 tokens, into live and freed slots, under the
+    GPU's eager-first-use policy) leave the KV rows, positions and first tokens of the plain prefill."""
+    backend = Backend("numpy")
+    cfg, draft_cfg = tiny_random_configs()
+    decs = []
+    for packed in (None, True):
+        t = Llama(cfg, batch=BATCH, capacity=CAPACITY).init_random_(3)
+        d = Llama(draft_cfg, batch=BATCH, capacity=CAPACITY).init_random_(4)
+        kw = {"prefill_graphs": True, "packed_prefill": True} if packed else {"prefill_graphs": False}
+        target, draft = (TorchTarget(t, batch=BATCH, capacity=CAPACITY, backend=backend, **kw),
+                         TorchDraft(d, batch=BATCH, capacity=CAPACITY, backend=backend, **kw))
+        if packed:
+            for m in (target, draft):
+                m.prefill_graphs.capture_at = CAPTURE_AT_USE  # first use eager and unpadded, as on a GPU
+        decs.append(SpecDecoder(target, draft, k=3, m_rounds=2))
+    admissions = []
+    for _ in range(12):
+        n = int(rng.integers(1, BATCH + 1))
+        slots = sorted(rng.choice(BATCH, n, replace=False).tolist())
+        admissions.append({b: rng.integers(0, 512, int(rng.integers(1, 61))).astype(np.int32) for b in slots})
+    admissions.insert(1, admissions[0])  # its bucket's second use: made and run padded
+    for prompts in admissions:
+        for dec in decs:
+            dec.prefill_checked(prompts, {b: 0 for b in prompts}, limits={b: 30 for b in prompts})
+        plain, packed = decs
+        for want, got in zip([kv for m in (plain.target, plain.draft) for kv in m.module.kv],
+                             [kv for m in (packed.target, packed.draft) for kv in m.module.kv]):
+            for b, p in prompts.items():
+                torch.testing.assert_close(got[:, b, : len(p)], want[:, b, : len(p)], atol=1e-5, rtol=1e-5)
+        np.testing.assert_array_equal(packed.positions(), plain.positions())
+        np.testing.assert_array_equal(backend.to_host(packed.bufs.pend, packed.stream),
+                                      backend.to_host(plain.bufs.pend, plain.stream))
+        assert [t.tolist() for t in packed.run_burst()] == [t.tolist() for t in plain.run_burst()]
+    assert packed.target.prefill_graphs.info()  # buckets were made (second uses), beside the eager first uses
