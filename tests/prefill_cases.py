@@ -1,10 +1,26 @@
-"""Shared checks of the prefill graphs' tests: a fresh prefill (optionally under torch's
-sync-debug "error" mode), the decoded tokens against the target module's own greedy, and
-poisoned caches whose readable rows a warm-up must leave alone."""
+"""Shared parts of the prefill graphs' tests: a tiny random target/draft adapter pair, a fresh
+prefill (optionally under torch's sync-debug "error" mode), the decoded tokens against the
+target module's own greedy, and poisoned caches whose readable rows a warm-up must leave alone."""
 
 from __future__ import annotations
 
 import torch
+
+from graphburst.models.checkpoint import tiny_random_configs
+from graphburst.models.llama import Llama
+from graphburst.models.torch_adapter import TorchDraft, TorchTarget
+
+
+def tiny_adapters(backend, *, batch: int, capacity: int, graphs: bool = True, packed: bool = False, seed: int = 3):
+    """The tiny random target (seed) and draft (seed + 1) as adapters on ``backend``, with prefill
+    graphs unless ``graphs`` is False, packed when ``packed`` (without graphs: the plain prefill)."""
+    cfg, draft_cfg = tiny_random_configs()
+    dev = "cuda" if backend.is_gpu else "cpu"
+    t = Llama(cfg, batch=batch, capacity=capacity, device=dev).init_random_(seed)
+    d = Llama(draft_cfg, batch=batch, capacity=capacity, device=dev).init_random_(seed + 1)
+    kw = dict(batch=batch, capacity=capacity, backend=backend, prefill_graphs=graphs,
+              packed_prefill=packed and graphs)
+    return TorchTarget(t, **kw), TorchDraft(d, **kw)
 
 
 def prefill_fresh(dec, prompts: dict, new_tokens: int, *, no_sync: bool) -> None:

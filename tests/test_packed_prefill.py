@@ -29,7 +29,7 @@ from graphburst.models.torch_adapter import TorchDraft, TorchTarget
 from graphburst.models.varlen import causal_varlen, flash_varlen_ok, segment_ids, varlen_reference
 
 from marks import requires_gpu
-from prefill_cases import assert_decodes_greedy, check_untouched, poison, prefill_fresh
+from prefill_cases import assert_decodes_greedy, check_untouched, poison, prefill_fresh, tiny_adapters
 
 torch.set_num_threads(1)
 
@@ -209,13 +209,8 @@ def test_a_bucket_runs_unpadded_first_then_padded_and_agrees(rng):
         g.run(staging, None, None, True)
 
 
-def _adapters(backend, seed=3):
-    cfg, draft_cfg = tiny_random_configs()
-    dev = "cuda" if backend.is_gpu else "cpu"
-    t = Llama(cfg, batch=BATCH, capacity=CAPACITY, device=dev).init_random_(seed)
-    d = Llama(draft_cfg, batch=BATCH, capacity=CAPACITY, device=dev).init_random_(seed + 1)
-    return (TorchTarget(t, batch=BATCH, capacity=CAPACITY, backend=backend, prefill_graphs=True, packed_prefill=True),
-            TorchDraft(d, batch=BATCH, capacity=CAPACITY, backend=backend, prefill_graphs=True, packed_prefill=True))
+def _adapters(backend):
+    return tiny_adapters(backend, batch=BATCH, capacity=CAPACITY, packed=True)
 
 
 def test_packed_warm_up_leaves_every_readable_kv_row_bit_identical():

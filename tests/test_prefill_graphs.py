@@ -18,10 +18,10 @@ from graphburst.backend import Backend
 from graphburst.constants import NO_EOS
 from graphburst.models.llama import Llama
 from graphburst.models.prefill_graphs import CAPTURE_AT_USE, PrefillGraphs
-from graphburst.models.torch_adapter import TorchDraft, TorchTarget
+from graphburst.models.torch_adapter import TorchTarget
 
 from marks import BACKENDS, requires_gpu
-from prefill_cases import assert_decodes_greedy, prefill_fresh
+from prefill_cases import assert_decodes_greedy, prefill_fresh, tiny_adapters
 
 torch.set_num_threads(1)
 
@@ -100,20 +100,8 @@ def test_plan_is_the_cheapest_split_into_runs_of_sorted_lengths(rng):
         assert _cost(g, groups, lengths) == best, (lengths, groups)
 
 
-def _pair(backend, graphs: bool, seed=3, packed: bool = False):
-    from graphburst.models.checkpoint import tiny_random_configs
-
-    cfg, draft_cfg = tiny_random_configs()
-    dev = "cuda" if backend.is_gpu else "cpu"
-    t = Llama(cfg, batch=BATCH, capacity=CAPACITY, device=dev).init_random_(seed)
-    d = Llama(draft_cfg, batch=BATCH, capacity=CAPACITY, device=dev).init_random_(seed + 1)
-    kw = {"packed_prefill": packed} if graphs else {}
-    return (TorchTarget(t, batch=BATCH, capacity=CAPACITY, backend=backend, prefill_graphs=graphs, **kw),
-            TorchDraft(d, batch=BATCH, capacity=CAPACITY, backend=backend, prefill_graphs=graphs, **kw))
-
-
 def _poisoned_decoder(backend, graphs: bool, packed: bool = False):
-    target, draft = _pair(backend, graphs, packed=packed)
+    target, draft = tiny_adapters(backend, batch=BATCH, capacity=CAPACITY, graphs=graphs, packed=packed)
     dec = SpecDecoder(target, draft, k=3, m_rounds=2)
     gen = torch.Generator().manual_seed(9)
     for m in (target, draft):

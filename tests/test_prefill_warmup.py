@@ -24,11 +24,11 @@ from graphburst.models.packed_prefill import packed_warm_sizes
 from graphburst.models.prefill_graphs import (CALL_COST_TOKENS, CAPTURE_AT_USE, EAGER_CALL_COST_TOKENS, PrefillGraphs,
                                               warm_output_bytes, warm_sizes)
 from graphburst.models.stubs import stub_pair
-from graphburst.models.torch_adapter import TorchDraft, TorchTarget
+from graphburst.models.torch_adapter import TorchTarget
 from graphburst.serving.factory import ConfigError, ServeConfig, build_loop, memory_specs, warm_models
 
 from marks import requires_gpu
-from prefill_cases import assert_decodes_greedy, check_untouched, poison, prefill_fresh
+from prefill_cases import assert_decodes_greedy, check_untouched, poison, prefill_fresh, tiny_adapters
 
 torch.set_num_threads(1)
 
@@ -79,14 +79,9 @@ def test_warm_up_makes_exactly_the_warm_sizes():
 # ---------------------------------------------------------------------- the KV a slot reads
 
 
-def _adapters(backend, seed=3, packed=False):
+def _adapters(backend, packed=False):
     """Padded prefill graphs unless ``packed`` (test_packed_prefill.py holds the packed ones)."""
-    cfg, draft_cfg = tiny_random_configs()
-    dev = "cuda" if backend.is_gpu else "cpu"
-    t = Llama(cfg, batch=BATCH, capacity=CAPACITY, device=dev).init_random_(seed)
-    d = Llama(draft_cfg, batch=BATCH, capacity=CAPACITY, device=dev).init_random_(seed + 1)
-    return (TorchTarget(t, batch=BATCH, capacity=CAPACITY, backend=backend, prefill_graphs=True, packed_prefill=packed),
-            TorchDraft(d, batch=BATCH, capacity=CAPACITY, backend=backend, prefill_graphs=True, packed_prefill=packed))
+    return tiny_adapters(backend, batch=BATCH, capacity=CAPACITY, packed=packed)
 
 
 def test_warm_up_leaves_every_readable_kv_row_bit_identical():
