@@ -5,7 +5,8 @@ test) sets ``loop.log = []``; every step then appends, in order, one :class:`Tok
 drained burst that delivered tokens and per batch of first tokens handed out, one
 :class:`Admitted` when a request takes a batch slot and one :class:`Retired` when a
 request finishes for any reason (stop, length, cancel, error). The consumer reads them
-by type (``isinstance`` or ``match``) and empties the list. The events are frozen: the arrays they carry belong to the consumer.
+by type (``isinstance`` or ``match``) and empties the list. The events are frozen: the
+arrays they carry belong to the consumer.
 """
 
 from __future__ import annotations
