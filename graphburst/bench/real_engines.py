@@ -225,10 +225,10 @@ class TorchLoop:
         tok = torch.tensor(prompts, dtype=torch.int64, device=self.device)  # [B, P]
         b, p = tok.shape
         zero = torch.zeros(b, dtype=torch.int32, device=self.device)
-        rows = torch.arange(b, device=self.device)
         last = torch.full((b,), p - 1, dtype=torch.int64, device=self.device)
-        logits = self.target(tok, zero, [zero] * len(self.target.layers), rows, logits_at=last)[:, 0]
-        self.draft(tok, zero, [zero] * len(self.draft.layers), rows, logits_at=last)
+        # rows None: every slot in order, so attention reads the caches without a gather
+        logits = self.target(tok, zero, [zero] * len(self.target.layers), None, logits_at=last)[:, 0]
+        self.draft(tok, zero, [zero] * len(self.draft.layers), None, logits_at=last)
         self.vtok[:, 0].copy_(logits.argmax(-1))
         self.pos.fill_(p)
 

@@ -279,12 +279,11 @@ class Llama(nn.Module):
         r, t = tokens.shape
         if self.decode_ops is not None and rows is None and logits_at is None and head and t <= MAX_K + 1:
             return llama_decode.fused_forward(self, tokens, start_pos, lengths, self.decode_ops)
-        if rows is None:
-            rows = torch.arange(r, device=tokens.device)
+        every = torch.arange(r, device=tokens.device) if rows is None else rows  # [R] int64
         x = self.embed_tokens(tokens)
         for layer, kv, length, index in zip(self.layers, self.kv, lengths,
-                                            self.layer_inputs(start_pos, lengths, rows, t, x.dtype, fresh)):
-            x = layer(x, None, None, kv, length, rows, index)
+                                            self.layer_inputs(start_pos, lengths, every, t, x.dtype, fresh)):
+            x = layer(x, None, None, kv, length, rows, index)  # rows None: the whole batch, no KV gather
         if not head:
             return None
         if logits_at is not None:

@@ -168,7 +168,8 @@ class Attention(nn.Module):
         cos, sin : [R, T, head_dim] float32 (or x's dtype); unused when ``index`` is given
         kv : [2, B, S, n_kv, head_dim], written at rows ``length + [0, T)``
         length : [R] int32, valid rows before this call
-        rows : [R] int64 batch rows of x (all B in a burst, the prefilled slots in prefill)
+        rows : [R] int64 batch rows of x (the prefilled slots in prefill), or None: all B in
+            order (a burst), whose KV the attention then reads without a gather
         index : LayerIndex, optional
             :func:`kv_index` of ``length`` in x's dtype (through :func:`fold_mask` when
             ``self.fold``) and :func:`rope_rotation` of ``cos, sin`` (``Llama.layer_inputs``
@@ -177,7 +178,8 @@ class Attention(nn.Module):
         r, t, _ = x.shape
         h, kvh, hd = self.n_heads, self.n_kv, self.head_dim
         if index is None:
-            flat, mask = kv_index(length, rows, t, kv.shape[2], x.dtype)
+            flat, mask = kv_index(length, torch.arange(r, device=x.device) if rows is None else rows, t,
+                                  kv.shape[2], x.dtype)
             index = LayerIndex(flat, fold_mask(mask, h // kvh) if self.fold else mask,
                                rope_rotation(cos.to(x.dtype), sin.to(x.dtype), h + kvh, kvh), False, self.backends)
         flat, mask, rot, fresh, backends = index[:5]
@@ -195,7 +197,8 @@ class Attention(nn.Module):
         if fresh:  # every row starts at position 0: its keys are its own new tokens
             keys, vals = qkv[:, :, h: h + kvh], qkv[:, :, h + kvh:]  # [R, T, n_kv, D]
         else:
-            keys, vals = (kv[0], kv[1]) if r == kv.shape[1] else (kv[0, rows], kv[1, rows])  # [R, S, n_kv, D]
+            # Given rows are gathered even when R == B: a bucket's rows need not be 0..B-1 in order
+            keys, vals = (kv[0], kv[1]) if rows is None else (kv[0, rows], kv[1, rows])  # [R, S, n_kv, D]
         q = qkv[:, :, :h]  # [R, T, H, D]
         # sdpa_kernel sets torch's process-wide backend flags; entered and left on the thread
         # that runs the model, and a captured graph keeps the kernel it chose.

@@ -66,12 +66,11 @@ class StageLlama(nn.Module):
         """This stage's blocks over hidden states ``x [R, T, d]`` (lengths: the global list)."""
         inner = self.inner
         r, t = x.shape[:2]
-        if rows is None:
-            rows = torch.arange(r, device=x.device)
+        every = torch.arange(r, device=x.device) if rows is None else rows  # [R] int64
         own = [lengths[self.own.start + i] for i in range(len(inner.layers))]
         # Rotations, KV rows and masks once per forward for the whole stage, as Llama.forward does.
-        for i, (layer, index) in enumerate(zip(inner.layers, inner.layer_inputs(start_pos, own, rows, t, x.dtype))):
-            x = layer(x, None, None, inner.kv[i], own[i], rows, index)
+        for i, (layer, index) in enumerate(zip(inner.layers, inner.layer_inputs(start_pos, own, every, t, x.dtype))):
+            x = layer(x, None, None, inner.kv[i], own[i], rows, index)  # rows None: the whole batch, no KV gather
         return x
 
     def head(self, x):
