@@ -123,7 +123,9 @@ def packed_index(rows, lengths, width: int, t_b: int, r_b: int, s: int) -> np.nd
 class PackedPrefillGraphs(PrefillGraphs):
     """:class:`PrefillGraphs` over packed calls (module docstring); the module needs ``accepts_packed``.
 
-    Use :meth:`run_packed` (the padded :meth:`run` is not for this class) and :meth:`plan`.
+    Use :meth:`run_packed` (the padded :meth:`run` is not for this class) and :meth:`plan`;
+    continued chunks (a prompt's chunks after its first) run the parent's padded
+    :meth:`~PrefillGraphs.run_continued`.
     """
 
     packed = True
@@ -191,6 +193,8 @@ class PackedPrefillGraphs(PrefillGraphs):
         return None if out is None else out[:r, 0]
 
     def _forward(self, b: _PackedBucket, head: bool, max_len: int | None = None):
+        if not isinstance(b, _PackedBucket):  # a continued call's padded bucket (run_continued)
+            return super()._forward(b, head)
         packed = b.packed if max_len is None else b.packed._replace(max_len=max_len)
         return self.module(b.tokens, None, [None] * len(self.kv_layers), packed=packed, head=head)
 

@@ -25,7 +25,10 @@ they write clamps to row ``S - 1`` of their slot (``llama.kv_index``), past ``ca
 plus the verify's ``k + 1`` rows: a row no attention reads (the adapter requires
 ``kv_slack >= k + 2``), where a real row's own padding tokens already write. Only a
 **fresh** call (every row at position 0: :class:`~graphburst.models.llama_layers.LayerIndex`)
-is graphed, since its attention reads only the call's own tokens.
+and a **continued** call (one chunk of each row's prompt at its ``start``, behind the rows
+its earlier chunks cached: :meth:`PrefillGraphs.run_continued`) are graphed. A continued
+call's attention reads each row's cached KV through a mask built on the device from the
+bucket's ``start`` input, so it replays for any start; its padding rows start at ``S`` too.
 
 Capture runs on a side stream ordered after the decoder's stream by events (no host sync):
 the bucket's real forward (which is also the capture's warm-up: lazy kernel loading and
@@ -107,14 +110,25 @@ def warm_output_bytes(max_rows: int, vocab: int, max_tokens: int = DEFAULT_MAX_T
     return sum(r for r, _ in warm_sizes(max_rows, max_tokens, max_length)) * vocab * 4
 
 
-class _Bucket:
-    """Static inputs of one bucket's forward, its graph and its output."""
+def padded_bucket(rows: int, length: int, max_tokens: int) -> tuple[int, int] | None:
+    """``(rows, length)`` of the padded bucket a call of that size runs in, or None (eager):
+    each rounded up its ladder, within ``max_tokens`` rows x length."""
+    r, p = _up(ROW_LADDER, rows), _up(LENGTH_LADDER, length)
+    return (r, p) if r * p <= max_tokens else None
 
-    def __init__(self, torch, rows: int, length: int, s: int, device):
-        self.rows, self.length = rows, length
+
+class _Bucket:
+    """Static inputs of one bucket's forward, its graph and its output.
+
+    ``fresh``: every real row starts at position 0 (``start`` zero there); else a continued
+    call, whose ``start`` holds each row's cached KV rows (the chunk's first position).
+    """
+
+    def __init__(self, torch, rows: int, length: int, s: int, device, fresh: bool = True):
+        self.rows, self.length, self.fresh = rows, length, fresh
         self.tokens = torch.zeros((rows, length), dtype=torch.int64, device=device)  # [R_b, P_b] int64
         self.idx = torch.zeros(rows, dtype=torch.int64, device=device)  # [R_b] int64 batch rows
-        self.start = torch.full((rows,), s, dtype=torch.int32, device=device)  # [R_b] int32: S on padding rows
+        self.start = torch.full((rows,), s, dtype=torch.int32, device=device)  # [R_b] int32 first position: S on padding rows
         self.last = torch.zeros(rows, dtype=torch.int64, device=device)  # [R_b] int64 logits position
         self.graph = None
         self.out = None  # [R_b, 1, V] float32 logits, or None without a head
@@ -169,8 +183,7 @@ class PrefillGraphs:
 
     def bucket(self, rows: int, length: int) -> tuple[int, int] | None:
         """``(rows, length)`` of the bucket a call of that size runs in, or None (eager)."""
-        r, p = _up(ROW_LADDER, rows), _up(LENGTH_LADDER, length)
-        return (r, p) if r * p <= self.max_tokens else None
+        return padded_bucket(rows, length, self.max_tokens)
 
     def run(self, tokens, idx, last, head: bool):
         """The fresh prefill forward of ``tokens`` in its bucket, on the current torch stream.
@@ -207,6 +220,48 @@ class PrefillGraphs:
         b.start[:r].zero_()
         b.last[:r].copy_(last)
         self._pad(b, r)
+        out = self._call(b, head)
+        return None if out is None else out[:r, 0]
+
+    def run_continued(self, tokens, idx, start, last, head: bool):
+        """The prefill forward of one chunk per row at ``start``, behind the KV its earlier
+        chunks cached, in a padded bucket (the same ladders as :meth:`run`, whatever this
+        class packs: a continued call is padded), on the current torch stream.
+
+        Parameters
+        ----------
+        tokens : [R, P] int64 valid ids, row r's chunk at positions ``start[r] + [0, P)``
+        idx : [R] int64 batch rows
+        start : [R] int32 or int64 device tensor, each row's cached KV rows (its chunk's first position)
+        last : [R] int64, each row's last chunk token (its logits' position)
+        head : bool
+            Compute the logits at ``last`` (else only the KV).
+
+        Returns
+        -------
+        As :meth:`run`: ``[R, V]`` float32 logits (a view, valid until the bucket's next run),
+        None without a head, or ``NotImplemented`` for the caller's eager call (past every
+        bucket, or the bucket's first use: continued buckets are not warmed).
+        """
+        r, p = tokens.shape
+        size = padded_bucket(r, p, self.max_tokens)
+        if size is None:
+            return NotImplemented
+        use = ("continued", *size)
+        self._uses[use] = uses = self._uses.get(use, 0) + 1
+        key = (*use, bool(head))
+        b = self._buckets.get(key)
+        if b is None:
+            if uses < self.capture_at:
+                return NotImplemented
+            b = self._buckets[key] = _Bucket(self.torch, *size, self.s, self.device, fresh=False)
+        # Columns past p keep earlier ids: they write KV rows past each row's chunk (or clamp
+        # to row S - 1), which no attention reads before a later chunk or burst rewrites them.
+        b.tokens[:r, :p].copy_(tokens)
+        b.idx[:r].copy_(idx)
+        b.start[:r].copy_(start)
+        b.last[:r].copy_(last)
+        PrefillGraphs._pad(self, b, r)  # padded rows whatever the subclass's own buckets are
         out = self._call(b, head)
         return None if out is None else out[:r, 0]
 
@@ -291,10 +346,11 @@ class PrefillGraphs:
         return {"buckets": made, "seconds": time.perf_counter() - t0, "device_bytes": used}
 
     def _forward(self, b: _Bucket, head: bool):
+        # KV rows before the call: 0 on a fresh call's real rows, the chunk's start on a continued one's
         lengths = [b.start if has_kv else None for has_kv in self.kv_layers]
         if not head:
-            return self.module(b.tokens, b.start, lengths, b.idx, head=False, fresh=True)
-        return self.module(b.tokens, b.start, lengths, b.idx, logits_at=b.last, fresh=True)
+            return self.module(b.tokens, b.start, lengths, b.idx, head=False, fresh=b.fresh)
+        return self.module(b.tokens, b.start, lengths, b.idx, logits_at=b.last, fresh=b.fresh)
 
     def _capture(self, b: _Bucket, head: bool):
         """Run ``b``'s forward for real on the side stream, then capture it there; ordered by

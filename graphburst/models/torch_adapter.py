@@ -308,9 +308,11 @@ class _TorchModel(Watched):
         ``fresh``: the module accepts ``fresh`` and every row starts at position 0."""
         torch, m = self.torch, self.module
         last = (plen.long() - 1).clamp(min=0)  # [R] the chunk's last token
-        if fresh and self.prefill_graphs is not None and not self.prefill_graphs.packed:  # packed: prefill() packs
-            out = self.prefill_graphs.run(tokens, idx, last, head)
-            if out is not NotImplemented:  # else past every bucket: eager below
+        graphs = self.prefill_graphs
+        if graphs is not None and (not fresh or not graphs.packed):  # a fresh packed call: prefill() packs
+            # a later chunk (start > 0) replays a padded bucket too: chunked serving calls them often
+            out = graphs.run(tokens, idx, last, head) if fresh else graphs.run_continued(tokens, idx, at, last, head)
+            if out is not NotImplemented:  # else past every bucket, or a first use: eager below
                 return out
         kw = {"fresh": True} if fresh else {}
         if not head and getattr(m, "accepts_head", False):
