@@ -31,8 +31,18 @@ from .validate import check_int, check_prompt, per_slot
 
 GREEDY = SamplingParams()  # a slot's settings when none are given
 _NO_OPTIONS = ModelHooks.set_slot_options  # the protocol's default: a model without per-slot options
+_ONE_CALL = ModelHooks.prefill_groups  # the protocol's default: one prefill call per admission
 #: The staging block's head, in units of B int32: lengths, starts, then the [3, n] admission table.
 STAGE_HEAD = 5
+
+
+def _fresh_and_continued(lens: dict, host_starts: np.ndarray) -> list:
+    """An admission's chunks (slot -> length) as ``[(slot -> length, fresh), ...]``: those at
+    position 0 (fresh), then those continuing a cached prompt; a part only where it has slots."""
+    later = {b: n for b, n in lens.items() if host_starts[b]}
+    if not later or len(later) == len(lens):
+        return [(lens, not later)]
+    return [({b: n for b, n in lens.items() if not host_starts[b]}, True), (later, False)]
 
 
 class CapacityError(ValueError):
@@ -149,7 +159,7 @@ class SlotAdmission:
         lens, starts_now = host[:b], host[b: 2 * b]
         ends = np.where(lens != NO_PREFILL, starts_now + lens, NO_PREFILL).astype(np.int32)  # [B] int32
         stage = self._stage_view("chunks", (host.size - STAGE_HEAD * b) // b)
-        self._prefill_models(stage, ends, slots, settings, final, lens, fresh=not starts_now.any())
+        self._prefill_models(stage, ends, slots, settings, final, lens, starts_now)
         self._admit(np.asarray(slots, np.int64), ends, table, host[2 * b: 2 * b + table.size].reshape(3, -1))
 
     def _check_prefill(self, prompts, start, final, max_new_tokens, eos, temperature, top_k, top_p, seed):
@@ -282,12 +292,17 @@ class SlotAdmission:
         return view
 
     def _prefill_models(self, stage, ends, slots: list, settings: dict, final: bool, host_lens: np.ndarray,
-                        fresh: bool = False) -> None:
+                        host_starts: np.ndarray) -> None:
         """Run: the models' prefill (the target sets ``pos_ctr`` and, when final, ``pend``), in
         the calls each model asks for (``prefill_groups``), then a sampled first token.
-        ``host_lens``: ``[B]`` chunk lengths (the staging head). ``fresh``: every chunk starts
-        at position 0, which the models are told by ``start=None`` (a torch module then
-        attends to the prompt's own tokens)."""
+        ``host_lens``, ``host_starts``: ``[B]`` chunk lengths and starts (the staging head).
+
+        Slots whose chunk starts at position 0 are **fresh**: the models are told so by
+        ``start=None`` (a torch module then attends to the prompt's own tokens, and may pack
+        them). An admission that mixes them with later chunks of longer prompts asks a model
+        that plans its own calls (its own ``prefill_groups``, so it honours ``rows``) for the
+        two parts apart: a later chunk no longer sends the fresh prompts beside it down the
+        continued path (padded, attending over the cache)."""
         s, bufs = self.stream, self.bufs
         sampling = self.sampling and final
         if sampling:
@@ -301,15 +316,18 @@ class SlotAdmission:
                 continue
             if lens is None:
                 lens = dict(zip(slots, host_lens[slots].tolist()))
-            start = None if fresh else self._prompt_start
-            for group in hook(model, "prefill_groups")(lens, fresh):
-                # the slot list on the host spares the model a device sync; the staging is
-                # narrowed to this call's longest chunk, so the call pads to its own rows only
-                width = max(lens[b] for b in group)
-                # a packing model takes the lengths too, so it never reads them from the device
-                extra = {"lengths": host_lens[group]} if getattr(model, "packed_prefill", False) else {}
-                model.prefill(stage if width == stage.shape[1] else stage[:, :width], self._prompt_len, pos_ctr, out,
-                              s, start=start, rows=np.asarray(group, np.int64), **extra)
+            plans = getattr(type(model), "prefill_groups", _ONE_CALL) is not _ONE_CALL
+            parts = _fresh_and_continued(lens, host_starts) if plans else [(lens, not host_starts[slots].any())]
+            for part, fresh in parts:
+                start = None if fresh else self._prompt_start
+                for group in hook(model, "prefill_groups")(part, fresh):
+                    # the slot list on the host spares the model a device sync; the staging is
+                    # narrowed to this call's longest chunk, so the call pads to its own rows only
+                    width = max(part[b] for b in group)
+                    # a packing model takes the lengths too, so it never reads them from the device
+                    extra = {"lengths": host_lens[group]} if getattr(model, "packed_prefill", False) else {}
+                    model.prefill(stage if width == stage.shape[1] else stage[:, :width], self._prompt_len, pos_ctr,
+                                  out, s, start=start, rows=np.asarray(group, np.int64), **extra)
         if sampling:
             sample_first_tokens(self.backend.ops, self.backend, bufs, ends, s)
 
