@@ -13,7 +13,10 @@ one lease); ``--padded`` keeps them but pads each prompt to its call's longest i
 packing the prompts end to end (``models.packed_prefill``, the default); ``--warmup ROWS`` warms their buckets first, as serving does; ``--profile``
 prints torch.profiler's table of the last case's call.
 
-Usage: ``PYTHONPATH=. python scripts/prefill_profile.py [--model 1b] [--eager | --padded] [--warmup ROWS] [--json FILE]``
+``--chunked`` adds the later-chunk cases (:data:`CHUNK_CASES`).
+
+Usage: ``PYTHONPATH=. python scripts/prefill_profile.py [--model 1b] [--eager | --padded] [--warmup ROWS] [--chunked]
+[--cases N] [--json FILE]``
 """
 
 from __future__ import annotations
@@ -38,6 +41,10 @@ REPS, TIMED = 6, 4  # calls per case, of which the last TIMED are timed
 #: benchmark's) drawn once per case ("the same") or anew for every call ("new each time": cold buckets)
 CASES = (("1 x 128", 1, 128), ("1 x 512", 1, 512), ("4 x 128", 4, 128), ("11 x 128", 11, 128),
          ("11 lognormal, the same", 11, "same"), ("11 lognormal, new each time", 11, "new"))
+#: (label, rows, lengths, cached): a prompt's later chunk of 512 tokens behind its first ``cached``
+#: (written, untimed, by a non-final chunk just before), alone or beside fresh lognormal prompts:
+#: what a chunked-prefill server (``--prefill-chunk 512``) admits while a long prompt arrives
+CHUNK_CASES = (("1 x 512 at 512", 1, 512, 512), ("1 x 512 at 512 + 10 lognormal", 11, "same", 512))
 
 
 def _lognormal(rng, n):
@@ -82,23 +89,33 @@ def _check_first_tokens(dec, rows: dict, tol: float) -> None:
                                  f"{near_tie(logits, got, want, tol)}, not a near-tie")
 
 
-def measure(dec, label: str, n: int, lengths, rng, *, check: bool = True, tol: float = 0.0) -> dict:
+def measure(dec, label: str, n: int, lengths, rng, *, check: bool = True, tol: float = 0.0, cached: int = 0) -> dict:
+    """Six calls of one case, the last four timed. ``cached``: the first slot's call is a later
+    chunk of 512 tokens at that position, its first ``cached`` tokens written just before (untimed)."""
     import torch
 
     gpu = dec.backend.is_gpu
-    fixed = _lognormal(rng, n) if lengths == "same" else None
+    fixed = _lognormal(rng, n - bool(cached)) if lengths == "same" else None
     host_ms, gpu_ms = [], []
     for rep in range(REPS):
         lens = (fixed if fixed is not None else _lognormal(rng, n) if lengths == "new" else np.full(n, lengths))
         slots = sorted(rng.choice(BATCH - 1, n, replace=False).tolist())  # BATCH - 1: the greedy check's scratch
+        if cached:  # the first slot continues a prompt: its whole prompt, of which the call is the tail
+            lens = [cached + MAX_PROMPT, *lens] if len(lens) < n else [cached + lens[0], *lens[1:]]
         rows = {b: rng.integers(0, dec.target.vocab, int(ln)).astype(np.int32) for b, ln in zip(slots, lens)}
+        starts = {b: 0 for b in rows}
+        if cached:
+            head = slots[0]
+            dec.prefill_checked({head: rows[head][:cached]}, {head: 0}, final=False)
+            starts[head] = cached
+        call = {b: r[starts[b]:] for b, r in rows.items()}
         if gpu:
             stream = torch.cuda.ExternalStream(dec.stream.ptr)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             torch.cuda.synchronize()
             start.record(stream)
         t0 = time.perf_counter()
-        dec.prefill_checked(rows, {b: 0 for b in rows}, limits={b: 64 for b in rows})
+        dec.prefill_checked(call, starts, limits={b: 64 for b in rows})
         t1 = time.perf_counter()
         if gpu:
             end.record(stream)
@@ -110,8 +127,8 @@ def measure(dec, label: str, n: int, lengths, rng, *, check: bool = True, tol: f
             if gpu:
                 gpu_ms.append(start.elapsed_time(end))
     graphs = dec.target.prefill_graphs
-    return {"case": label, "rows": n, "tokens": int(sum(len(r) for r in rows.values())),
-            "padded_to_longest": int(n * max(len(r) for r in rows.values())),
+    return {"case": label, "rows": n, "tokens": int(sum(len(r) for r in call.values())),
+            "padded_to_longest": int(n * max(len(r) for r in call.values())),
             "host_ms": float(np.median(host_ms)), "gpu_ms": float(np.median(gpu_ms)) if gpu else None,
             "captures": None if graphs is None else graphs.captures}
 
@@ -132,6 +149,8 @@ def main(argv=None) -> None:
                         "8b shape's bf16 reference forward (attention over the cache under a mask) and the fresh "
                         "prefill differ by up to 0.35 on ~5.5 logits on the H200, both ~0.4 from fp32: 0.08")
     p.add_argument("--cases", type=int, default=len(CASES), help="run the first N cases")
+    p.add_argument("--chunked", action="store_true",
+                   help="then the later-chunk cases (a 512-token chunk at 512, alone and beside fresh prompts)")
     p.add_argument("--profile", action="store_true", help="torch.profiler table of one more call of the last case")
     p.add_argument("--json")
     a = p.parse_args(argv)
@@ -145,6 +164,9 @@ def main(argv=None) -> None:
     rng = np.random.default_rng(0)
     tol = NEAR_TIE_TOL.get(dtype, NEAR_TIE_TOL["bfloat16"]) if a.tol is None else a.tol
     rows = [measure(dec, label, n, lengths, rng, tol=tol) for label, n, lengths in CASES[: a.cases]]
+    if a.chunked:
+        rows += [measure(dec, label, n, lengths, rng, tol=tol, cached=cached)
+                 for label, n, lengths, cached in CHUNK_CASES]
     graphs = dec.target.prefill_graphs
     mode = "eager" if graphs is None else "packed" if graphs.packed else "graphs"
     for r in rows:
