@@ -120,7 +120,10 @@ Optional hooks (defaults in brackets)
     slots of each call (every slot of ``lengths``, slot -> chunk length, exactly once).
     ``fresh``: every chunk starts at position 0. The decoder narrows the prompt staging
     to each call's longest chunk, so a call pads only to its own rows (a model whose
-    prefill cost grows with the padded tokens groups rows of like length).
+    prefill cost grows with the padded tokens groups rows of like length). A model that
+    defines it honours ``rows``, so an admission mixing chunks at position 0 with later
+    chunks asks it twice: for the fresh slots (``fresh=True``, called with ``start=None``),
+    then the others; on the default, every slot goes in one call with ``start``.
 ``warm_prefill(max_rows: int, max_length: int | None = None) -> dict`` [{}]
     Called once before serving, outside any capture: make now whatever the model's
     prefill would otherwise build at its first admissions of up to ``max_rows`` prompts
