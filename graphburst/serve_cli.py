@@ -85,8 +85,8 @@ def add_parser(sub) -> None:
                    help="graph engine, pipelined: admit waiting requests before refilling the queue of bursts "
                         "(early: their first burst comes one burst sooner) or after it (late: the GPU keeps a full "
                         "queue while the host admits); auto: early once the queued bursts outlast 4 typical "
-                        "admissions' host time, and while a burst is shorter than one, a boundary due right after an "
-                        "admission waits one burst to admit with the next")
+                        "admissions' host time, and while a burst is shorter than one, a boundary due within a few bursts "
+                        "of an admission waits (up to a typical admission's worth of bursts, at most depth - 1)")
     p.add_argument("--live", action="store_true", help="show the live view even when stderr is not a terminal")
     # --- HTTP mode (graphburst/serving/http.py) ---
     h = p.add_argument_group("HTTP server (--http)")

@@ -60,8 +60,8 @@ def test_auto_coalesces_boundaries_when_bursts_are_shorter_than_admissions():
     waits = _serve(auto, busy_ms=1e-6)  # a burst far shorter than any admission: host-bound
     assert auto.deferred_boundaries > 0
     assert auto.stats()["deferred_boundaries"] == auto.deferred_boundaries
-    # a freed slot waits at most one burst more than it would have without coalescing
-    assert max(waits) <= max(late_waits) + 1
+    # a freed slot waits at most depth - 1 bursts more than it would have without coalescing
+    assert max(waits) <= max(late_waits) + auto.pipeline.depth - 1
     assert len(waits) == len(late_waits) == len(BUDGETS) - 3
 
     costly = make_loop()
@@ -69,33 +69,45 @@ def test_auto_coalesces_boundaries_when_bursts_are_shorter_than_admissions():
     assert costly.deferred_boundaries == 0
 
 
-def test_a_boundary_is_deferred_only_right_after_an_admission_never_twice_nor_mid_prompt():
+def test_a_boundary_is_deferred_only_within_the_limit_after_an_admission_nor_mid_prompt():
     from graphburst.serving.admit import COALESCE_AFTER
 
-    loop = make_loop()
+    loop = make_loop()  # depth 3: at most 2 bursts
     loop.pipeline.clock.last_busy_ms = 0.1
     loop._note_admission(0.3)
     assert not loop._defer_boundary()  # no admission yet in this loop's life
-    loop._admitted_at = loop.pipeline.launched
+    loop._admitted_at, loop._deferrals = loop.pipeline.launched, 0
     assert not loop._defer_boundary()  # one admission measured: it may have compiled kernels
     for _ in range(COALESCE_AFTER - 1):
         loop._note_admission(0.3)
-    loop._admitted_at = loop.pipeline.launched
     loop._prefilling[0] = 4  # a prompt part-way through a chunked prefill goes on at every boundary
     assert not loop._defer_boundary()
     del loop._prefilling[0]
-    assert loop._defer_boundary()
-    assert not loop._defer_boundary()  # never twice in a row
-    loop._admitted_at = loop.pipeline.launched - 2  # two bursts launched since the admission
+    assert loop._coalesce_limit() == 2  # an admission covers 3 bursts; depth - 1 caps it
+    assert loop._defer_boundary() and loop._defer_boundary()
+    assert not loop._defer_boundary()  # the limit's worth, then it runs
+    loop._admitted_at, loop._deferrals = loop.pipeline.launched - 3, 0  # three bursts launched since
     assert not loop._defer_boundary()
     loop._admitted_at = loop.pipeline.launched
-    loop.pipeline.clock.last_busy_ms = 0.3  # a burst as long as a typical admission: not host-bound
+    for busy, limit in ((0.25, 1), (0.14, 2), (0.3, 0)):  # 1.2 and 2.1 bursts' worth; not host-bound
+        loop.pipeline.clock.last_busy_ms = busy
+        assert loop._coalesce_limit() == limit, busy
+    loop.pipeline.clock.last_busy_ms = 0.25
+    assert loop._defer_boundary() and not loop._defer_boundary()
+    loop._deferrals = 0
+    loop.pipeline.clock.last_busy_ms = 0.3  # a burst as long as a typical admission
     assert not loop._defer_boundary()
     loop.pipeline.clock.last_busy_ms = 0.1
     for order in ("early", "late"):
         loop.admission = order
         assert not loop._defer_boundary()
-    assert loop.deferred_boundaries == 1
+    assert loop.deferred_boundaries == 3
+    shallow = make_loop(depth=2)  # depth 2: one burst at most, however short the bursts
+    shallow.pipeline.clock.last_busy_ms = 0.01
+    for _ in range(COALESCE_AFTER):
+        shallow._note_admission(0.3)
+    shallow._admitted_at, shallow._deferrals = shallow.pipeline.launched, 0
+    assert shallow._coalesce_limit() == 1 and shallow._defer_boundary() and not shallow._defer_boundary()
 
 
 def test_no_deferral_where_auto_admits_early():

@@ -33,17 +33,17 @@ ADMISSION_MODES = ("auto", "early", "late")
 EARLY_ADMISSION_MARGIN = 4.0
 ADMISSION_WINDOW = 16
 #: auto: while the last burst's GPU time is under this many typical admissions (the host, not the
-#: GPU, is then the bottleneck: zero-cost stubs, ~0.1 ms bursts against ~0.2 ms admissions), a
-#: boundary due one burst after an admission waits one burst, so the next admission takes both
-#: bursts' freed slots. An admission's host time is mostly fixed (H200 lease, stubs at M=8:
-#: ~200 us plus ~6 us a slot), and finishing requests free slots over consecutive bursts.
-#: Real models (35-140 ms bursts, 1-10 ms admissions) never defer.
+#: GPU, is then the bottleneck: zero-cost stubs, ~0.1 ms bursts against ~0.2-0.6 ms admissions), a
+#: boundary due within a few bursts of an admission waits, so one admission takes the slots those
+#: bursts freed (:meth:`LoopAdmission._coalesce_limit`). An admission's host time is mostly fixed
+#: (H200 lease, stubs at M=8: ~200 us plus ~6 us a slot), and finishing requests free slots over
+#: consecutive bursts. Real models (35-140 ms bursts, 1-10 ms admissions) never defer.
 COALESCE_BELOW = 1.0
 #: ... and only once this many admissions are measured: a server's first admissions can include
 #: kernel compiles and graph captures, which must not pass for a typical admission.
 COALESCE_AFTER = 3
-#: ``_admitted_at`` when no boundary may be deferred: ``pipeline.launched`` minus it is always > 1
-NO_RECENT_ADMISSION = -2
+#: ``_admitted_at`` before any admission: ``pipeline.launched`` minus it passes any coalescing limit
+NO_RECENT_ADMISSION = -(2**31)
 
 
 class LoopAdmission:
@@ -87,7 +87,7 @@ class LoopAdmission:
             finally:
                 clock.admission_end(span, stream)
             self._note_admission((time.perf_counter() - t0) * 1e3)  # taking requests and prefilling them
-            self._admitted_at = self.pipeline.launched
+            self._admitted_at, self._deferrals = self.pipeline.launched, 0
 
     def _note_admission(self, ms: float) -> None:
         """One admission's host milliseconds; the typical one is the median of the last
@@ -101,25 +101,41 @@ class LoopAdmission:
         self._typical_admission_ms = None
 
     def _defer_boundary(self) -> bool:
-        """Whether ``auto`` admission lets a due boundary wait one burst, to coalesce it with the next.
+        """Whether ``auto`` admission lets a due boundary wait a burst, to coalesce it with the next.
 
-        Only when the host is the bottleneck (the last burst's GPU time is under
-        :data:`COALESCE_BELOW` typical admissions, of at least :data:`COALESCE_AFTER` measured)
-        and auto does not admit early (at depth 6 and more the two rules overlap: the queued
-        bursts then hide the admission, and waiting would only cost a burst), only right after
-        an admission (no burst launched since the one after it), never while a prompt is
-        part-way through a chunked prefill, and never twice in a row: a freed slot waits at
-        most one more burst.
+        Only while the host is the bottleneck (:meth:`_coalesce_limit` > 0), never while a
+        prompt is part-way through a chunked prefill, and only within that limit of bursts
+        launched since the last admission, that many times at most: a freed slot waits at
+        most that many more bursts.
         """
-        if self.admission != "auto" or self._prefilling or self.pipeline.launched - self._admitted_at > 1:
+        if self.admission != "auto" or self._prefilling:
             return False
+        limit = self._coalesce_limit()
+        if self._deferrals >= limit or self.pipeline.launched - self._admitted_at > limit:
+            return False
+        self._deferrals += 1
+        self.deferred_boundaries += 1
+        return True
+
+    def _coalesce_limit(self) -> int:
+        """Bursts a due boundary may wait after an admission (``auto``; 0: none).
+
+        None unless the host is the bottleneck: the last burst's GPU time under
+        :data:`COALESCE_BELOW` typical admissions, of at least :data:`COALESCE_AFTER` measured,
+        and auto not admitting early (at depth 6 and more the two rules overlap: the queued
+        bursts then hide the admission, and waiting would only cost a burst). Then about as many
+        bursts as one typical admission's host time covers (an admission's cost is mostly fixed,
+        so taking that many bursts' freed slots at once keeps the host's admission work per burst
+        within a burst's GPU time), at least 1 and at most ``depth - 1``: a coalesced admission's
+        host time must stay within the bursts still queued behind it. Zero-cost stubs on an H200
+        lease (``scripts/admit_profile.py``, docs/serving.md): at M=8, depth 4, a limit of 3 idled
+        12-15% against 23-32% for 1 and ran the workload 4-15% sooner; 4 idled 18-24%.
+        """
         busy, typical = self.pipeline.clock.last_busy_ms, self._typical_admission_ms
         if busy is None or len(self._admission_ms) < COALESCE_AFTER or busy >= COALESCE_BELOW * typical \
                 or self._admit_early():
-            return False
-        self._admitted_at = NO_RECENT_ADMISSION  # the next due boundary runs
-        self.deferred_boundaries += 1
-        return True
+            return 0
+        return min(self.pipeline.depth - 1, max(1, round(typical / busy)))
 
     def _admit_early(self) -> bool:
         """Whether a pipelined step admits before refilling the pipeline (``admission``).

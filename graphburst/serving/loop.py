@@ -115,6 +115,7 @@ class ServeLoop(LoopAdmission, LoopFirstTokens):
         self._admission_ms = collections.deque(maxlen=ADMISSION_WINDOW)  # host ms of the last admissions
         self._typical_admission_ms = None  # their median (None before the first)
         self._admitted_at = NO_RECENT_ADMISSION  # pipeline.launched at the last admission (coalescing: admit.py)
+        self._deferrals = 0  # boundaries deferred since that admission
         self.deferred_boundaries = 0  # boundaries auto admission let wait a burst (LoopAdmission._defer_boundary)
         self.sampling = bool(sampling)
         self.prefill_chunk = check_prefill_chunk(prefill_chunk, target, draft)
@@ -384,7 +385,7 @@ class ServeLoop(LoopAdmission, LoopFirstTokens):
     def stats(self) -> dict:
         """Loop-level counters: bursts, tokens/s, GPU-idle fraction between bursts.
 
-        ``deferred_boundaries``: boundaries ``auto`` admission let wait one burst to coalesce
+        ``deferred_boundaries``: boundaries ``auto`` admission let wait a burst to coalesce
         them with the next (:meth:`LoopAdmission._defer_boundary`). ``gpu_idle_fraction``
         counts every gap while a request held a slot;
         ``gpu_idle_fraction_steady`` only the gaps before bursts launched with every

@@ -63,7 +63,7 @@ class _LoopCollector:
         steady.add_metric([], s.get("steady_bursts", 0))
         yield steady
         deferred = CounterMetricFamily("graphburst_deferred_boundaries",
-                                       "Burst boundaries auto admission let wait one burst, to admit with the next "
+                                       "Burst boundaries auto admission let wait a burst, to admit with a later one "
                                        "(the host was the bottleneck)")
         deferred.add_metric([], s.get("deferred_boundaries", 0))
         yield deferred
