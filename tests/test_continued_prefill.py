@@ -185,3 +185,27 @@ def test_gpu_a_continued_bucket_runs_eagerly_then_captures_then_replays_without_
         assert_decodes_greedy(dec, {slot: prompt}, 30, scratch_row=BATCH - 1, label=f"slot {slot}")
     assert seen == [(None, False), (True, False), (True, True)]
     assert dec.draft.prefill_graphs.info()[("continued", 1, 32, False)]
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_gpu_a_warmed_continued_buckets_first_call_replays_without_a_sync_or_capture(rng):
+    backend = Backend("cupy")
+    models = tiny_adapters(backend, batch=BATCH, capacity=CAPACITY)
+    before = poison(models)
+    for m in models:
+        m.warm_prefill(2, max_length=64)  # chunks of 64: the continued buckets up to (1, 64)
+    s = models[0].module.kv[0].shape[2]
+    for m, old in zip((kv for m in models for kv in m.module.kv), before):
+        assert torch.equal(m.detach().cpu()[:, :, : s - 1], old[:, :, : s - 1]), "warm-up moved a readable row"
+    dec = SpecDecoder(*models, k=3, m_rounds=2)
+    captures = [m.prefill_graphs.captures for m in models]
+    prompt = rng.integers(0, 512, 64 + 50).astype(np.int32)
+    dec.prefill_checked({2: prompt[:64]}, {2: 0}, final=False)
+    torch.cuda.set_sync_debug_mode("error")  # a replay never syncs
+    try:
+        dec.prefill_checked({2: prompt[64:]}, {2: 64}, limits={2: 30})  # (1, 64): warmed, replayed
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert [m.prefill_graphs.captures for m in models] == captures, "captured at serving time"
+    assert_decodes_greedy(dec, {2: prompt}, 30, scratch_row=BATCH - 1, label="warmed continued")

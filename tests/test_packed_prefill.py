@@ -24,7 +24,7 @@ from graphburst.models.checkpoint import tiny_random_configs
 from graphburst.models.llama import Llama, Packed
 from graphburst.models.packed_prefill import (PACKED_ROW_LADDER, TOKEN_LADDER, PackedPrefillGraphs, packed_index,
                                               packed_warm_sizes, padding_segments)
-from graphburst.models.prefill_graphs import CAPTURE_AT_USE
+from graphburst.models.prefill_buckets import CAPTURE_AT_USE
 from graphburst.models.torch_adapter import TorchDraft, TorchTarget
 from graphburst.models.varlen import causal_varlen, flash_varlen_ok, segment_ids, varlen_reference
 

@@ -17,7 +17,8 @@ from graphburst import SpecDecoder
 from graphburst.backend import Backend
 from graphburst.constants import NO_EOS
 from graphburst.models.llama import Llama
-from graphburst.models.prefill_graphs import CAPTURE_AT_USE, PrefillGraphs
+from graphburst.models.prefill_buckets import CAPTURE_AT_USE
+from graphburst.models.prefill_graphs import PrefillGraphs
 from graphburst.models.torch_adapter import TorchTarget
 
 from marks import BACKENDS, requires_gpu

@@ -21,8 +21,9 @@ from graphburst.models.llama import Llama
 from graphburst.models.llama_config import LlamaConfig
 from graphburst.models.llama_memory import memory_spec
 from graphburst.models.packed_prefill import packed_warm_sizes
-from graphburst.models.prefill_graphs import (CALL_COST_TOKENS, CAPTURE_AT_USE, EAGER_CALL_COST_TOKENS, PrefillGraphs,
-                                              warm_output_bytes, warm_sizes)
+from graphburst.models.prefill_buckets import (CALL_COST_TOKENS, CAPTURE_AT_USE, EAGER_CALL_COST_TOKENS,
+                                               continued_warm_lengths, warm_output_bytes, warm_sizes)
+from graphburst.models.prefill_graphs import PrefillGraphs
 from graphburst.models.stubs import stub_pair
 from graphburst.models.torch_adapter import TorchTarget
 from graphburst.serving.factory import ConfigError, ServeConfig, build_loop, memory_specs, warm_models
@@ -76,6 +77,35 @@ def test_warm_up_makes_exactly_the_warm_sizes():
     assert g.warm_up(1, head=False, max_length=20)["buckets"] == 2  # (1, 32), (1, 16) without a head
 
 
+def test_a_chunked_warm_up_makes_the_one_row_continued_buckets():
+    assert continued_warm_lengths(None) == []  # whole prompts: no later chunks
+    assert continued_warm_lengths(40) == [48, 32, 16]  # every length up to the chunk's bucket
+    assert continued_warm_lengths(512)[:3] == [512, 384, 256] and len(continued_warm_lengths(512)) == 10
+    assert continued_warm_lengths(10_000, max_tokens=8192)[0] == 8192
+    g = _graphs(max_tokens=128)
+    done = g.warm_up(2, head=True, max_length=40, continued=True)
+    fresh = warm_sizes(2, 128, 40)
+    assert done["buckets"] == len(fresh) + 2 * 3
+    assert set(g.info()) == {(r, p, True) for r, p in fresh} | {
+        ("continued", 1, p, h) for p in (48, 32, 16) for h in (True, False)}
+    draft = _graphs(max_tokens=128)
+    assert draft.warm_up(2, head=False, max_length=40, continued=True)["buckets"] == len(fresh) + 3  # no head
+    assert warm_output_bytes(2, 512, 128, 40, continued=True) == warm_output_bytes(2, 512, 128, 40) + 3 * 512 * 4
+
+
+def test_a_warmed_continued_bucket_is_not_an_eager_first_use(rng):
+    cold, warm = _graphs(capture_at=CAPTURE_AT_USE), _graphs(capture_at=CAPTURE_AT_USE)
+    warm.warm_up(1, head=True, max_length=32, continued=True)
+    tokens = torch.from_numpy(rng.integers(0, 512, (1, 20))).long()
+    idx, start, last = torch.tensor([1]), torch.tensor([30], dtype=torch.int32), torch.tensor([19])
+    assert cold.run_continued(tokens, idx, start, last, head=True) is NotImplemented  # eager first use
+    out = warm.run_continued(tokens, idx, start, last, head=True)
+    m = cold.module  # the same seeded weights and, after cold's refusal, untouched caches
+    with torch.no_grad():
+        want = m(tokens, start, [start] * len(m.kv), idx, logits_at=last)[:, 0]
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+
+
 # ---------------------------------------------------------------------- the KV a slot reads
 
 
@@ -97,13 +127,17 @@ def test_warm_up_leaves_every_readable_kv_row_bit_identical():
     check_untouched(models, before)
     for m, old in zip(models, lengths):
         np.testing.assert_array_equal(m.cache.layers[0].length, old)  # no length moved either
+    done = [m.warm_prefill(3, max_length=20) for m in models]  # chunks: the continued buckets
+    assert [d["buckets"] for d in done] == [4, 2]  # (1, 32), (1, 16); both heads in the target
+    check_untouched(models, before)
 
 
 def test_warm_prefill_caps_rows_at_the_batch_and_is_off_without_graphs():
     backend = Backend("numpy")
     target, _ = _adapters(backend)
     target.warm_prefill(1000, max_length=16)
-    assert {r for r, _, _ in target.prefill_graphs.info()} == {1, 2, 3, 4, 6, 8}  # the bucket of batch 7: 8
+    fresh = [k for k in target.prefill_graphs.info() if k[0] != "continued"]
+    assert {r for r, _, _ in fresh} == {1, 2, 3, 4, 6, 8}  # the bucket of batch 7: 8
     assert target.warm_prefill(0) == {}
     cfg, _ = tiny_random_configs()
     plain = TorchTarget(Llama(cfg, batch=2, capacity=32), batch=2, capacity=32, backend=backend)  # CPU default: off
@@ -188,8 +222,10 @@ def test_the_config_default_and_tp():
 def test_warm_models_goes_through_the_hook():
     backend = Backend("numpy")
     models = _adapters(backend)
-    done = warm_models(models, 2, 20)  # rows 1, 2 x lengths 16, 32, each model
-    assert done["buckets"] == 8 and done["seconds"] > 0
+    # rows 1, 2 x lengths 16, 32, each model; chunks of 20: the continued (1, 32), (1, 16), both heads
+    # in the target, the draft's without
+    done = warm_models(models, 2, 20)
+    assert done["buckets"] == 8 + 4 + 2 and done["seconds"] > 0
     stubs = stub_pair(2, 97, 2, 1, 64, backend="numpy")
     assert warm_models((*stubs, None), 4) is None  # the hook's default: nothing to warm, no line
     lines = []

@@ -19,7 +19,7 @@
   the prefill graphs' private pool (``models.prefill_graphs``: it keeps its largest
   bucket's peak, at most ``DEFAULT_MAX_TOKENS`` tokens, for as long as the graphs live;
   with a warm-up of ``warm_rows``, the largest bucket it makes, and with a head the
-  outputs every warmed bucket keeps, ``[R_b, 1, V]`` float32: ``prefill_graphs.warm_sizes``, or
+  outputs every warmed bucket keeps, ``[R_b, 1, V]`` float32: ``prefill_buckets.warm_sizes``, or
   ``packed_prefill.packed_warm_sizes`` where that keeps more),
   plus one decode forward of ``batch x decode_tokens`` (the captured burst's private pool
   holds its peak for as long as the graph lives), plus the head's outputs: logits in the dtype,
@@ -37,7 +37,7 @@ from .capacity import MemorySpec
 from .llama import DEFAULT_KV_SLACK, KV_ROW_MULTIPLE, Llama
 from .llama_config import LlamaConfig
 from .packed_prefill import packed_warm_sizes
-from .prefill_graphs import DEFAULT_MAX_TOKENS, warm_output_bytes, warm_sizes
+from .prefill_buckets import DEFAULT_MAX_TOKENS, warm_output_bytes, warm_sizes
 
 #: Tokens one prefill forward is sized for when the caller does not say (a chunked
 #: prefill's chunk bounds it; admitting more prompt tokens at once than this may not fit).

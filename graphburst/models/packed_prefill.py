@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .prefill_graphs import DEFAULT_MAX_TOKENS, PrefillGraphs, _ladder_to, _up
+from .prefill_buckets import DEFAULT_MAX_TOKENS, _ladder_to, _up
+from .prefill_graphs import PrefillGraphs
 
 #: tokens of a packed bucket (then doubling past the last). A padding token costs a whole
 #: token's compute, so past 256 the steps are at most 1.25x (an admission's mixed prompts of 1622

@@ -30,6 +30,8 @@ its earlier chunks cached: :meth:`PrefillGraphs.run_continued`) are graphed. A c
 call's attention reads each row's cached KV through a mask built on the device from the
 bucket's ``start`` input, so it replays for any start; its padding rows start at ``S`` too.
 
+The ladders and the warm-up's sizes are :mod:`~graphburst.models.prefill_buckets`.
+
 Capture runs on a side stream ordered after the decoder's stream by events (no host sync):
 the bucket's real forward (which is also the capture's warm-up: lazy kernel loading and
 library handles happen outside the capture), then the capture, then the decoder's stream
@@ -40,82 +42,12 @@ next replay.
 
 from __future__ import annotations
 
-import bisect
 import time
 
 from ..torch_capture import end_capture_quietly
 from ..validate import check_int
-
-#: rows of a bucket: padding rows cost a whole prompt's compute each, so the steps are fine
-ROW_LADDER = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
-#: tokens per row of a bucket (then doubling past the last)
-LENGTH_LADDER = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
-#: the largest bucket graphed (rows x length): its activations stay reserved in the pool
-DEFAULT_MAX_TOKENS = 8192
-#: The cost of one more prefill call, in padded tokens: a call reads every weight once
-#: (2 bytes per parameter at 4.8 TB/s) and a token costs 2 FLOPs per parameter (at the
-#: ~600 bf16 TFLOP/s a prefill GEMM reaches on the H200), so a call costs as much as
-#: 600e12 / 4.8e12 = 125 tokens, whatever the model's size.
-CALL_COST_TOKENS = 128
-#: The extra cost of a call that runs eagerly (a bucket's first use): its launches cost the
-#: host ~10 ms on an H200 lease (1b shape), what the GPU spends on ~1000 prompt tokens.
-EAGER_CALL_COST_TOKENS = 1024
-#: A bucket is captured at its second call (its first runs eagerly and unpadded).
-CAPTURE_AT_USE = 2
-
-
-def _up(ladder, n: int) -> int:
-    """The smallest ladder value >= n (doubling the last value past the ladder's end)."""
-    i = bisect.bisect_left(ladder, n)
-    if i < len(ladder):
-        return ladder[i]
-    top = ladder[-1]
-    while top < n:
-        top *= 2
-    return top
-
-
-def _ladder_to(ladder, top: int) -> list[int]:
-    """Every value :func:`_up` can give that is <= ``top``: the ladder, then its doublings."""
-    out = [v for v in ladder if v <= top]
-    v = ladder[-1] * 2
-    while v <= top:
-        out.append(v)
-        v *= 2
-    return out
-
-
-def warm_sizes(max_rows: int, max_tokens: int = DEFAULT_MAX_TOKENS, max_length: int | None = None) -> list:
-    """The ``(rows, length)`` buckets a warm-up of ``max_rows`` captures, largest first.
-
-    Every bucket whose rows are at most the bucket of ``max_rows`` (rows of a call never
-    exceed the batch, so a few rows cover most admissions under load), whose length is at
-    most the bucket of ``max_length`` (None: any; a prompt never exceeds the KV capacity,
-    nor a chunk the chunk size) and whose ``rows x length <= max_tokens``. Largest first:
-    the shared pool then grows to its largest bucket's activations at the first capture
-    and the later, smaller ones reuse that memory.
-    """
-    max_rows = check_int("max_rows", max_rows, minimum=0)
-    if max_rows == 0:
-        return []
-    top_len = max_tokens if max_length is None else min(max_tokens, _up(LENGTH_LADDER, max_length))
-    sizes = [(r, p) for r in _ladder_to(ROW_LADDER, _up(ROW_LADDER, max_rows))
-             for p in _ladder_to(LENGTH_LADDER, min(top_len, max_tokens // r))]
-    return sorted(sizes, key=lambda rp: (-rp[0] * rp[1], -rp[0]))
-
-
-def warm_output_bytes(max_rows: int, vocab: int, max_tokens: int = DEFAULT_MAX_TOKENS,
-                      max_length: int | None = None) -> int:
-    """Bytes the outputs of a warm-up with a head keep in the pool: ``[R_b, 1, V]`` float32 per bucket."""
-    return sum(r for r, _ in warm_sizes(max_rows, max_tokens, max_length)) * vocab * 4
-
-
-def padded_bucket(rows: int, length: int, max_tokens: int) -> tuple[int, int] | None:
-    """``(rows, length)`` of the padded bucket a call of that size runs in, or None (eager):
-    each rounded up its ladder, within ``max_tokens`` rows x length."""
-    r, p = _up(ROW_LADDER, rows), _up(LENGTH_LADDER, length)
-    return (r, p) if r * p <= max_tokens else None
-
+from .prefill_buckets import (CALL_COST_TOKENS, CAPTURE_AT_USE, DEFAULT_MAX_TOKENS, EAGER_CALL_COST_TOKENS,
+                              continued_warm_lengths, padded_bucket, warm_sizes)
 
 class _Bucket:
     """Static inputs of one bucket's forward, its graph and its output.
@@ -128,7 +60,7 @@ class _Bucket:
         self.rows, self.length, self.fresh = rows, length, fresh
         self.tokens = torch.zeros((rows, length), dtype=torch.int64, device=device)  # [R_b, P_b] int64
         self.idx = torch.zeros(rows, dtype=torch.int64, device=device)  # [R_b] int64 batch rows
-        self.start = torch.full((rows,), s, dtype=torch.int32, device=device)  # [R_b] int32 first position: S on padding rows
+        self.start = torch.full((rows,), s, dtype=torch.int32, device=device)  # [R_b] int32 first position (S: padding)
         self.last = torch.zeros(rows, dtype=torch.int64, device=device)  # [R_b] int64 logits position
         self.graph = None
         self.out = None  # [R_b, 1, V] float32 logits, or None without a head
@@ -241,7 +173,7 @@ class PrefillGraphs:
         -------
         As :meth:`run`: ``[R, V]`` float32 logits (a view, valid until the bucket's next run),
         None without a head, or ``NotImplemented`` for the caller's eager call (past every
-        bucket, or the bucket's first use: continued buckets are not warmed).
+        bucket, or the bucket's first use unless :meth:`warm_up` made its size).
         """
         r, p = tokens.shape
         size = padded_bucket(r, p, self.max_tokens)
@@ -252,7 +184,7 @@ class PrefillGraphs:
         key = (*use, bool(head))
         b = self._buckets.get(key)
         if b is None:
-            if uses < self.capture_at:
+            if uses < self.capture_at and use not in self._warm:
                 return NotImplemented
             b = self._buckets[key] = _Bucket(self.torch, *size, self.s, self.device, fresh=False)
         # Columns past p keep earlier ids: they write KV rows past each row's chunk (or clamp
@@ -261,7 +193,7 @@ class PrefillGraphs:
         b.idx[:r].copy_(idx)
         b.start[:r].copy_(start)
         b.last[:r].copy_(last)
-        PrefillGraphs._pad(self, b, r)  # padded rows whatever the subclass's own buckets are
+        self._pad_rows(b, r)  # padded rows whatever the subclass's own buckets are
         out = self._call(b, head)
         return None if out is None else out[:r, 0]
 
@@ -273,7 +205,11 @@ class PrefillGraphs:
         return warm_sizes(max_rows, self.max_tokens, max_length)
 
     def _pad(self, b: _Bucket, r: int) -> None:
-        """Rows ``r:`` of ``b`` become padding rows: they write only row S - 1 of slot 0."""
+        """Rows ``r:`` of one of this class's own buckets become padding (:meth:`_pad_rows`)."""
+        self._pad_rows(b, r)
+
+    def _pad_rows(self, b: _Bucket, r: int) -> None:
+        """Rows ``r:`` of a padded bucket become padding rows: they write only row S - 1 of slot 0."""
         if r < b.rows:
             b.start[r:].fill_(self.s)
             b.idx[r:].zero_()
@@ -288,8 +224,9 @@ class PrefillGraphs:
         b.graph.replay()
         return b.out
 
-    def warm_up(self, max_rows: int, head: bool, max_length: int | None = None) -> dict:
-        """Make, before serving, every bucket of :func:`warm_sizes` (captured on a GPU).
+    def warm_up(self, max_rows: int, head: bool, max_length: int | None = None, continued: bool = False) -> dict:
+        """Make, before serving, every bucket of :func:`warm_sizes` (captured on a GPU), and with
+        ``continued`` the one-row continued buckets of :func:`continued_warm_lengths`.
 
         Each warm-up call is padding rows only (position ``S``, slot 0), so every KV row it
         writes clamps to row ``S - 1`` of slot 0, which no attention reads: no cache
@@ -306,6 +243,10 @@ class PrefillGraphs:
             The head the caller's fresh prefills use (a target's final chunk: True; a draft: False).
         max_length : int, optional
             The longest call's tokens per row (the KV capacity, or a prefill chunk).
+        continued : bool
+            Prompts arrive in chunks of ``max_length`` (a serving loop's ``prefill_chunk``):
+            also make the continued buckets a later chunk runs in, with both heads when
+            ``head`` (a target's non-final chunks compute none).
 
         Returns
         -------
@@ -321,18 +262,26 @@ class PrefillGraphs:
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
             free = torch.cuda.mem_get_info(self.device)[0]
+        # (bucket key, size marked warm, head, a new bucket of it): fresh ones, then continued ones
+        # (bucket key, size marked warm, head, a new bucket of it, its padding): fresh ones, then continued
+        jobs = [((*size, key_head), size, key_head, lambda size=size: self._new_bucket(size), self._pad)
+                for size in sizes]
+        if continued and max_rows:
+            jobs += [(("continued", 1, p, h), ("continued", 1, p), h,
+                      lambda p=p: _Bucket(torch, 1, p, self.s, self.device, fresh=False), self._pad_rows)
+                     for p in continued_warm_lengths(max_length, self.max_tokens) for h in sorted({key_head, False})]
         made = 0
         with torch.no_grad():
-            for size in sizes:
-                b = self._buckets.get((*size, key_head))
+            for key, warm, h, new_bucket, pad in jobs:
+                b = self._buckets.get(key)
                 if b is not None and (b.graph is not None or not self.capture):
-                    self._warm.add(size)
+                    self._warm.add(warm)
                     continue  # made by an earlier call already
                 if b is None:
-                    b = self._buckets[(*size, key_head)] = self._new_bucket(size)
-                self._pad(b, 0)  # padding rows only
-                self._call(b, key_head)
-                self._warm.add(size)
+                    b = self._buckets[key] = new_bucket()
+                pad(b, 0)  # padding rows only
+                self._call(b, h)
+                self._warm.add(warm)
                 made += 1
         used = None
         if self.capture:

@@ -152,7 +152,9 @@ class _TorchModel(Watched):
             return {}
         on_device = self.torch.cuda.device(self.backend.device_id) if self.backend.is_gpu else contextlib.nullcontext()
         with on_device:
-            return self.prefill_graphs.warm_up(min(max_rows, self.batch), self._prefill_head, length)
+            # a chunk size means later chunks: their continued buckets too
+            return self.prefill_graphs.warm_up(min(max_rows, self.batch), self._prefill_head, length,
+                                               continued=max_length is not None)
 
     def _settle(self) -> None:
         # cupy.zeros and torch's own init ran on other streams than the decoder's; finish
