@@ -31,7 +31,6 @@ from .validate import check_int, check_prompt, per_slot
 
 GREEDY = SamplingParams()  # a slot's settings when none are given
 _NO_OPTIONS = ModelHooks.set_slot_options  # the protocol's default: a model without per-slot options
-_ONE_CALL = ModelHooks.prefill_groups  # the protocol's default: one prefill call per admission
 #: The staging block's head, in units of B int32: lengths, starts, then the [3, n] admission table.
 STAGE_HEAD = 5
 
@@ -299,9 +298,9 @@ class SlotAdmission:
 
         Slots whose chunk starts at position 0 are **fresh**: the models are told so by
         ``start=None`` (a torch module then attends to the prompt's own tokens, and may pack
-        them). An admission that mixes them with later chunks of longer prompts asks a model
-        that plans its own calls (its own ``prefill_groups``, so it honours ``rows``) for the
-        two parts apart: a later chunk no longer sends the fresh prompts beside it down the
+        them). An admission that mixes them with later chunks of longer prompts runs the two
+        parts apart in a model that asks for it (``prefill_fresh_apart``: a torch adapter with
+        prefill graphs), so a later chunk no longer sends the fresh prompts beside it down the
         continued path (padded, attending over the cache)."""
         s, bufs = self.stream, self.bufs
         sampling = self.sampling and final
@@ -316,8 +315,8 @@ class SlotAdmission:
                 continue
             if lens is None:
                 lens = dict(zip(slots, host_lens[slots].tolist()))
-            plans = getattr(type(model), "prefill_groups", _ONE_CALL) is not _ONE_CALL
-            parts = _fresh_and_continued(lens, host_starts) if plans else [(lens, not host_starts[slots].any())]
+            apart = hook(model, "prefill_fresh_apart")
+            parts = _fresh_and_continued(lens, host_starts) if apart else [(lens, not host_starts[slots].any())]
             for part, fresh in parts:
                 start = None if fresh else self._prompt_start
                 for group in hook(model, "prefill_groups")(part, fresh):

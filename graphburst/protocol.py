@@ -120,10 +120,13 @@ Optional hooks (defaults in brackets)
     slots of each call (every slot of ``lengths``, slot -> chunk length, exactly once).
     ``fresh``: every chunk starts at position 0. The decoder narrows the prompt staging
     to each call's longest chunk, so a call pads only to its own rows (a model whose
-    prefill cost grows with the padded tokens groups rows of like length). A model that
-    defines it honours ``rows``, so an admission mixing chunks at position 0 with later
-    chunks asks it twice: for the fresh slots (``fresh=True``, called with ``start=None``),
-    then the others; on the default, every slot goes in one call with ``start``.
+    prefill cost grows with the padded tokens groups rows of like length).
+``prefill_fresh_apart`` [False]
+    True when a chunked-prefill model runs prompts at position 0 cheaper in calls of their
+    own (``start=None``) than beside later chunks: an admission mixing the two then asks
+    ``prefill_groups`` for the fresh slots (``fresh=True``) and for the others apart, and
+    calls the model for each (it honours ``rows``). Otherwise every slot goes in the calls
+    of one ``prefill_groups(lengths, False)``, with ``start``.
 ``warm_prefill(max_rows: int, max_length: int | None = None) -> dict`` [{}]
     Called once before serving, outside any capture: make now whatever the model's
     prefill would otherwise build at its first admissions of up to ``max_rows`` prompts
@@ -162,6 +165,7 @@ class ModelHooks:
     supports_sampling: bool = False
     chunked_prefill: bool = False
     packed_prefill: bool = False
+    prefill_fresh_apart: bool = False
     option_keys: frozenset = frozenset()
 
     def bind(self, bufs: StreamBufs) -> None:

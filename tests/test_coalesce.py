@@ -108,6 +108,8 @@ def test_a_boundary_is_deferred_only_within_the_limit_after_an_admission_nor_mid
         shallow._note_admission(0.3)
     shallow._admitted_at, shallow._deferrals = shallow.pipeline.launched, 0
     assert shallow._coalesce_limit() == 1 and shallow._defer_boundary() and not shallow._defer_boundary()
+    shallow.pipeline.clock.last_busy_ms = 0.0  # an event pair that read 0 ms: no division by it
+    assert shallow._coalesce_limit() == 1
 
 
 def test_no_deferral_where_auto_admits_early():

@@ -85,8 +85,9 @@ def test_a_chunked_warm_up_makes_the_one_row_continued_buckets():
     g = _graphs(max_tokens=128)
     done = g.warm_up(2, head=True, max_length=40, continued=True)
     fresh = warm_sizes(2, 128, 40)
-    assert done["buckets"] == len(fresh) + 2 * 3
-    assert set(g.info()) == {(r, p, True) for r, p in fresh} | {
+    # the fresh sizes; their one-row ones without a head (a long prompt's first chunk); the continued ones
+    assert done["buckets"] == len(fresh) + 3 + 2 * 3
+    assert set(g.info()) == {(r, p, True) for r, p in fresh} | {(1, p, False) for p in (48, 32, 16)} | {
         ("continued", 1, p, h) for p in (48, 32, 16) for h in (True, False)}
     draft = _graphs(max_tokens=128)
     assert draft.warm_up(2, head=False, max_length=40, continued=True)["buckets"] == len(fresh) + 3  # no head
@@ -128,7 +129,8 @@ def test_warm_up_leaves_every_readable_kv_row_bit_identical():
     for m, old in zip(models, lengths):
         np.testing.assert_array_equal(m.cache.layers[0].length, old)  # no length moved either
     done = [m.warm_prefill(3, max_length=20) for m in models]  # chunks: the continued buckets
-    assert [d["buckets"] for d in done] == [4, 2]  # (1, 32), (1, 16); both heads in the target
+    # (1, 32), (1, 16): continued with both heads in the target, and its fresh ones without a head
+    assert [d["buckets"] for d in done] == [6, 2]
     check_untouched(models, before)
 
 
@@ -196,6 +198,12 @@ def test_the_reserve_counts_what_warm_up_keeps():
                   memory_spec(cfg, **kw, prefill_tokens=512, warm_rows=4, warm_head=True))
     # (padded: (1 + 2 + 3 + 4) x 10 rows; packed: 1 x 12 token buckets up to 512, 2 x 16 up to 1024, 4 x 20 up to 2048)
     assert warm.reserve_bytes - cold.reserve_bytes == per_token * (4 * 512 - 512) + (12 + 2 * 16 + 4 * 20) * 1000 * 4
+    # chunked: the continued buckets' 10 outputs (lengths 16..512), a 512-row mask over every storage row
+    # (bf16 and its booleans) and one slot's K and V; no warm-up: the mask and K/V only
+    chunked = memory_spec(cfg, **kw, prefill_tokens=512, warm_rows=4, warm_head=True, chunked=True)
+    assert chunked.reserve_bytes - warm.reserve_bytes == 10 * 1000 * 4
+    assert chunked.row_bytes - warm.row_bytes == 512 * 3 + 2 * 2 * 16 * 2
+    assert memory_spec(cfg, **kw, prefill_tokens=512, chunked=True).reserve_bytes == cold.reserve_bytes
     # the serve config's default warms 4 rows: the target keeps outputs, the draft only the larger pool
     config = dict(backend="numpy", batch=4, k=2, rounds=3, capacity="auto", model="tiny-random")
     on, off = memory_specs(ServeConfig(**config), 512), memory_specs(ServeConfig(**config, prefill_warmup=0), 512)
@@ -223,9 +231,9 @@ def test_warm_models_goes_through_the_hook():
     backend = Backend("numpy")
     models = _adapters(backend)
     # rows 1, 2 x lengths 16, 32, each model; chunks of 20: the continued (1, 32), (1, 16), both heads
-    # in the target, the draft's without
+    # in the target, the draft's without, and the target's fresh (1, 32), (1, 16) without a head
     done = warm_models(models, 2, 20)
-    assert done["buckets"] == 8 + 4 + 2 and done["seconds"] > 0
+    assert done["buckets"] == 8 + 4 + 2 + 2 and done["seconds"] > 0
     stubs = stub_pair(2, 97, 2, 1, 64, backend="numpy")
     assert warm_models((*stubs, None), 4) is None  # the hook's default: nothing to warm, no line
     lines = []

@@ -246,7 +246,7 @@ def argmax_margins(model: Llama, prompts: torch.Tensor) -> dict:
     """
     b, p = prompts.shape
     zero = torch.zeros(b, dtype=torch.int32, device=prompts.device)
-    logits = model(prompts, zero, [zero] * len(model.layers), torch.arange(b, device=prompts.device))
+    logits = model(prompts, zero, [zero] * len(model.layers), None)  # rows None: every slot in order, no KV gather
     top = logits.float().topk(2, dim=-1).values.reshape(-1, 2)  # [B*P, 2]
     gap = (top[:, 0] - top[:, 1]).cpu()
     return dict(median=float(gap.median()), p10=float(gap.quantile(0.1)), ties=float((gap == 0).float().mean()),

@@ -25,6 +25,9 @@
   holds its peak for as long as the graph lives), plus the head's outputs: logits in the dtype,
   their fp32 copy, and softmax or argmax outputs (16 bytes per vocabulary entry at most),
   for ``batch x (decode_tokens + 1)`` rows (the +1: the prefill's logits at one position).
+  With chunked prefill (``chunked``) the graphs' pool also keeps a later chunk's one-row
+  bucket: its mask over every storage row and one slot's K and V (per storage row), and a
+  warm-up with a head the continued buckets' outputs (``prefill_buckets.continued_warm_lengths``).
 * **Cap**: ``max_position_embeddings``, and the largest capacity whose per-layer K stays
   inside the Triton decode kernels' int32 offsets (:data:`MAX_KV_HALF_ELEMENTS`).
 """
@@ -37,7 +40,8 @@ from .capacity import MemorySpec
 from .llama import DEFAULT_KV_SLACK, KV_ROW_MULTIPLE, Llama
 from .llama_config import LlamaConfig
 from .packed_prefill import packed_warm_sizes
-from .prefill_buckets import DEFAULT_MAX_TOKENS, warm_output_bytes, warm_sizes
+from .prefill_buckets import (DEFAULT_MAX_TOKENS, LENGTH_LADDER, _up, continued_warm_lengths, warm_output_bytes,
+                              warm_sizes)
 
 #: Tokens one prefill forward is sized for when the caller does not say (a chunked
 #: prefill's chunk bounds it; admitting more prompt tokens at once than this may not fit).
@@ -58,7 +62,7 @@ def weight_bytes(cfg: LlamaConfig, dtype: torch.dtype) -> int:
 
 def memory_spec(cfg: LlamaConfig, *, name: str, dtype: torch.dtype, batch: int, decode_tokens: int,
                 prefill_tokens: int = DEFAULT_PREFILL_TOKENS, warm_rows: int = 0,
-                warm_head: bool = False) -> MemorySpec:
+                warm_head: bool = False, chunked: bool = False) -> MemorySpec:
     """One Llama's :class:`MemorySpec` (module docstring).
 
     Parameters
@@ -77,6 +81,10 @@ def memory_spec(cfg: LlamaConfig, *, name: str, dtype: torch.dtype, batch: int, 
         Rows of the prefill graphs' warm-up before serving (``PrefillGraphs.warm_up``; 0: none).
     warm_head : bool
         The warm-up's buckets compute logits (a target's), so each keeps its output.
+    chunked : bool
+        Prompts arrive in chunks of ``prefill_tokens``: the graphs' pool also keeps a later
+        chunk's one-row bucket (its mask over every storage row and one slot's gathered K and
+        V), and a warm-up with a head the continued buckets' outputs.
     """
     if not isinstance(cfg, LlamaConfig):
         raise TypeError(f"cfg must be a LlamaConfig, got {type(cfg).__name__}")
@@ -90,11 +98,15 @@ def memory_spec(cfg: LlamaConfig, *, name: str, dtype: torch.dtype, batch: int, 
     act = cfg.activation_bytes_per_token(size) * (prefill_tokens + graphed + batch * decode_tokens)
     head = batch * (decode_tokens + 1) * cfg.vocab_size * (size + HEAD_EXTRA_BYTES)
     if warm_head:
-        head += max(warm_output_bytes(warm_rows, cfg.vocab_size, DEFAULT_MAX_TOKENS, prefill_tokens),
-                    sum(r for r, _ in packed) * cfg.vocab_size * 4)
+        continued = len(continued_warm_lengths(prefill_tokens)) if chunked and warm_rows else 0  # [1, 1, V] each
+        head += max(warm_output_bytes(warm_rows, cfg.vocab_size, DEFAULT_MAX_TOKENS, prefill_tokens, chunked),
+                    (sum(r for r, _ in packed) + continued) * cfg.vocab_size * 4)
     rope = 2 * cfg.head_dim * 4  # rope_cos and rope_sin rows, float32
     mask = (prefill_tokens + batch * decode_tokens) * (size + 1)  # additive masks and their booleans, per KV row
     gather = batch * 2 * cfg.num_key_value_heads * cfg.head_dim * size  # one layer's K and V of the prefilled slots
+    if chunked:  # a later chunk's graph keeps its own mask (a chunk's rows, its booleans) and one slot's K and V
+        mask += min(_up(LENGTH_LADDER, prefill_tokens), DEFAULT_MAX_TOKENS) * (size + 1)
+        gather += 2 * cfg.num_key_value_heads * cfg.head_dim * size
     rows = MAX_KV_HALF_ELEMENTS // (batch * cfg.num_key_value_heads * cfg.head_dim)
     offsets = rows // KV_ROW_MULTIPLE * KV_ROW_MULTIPLE - DEFAULT_KV_SLACK  # rows(capacity) stays <= rows
     if cfg.max_position_embeddings is not None and cfg.max_position_embeddings <= offsets:

@@ -246,7 +246,8 @@ class PrefillGraphs:
         continued : bool
             Prompts arrive in chunks of ``max_length`` (a serving loop's ``prefill_chunk``):
             also make the continued buckets a later chunk runs in, with both heads when
-            ``head`` (a target's non-final chunks compute none).
+            ``head`` (a target's non-final chunks compute none), and then the one-row fresh
+            buckets without a head too (a long prompt's first chunk).
 
         Returns
         -------
@@ -262,11 +263,13 @@ class PrefillGraphs:
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
             free = torch.cuda.mem_get_info(self.device)[0]
-        # (bucket key, size marked warm, head, a new bucket of it): fresh ones, then continued ones
         # (bucket key, size marked warm, head, a new bucket of it, its padding): fresh ones, then continued
         jobs = [((*size, key_head), size, key_head, lambda size=size: self._new_bucket(size), self._pad)
                 for size in sizes]
         if continued and max_rows:
+            if key_head:  # a long prompt's first chunk: fresh, one row, and no head (it is not the last)
+                jobs += [((*size, False), size, False, lambda size=size: self._new_bucket(size), self._pad)
+                         for size in sizes if size[0] == 1]
             jobs += [(("continued", 1, p, h), ("continued", 1, p), h,
                       lambda p=p: _Bucket(torch, 1, p, self.s, self.device, fresh=False), self._pad_rows)
                      for p in continued_warm_lengths(max_length, self.max_tokens) for h in sorted({key_head, False})]

@@ -129,6 +129,12 @@ class _TorchModel(Watched):
         """Protocol: ``prefill`` takes ``lengths`` (packed prefill graphs pack fresh prompts end to end)."""
         return self.prefill_graphs is not None and self.prefill_graphs.packed
 
+    @property
+    def prefill_fresh_apart(self) -> bool:
+        """Protocol attribute: with prefill graphs, fresh prompts beside a later chunk run their own
+        (packed or bucketed) call instead of the later chunk's padded one over the cache."""
+        return self.prefill_graphs is not None
+
     def prefill_groups(self, lengths: dict, fresh: bool) -> list:
         """Protocol hook: with prefill graphs, a fresh admission in calls of like length
         (:meth:`PrefillGraphs.plan`); else one call (an eager call costs the host its launches)."""

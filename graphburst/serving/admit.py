@@ -135,7 +135,9 @@ class LoopAdmission:
         if busy is None or len(self._admission_ms) < COALESCE_AFTER or busy >= COALESCE_BELOW * typical \
                 or self._admit_early():
             return 0
-        return min(self.pipeline.depth - 1, max(1, round(typical / busy)))
+        # busy > 0 here unless an event pair read 0.0 ms (then any number of bursts is covered)
+        covered = round(typical / busy) if busy > 0 else self.pipeline.depth
+        return min(self.pipeline.depth - 1, max(1, covered))
 
     def _admit_early(self) -> bool:
         """Whether a pipelined step admits before refilling the pipeline (``admission``).

@@ -301,7 +301,8 @@ def memory_specs(config: ServeConfig, prefill_tokens: int | None = None) -> list
             t_cfg = checkpoint.read_config(config.model)
             d_cfg = None if config.lookup else checkpoint.read_config(config.draft)
         kw = dict(dtype=getattr(torch, config.dtype), batch=config.batch, warm_rows=config.warmup_rows,
-                  prefill_tokens=llama_memory.DEFAULT_PREFILL_TOKENS if prefill_tokens is None else prefill_tokens)
+                  prefill_tokens=llama_memory.DEFAULT_PREFILL_TOKENS if prefill_tokens is None else prefill_tokens,
+                  chunked=config.prefill_chunk is not None)
         vocab = t_cfg.vocab_size
         target = llama_memory.memory_spec(t_cfg, name="target", decode_tokens=config.k + 1, warm_head=True, **kw)
         draft = None if config.lookup else llama_memory.memory_spec(d_cfg, name="draft", decode_tokens=1, **kw)
