@@ -93,6 +93,8 @@ def test_later_chunks_through_buckets_write_what_the_plain_chunks_write(rng, bac
         poison(models)  # the same finite garbage in both
         decs.append(SpecDecoder(*models, k=3, m_rounds=2))
     plain, graphed = decs
+    # without prefill graphs nothing is gained apart: one call (the split is the graphed adapters')
+    assert not plain.target.prefill_fresh_apart and graphed.target.prefill_fresh_apart
     for m in (graphed.target, graphed.draft):
         m.prefill_graphs.capture_at = 1  # on a GPU too: every bucket captured at its first call
     log = _calls(graphed)
