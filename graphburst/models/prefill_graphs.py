@@ -49,6 +49,7 @@ from ..validate import check_int
 from .prefill_buckets import (CALL_COST_TOKENS, CAPTURE_AT_USE, DEFAULT_MAX_TOKENS, EAGER_CALL_COST_TOKENS,
                               continued_warm_lengths, padded_bucket, warm_sizes)
 
+
 class _Bucket:
     """Static inputs of one bucket's forward, its graph and its output.
 
