@@ -40,8 +40,7 @@ from .capacity import MemorySpec
 from .llama import DEFAULT_KV_SLACK, KV_ROW_MULTIPLE, Llama
 from .llama_config import LlamaConfig
 from .packed_prefill import packed_warm_sizes
-from .prefill_buckets import (DEFAULT_MAX_TOKENS, LENGTH_LADDER, _up, continued_warm_lengths, warm_output_bytes,
-                              warm_sizes)
+from .prefill_buckets import DEFAULT_MAX_TOKENS, continued_warm_lengths, warm_output_bytes, warm_sizes
 
 #: Tokens one prefill forward is sized for when the caller does not say (a chunked
 #: prefill's chunk bounds it; admitting more prompt tokens at once than this may not fit).
@@ -97,15 +96,16 @@ def memory_spec(cfg: LlamaConfig, *, name: str, dtype: torch.dtype, batch: int, 
     graphed = max([min(prefill_tokens, DEFAULT_MAX_TOKENS)] + [r * p for r, p in warm] + [t for _, t in packed])
     act = cfg.activation_bytes_per_token(size) * (prefill_tokens + graphed + batch * decode_tokens)
     head = batch * (decode_tokens + 1) * cfg.vocab_size * (size + HEAD_EXTRA_BYTES)
+    continued = continued_warm_lengths(prefill_tokens) if chunked else []  # a later chunk's buckets, longest first
     if warm_head:
-        continued = len(continued_warm_lengths(prefill_tokens)) if chunked and warm_rows else 0  # [1, 1, V] each
+        kept = len(continued) if warm_rows else 0  # the warmed continued buckets' [1, 1, V] outputs
         head += max(warm_output_bytes(warm_rows, cfg.vocab_size, DEFAULT_MAX_TOKENS, prefill_tokens, chunked),
-                    (sum(r for r, _ in packed) + continued) * cfg.vocab_size * 4)
+                    (sum(r for r, _ in packed) + kept) * cfg.vocab_size * 4)
     rope = 2 * cfg.head_dim * 4  # rope_cos and rope_sin rows, float32
     mask = (prefill_tokens + batch * decode_tokens) * (size + 1)  # additive masks and their booleans, per KV row
     gather = batch * 2 * cfg.num_key_value_heads * cfg.head_dim * size  # one layer's K and V of the prefilled slots
     if chunked:  # a later chunk's graph keeps its own mask (a chunk's rows, its booleans) and one slot's K and V
-        mask += min(_up(LENGTH_LADDER, prefill_tokens), DEFAULT_MAX_TOKENS) * (size + 1)
+        mask += continued[0] * (size + 1)
         gather += 2 * cfg.num_key_value_heads * cfg.head_dim * size
     rows = MAX_KV_HALF_ELEMENTS // (batch * cfg.num_key_value_heads * cfg.head_dim)
     offsets = rows // KV_ROW_MULTIPLE * KV_ROW_MULTIPLE - DEFAULT_KV_SLACK  # rows(capacity) stays <= rows

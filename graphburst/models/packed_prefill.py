@@ -175,13 +175,7 @@ class PackedPrefillGraphs(PrefillGraphs):
         rows, lengths = np.asarray(rows, np.int64), np.asarray(lengths, np.int64)
         r, t = rows.size, int(lengths.sum())
         size = self.bucket(r, t)
-        b = None
-        if size is not None:
-            self._uses[size] = uses = self._uses.get(size, 0) + 1
-            key = (*size, bool(head))
-            b = self._buckets.get(key)
-            if b is None and (uses >= self.capture_at or size in self._warm):
-                b = self._buckets[key] = self._new_bucket(size)
+        b = None if size is None else self._use_bucket(size, head, lambda: self._new_bucket(size))
         graphed = b is not None
         if not graphed:  # unpadded, eager: a bucket of exactly this call
             b = _PackedBucket(torch, r, t, self.s, self.device)

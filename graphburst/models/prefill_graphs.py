@@ -139,15 +139,9 @@ class PrefillGraphs:
         """
         r, p = tokens.shape
         size = self.bucket(r, p)
-        if size is None:
-            return NotImplemented
-        self._uses[size] = uses = self._uses.get(size, 0) + 1
-        key = (*size, bool(head))
-        b = self._buckets.get(key)
+        b = None if size is None else self._use_bucket(size, head, lambda: self._new_bucket(size))
         if b is None:
-            if uses < self.capture_at and size not in self._warm:
-                return NotImplemented
-            b = self._buckets[key] = self._new_bucket(size)
+            return NotImplemented
         b.tokens[:r, :p].copy_(tokens)  # columns past p keep earlier (valid) ids: padding, causal
         b.idx[:r].copy_(idx)
         b.start[:r].zero_()
@@ -178,16 +172,10 @@ class PrefillGraphs:
         """
         r, p = tokens.shape
         size = padded_bucket(r, p, self.max_tokens)
-        if size is None:
-            return NotImplemented
-        use = ("continued", *size)
-        self._uses[use] = uses = self._uses.get(use, 0) + 1
-        key = (*use, bool(head))
-        b = self._buckets.get(key)
+        b = None if size is None else self._use_bucket(
+            ("continued", *size), head, lambda: _Bucket(self.torch, *size, self.s, self.device, fresh=False))
         if b is None:
-            if uses < self.capture_at and use not in self._warm:
-                return NotImplemented
-            b = self._buckets[key] = _Bucket(self.torch, *size, self.s, self.device, fresh=False)
+            return NotImplemented
         # Columns past p keep earlier ids: they write KV rows past each row's chunk (or clamp
         # to row S - 1), which no attention reads before a later chunk or burst rewrites them.
         b.tokens[:r, :p].copy_(tokens)
@@ -197,6 +185,19 @@ class PrefillGraphs:
         self._pad_rows(b, r)  # padded rows whatever the subclass's own buckets are
         out = self._call(b, head)
         return None if out is None else out[:r, 0]
+
+    def _use_bucket(self, use: tuple, head: bool, make):
+        """Count one call of the size ``use`` (``(rows, length)``, or a continued call's
+        ``("continued", rows, length)``) and return its bucket with ``head``, made by ``make()``
+        if need be; None while the call is to run eagerly (a size's first use, unless warmed)."""
+        self._uses[use] = uses = self._uses.get(use, 0) + 1
+        key = (*use, bool(head))
+        b = self._buckets.get(key)
+        if b is None:
+            if uses < self.capture_at and use not in self._warm:
+                return None
+            b = self._buckets[key] = make()
+        return b
 
     def _new_bucket(self, size: tuple[int, int]) -> _Bucket:
         return _Bucket(self.torch, *size, self.s, self.device)
