@@ -153,13 +153,14 @@ class SlotAdmission:
     def _prefill_checked(self, rows: dict, starts, limits: dict, stops: dict, settings: dict, final: bool) -> None:
         """Stage (one upload), run the models' prefill, then admit (one launch)."""
         slots = sorted(rows)
-        host, table = self._stage_prompts(rows, starts, slots, limits, stops, final)
+        index = np.asarray(slots, np.int64)  # [n] int64: the slots, ascending (a host list for dict lookups)
+        host, table = self._stage_prompts(rows, starts, slots, index, limits, stops, final)
         b = self.batch
         lens, starts_now = host[:b], host[b: 2 * b]
         ends = np.where(lens != NO_PREFILL, starts_now + lens, NO_PREFILL).astype(np.int32)  # [B] int32
         stage = self._stage_view("chunks", (host.size - STAGE_HEAD * b) // b)
-        self._prefill_models(stage, ends, slots, settings, final, lens, starts_now)
-        self._admit(np.asarray(slots, np.int64), ends, table, host[2 * b: 2 * b + table.size].reshape(3, -1))
+        self._prefill_models(stage, ends, slots, index, settings, final, lens, starts_now)
+        self._admit(index, ends, table, host[2 * b: 2 * b + table.size].reshape(3, -1))
 
     def _check_prefill(self, prompts, start, final, max_new_tokens, eos, temperature, top_k, top_p, seed):
         """Parse: ``({slot: chunk [n] int32}, {slot: start}, {slot: budget}, {slot: stop token},
@@ -245,26 +246,30 @@ class SlotAdmission:
                (("temperature", temperature), ("top_k", top_k), ("top_p", top_p), ("seed", seed))]
         return {b: check_slot(*(p[b] for p in per), sampling=self.sampling, index=b) for b in slots}
 
-    def _stage_prompts(self, rows: dict, starts: dict, slots: list, limits: dict, stops: dict, final: bool):
+    def _stage_prompts(self, rows: dict, starts: dict, slots: list, index: np.ndarray, limits: dict, stops: dict,
+                       final: bool):
         """Build the staging block on the host and upload it in one copy: chunk lengths
         (``[B]``, NO_PREFILL for slots left alone), starts (``[B]``), the admission table
         (``[3, n]``: slot, budget, stop token; budget 0 until a prompt's final chunk) and the
-        chunks padded to the longest (``[B, P_max]``). Returns ``(the host block [5B + B*P_max]
-        int32, the table's device view [3, n] int32)``."""
+        chunks padded to the longest (``[B, P_max]``). ``index``: ``slots`` as ``[n]`` int64.
+        Returns ``(the host block [5B + B*P_max] int32, the table's device view [3, n] int32)``."""
         batch, n = self.batch, len(slots)
-        p_max = max(len(rows[b]) for b in slots)
+        chunks = [rows[b] for b in slots]
+        p_max = max(lengths := [len(c) for c in chunks])
         host = np.zeros(STAGE_HEAD * batch + batch * p_max, np.int32)  # the head, then [B, P_max] int32
         host[:batch] = NO_PREFILL
+        host[index] = lengths
+        host[batch + index] = [starts.get(b, 0) for b in slots]
         table = host[2 * batch: 2 * batch + 3 * n].reshape(3, n)  # [3, n] int32
+        table[0] = index
+        if final:
+            table[1], table[2] = [limits[b] for b in slots], [stops[b] for b in slots]
+        else:
+            table[2] = NO_EOS  # and budget 0
+        # Whole columns above, the chunks slot by slot (a padded scatter costs more at ~20 short prompts).
         tokens = host[STAGE_HEAD * batch:].reshape(batch, p_max)  # [B, P_max] int32
-        # Slot by slot: at a boundary's ~14 slots this costs the host less than building
-        # the block in whole-array numpy calls (14.5 against 17.0 µs on the CI CPU).
-        for i, b in enumerate(slots):
-            row = rows[b]
-            host[b] = len(row)
-            host[batch + b] = starts.get(b, 0)
-            tokens[b, : len(row)] = row
-            table[:, i] = (b, limits[b], stops[b]) if final else (b, 0, NO_EOS)
+        for b, chunk, size in zip(slots, chunks, lengths):
+            tokens[b, :size] = chunk
         # Stream-ordered, into the staging block: a second prefill enqueued before the first
         # has run overwrites it only after the first's kernels have read it.
         self.backend.upload(self._stage_view("head+chunks", p_max), host, self.stream)
@@ -290,18 +295,17 @@ class SlotAdmission:
             self._stage_views[(part, size)] = view
         return view
 
-    def _prefill_models(self, stage, ends, slots: list, settings: dict, final: bool, host_lens: np.ndarray,
-                        host_starts: np.ndarray) -> None:
+    def _prefill_models(self, stage, ends, slots: list, index: np.ndarray, settings: dict, final: bool,
+                        host_lens: np.ndarray, host_starts: np.ndarray) -> None:
         """Run: the models' prefill (the target sets ``pos_ctr`` and, when final, ``pend``), in
         the calls each model asks for (``prefill_groups``), then a sampled first token.
-        ``host_lens``, ``host_starts``: ``[B]`` chunk lengths and starts (the staging head).
+        ``index``: ``slots`` as ``[n]`` int64; ``host_lens``, ``host_starts``: ``[B]`` chunk
+        lengths and starts (the staging head).
 
         Slots whose chunk starts at position 0 are **fresh**: the models are told so by
         ``start=None`` (a torch module then attends to the prompt's own tokens, and may pack
-        them). An admission that mixes them with later chunks of longer prompts runs the two
-        parts apart in a model that asks for it (``prefill_fresh_apart``: a torch adapter with
-        prefill graphs), so a later chunk no longer sends the fresh prompts beside it down the
-        continued path (padded, attending over the cache)."""
+        them). A model that asks for it (``prefill_fresh_apart``) gets them in calls apart from
+        later chunks of longer prompts (padded, attending over the cache)."""
         s, bufs = self.stream, self.bufs
         sampling = self.sampling and final
         if sampling:
@@ -314,19 +318,23 @@ class SlotAdmission:
                 model.prefill(stage, self._prompt_len, pos_ctr, out, s)
                 continue
             if lens is None:
-                lens = dict(zip(slots, host_lens[slots].tolist()))
-            apart = hook(model, "prefill_fresh_apart")
-            parts = _fresh_and_continued(lens, host_starts) if apart else [(lens, not host_starts[slots].any())]
+                lens = dict(zip(slots, host_lens[index].tolist()))
+                later = bool(host_starts[index].any())
+            apart = later and hook(model, "prefill_fresh_apart")
+            parts = _fresh_and_continued(lens, host_starts) if apart else [(lens, not later)]
             for part, fresh in parts:
                 start = None if fresh else self._prompt_start
                 for group in hook(model, "prefill_groups")(part, fresh):
                     # the slot list on the host spares the model a device sync; the staging is
                     # narrowed to this call's longest chunk, so the call pads to its own rows only
-                    width = max(part[b] for b in group)
+                    if group == slots:  # one call for the whole admission (most models)
+                        width, rows = stage.shape[1], index
+                    else:
+                        width, rows = max(part[b] for b in group), np.asarray(group, np.int64)
                     # a packing model takes the lengths too, so it never reads them from the device
-                    extra = {"lengths": host_lens[group]} if getattr(model, "packed_prefill", False) else {}
+                    extra = {"lengths": host_lens[rows]} if getattr(model, "packed_prefill", False) else {}
                     model.prefill(stage if width == stage.shape[1] else stage[:, :width], self._prompt_len, pos_ctr,
-                                  out, s, start=start, rows=np.asarray(group, np.int64), **extra)
+                                  out, s, start=start, rows=rows, **extra)
         if sampling:
             sample_first_tokens(self.backend.ops, self.backend, bufs, ends, s)
 
@@ -336,11 +344,13 @@ class SlotAdmission:
         (from ``host_table``, its host copy); a new generation."""
         bufs = self.bufs
         self.backend.ops.admit_slots(table, bufs.budget, bufs.eos, bufs.acc, stream=self.stream)
-        self.host_pos[slots] = ends[slots]
-        self.host_left[slots] = host_table[1]
-        self.host_eos[slots] = host_table[2]
+        pos, left = ends[slots], host_table[1]  # [n] each
+        self.host_pos[slots], self.host_left[slots], self.host_eos[slots] = pos, left, host_table[2]
         self._new_generation(slots)
-        self._update_fits()
+        # The other slots' launch counts did not change and a slot whose whole budget fits never limits
+        # it (_bursts_that_fit): a serving loop admits only such requests, so it recounts nothing here.
+        if np.count_nonzero(np.add(pos, left, dtype=np.int64) > self.capacity):
+            self._update_fits()
 
     # ------------------------------------------------------------------ release and options
 

@@ -83,6 +83,47 @@ def test_capacity_counts_only_the_bursts_launched_for_a_sequence(backend):
     graph.drain()
 
 
+def test_the_launch_bound_stays_a_lower_bound_when_admission_does_not_recount_it():
+    """Admission recounts the launch bound only for a budget that overruns the cache (the
+    decoder allows it: a prompt plus one burst must fit). Over random admissions, releases and
+    bursts with gapless graphs, the bound never exceeds the exact count, and a launch is refused
+    exactly when the exact count is below one."""
+    from graphburst.admission import CapacityError
+
+    rng = np.random.default_rng(7)
+    target, draft = _pair("numpy", batch=3, capacity=64)
+    dec = SpecDecoder(target, draft, k=3, m_rounds=2)
+    graph = BurstGraph(dec, gapless=True, depth=3)
+    ring, refused, launched = dec.bufs.ring_capacity, 0, 0
+
+    def exact() -> int:
+        return int(dec._bursts_that_fit().min(initial=np.iinfo(np.int64).max))
+
+    for _ in range(400):
+        op = rng.choice(4, p=[0.15, 0.05, 0.45, 0.35])  # admit, release, launch, drain
+        if op == 0 and not dec.outstanding:
+            b = int(rng.integers(3))
+            n = int(rng.integers(1, 64 - ring + 1))
+            whole = rng.integers(2) == 0  # a budget that fits whole, or one that overruns the cache
+            limit = int(rng.integers(1, 64 - n + 1)) if whole else int(rng.integers(64 - n + 1, 200))
+            dec.prefill([[5] * n if i == b else None for i in range(3)],
+                        max_new_tokens=[limit if i == b else None for i in range(3)])
+        elif op == 1:
+            dec.release([int(rng.integers(3))])
+        elif op == 2 and dec.outstanding < graph.n_graphs:
+            if exact() < 1:
+                with pytest.raises(CapacityError):
+                    graph.replay()
+                refused += 1
+            else:
+                graph.replay()
+                launched += 1
+        elif op == 3 and dec.outstanding:
+            graph.drain()
+        assert dec._launchable <= exact()
+    assert refused and launched  # both sides were exercised
+
+
 class RecordingLoop(ServeLoop):
     """Records how many bursts were in flight at each boundary that admitted a request."""
 
@@ -233,7 +274,7 @@ class ChunkLog(ServeLoop):
         self.prefilled = []  # (bursts drained before it, tokens prefilled, final?) per prefill call
 
     def _prefill_group(self, group, final):
-        self.prefilled.append((self.bursts, sum(e - s for s, e in group.values()), final))
+        self.prefilled.append((self.bursts, sum(e - s for _, s, e in group.values()), final))
         super()._prefill_group(group, final)
 
 
@@ -419,7 +460,7 @@ def test_staging_block_matches_a_slot_by_slot_build(backend, lengths, final):
     starts = {b: int(rng.integers(0, 9)) for b in slots}
     limits = {b: int(rng.integers(1, 99)) for b in slots}
     stops = {b: int(rng.integers(0, VOCAB)) for b in slots}
-    host, _ = dec._stage_prompts(rows, starts, slots, limits, stops, final)
+    host, _ = dec._stage_prompts(rows, starts, slots, np.asarray(slots, np.int64), limits, stops, final)
     p_max = max(lengths)
     want = np.zeros(STAGE_HEAD * batch + batch * p_max, np.int32)
     want[:batch] = NO_PREFILL

@@ -37,14 +37,16 @@ def _serve(loop, busy_ms=None):
             loop.pipeline.clock.last_busy_ms = busy_ms  # numpy: no GPU timing of its own
         held = {s.slot: s for s in states if s.slot is not None and not s.done}
         loop.step()
-        for slot, s in held.items():
-            if s.done and slot not in freed_at:
-                freed_at[slot] = loop.bursts
+        # first tokens before finishes: a host-bound loop hands a request's first token out with
+        # its first burst (no early copy), and a short request may finish in that same burst
         for s in states:
             if s.n_tokens and id(s) not in first_seen:
                 first_seen.add(id(s))
                 if s.slot in freed_at:
                     waits.append(loop.bursts - freed_at.pop(s.slot))
+        for slot, s in held.items():
+            if s.done and slot not in freed_at:
+                freed_at[slot] = loop.bursts
     for s in states:
         assert s.tokens == greedy_reference(s.request.prompt, s.request.max_new_tokens, VOCAB)
     return waits

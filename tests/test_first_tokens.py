@@ -8,6 +8,7 @@ import pytest
 
 from graphburst import greedy_reference, stub_pair
 from graphburst.serving.events import Tokens
+from graphburst.serving.first_tokens import NO_COPY
 from graphburst.serving.loop import Request, ServeLoop
 
 VOCAB = 997
@@ -217,6 +218,31 @@ def test_auto_admission_is_early_only_when_the_queued_bursts_outlast_typical_adm
     loop.admission = "late"
     clock.last_busy_ms = 1e9
     assert not loop._admit_early()
+
+
+def test_a_host_bound_loop_hands_first_tokens_out_with_their_first_burst():
+    """While bursts are shorter than a typical admission (the host bounds the loop), a final
+    prefill makes no first-token copy: the first burst carries the token, and the tokens are the
+    oracle's either way. Otherwise the copy is made and the token comes alone first."""
+    for host_bound in (True, False):
+        loop = make_loop(2)
+        for ms in (0.3, 0.3, 0.3):
+            loop._note_admission(ms)
+        clock = loop.pipeline.clock
+        clock.last_busy_ms = 0.1 if host_bound else 35.0  # numpy: no GPU timing of its own
+        assert loop._host_bound() is host_bound and loop._copy_first_tokens() is not host_bound
+        states = [loop.submit(Request([4 + i, 1], 20, options=SURE)) for i in range(2)]
+        loop._boundary()
+        assert len(loop._first) == (0 if host_bound else 1)
+        assert (loop._first_copy[:2] == NO_COPY).all() == host_bound
+        while not loop.idle:
+            clock.last_busy_ms = 0.1 if host_bound else 35.0
+            loop.step()
+        for s in states:
+            assert s.tokens == greedy_reference(s.request.prompt, 20, VOCAB)
+            # with a copy: 1 alone, then the first burst's other 7; without: the first burst's 8
+            assert [n for _, n in s.deliveries] == ([8, 8, 4] if host_bound else [1, 7, 8, 4])
+        np.testing.assert_array_equal(loop._lead, False)
 
 
 def test_a_first_token_event_carries_zero_counters_not_the_slots_last_requests():

@@ -122,3 +122,16 @@ def test_a_request_cancelled_before_its_first_token_has_empty_records():
     assert first.last_delivery is None and first.finish_reason == "cancelled"
     assert first.stats()["ttft_ms"] is None and (first.accepted, first.rounds) == (0, 0)
     assert other.tokens == greedy_reference([2], 30, VOCAB) and np.count_nonzero(loop._running) == 0
+
+
+def test_take_waiting_pops_the_oldest_live_requests_and_skips_cancelled_ones():
+    from graphburst.serving.intake import RequestIntake
+
+    intake = RequestIntake(vocab=VOCAB, capacity=64, sampling=False, slot_options=lambda options: None)
+    states = [intake.submit(Request([1 + i], 4)) for i in range(6)]
+    states[1].finished = states[3].finished = 1.0  # cancelled while waiting (done before admission)
+    assert intake.take_waiting(2) == [states[0], states[2]]  # the cancelled one between them is dropped
+    assert intake.take_waiting(0) == []
+    assert list(intake.queue) == states[3:]
+    assert intake.take_waiting(9) == [states[4], states[5]]
+    assert not intake.queue and intake.take_waiting(1) == []

@@ -131,13 +131,30 @@ class LoopAdmission:
         lease (``scripts/admit_profile.py``, docs/serving.md): at M=8, depth 4, a limit of 3 idled
         12-15% against 23-32% for 1 and ran the workload 4-15% sooner; 4 idled 18-24%.
         """
-        busy, typical = self.pipeline.clock.last_busy_ms, self._typical_admission_ms
-        if busy is None or len(self._admission_ms) < COALESCE_AFTER or busy >= COALESCE_BELOW * typical \
-                or self._admit_early():
+        if not self._host_bound() or self._admit_early():
             return 0
+        busy, typical = self.pipeline.clock.last_busy_ms, self._typical_admission_ms
         # busy > 0 here unless an event pair read 0.0 ms (then any number of bursts is covered)
         covered = round(typical / busy) if busy > 0 else self.pipeline.depth
         return min(self.pipeline.depth - 1, max(1, covered))
+
+    def _host_bound(self) -> bool:
+        """Whether the host, not the GPU, bounds the loop: the last burst's GPU time is under
+        :data:`COALESCE_BELOW` typical admissions, of at least :data:`COALESCE_AFTER` measured
+        (zero-cost stubs; never real models, whose bursts outlast admissions many times over).
+        Every microsecond the host then spends is GPU idle."""
+        busy, typical = self.pipeline.clock.last_busy_ms, self._typical_admission_ms
+        return busy is not None and len(self._admission_ms) >= COALESCE_AFTER and busy < COALESCE_BELOW * typical
+
+    def _copy_first_tokens(self) -> bool:
+        """Whether a final prefill also copies its first tokens out, to hand them out before their
+        first burst is drained (:mod:`~graphburst.serving.first_tokens`).
+
+        Not while the host bounds the loop (:meth:`_host_bound`): the copy, its event and its
+        hand-out cost the host ~60 µs an admission (H200, zero-cost stubs), all of it GPU idle, to
+        hand a token out a few sub-millisecond bursts sooner; the first burst carries it instead.
+        """
+        return self.early_first_tokens and not self._host_bound()
 
     def _admit_early(self) -> bool:
         """Whether a pipelined step admits before refilling the pipeline (``admission``).
@@ -159,40 +176,41 @@ class LoopAdmission:
 
     def _take_waiting(self) -> None:
         """Give each free slot the oldest waiting request (host bookkeeping only)."""
-        admitted = []
-        for b in (b for b, s in enumerate(self.slots) if s is None):
-            state = self.intake.next_waiting()  # one cancelled while waiting is never admitted
-            if state is None:
-                break
-            state.slot = b
-            self.slots[b] = state
-            admitted.append(b)
-            self._prefilling[b] = 0
-        if not admitted:
+        slots = self.slots
+        free = [b for b, s in enumerate(slots) if s is None]
+        states = self.intake.take_waiting(len(free))
+        if not states:
             return
-        self._slot_state[admitted] = [self.slots[b] for b in admitted]
+        admitted = free[: len(states)]
+        store = self.store
+        for b, state in zip(admitted, states):
+            state.slot, state._store = b, store
+            slots[b] = state
+        self._prefilling.update(dict.fromkeys(admitted, 0))
+        self._slot_state[admitted] = states
         self._n_occupied += len(admitted)
-        self.store.reset(admitted)
-        for b in admitted:
-            self.slots[b]._store = self.store
+        store.reset(admitted)
         if self.log is not None:
-            self.log += [Admitted(self.slots[b]) for b in admitted]
+            self.log += map(Admitted, states)
 
     def _prefill_some(self) -> None:
         """Prefill up to ``prefill_chunk`` prompt tokens, oldest admission first: whole prompts
         that fit, then one chunk of the next. A slot whose last chunk is written goes live."""
         left = self.prefill_chunk or None
-        partial, final = {}, {}  # slot -> (start, end) of this boundary's chunk
+        partial, final = {}, {}  # slot -> (state, start, end) of this boundary's chunk
+        slots = self.slots
         for b, start in self._prefilling.items():
-            if self.slots[b].done:
+            state = slots[b]
+            if state.finished is not None:
                 continue  # cancelled while prefilling: freed at the next boundary
-            n = len(self.slots[b].row) - start
+            size = len(state.row)
+            n = size - start
             if left is not None:
                 if left <= 0:
                     break
                 n = min(n, left)
                 left -= n
-            (final if start + n == len(self.slots[b].row) else partial)[b] = (start, start + n)
+            (final if start + n == size else partial)[b] = (state, start, start + n)
         for group, is_final in ((partial, False), (final, True)):
             if group:
                 self._prefill_group(group, is_final)
@@ -200,39 +218,43 @@ class LoopAdmission:
     def _prefill_group(self, group: dict, final: bool) -> None:
         # The values were validated at submission (RequestIntake): admission only copies them,
         # through the decoder's unchecked entry point, since the GPU may be waiting on it.
-        slots = self.slots
-        rows = {b: slots[b].row[start:end] for b, (start, end) in group.items()}
-        starts = {b: start for b, (start, _) in group.items()}
-        try:
+        # One pass builds every per-slot argument (a dict comprehension apiece cost a microsecond a slot more).
+        rows, starts = {}, {}
+        limits, stops, options, sampling = ({}, {}, {}, {}) if final else (None, None, None, None)
+        for b, (state, start, end) in group.items():
+            rows[b], starts[b] = state.row[start:end], start
             if final:
                 # every admitted slot gets an options entry: a reused one forgets its last request
-                self.dec.prefill_checked(rows, starts, limits={b: slots[b].limit for b in group},
-                                         stops={b: NO_EOS if slots[b].eos is None else slots[b].eos for b in group},
-                                         sampling={b: slots[b].sampling for b in group} if self.sampling else None,
-                                         options={b: slots[b].slot_options for b in group})
+                limits[b], options[b], sampling[b] = state.limit, state.slot_options, state.sampling
+                stops[b] = NO_EOS if state.eos is None else state.eos
+        try:
+            if final:
+                self.dec.prefill_checked(rows, starts, limits=limits, stops=stops,
+                                         sampling=sampling if self.sampling else None, options=options)
             else:
                 self.dec.prefill_checked(rows, starts, final=False)
         except Exception as exc:  # noqa: BLE001 - only the requests being prefilled are touched
             msg = describe(exc)
             group_slots = list(group)
             for b in group_slots:
-                self._retire(slots[b], error=msg)
+                self._retire(self.slots[b], error=msg)
             self._n_stale -= len(group_slots)
             self._free(group_slots)
             self.dec.release(group_slots)
             if not self._costs_only_its_requests(exc):
                 raise
             return
-        for b, (_, end) in group.items():
-            if final:
-                del self._prefilling[b]
-                self._running[b] = True
-            else:
-                self._prefilling[b] = end
-        if final and self.early_first_tokens:  # their first tokens, copied behind the prefill (first_tokens.py)
-            live = np.fromiter(group, np.int64, len(group))
-            self._first_copy[live] = self._first.enqueue(self.dec.bufs.pend, live, self.pipeline.launched,
-                                                         self.dec.stream)
+        if final:
+            prefilling = self._prefilling
+            for b in group:
+                del prefilling[b]
+            live = np.fromiter(group, np.int64, len(group))  # [n] int64
+            self._running[live] = True
+            if self._copy_first_tokens():  # their first tokens, copied behind the prefill (first_tokens.py)
+                self._first_copy[live] = self._first.enqueue(self.dec.bufs.pend, live, self.pipeline.launched,
+                                                             self.dec.stream)
+        else:
+            self._prefilling.update({b: end for b, (_, _, end) in group.items()})
 
     def _costs_only_its_requests(self, exc: Exception) -> bool:
         """Whether a failed prefill ends only the requests being admitted (here: always).

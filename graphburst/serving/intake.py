@@ -8,7 +8,7 @@ an id already in flight is refused, and a made-up id (``auto-N``, a form refused
 never equals one.
 
 :class:`RequestIntake` is a part the loop owns (``ServeLoop.intake``). It never touches
-batch slots: the loop pops admitted requests with :meth:`RequestIntake.next_waiting` and
+batch slots: the loop pops admitted requests with :meth:`RequestIntake.take_waiting` and
 tells it when one finishes (:meth:`RequestIntake.forget`).
 """
 
@@ -46,7 +46,7 @@ class RequestIntake:
     ----------
     queue : collections.deque of RequestState
         Submitted requests waiting for a batch slot, oldest first (cancelled ones are
-        skipped by :meth:`next_waiting`).
+        skipped by :meth:`take_waiting`).
     live : dict
         id -> RequestState, for every request queued or running.
     """
@@ -116,13 +116,15 @@ class RequestIntake:
         self.queue.append(state)
         return state
 
-    def next_waiting(self) -> RequestState | None:
-        """Pop the oldest waiting request that is not done (cancelled while waiting); None if none."""
-        while self.queue:
-            state = self.queue.popleft()
-            if not state.done:
-                return state
-        return None
+    def take_waiting(self, n: int) -> list:
+        """Pop up to ``n`` of the oldest waiting requests that are not done, oldest first
+        (in one call: admission runs while the GPU may wait)."""
+        taken, queue = [], self.queue
+        while queue and len(taken) < n:
+            state = queue.popleft()
+            if state.finished is None:  # not done: one cancelled while waiting is never admitted
+                taken.append(state)
+        return taken
 
     def withdraw(self, state: RequestState) -> None:
         """Take a request that was never admitted out of the queue (a submit undone by the caller)."""

@@ -76,8 +76,8 @@ class BurstPipeline:
 
     def drain(self):
         """Drain the oldest burst in flight: ``(BurstTokens, accept counters [B, 2])``, not yet handed out."""
-        tokens = self.graph.drain()
-        self.clock.account(*self._in_flight.popleft())
+        tokens = self.graph.drain()  # waits for the burst's completion event, recorded after its end event
+        self.clock.account(*self._in_flight.popleft(), ended=True)
         return tokens, self.graph.last_acc
 
     def fill(self, steady: bool) -> None:

@@ -111,8 +111,9 @@ class BurstClock:
         """The loop had no work: the GPU's next gap is waiting for requests, not host overhead."""
         self._last_end = None
 
-    def account(self, events, steady: bool) -> None:
-        """Add a drained burst's device time and the gap before it (syncs its end event).
+    def account(self, events, steady: bool, ended: bool = False) -> None:
+        """Add a drained burst's device time and the gap before it (syncs its end event, unless
+        ``ended``: the caller has waited for an event recorded after it, as a graph's drain has).
 
         Without timing events (numpy backend) only the burst counts are kept.
         """
@@ -122,7 +123,8 @@ class BurstClock:
             return
         start, end = events
         elapsed = self.backend.xp.cuda.get_elapsed_time
-        end.synchronize()
+        if not ended:
+            end.synchronize()
         busy = elapsed(start, end)
         self.last_busy_ms = busy
         last = self._last_end
