@@ -110,7 +110,9 @@ class SpecDecoder(SlotAdmission, Watched):
         # Slot generations (admission.py): a burst's tokens for a slot prefilled or released
         # after its launch belong to the slot's previous sequence and are dropped at drain.
         self.slot_gen = np.zeros(self.batch, np.int64)  # [B] int64
-        self._launch_gen: collections.deque = collections.deque()  # [B] int64 per burst in flight, oldest first
+        self._gen_epoch = 0  # bumped with any slot's generation: a drain compares generations only when it moved
+        # (epoch, [B] int64 slot_gen) at each launch of a burst in flight, oldest first
+        self._launch_gen: collections.deque = collections.deque()
         self._inflight = np.zeros(self.batch, np.int64)  # [B] bursts in flight that commit for this sequence
         self._launchable = 0  # more bursts that fit every live slot; nothing is live before prefill
         # finish_burst runs between bursts on the host, where a numpy call over B slots costs
@@ -147,6 +149,7 @@ class SpecDecoder(SlotAdmission, Watched):
     def _new_generation(self, slots: np.ndarray) -> None:
         """Slots prefilled or released: bursts in flight no longer commit for their sequence."""
         self.slot_gen[slots] += 1
+        self._gen_epoch += 1
         self._inflight[slots] = 0
 
     # ------------------------------------------------------------------ the round program
@@ -226,7 +229,7 @@ class SpecDecoder(SlotAdmission, Watched):
         if self._launchable != _BIG:
             self._launchable -= 1
         np.add(self._inflight, self._one, out=self._inflight)  # an array operand: cheaper than ``+= 1``
-        self._launch_gen.append(self.slot_gen.copy())
+        self._launch_gen.append((self._gen_epoch, self.slot_gen.copy()))
 
     def enqueue_burst(self, *, mode: BurstMode | str = BurstMode.PRE_ISSUED) -> None:
         """Enqueue one eager burst; ``PER_ROUND_SYNC`` reads ``n_commit`` after every round."""
@@ -279,11 +282,16 @@ class SpecDecoder(SlotAdmission, Watched):
         self.host_syncs += 1
         self.bursts += 1
         self.outstanding -= 1
-        current = np.equal(self._launch_gen.popleft(), self.slot_gen, out=self._current)  # [B] bool
-        every = np.count_nonzero(current) == self.batch  # count_nonzero: a fifth of the cost of .all()
-        if not every:
-            tokens.drop(np.logical_not(current, out=self._mask2))
-        self._inflight -= current  # one burst fewer in flight for the sequences it committed for
+        epoch, launch_gen = self._launch_gen.popleft()
+        if epoch == self._gen_epoch:  # no slot prefilled or released since the launch: no compare
+            every, current = True, None
+            np.subtract(self._inflight, self._one, out=self._inflight)  # one burst fewer in flight for each
+        else:
+            current = np.equal(launch_gen, self.slot_gen, out=self._current)  # [B] bool
+            every = np.count_nonzero(current) == self.batch  # count_nonzero: a fifth of the cost of .all()
+            if not every:
+                tokens.drop(np.logical_not(current, out=self._mask2))
+            self._inflight -= current  # one burst fewer in flight for the sequences it committed for
         if mirror is None:
             self._advance_mirror(tokens)
             return
