@@ -122,7 +122,7 @@ def measure(backend_name: str, *, requests=256, batch=64, new_tokens=256, k=4, m
         else:
             plain_steps.append(row)
     wall = time.perf_counter() - t0
-    bad = [s.rid for s, r in zip(states, reqs) if s.error or len(s.tokens) != r.max_new_tokens]
+    bad = [s.request.id for s, r in zip(states, reqs) if s.error or len(s.tokens) != r.max_new_tokens]
     assert not bad, f"requests without all their tokens: {bad[:5]}"
     busy, idle = clock.overall.busy_ms - busy0, clock.overall.idle_ms - idle0
     admission = getattr(clock.overall, "admission_ms", 0.0) - adm0

@@ -47,7 +47,7 @@ def run(backend, m: int, rule: str, *, depth: int = 4, k: int = 4, batch: int = 
         wall = (time.perf_counter() - t0) * 1e3
     finally:
         LoopAdmission._coalesce_limit = LIMIT
-    bad = [s.rid for s in states if s.error or len(s.tokens) != new]
+    bad = [s.request.id for s in states if s.error or len(s.tokens) != new]
     assert not bad, f"requests without all their tokens: {bad[:5]}"
     busy, idle = clock.overall.busy_ms - busy0, clock.overall.idle_ms - idle0
     return {"m": m, "rule": rule, "depth": depth, "wall_ms": wall, "busy_ms": busy, "idle_ms": idle,
