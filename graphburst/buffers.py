@@ -190,10 +190,25 @@ class BurstTokens(Sequence):
         A host copy of the ring (column 0 = count); it is owned by this object.
     """
 
+    #: The address of the host block the views lie in (:meth:`of_block`), else None.
+    addr = None
+
     def __init__(self, ring_host: np.ndarray):
         self.data = ring_host
         # np.minimum/maximum, not np.clip: the same values at a third of the cost (once per burst on the host path)
         self.counts = np.minimum(np.maximum(ring_host[:, RING_COUNT_COLUMN], 0), ring_host.shape[1] - 1)  # [B]
+
+    @classmethod
+    def of_block(cls, block: np.ndarray, addr: int, batch: int) -> BurstTokens:
+        """Tokens over a drained block ``[B*R1 ring | B counts | 2B acc]`` int32 at ``addr``, whose
+        counts are filled in already (``host_ops.c``'s ``gb_drain``); ``acc``: ``[B, 2]`` view."""
+        tokens = cls.__new__(cls)
+        ring = block.size - 3 * batch
+        tokens.data = block[:ring].reshape(batch, -1)  # [B, R1]
+        tokens.counts = block[ring: ring + batch]  # [B]
+        tokens.acc = block[ring + batch:].reshape(batch, 2)  # [B, 2]
+        tokens.addr = addr
+        return tokens
 
     def __len__(self) -> int:
         return self.data.shape[0]
@@ -204,8 +219,9 @@ class BurstTokens(Sequence):
         return self.data[b, 1 : 1 + self.counts[b]]
 
     def drop(self, rows: np.ndarray) -> None:
-        """Forget the tokens of ``rows`` (``[B]`` bool): their counts become 0."""
-        self.counts = np.where(rows, 0, self.counts)
+        """Forget the tokens of ``rows`` (``[B]`` bool): their counts become 0 (in place: a block's
+        counts stay its view)."""
+        np.copyto(self.counts, 0, where=rows)
         self.data[rows, RING_COUNT_COLUMN] = 0
 
     def drop_first(self, rows: np.ndarray) -> None:

@@ -17,6 +17,7 @@ from .admission import STAGE_HEAD, CapacityError, SlotAdmission, chunked_prefill
 from .buffers import BurstTokens, StreamBufs, kv_len_ptr_table
 from .burst_mode import EAGER_MODES, MODES, BurstMode  # noqa: F401 (MODES re-exported: the old name)
 from .guard import Watched
+from . import host_ops
 from .constants import NO_EOS, UNBOUNDED_BUDGET
 from .torch_capture import capture_api, stream_pair
 from .protocol import DraftModel, TargetModel, check_pair, hook
@@ -124,6 +125,11 @@ class SpecDecoder(SlotAdmission, Watched):
         self._unbounded = np.full(self.batch, UNBOUNDED_BUDGET, np.int64)  # [B] int64 constant
         self._no_eos = np.full(self.batch, NO_EOS, np.int64)  # [B] int64 constant
         self._one = np.ones(self.batch, np.int64)  # [B] int64 constant (begin_burst)
+        # finish_burst in C (host_ops.c, one call instead of ~10 numpy ones) for a graph's drain; None: numpy
+        lib = host_ops.library()
+        self.host_mirror = None if lib is None else host_ops.Mirror(
+            lib, row=self.bufs.ring_capacity + 1, slot_gen=self.slot_gen, inflight=self._inflight,
+            host_pos=self.host_pos, host_left=self.host_left)
         # enqueue_burst's bound calls, built once: rebinding the decoder's or its buffers'
         # watched attributes (refresh_tables rebinds ``table``) drops them.
         self._enqueued_program = CallCache()
@@ -302,6 +308,21 @@ class SpecDecoder(SlotAdmission, Watched):
         else:  # a refilled or released slot keeps the values its admission or release set
             np.copyto(self.host_pos, pos, where=current)
             np.copyto(self.host_left, budget, where=current)
+
+    def finish_block(self, pinned_addr: int) -> BurstTokens:
+        """:meth:`finish_burst` of a graph's drained output block in C (``host_mirror``, not None):
+        the block at ``pinned_addr`` ([B*R1 ring | 2B acc | B pos | B budget] int32, host) is read
+        into a fresh ``[B*R1 ring | B counts | 2B acc]`` block, viewed by the returned tokens
+        (``tokens.acc``: the accept counters), and into the host mirror."""
+        self.host_syncs += 1
+        self.bursts += 1
+        self.outstanding -= 1
+        epoch, launch_gen = self._launch_gen.popleft()
+        mirror = self.host_mirror
+        block = np.empty(mirror.block_size, np.int32)
+        addr = block.ctypes.data
+        mirror.drain(pinned_addr, addr, None if epoch == self._gen_epoch else launch_gen)
+        return BurstTokens.of_block(block, addr, self.batch)
 
     def _advance_mirror(self, tokens: BurstTokens) -> None:
         """``host_pos`` and ``host_left`` after ``tokens`` (dropped rows count 0), computed on

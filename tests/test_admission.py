@@ -203,24 +203,43 @@ def test_loop_depth_is_checked_before_anything_is_built(depth, err):
         ServeLoop(target, draft, k=2, m_rounds=1, depth=depth)
 
 
-def test_the_drained_mirror_equals_the_hosts_own_advance(backend, rng):
-    """The graph hands finish_burst the device's pos_ctr and budget; they must be what the host
-    computes from the tokens (stops on EOS mid-burst, budgets, refills and cancels in flight)."""
+@pytest.mark.parametrize("in_c", [True, False], ids=["c", "numpy"])
+def test_the_drained_mirror_equals_the_hosts_own_advance(backend, rng, in_c, monkeypatch):
+    """The graph hands finish_burst (or its C twin, finish_block) the device's pos_ctr and budget;
+    they must be what the host computes from the tokens (stops on EOS mid-burst, budgets, refills
+    and cancels in flight)."""
+    from graphburst import host_ops
+
+    if not in_c:
+        monkeypatch.setattr(host_ops, "library", lambda: None)
+    assert host_ops.library() is not None or not in_c, "no C compiler: the C host path is untested"
     target, draft = _pair(backend, batch=4, capacity=256)
     loop = ServeLoop(target, draft, k=4, m_rounds=2, depth=3)
-    dec, real, seen = loop.dec, loop.dec.finish_burst, []
+    dec, seen = loop.dec, []
+    assert (dec.host_mirror is not None) == in_c
 
-    def finish(tokens, mirror=None):
-        assert mirror is not None  # the graph path reads them from the output block
-        pos, left = dec.host_pos.copy(), dec.host_left.copy()
-        real(tokens, mirror)
-        got = dec.host_pos.copy(), dec.host_left.copy()
-        dec.host_pos[:], dec.host_left[:] = pos, left
-        dec._advance_mirror(tokens)  # dropped rows count 0 there, so they keep their values
-        assert (dec.host_pos == got[0]).all() and (dec.host_left == got[1]).all(), (got, dec.host_left)
-        seen.append(tokens.total)
+    def checked(real):
+        def finish(*args, **kw):
+            pos, left = dec.host_pos.copy(), dec.host_left.copy()
+            tokens = real(*args, **kw)
+            tokens = args[0] if tokens is None else tokens  # finish_burst(tokens, mirror) returns None
+            got = dec.host_pos.copy(), dec.host_left.copy()
+            dec.host_pos[:], dec.host_left[:] = pos, left
+            dec._advance_mirror(tokens)  # dropped rows count 0 there, so they keep their values
+            assert (dec.host_pos == got[0]).all() and (dec.host_left == got[1]).all(), (got, dec.host_left)
+            seen.append(tokens.total)
+            return tokens if in_c else None
+        return finish
 
-    dec.finish_burst = finish
+    if in_c:
+        dec.finish_block = checked(dec.finish_block)
+    else:
+        real = dec.finish_burst
+
+        def finish_burst(tokens, mirror=None):
+            assert mirror is not None  # the graph path reads them from the output block
+            return checked(real)(tokens, mirror)
+        dec.finish_burst = finish_burst
     states = []
     for i in range(20):
         prompt = rng.integers(0, VOCAB, int(rng.integers(1, 9))).tolist()

@@ -33,6 +33,7 @@ from collections.abc import AsyncIterator, Iterator
 import numpy as np
 
 from ..burst import BurstMode, SpecDecoder
+from .. import host_ops
 from ..capture import BurstGraph
 from ..constants import MAX_DEPTH
 from ..sampling.params import SamplingParams
@@ -140,6 +141,10 @@ class ServeLoop(LoopAdmission, LoopFirstTokens):
         self._no_left = np.zeros(batch, np.int64)  # [B] int64 constant 0
         self._every_slot = np.arange(batch)  # [B] int64: rows when every slot receives
         self._every_slot.setflags(write=False)  # Tokens events hand it to consumers
+        # A graph's drained bursts are handed out in C (host_ops.c) where the decoder drains in C
+        self._c_store = None if self.dec.host_mirror is None else self.store.in_c(
+            host_ops.library(), running=self._running, left=self.dec.host_left, receiving=self._receiving,
+            finished=self._finished)
         self._n_occupied = 0  # slots holding a request (done or not)
         self._n_stale = 0  # slots holding a request that is done: freed at the next boundary
         # Slots whose prompt is still being prefilled (admission order): slot -> prompt tokens
@@ -332,6 +337,8 @@ class ServeLoop(LoopAdmission, LoopFirstTokens):
         self.bursts += 1
         if self._n_lead:
             self._drop_first(tokens)
+        if tokens.addr is not None and self._c_store is not None:
+            return self._deliver_block(tokens, now)
         counts = tokens.counts
         running = self._running
         # Counts are >= 0 (BurstTokens clamps them), so logical_and tests count > 0.
@@ -345,6 +352,20 @@ class ServeLoop(LoopAdmission, LoopFirstTokens):
         if np.count_nonzero(finished):
             self._retire_finished(finished.nonzero()[0], now)  # not np.flatnonzero: a µs more
         delivered = tokens.total
+        self.tokens_out += delivered
+        return delivered
+
+    def _deliver_block(self, tokens, now: float) -> int:
+        """:meth:`_deliver` of a block drained in C: the append and the masks in one C call
+        (``host_ops.c``'s ``gb_append``, into ``_receiving`` and ``_finished``)."""
+        store = self._c_store
+        receiving = store.append(tokens.addr, now)
+        if self.log is not None and receiving:
+            rows = self._every_slot if receiving == self.dec.batch else self._receiving.nonzero()[0]
+            self.log.append(Tokens(now, self._slot_state[rows], rows, tokens.counts, tokens.data, self.store.acc[rows]))
+        if store.n_finished:
+            self._retire_finished(self._finished.nonzero()[0], now)
+        delivered = store.total
         self.tokens_out += delivered
         return delivered
 

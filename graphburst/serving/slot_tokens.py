@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import host_ops
+
 
 class SlotTokens:
     """Tokens, deliveries and accept counters of the request in each batch slot.
@@ -56,6 +58,16 @@ class SlotTokens:
         # Each row as a 1-D view, for the copy-out of finishing slots: slicing a 1-D view costs
         # a fifth less than a 2-D index.
         self._rows = tuple(zip(self.tokens, self.when, self.count))  # B x (tokens [T + R], when, count)
+
+    def in_c(self, lib, *, running: np.ndarray, left: np.ndarray, receiving: np.ndarray,
+             finished: np.ndarray) -> host_ops.Store:
+        """:meth:`append` and a delivery's masks in one C call (``host_ops.c``'s ``gb_append``) over
+        these rows: ``running``, ``receiving``, ``finished`` ``[B]`` bool (the loop's), ``left``
+        ``[B]`` int64 (the decoder's ``host_left``). ``lib``: :func:`host_ops.library`'s."""
+        max_tokens = self.when.shape[1] - 1
+        return host_ops.Store(lib, row=self.burst_tokens + 1, max_tokens=max_tokens, tokens=self.tokens,
+                              when=self.when, count=self.count, counters=self._counters, running=running,
+                              left=left, receiving=receiving, finished=finished)
 
     def reset(self, slots) -> None:
         """Empty the rows of newly admitted slots."""
