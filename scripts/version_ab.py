@@ -11,7 +11,8 @@ through 64 slots of zero-cost stubs, k=4), at each M and pipeline depth. Every r
 all its tokens. Reports, per version: GPU idle (median and runs), wall ms, median time to
 first token, bursts; and in how many pairs the working tree idled less.
 
-Usage: ``PYTHONPATH=. python scripts/version_ab.py --base COMMIT [-m 8 16] [--depth 4] [--repeats 8] [--json FILE]``
+Usage: ``PYTHONPATH=. python scripts/version_ab.py --base COMMIT | --base-tree DIR [-m 8 16] [--depth 4]
+[--repeats 8] [--json FILE]``
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import importlib
 import json
 import pathlib
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -38,13 +40,17 @@ PROMPT, NEW, REQUESTS, BATCH, K = 16, 256, 256, 64, 4
 _ABSOLUTE = re.compile(r"([\"'])graphburst\.")
 
 
-def import_base(commit: str, into: pathlib.Path, repo: str = "."):
-    """``graphburst/`` of ``commit`` in the git repository ``repo``, importable as :data:`BASE_NAME`."""
-    archive = subprocess.run(["git", "-C", repo, "archive", commit, "graphburst"], check=True,
-                             capture_output=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+def import_base(commit: str | None, into: pathlib.Path, repo: str = ".", tree: str | None = None):
+    """``graphburst/`` of ``commit`` in the git repository ``repo`` (or the copy of it in the directory
+    ``tree``, for a machine without the repository), importable as :data:`BASE_NAME`."""
     package = into / BASE_NAME
-    (into / "graphburst").rename(package)
+    if tree is not None:
+        shutil.copytree(pathlib.Path(tree) / "graphburst", package)
+    else:
+        archive = subprocess.run(["git", "-C", repo, "archive", commit, "graphburst"], check=True,
+                                 capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+        (into / "graphburst").rename(package)
     for path in package.rglob("*.py"):
         text = path.read_text()
         if _ABSOLUTE.search(text):
@@ -102,7 +108,9 @@ def summarize(rows: list) -> list[str]:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--base", required=True, help="the commit to compare the working tree with")
+    base = p.add_mutually_exclusive_group(required=True)
+    base.add_argument("--base", help="the commit to compare the working tree with")
+    base.add_argument("--base-tree", help="a directory holding that commit's graphburst/ (from git archive)")
     p.add_argument("--backend", default="auto", choices=("auto", "cupy", "numpy"))
     p.add_argument("-m", type=int, nargs="+", default=[8, 16], help="rounds per burst")
     p.add_argument("--depth", type=int, nargs="+", default=[4], help="bursts kept in flight")
@@ -110,7 +118,7 @@ def main(argv=None) -> None:
     p.add_argument("--json")
     a = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        base = import_base(a.base, pathlib.Path(tmp))
+        base = import_base(a.base, pathlib.Path(tmp), tree=a.base_tree)
         rows = []
         for rep in range(a.repeats):
             for m in a.m:
@@ -123,7 +131,7 @@ def main(argv=None) -> None:
         print(line)
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"base": a.base, "runs": rows}, f, indent=1)
+            json.dump({"base": a.base or a.base_tree, "runs": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,15 @@ def test_another_commits_package_imports_under_its_own_name(tmp_path):
         sys.path.remove(str(into))
         for name in [n for n in sys.modules if n.split(".")[0] == version_ab.BASE_NAME]:
             del sys.modules[name]
+    into = tmp_path / "from_tree"
+    into.mkdir()
+    try:  # the working copy as a tree (a machine without the repository)
+        base = version_ab.import_base(None, into, tree=str(repo))
+        assert base.VALUE == 2 and base.LAZY == {"x": f"{version_ab.BASE_NAME}.part"}
+    finally:
+        sys.path.remove(str(into))
+        for name in [n for n in sys.modules if n.split(".")[0] == version_ab.BASE_NAME]:
+            del sys.modules[name]
 
 
 def test_a_run_serves_every_request_and_the_summary_counts_pairs(monkeypatch):
