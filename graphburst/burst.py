@@ -112,7 +112,8 @@ class SpecDecoder(SlotAdmission, Watched):
         # after its launch belong to the slot's previous sequence and are dropped at drain.
         self.slot_gen = np.zeros(self.batch, np.int64)  # [B] int64
         self._gen_epoch = 0  # bumped with any slot's generation: a drain compares generations only when it moved
-        # (epoch, [B] int64 slot_gen) at each launch of a burst in flight, oldest first
+        # [epoch, [B] int64 slot_gen or None] at each launch of a burst in flight, oldest first: the generations
+        # are copied only when they change with the burst in flight (_new_generation), not at every launch
         self._launch_gen: collections.deque = collections.deque()
         self._inflight = np.zeros(self.batch, np.int64)  # [B] bursts in flight that commit for this sequence
         self._launchable = 0  # more bursts that fit every live slot; nothing is live before prefill
@@ -154,6 +155,12 @@ class SpecDecoder(SlotAdmission, Watched):
 
     def _new_generation(self, slots: np.ndarray) -> None:
         """Slots prefilled or released: bursts in flight no longer commit for their sequence."""
+        if self._launch_gen and self._launch_gen[-1][1] is None:
+            launched = self.slot_gen.copy()  # the generations every burst launched since the last change saw
+            for entry in reversed(self._launch_gen):
+                if entry[1] is not None:
+                    break
+                entry[1] = launched
         self.slot_gen[slots] += 1
         self._gen_epoch += 1
         self._inflight[slots] = 0
@@ -235,7 +242,7 @@ class SpecDecoder(SlotAdmission, Watched):
         if self._launchable != _BIG:
             self._launchable -= 1
         np.add(self._inflight, self._one, out=self._inflight)  # an array operand: cheaper than ``+= 1``
-        self._launch_gen.append((self._gen_epoch, self.slot_gen.copy()))
+        self._launch_gen.append([self._gen_epoch, None])  # generations copied if they change in flight
 
     def enqueue_burst(self, *, mode: BurstMode | str = BurstMode.PRE_ISSUED) -> None:
         """Enqueue one eager burst; ``PER_ROUND_SYNC`` reads ``n_commit`` after every round."""
