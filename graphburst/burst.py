@@ -14,7 +14,8 @@ import weakref
 import numpy as np
 
 from .admission import STAGE_HEAD, CapacityError, SlotAdmission, chunked_prefill  # noqa: F401 (re-exported)
-from .buffers import BurstTokens, StreamBufs, kv_len_ptr_table
+from .buffers import StreamBufs, kv_len_ptr_table
+from .burst_tokens import BurstTokens
 from .burst_mode import EAGER_MODES, MODES, BurstMode  # noqa: F401 (MODES re-exported: the old name)
 from .guard import Watched
 from . import host_ops

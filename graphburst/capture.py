@@ -19,7 +19,8 @@ from collections import deque
 
 import numpy as np
 
-from .buffers import BurstTokens, PtrTable, StreamBufs, split_out_block, split_ring
+from .buffers import PtrTable, StreamBufs, split_out_block
+from .burst_tokens import BurstTokens, split_ring
 from .burst import Call, SpecDecoder, assemble_call, epilogue_call, seed_call, separate_tail_calls
 from .constants import MAX_DEPTH
 from .guard import AddressGuard, StaleGraphError

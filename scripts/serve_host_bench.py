@@ -34,7 +34,7 @@ import numpy as np
 sys.path.insert(0, ".")
 from graphburst.backend import get_backend  # noqa: E402
 from graphburst.bench.common import stub_models  # noqa: E402
-from graphburst.buffers import BurstTokens  # noqa: E402
+from graphburst.burst_tokens import BurstTokens  # noqa: E402
 from graphburst.capture import RecordedProgram  # noqa: E402
 from graphburst.serving.loop import Request, ServeLoop  # noqa: E402
 

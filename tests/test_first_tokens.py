@@ -276,7 +276,7 @@ def test_the_eager_engine_runs_its_burst_in_the_step_that_hands_out_first_tokens
 
 
 def test_burst_tokens_drop_first_moves_the_rest_of_each_named_row_up_one():
-    from graphburst.buffers import BurstTokens
+    from graphburst.burst_tokens import BurstTokens
 
     ring = np.array([[2, 5, 6, 0], [1, 9, 0, 0], [3, 1, 2, 3]], np.int32)  # column 0: the count
     tokens = BurstTokens(ring.copy())

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from graphburst import greedy_reference, host_ops, stub_pair
-from graphburst.buffers import BurstTokens
+from graphburst.burst_tokens import BurstTokens
 from graphburst.serving.loop import Request, ServeLoop
 from graphburst.serving.slot_tokens import SlotTokens
 

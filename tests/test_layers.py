@@ -5,7 +5,7 @@ modules together. The layers, lowest first:
 
 0. base: constants, validate, guard
 1. kernels/: the CUDA wrappers, their numpy twins and the module loader
-2. ground: backend, buffers, host_ops, protocol, sampling.params
+2. ground: backend, buffers, burst_tokens, host_ops, protocol, sampling.params
 3. engine: program, burst, capture, torch_capture, sampling.mode
 4. models/
 5. serving/ and the parallel runners
@@ -24,7 +24,7 @@ PKG = Path(__file__).resolve().parents[1] / "graphburst"
 LAYERS = {
     0: {"constants", "validate", "guard"},
     1: {"kernels"},
-    2: {"backend", "buffers", "host_ops", "protocol", "sampling", "sampling.params"},
+    2: {"backend", "buffers", "burst_tokens", "host_ops", "protocol", "sampling", "sampling.params"},
     3: {"program", "admission", "burst", "burst_mode", "capture", "torch_capture", "sampling.mode"},
     4: {"models"},
     5: {"serving", "parallel", "parallel.dist", "parallel.check", "parallel.models", "parallel.tp", "parallel.pp",
@@ -34,8 +34,8 @@ LAYERS = {
 }
 # What may sit at the root of graphburst/: the commands, the ground and the engine.
 ROOT_MODULES = {"__init__", "__main__", "cli", "cli_args", "demo", "serve_cli", "constants", "validate", "guard",
-                "backend", "buffers", "host_ops", "protocol", "program", "admission", "burst", "burst_mode", "capture",
-                "torch_capture"}
+                "backend", "buffers", "burst_tokens", "host_ops", "protocol", "program", "admission", "burst",
+                "burst_mode", "capture", "torch_capture"}
 
 
 def _modules() -> dict[str, Path]:

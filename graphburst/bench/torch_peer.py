@@ -9,7 +9,7 @@ the same buffers (zero-copy DLPack views), and the whole burst is captured with
 
 from __future__ import annotations
 
-from ..buffers import split_ring
+from ..burst_tokens import split_ring
 from ..burst import SpecDecoder
 from ..constants import PLACEHOLDER_TOKEN
 

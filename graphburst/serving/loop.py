@@ -18,9 +18,10 @@ waiting queue; :mod:`graphburst.serving.intake`), its pipeline (``loop.pipeline`
 bursts in flight; :mod:`graphburst.serving.pipeline`) and its per-slot token rows
 (:mod:`graphburst.serving.slot_tokens`); requests are :mod:`graphburst.serving.request`,
 timing figures :mod:`graphburst.serving.timing`, and what a step did is told as typed events
-(:mod:`graphburst.serving.events`). This module holds the loop itself: the step, delivery,
+(:mod:`graphburst.serving.events`). This module holds the loop itself: the step,
 cancellation, a request's retirement, streaming and the loop's counters; the boundary
-(freeing, admission, chunked prefill) is :mod:`graphburst.serving.admit`.
+(freeing, admission, chunked prefill) is :mod:`graphburst.serving.admit`, and handing a drained
+burst's tokens out :mod:`graphburst.serving.delivery`.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ from ..sampling.params import SamplingParams
 from ..validate import check_int
 from .admit import (ADMISSION_WINDOW, NO_RECENT_ADMISSION, LoopAdmission, check_admission, check_prefill_chunk,
                     describe)
-from .events import Retired, Tokens
+from .delivery import LoopDelivery
+from .events import Retired
 from .first_tokens import NO_COPY, FirstTokenCopies, LoopFirstTokens
 from .intake import RequestIntake
 from .pipeline import BurstPipeline, graph_of
@@ -55,7 +57,7 @@ __all__ = ["ENGINE_MODES", "SERVE_MODES", "Request", "RequestState", "ServeLoop"
            "percentiles"]
 
 
-class ServeLoop(LoopAdmission, LoopFirstTokens):
+class ServeLoop(LoopAdmission, LoopFirstTokens, LoopDelivery):
     """Continuous batching of requests over one captured burst graph.
 
     Parameters
@@ -215,22 +217,6 @@ class ServeLoop(LoopAdmission, LoopFirstTokens):
         if self.log is not None:
             self.log.append(Retired(state))
 
-    def _retire_finished(self, rows: np.ndarray, now: float) -> None:
-        """:meth:`_retire` of the running requests of ``rows`` that stopped in a burst, at once,
-        and free their slots now (not at the boundary).
-
-        One pass over them (:meth:`RequestState._finish_rows`), with their slots' counters read in
-        one gather each: none goes through :meth:`_retire`'s per-request checks, since a running
-        slot's request is never done.
-        """
-        states = self._slot_state[rows].tolist()
-        self._running[rows] = False  # no later burst's tokens reach them
-        RequestState._finish_rows(states, self.store, rows, now)
-        self.intake.forget_all(states)
-        if self.log is not None:
-            self.log.extend(map(Retired, states))
-        self._free(rows.tolist())
-
     @property
     def active(self) -> int:
         return self._n_occupied
@@ -324,49 +310,6 @@ class ServeLoop(LoopAdmission, LoopFirstTokens):
             # Admission without draining: the boundary's writes queue behind the bursts in
             # flight, and the next launch carries the new slots.
             self._boundary()
-        return delivered
-
-    def _deliver(self, tokens, acc) -> int:
-        """Hand a drained burst's tokens to their requests; finish those that stopped.
-
-        Vectorised over the batch: one fancy-index copy appends every running slot's
-        tokens to its row (:class:`SlotTokens`); Python only visits the requests that
-        finish. A request that is already done (cancelled, failed) receives nothing more.
-        """
-        now = time.perf_counter()
-        self.bursts += 1
-        if self._n_lead:
-            self._drop_first(tokens)
-        if tokens.addr is not None and self._c_store is not None:
-            return self._deliver_block(tokens, now)
-        counts = tokens.counts
-        running = self._running
-        # Counts are >= 0 (BurstTokens clamps them), so logical_and tests count > 0.
-        receiving = np.logical_and(running, counts, out=self._receiving)
-        rows = self._every_slot if np.count_nonzero(receiving) == receiving.size else receiving.nonzero()[0]
-        self.store.append(tokens.data, counts, rows, acc, now)
-        if self.log is not None and rows.size:
-            self.log.append(Tokens(now, self._slot_state[rows], rows, counts, tokens.data, self.store.acc[rows]))
-        finished = np.equal(self.dec.host_left, self._no_left, out=self._finished)
-        finished &= running
-        if np.count_nonzero(finished):
-            self._retire_finished(finished.nonzero()[0], now)  # not np.flatnonzero: a µs more
-        delivered = tokens.total
-        self.tokens_out += delivered
-        return delivered
-
-    def _deliver_block(self, tokens, now: float) -> int:
-        """:meth:`_deliver` of a block drained in C: the append and the masks in one C call
-        (``host_ops.c``'s ``gb_append``, into ``_receiving`` and ``_finished``)."""
-        store = self._c_store
-        receiving = store.append(tokens.addr, now)
-        if self.log is not None and receiving:
-            rows = self._every_slot if receiving == self.dec.batch else self._receiving.nonzero()[0]
-            self.log.append(Tokens(now, self._slot_state[rows], rows, tokens.counts, tokens.data, self.store.acc[rows]))
-        if store.n_finished:
-            self._retire_finished(self._finished.nonzero()[0], now)
-        delivered = store.total
-        self.tokens_out += delivered
         return delivered
 
     def run_until_idle(self) -> None:
