@@ -99,7 +99,7 @@ def summarize(rows: list) -> list[str]:
                          f"{statistics.median(r['wall_ms'] for r in rs):.2f} ms, TTFT p50 "
                          f"{statistics.median(r['ttft_p50_ms'] for r in rs):.2f} ms, {rs[0]['bursts']} bursts")
         pairs = [(a, b) for a in rows for b in rows if a["code"] == "graphburst" and b["code"] == BASE_NAME
-                 and (a["m"], a["depth"], a["rep"]) == (b["m"], b["depth"], b["rep"])]
+                 and (a["m"], a["depth"]) == (m, depth) and (b["m"], b["depth"], b["rep"]) == (m, depth, a["rep"])]
         if pairs and None not in (pairs[0][0]["idle"], pairs[0][1]["idle"]):
             won = sum(a["idle"] < b["idle"] for a, b in pairs)
             lines.append(f"M={m} depth={depth}: the working tree idled less in {won} of {len(pairs)} pairs")

@@ -59,8 +59,10 @@ def test_a_run_serves_every_request_and_the_summary_counts_pairs(monkeypatch):
     assert any("idle -" in line for line in version_ab.summarize(rows))
     timed = [{**r, "idle": i} for r, i in zip(rows, (0.1, 0.2))] + [
         {**r, "idle": i, "rep": 1} for r, i in zip(rows, (0.3, 0.2))]
-    lines = version_ab.summarize(timed)
-    assert lines[-1] == "M=2 depth=2: the working tree idled less in 1 of 2 pairs"
+    other = [{**r, "m": 3, "idle": 0.5 if r["code"] == "graphburst" else 0.1} for r in timed]  # another M's pairs
+    lines = version_ab.summarize(timed + other)
+    assert lines[2] == "M=2 depth=2: the working tree idled less in 1 of 2 pairs"
+    assert lines[-1] == "M=3 depth=2: the working tree idled less in 0 of 2 pairs"
     assert "graphburst idle  20.0% (runs 10.0, 30.0)" in lines[1]
 
 
