@@ -15,44 +15,30 @@ from __future__ import annotations
 
 import argparse
 import json
+import pathlib
 import sys
-import time
 
 import numpy as np
 
 sys.path.insert(0, ".")
-from graphburst.backend import get_backend  # noqa: E402
-from graphburst.bench.common import VOCAB, stub_models  # noqa: E402
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import graphburst  # noqa: E402
 from graphburst.serving.admit import LoopAdmission  # noqa: E402
-from graphburst.serving.loop import Request, ServeLoop  # noqa: E402
+from version_ab import run as run_workload  # noqa: E402 (the workload, shared)
 
 LIMIT = LoopAdmission._coalesce_limit
 RULES = {"one": lambda self: min(1, LIMIT(self)), "auto": LIMIT}  # the old rule; this code's
 
 
-def run(backend, m: int, rule: str, *, depth: int = 4, k: int = 4, batch: int = 64, new: int = 256) -> dict:
+def run(backend_name: str, m: int, rule: str, *, depth: int = 4) -> dict:
+    """The workload once under ``rule`` (set on the class for the run, then put back)."""
     LoopAdmission._coalesce_limit = RULES[rule]
     try:
-        rng = np.random.default_rng(0)
-        target, draft = stub_models(backend, batch=batch, capacity=64 + new + m * (k + 1))
-        reqs = [Request(rng.integers(0, VOCAB, 16).tolist(), new, options={"seed": i}) for i in range(256)]
-        loop = ServeLoop(target, draft, k=k, m_rounds=m, depth=depth)
-        loop.submit(Request([1, 2, 3], m * (k + 1)))
-        loop.run_until_idle()  # compiles kernels, captures the graph
-        clock = loop.pipeline.clock
-        busy0, idle0 = clock.overall.busy_ms, clock.overall.idle_ms
-        states = [loop.submit(r) for r in reqs]
-        t0 = time.perf_counter()
-        loop.run_until_idle()
-        wall = (time.perf_counter() - t0) * 1e3
+        row = run_workload(graphburst, backend_name, m, depth)
     finally:
         LoopAdmission._coalesce_limit = LIMIT
-    bad = [s.request.id for s in states if s.error or len(s.tokens) != new]
-    assert not bad, f"requests without all their tokens: {bad[:5]}"
-    busy, idle = clock.overall.busy_ms - busy0, clock.overall.idle_ms - idle0
-    return {"m": m, "rule": rule, "depth": depth, "wall_ms": wall, "busy_ms": busy, "idle_ms": idle,
-            "idle": idle / (busy + idle) if backend.is_gpu else None, "bursts": loop.bursts,
-            "deferred": loop.deferred_boundaries}
+    return {k: row[k] for k in ("m", "depth", "wall_ms", "busy_ms", "idle_ms", "idle", "bursts", "deferred")} | {
+        "rule": rule}
 
 
 def main(argv=None) -> None:
@@ -62,12 +48,11 @@ def main(argv=None) -> None:
     p.add_argument("-m", type=int, nargs="+", default=[8, 16, 32], help="rounds per burst")
     p.add_argument("--json")
     a = p.parse_args(argv)
-    backend = get_backend(a.backend)
     out = []
     for rep in range(a.repeats):
         for m in a.m:
             for rule in RULES:
-                r = run(backend, m, rule)
+                r = run(a.backend, m, rule)
                 out.append(r | {"rep": rep})
                 idle = "-" if r["idle"] is None else f"{100 * r['idle']:5.1f}%"
                 print(f"rep {rep} M={m} {rule:4s}: idle {idle} wall {r['wall_ms']:7.2f} ms bursts {r['bursts']} "

@@ -83,6 +83,7 @@ def run(pkg, backend_name: str, m: int, depth: int) -> dict:
     busy, idle = clock.overall.busy_ms - busy0, clock.overall.idle_ms - idle0
     return {"code": pkg.__name__, "m": m, "depth": depth, "wall_ms": wall, "busy_ms": busy, "idle_ms": idle,
             "idle": idle / (busy + idle) if busy + idle > 0 else None, "bursts": loop.bursts,
+            "deferred": getattr(loop, "deferred_boundaries", None),  # an older graphburst may have none
             "ttft_p50_ms": statistics.median((s.first_token - s.submitted) * 1e3 for s in states)}
 
 

@@ -83,3 +83,20 @@ def test_a_request_short_of_its_tokens_fails_the_run(monkeypatch):
     monkeypatch.setattr(ServeLoop, "submit", one_short)
     with pytest.raises(AssertionError, match="without all their tokens"):
         version_ab.run(graphburst, "numpy", 2, 2)
+
+
+def test_coalesce_ab_runs_the_shared_workload_and_puts_the_rule_back(monkeypatch):
+    from graphburst.serving.admit import LoopAdmission
+
+    coalesce_ab = import_script("coalesce_ab")
+    real = LoopAdmission._coalesce_limit
+    monkeypatch.setattr(version_ab, "REQUESTS", 8)
+    monkeypatch.setattr(version_ab, "NEW", 12)
+    for rule in coalesce_ab.RULES:
+        row = coalesce_ab.run("numpy", 2, rule, depth=3)
+        assert row["rule"] == rule and row["bursts"] > 0 and row["deferred"] == 0  # numpy: never host-bound
+        assert LoopAdmission._coalesce_limit is real
+    monkeypatch.setattr(version_ab, "NEW", 0)  # refused at submission: the run fails, the rule is put back
+    with pytest.raises(ValueError):
+        coalesce_ab.run("numpy", 2, "one")
+    assert LoopAdmission._coalesce_limit is real
