@@ -5,8 +5,9 @@
  * over B-element arrays, each about a microsecond of fixed overhead on an H200 lease's host:
  * longer than the burst. These two functions do the same work in one call each. Their numpy
  * twins are the reference (tests/test_host_ops.py holds them equal) and the path taken without
- * a C compiler: gb_drain is BurstTokens + SpecDecoder.finish_burst (burst.py), gb_append is
- * SlotTokens.append + ServeLoop._deliver's masks (serving/slot_tokens.py, serving/loop.py).
+ * a C compiler: gb_drain is BurstTokens + SpecDecoder.finish_burst (burst_tokens.py, burst.py),
+ * gb_append is SlotTokens.append + LoopDelivery._deliver's masks (serving/slot_tokens.py,
+ * serving/delivery.py).
  *
  * Every array is C-contiguous and owned by the Python object that set up the struct; int32 is
  * the device's element type, int64 the host mirrors'.
@@ -72,19 +73,19 @@ typedef struct {
 
 /* Append a block gb_drain wrote to every running slot with tokens: its whole ring row at the
  * slot's end (past the count it is overwritten by the next append), a delivery (now, count);
- * every slot's accept counters. Returns the slots receiving, or -1 (nothing written past the
- * counters' check) when a row is full, which the numpy twin refuses with an IndexError. */
+ * every slot's accept counters. Returns the slots receiving, or -1, having written nothing, when
+ * a receiving slot's row is full, which the numpy twin refuses with an IndexError. */
 int64_t gb_append(gb_store *s, const int32_t *block, double now) {
     const int64_t b_n = s->batch, r1 = s->row, t = s->max_tokens, width = r1 - 1;
     const int32_t *counts = block + b_n * r1, *acc = counts + b_n;
     int64_t *n = s->counters, *nd = n + b_n, *accepted = nd + b_n, *rounds = accepted + b_n;
     int64_t receiving = 0, finished = 0, total = 0;
     for (int64_t b = 0; b < b_n; b++) {
-        int32_t c = counts[b];
-        uint8_t take = s->running[b] && c > 0;
-        if (take && (n[b] > t || nd[b] > t)) return -1;
-        s->receiving[b] = take;
-        total += c;
+        if (s->running[b] && counts[b] > 0 && (n[b] > t || nd[b] > t)) return -1;
+    }
+    for (int64_t b = 0; b < b_n; b++) {
+        s->receiving[b] = s->running[b] && counts[b] > 0;
+        total += counts[b];
     }
     for (int64_t b = 0; b < b_n; b++) {
         accepted[b] = acc[2 * b];

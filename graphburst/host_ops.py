@@ -9,7 +9,8 @@ path taken where no C compiler is found (:func:`library` returns None then, with
 
 The shared object is compiled with the system's ``cc`` into a cache directory
 (``$GRAPHBURST_CACHE``, else ``$XDG_CACHE_HOME/graphburst`` or ``~/.cache/graphburst``), named by
-the source's hash, so an edit rebuilds it and concurrent processes never load a partial file.
+the machine and the source's hash, so an edit rebuilds it and concurrent processes never load a
+partial file.
 
 :class:`Mirror` and :class:`Store` hold the C structs: raw pointers into arrays their owners
 allocate once and never rebind (the decoder's host mirror; a serving loop's token rows), and
@@ -23,6 +24,7 @@ import functools
 import hashlib
 import os
 import pathlib
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -45,7 +47,8 @@ def cache_dir() -> pathlib.Path:
 def _build() -> pathlib.Path:
     """Compile ``host_ops.c`` unless this source's object is cached; its path."""
     source = SOURCE.read_bytes()
-    out = cache_dir() / f"host_ops-{hashlib.sha256(source).hexdigest()[:16]}.so"
+    # named by the source and the machine: a cache shared by hosts of two architectures keeps both
+    out = cache_dir() / f"host_ops-{platform.machine()}-{hashlib.sha256(source).hexdigest()[:16]}.so"
     if out.exists():
         return out
     cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
@@ -69,7 +72,9 @@ def _build() -> pathlib.Path:
 def library():
     """The loaded library, or None (after one warning) where it cannot be built."""
     try:
-        lib = ctypes.CDLL(str(_build()))
+        # PyDLL: the calls keep the GIL, so another thread (a stream reading a request's tokens) never
+        # sees a row half appended, as with the numpy calls they replace; each lasts about a microsecond.
+        lib = ctypes.PyDLL(str(_build()))
     except (OSError, subprocess.CalledProcessError) as exc:
         detail = exc.stderr.strip().splitlines()[-1] if isinstance(exc, subprocess.CalledProcessError) and \
             exc.stderr else str(exc)

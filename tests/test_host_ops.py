@@ -114,14 +114,16 @@ def test_append_equals_slot_tokens_append_and_the_delivery_masks(batch):
 
 def test_append_refuses_a_full_row_before_changing_any():
     store = SlotTokens(2, 4, 3)
-    store.n[:] = [5, 0]  # past T = 4: the numpy twin's window index would be out of range
+    store.n[:] = [0, 5]  # slot 1 past T = 4: the numpy twin's window index would be out of range
     before = store._counters.copy(), store.tokens.copy()
     block = np.zeros(2 * 7, np.int32)
     block[8:10] = [2, 2]  # counts
     c = store.in_c(LIB, running=np.ones(2, bool), left=np.ones(2, np.int64), receiving=np.zeros(2, bool),
                    finished=np.zeros(2, bool))
+    receiving = c._keep[6]
     with pytest.raises(IndexError, match="full"):
         c.append(block.ctypes.data, 1.0)
+    assert not receiving.any()  # nothing written, not even the masks
     np.testing.assert_array_equal(store._counters, before[0])
     np.testing.assert_array_equal(store.tokens, before[1])
     with pytest.raises(IndexError):
