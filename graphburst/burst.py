@@ -293,11 +293,8 @@ class SpecDecoder(SlotAdmission, Watched):
             becomes these values: what the device computed, in two copies. Without them the
             mirror is advanced from the tokens (:meth:`_advance_mirror`), as the device does.
         """
-        self.host_syncs += 1
-        self.bursts += 1
-        self.outstanding -= 1
-        epoch, launch_gen = self._launch_gen.popleft()
-        if epoch == self._gen_epoch:  # no slot prefilled or released since the launch: no compare
+        launch_gen = self._drained()
+        if launch_gen is None:  # no slot prefilled or released since the launch: no compare
             every, current = True, None
             np.subtract(self._inflight, self._one, out=self._inflight)  # one burst fewer in flight for each
         else:
@@ -322,15 +319,20 @@ class SpecDecoder(SlotAdmission, Watched):
         the block at ``pinned_addr`` ([B*R1 ring | 2B acc | B pos | B budget] int32, host) is read
         into a fresh ``[B*R1 ring | B counts | 2B acc]`` block, viewed by the returned tokens
         (``tokens.acc``: the accept counters), and into the host mirror."""
+        mirror = self.host_mirror
+        block = np.empty(mirror.block_size, np.int32)
+        addr = block.ctypes.data
+        mirror.drain(pinned_addr, addr, self._drained())
+        return BurstTokens.of_block(block, addr, self.batch)
+
+    def _drained(self) -> np.ndarray | None:
+        """Count the oldest burst in flight as drained; the slot generations at its launch
+        (``[B]`` int64), or None when none has moved since."""
         self.host_syncs += 1
         self.bursts += 1
         self.outstanding -= 1
         epoch, launch_gen = self._launch_gen.popleft()
-        mirror = self.host_mirror
-        block = np.empty(mirror.block_size, np.int32)
-        addr = block.ctypes.data
-        mirror.drain(pinned_addr, addr, None if epoch == self._gen_epoch else launch_gen)
-        return BurstTokens.of_block(block, addr, self.batch)
+        return None if epoch == self._gen_epoch else launch_gen
 
     def _advance_mirror(self, tokens: BurstTokens) -> None:
         """``host_pos`` and ``host_left`` after ``tokens`` (dropped rows count 0), computed on

@@ -41,42 +41,33 @@ class LoopDelivery:
     def _deliver(self, tokens, acc) -> int:
         """Hand a drained burst's tokens to their requests; finish those that stopped.
 
-        Vectorised over the batch: one fancy-index copy appends every running slot's
-        tokens to its row (:class:`SlotTokens`); Python only visits the requests that
-        finish. A request that is already done (cancelled, failed) receives nothing more.
+        Vectorised over the batch: one copy appends every running slot's tokens to its row
+        (:class:`SlotTokens`; in C, with the masks, for a block the decoder drained in C);
+        Python only visits the requests that finish. A request that is already done
+        (cancelled, failed) receives nothing more.
         """
         now = time.perf_counter()
         self.bursts += 1
         if self._n_lead:
             self._drop_first(tokens)
-        if tokens.addr is not None and self._c_store is not None:
-            return self._deliver_block(tokens, now)
-        counts = tokens.counts
-        running = self._running
-        # Counts are >= 0 (BurstTokens clamps them), so logical_and tests count > 0.
-        receiving = np.logical_and(running, counts, out=self._receiving)
-        rows = self._every_slot if np.count_nonzero(receiving) == receiving.size else receiving.nonzero()[0]
-        self.store.append(tokens.data, counts, rows, acc, now)
-        if self.log is not None and rows.size:
-            self.log.append(Tokens(now, self._slot_state[rows], rows, counts, tokens.data, self.store.acc[rows]))
-        finished = np.equal(self.dec.host_left, self._no_left, out=self._finished)
-        finished &= running
-        if np.count_nonzero(finished):
-            self._retire_finished(finished.nonzero()[0], now)  # not np.flatnonzero: a µs more
-        delivered = tokens.total
-        self.tokens_out += delivered
-        return delivered
-
-    def _deliver_block(self, tokens, now: float) -> int:
-        """:meth:`_deliver` of a block drained in C: the append and the masks in one C call
-        (``host_ops.c``'s ``gb_append``, into ``_receiving`` and ``_finished``)."""
-        store = self._c_store
-        receiving = store.append(tokens.addr, now)
+        store, rows = self._c_store, None
+        if tokens.addr is not None and store is not None:  # gb_append: into _receiving and _finished
+            receiving = store.append(tokens.addr, now)
+            finishing, delivered = store.n_finished, store.total
+        else:
+            # Counts are >= 0 (BurstTokens clamps them), so logical_and tests count > 0.
+            mask = np.logical_and(self._running, tokens.counts, out=self._receiving)
+            receiving = np.count_nonzero(mask)
+            rows = self._every_slot if receiving == mask.size else mask.nonzero()[0]
+            self.store.append(tokens.data, tokens.counts, rows, acc, now)
+            finished = np.equal(self.dec.host_left, self._no_left, out=self._finished)
+            finished &= self._running
+            finishing, delivered = np.count_nonzero(finished), tokens.total
         if self.log is not None and receiving:
-            rows = self._every_slot if receiving == self.dec.batch else self._receiving.nonzero()[0]
+            if rows is None:
+                rows = self._every_slot if receiving == self._receiving.size else self._receiving.nonzero()[0]
             self.log.append(Tokens(now, self._slot_state[rows], rows, tokens.counts, tokens.data, self.store.acc[rows]))
-        if store.n_finished:
-            self._retire_finished(self._finished.nonzero()[0], now)
-        delivered = store.total
+        if finishing:
+            self._retire_finished(self._finished.nonzero()[0], now)  # not np.flatnonzero: a µs more
         self.tokens_out += delivered
         return delivered
