@@ -320,8 +320,7 @@ class SpecDecoder(SlotAdmission, Watched):
         into a fresh ``[B*R1 ring | B counts | 2B acc]`` block, viewed by the returned tokens
         (``tokens.acc``: the accept counters), and into the host mirror."""
         mirror = self.host_mirror
-        block = np.empty(mirror.block_size, np.int32)
-        addr = block.ctypes.data
+        block, addr = mirror.new_block()
         mirror.drain(pinned_addr, addr, self._drained())
         return BurstTokens.of_block(block, addr, self.batch)
 

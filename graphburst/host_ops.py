@@ -33,6 +33,8 @@ import warnings
 import numpy as np
 
 SOURCE = pathlib.Path(__file__).with_name("host_ops.c")
+#: drained blocks carved out of one allocation (Mirror.new_block): ~11 KB each at B=64, M=8, k=4
+BLOCKS_PER_ALLOCATION = 64
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
 
@@ -116,6 +118,21 @@ class Mirror:
         self._struct = _MirrorStruct(self.batch, self.row, *(_addr(a, np.int64) for a in self._keep))
         self._ptr = ctypes.addressof(self._struct)
         self.block_size = self.batch * (self.row + 3)  # [B*R1 ring | B counts | 2B acc] int32
+        self._blocks, self._blocks_addr, self._next_block = None, 0, BLOCKS_PER_ALLOCATION
+
+    def new_block(self) -> tuple[np.ndarray, int]:
+        """A fresh ``[block_size]`` int32 block for :meth:`drain` to fill, and its address.
+
+        Blocks are rows of a larger allocation, so a block's address is that allocation's plus an
+        offset: ``ndarray.ctypes.data`` costs the host about a microsecond a call, once a burst.
+        A block is never handed out twice (the tokens drained into it are the caller's to keep),
+        and an allocation is freed once no block of it is referenced."""
+        i = self._next_block
+        if i == BLOCKS_PER_ALLOCATION:
+            self._blocks = np.empty((BLOCKS_PER_ALLOCATION, self.block_size), np.int32)
+            self._blocks_addr, i = self._blocks.ctypes.data, 0
+        self._next_block = i + 1
+        return self._blocks[i], self._blocks_addr + i * self.block_size * 4  # 4: bytes per int32
 
     def drain(self, pinned_addr: int, out_addr: int, launch_gen: np.ndarray | None) -> int:
         """Read a graph's pinned output block (at ``pinned_addr``) into a block of :attr:`block_size`

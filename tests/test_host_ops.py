@@ -72,6 +72,26 @@ def test_drain_equals_burst_tokens_and_finish_burst(batch, moved):
     assert out.total == tokens.total and [t.tolist() for t in out] == [t.tolist() for t in tokens]
 
 
+def test_new_blocks_are_distinct_and_their_addresses_theirs():
+    """Mirror.new_block carves blocks out of larger allocations: across an allocation's end every
+    block is fresh, its address is its own, and a drain into it lands in it."""
+    batch, row = 7, 9
+    z = np.zeros(batch, np.int64)
+    mirror = host_ops.Mirror(LIB, row=row, slot_gen=z, inflight=z.copy(), host_pos=z.copy(), host_left=z.copy())
+    pinned = _pinned(np.random.default_rng(0), batch, row)
+    taken = [mirror.new_block() for _ in range(host_ops.BLOCKS_PER_ALLOCATION + 3)]
+    addrs = [addr for _, addr in taken]
+    assert len(set(addrs)) == len(addrs)
+    for block, addr in taken:
+        assert block.shape == (mirror.block_size,) and block.dtype == np.int32 and block.flags.c_contiguous
+        assert block.ctypes.data == addr
+    block, addr = taken[-1]
+    block[:] = -77
+    mirror.drain(pinned.ctypes.data, addr, None)
+    np.testing.assert_array_equal(block[: batch * row], pinned[: batch * row])
+    assert not np.shares_memory(taken[0][0], taken[1][0])
+
+
 def _store_case(rng, batch, row, max_tokens):
     store = SlotTokens(batch, max_tokens, row - 1)
     store.n[:] = rng.integers(0, max_tokens + 1, batch)

@@ -36,7 +36,7 @@ class LoopDelivery:
         self.intake.forget_all(states)
         if self.log is not None:
             self.log.extend(map(Retired, states))
-        self._free(rows.tolist())
+        self._free(rows.tolist(), rows)
 
     def _deliver(self, tokens, acc) -> int:
         """Hand a drained burst's tokens to their requests; finish those that stopped.
