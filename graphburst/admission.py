@@ -24,10 +24,11 @@ from collections.abc import Sequence
 import numpy as np
 
 from .constants import NO_EOS, NO_PREFILL, UNBOUNDED_BUDGET
+from .prefill_checks import CapacityError, PrefillChecks, chunked_prefill  # noqa: F401 (re-exported)
 from .protocol import ModelHooks, hook, split_options
-from .sampling.mode import check_slot, sample_first_tokens
+from .sampling.mode import sample_first_tokens
 from .sampling.params import SamplingParams
-from .validate import check_int, check_prompt, per_slot
+from .validate import check_int
 
 GREEDY = SamplingParams()  # a slot's settings when none are given
 _NO_OPTIONS = ModelHooks.set_slot_options  # the protocol's default: a model without per-slot options
@@ -35,35 +36,17 @@ _NO_OPTIONS = ModelHooks.set_slot_options  # the protocol's default: a model wit
 STAGE_HEAD = 5
 
 
-def _fresh_and_continued(lens: dict, host_starts: np.ndarray) -> list:
+def _fresh_and_continued(lens: dict, starts: dict) -> list:
     """An admission's chunks (slot -> length) as ``[(slot -> length, fresh), ...]``: those at
-    position 0 (fresh), then those continuing a cached prompt; a part only where it has slots."""
-    later = {b: n for b, n in lens.items() if host_starts[b]}
+    position 0 (fresh), then those continuing a cached prompt; a part only where it has slots.
+    ``starts``: slot -> the chunk's first position."""
+    later = {b: n for b, n in lens.items() if starts[b]}
     if not later or len(later) == len(lens):
         return [(lens, not later)]
-    return [({b: n for b, n in lens.items() if not host_starts[b]}, True), (later, False)]
+    return [({b: n for b, n in lens.items() if not starts[b]}, True), (later, False)]
 
 
-class CapacityError(ValueError):
-    """A request or burst would write past a KV cache's capacity.
-
-    Attributes
-    ----------
-    slots : tuple of int
-        The batch slots that would overflow (empty when not tied to slots).
-    """
-
-    def __init__(self, message: str, slots=()):
-        super().__init__(message)
-        self.slots = tuple(int(b) for b in slots)
-
-
-def chunked_prefill(model) -> bool:
-    """Whether a model's ``prefill`` takes ``start=`` and ``rows=`` (continues a cached prefix)."""
-    return bool(getattr(model, "chunked_prefill", False))
-
-
-class SlotAdmission:
+class SlotAdmission(PrefillChecks):
     """The admission half of :class:`~graphburst.burst.SpecDecoder` (a mixin; the decoder
     owns ``bufs``, ``stream``, the host mirrors and ``_update_fits``)."""
 
@@ -106,7 +89,10 @@ class SlotAdmission:
         rows, starts, limits, stops, settings = self._check_prefill(prompts, start, final, max_new_tokens, eos,
                                                                     temperature, top_k, top_p, seed)
         if rows:
-            self._prefill_checked(rows, starts, limits, stops, settings, final)
+            slots = sorted(rows)
+            self._prefill_checked(slots, [rows[b] for b in slots], [starts[b] for b in slots],
+                                  [limits[b] for b in slots] if final else None,
+                                  [stops[b] for b in slots] if final else None, settings, final)
 
     def prefill_checked(self, rows: dict, starts: dict, *, final: bool = True, limits: dict | None = None,
                         stops: dict | None = None, sampling: dict | None = None, options: dict | None = None) -> None:
@@ -116,7 +102,8 @@ class SlotAdmission:
         checks :meth:`prefill` uses and a stricter capacity rule (the whole request must
         fit; ``serving.request.check_whole_request_fits``): admission is then host work the
         GPU waits on, and repeating the checks there would cost every refill. Anything not
-        validated so is undefined behaviour; use :meth:`prefill`.
+        validated so is undefined behaviour; use :meth:`prefill`. :meth:`prefill_slots` takes
+        the same values as lists, with no dict built or looked up.
 
         Parameters
         ----------
@@ -135,140 +122,83 @@ class SlotAdmission:
             ``slot -> slot_options(...) result`` or None, applied first as by
             :meth:`set_slot_options` (final chunks).
         """
-        assert all(0 <= b < self.batch for b in rows), "prefill_checked: a slot outside the batch"
-        if not rows:
+        slots = sorted(rows)
+        limits, stops, sampling = limits or {}, stops or {}, sampling or {}
+        self.prefill_slots(slots, [rows[b] for b in slots], [starts.get(b, 0) for b in slots], final=final,
+                           limits=[limits.get(b, UNBOUNDED_BUDGET) for b in slots] if final else None,
+                           stops=[stops.get(b, NO_EOS) for b in slots] if final else None,
+                           sampling=[sampling.get(b) for b in slots] if final and self.sampling else None,
+                           options=options)
+
+    def prefill_slots(self, slots: list, rows: list, starts: list, *, final: bool = True, limits: list | None = None,
+                      stops: list | None = None, sampling: list | None = None, options: dict | None = None) -> None:
+        """:meth:`prefill_checked` of values given per slot as lists (the serving loop's admission).
+
+        Parameters
+        ----------
+        slots : list of int
+            Distinct slots, ascending.
+        rows, starts : lists, one entry per slot
+            Its chunk (``[n] int32``, n >= 1) and the chunk's first position.
+        limits, stops : lists, final chunks only
+            Budget (``UNBOUNDED_BUDGET`` for none) and stop token (``NO_EOS`` for none).
+        sampling : list, optional
+            ``SamplingParams`` or None (greedy) per slot (sampling decoders, final chunks).
+        options : dict, optional
+            As for :meth:`prefill_checked`.
+        """
+        # min/max, not a generator over the slots: admission runs while the GPU may wait
+        assert not slots or (0 <= slots[0] and slots[-1] < self.batch), "prefill_slots: a slot outside the batch"
+        if not slots:
             return
         if options:
             self._set_slot_options(options)
-        limits, stops = limits or {}, stops or {}
-        # A serving loop gives every row its limit and stop token: no per-slot re-mapping then.
-        if limits.keys() != rows.keys():
-            limits = {b: limits.get(b, UNBOUNDED_BUDGET) for b in rows}
-        if stops.keys() != rows.keys():
-            stops = {b: stops.get(b, NO_EOS) for b in rows}
+        if not final:
+            limits = stops = None
+        elif limits is None or stops is None:
+            limits = limits or [UNBOUNDED_BUDGET] * len(slots)
+            stops = stops or [NO_EOS] * len(slots)
         # only a sampling decoder reads the settings (greedy decoders sample nothing)
-        settings = {b: (sampling or {}).get(b) or GREEDY for b in rows} if final and self.sampling else {}
-        self._prefill_checked(rows, starts, limits, stops, settings, final)
+        settings = {b: p or GREEDY for b, p in zip(slots, sampling or [None] * len(slots))} \
+            if final and self.sampling else {}
+        self._prefill_checked(slots, rows, starts, limits, stops, settings, final)
 
-    def _prefill_checked(self, rows: dict, starts, limits: dict, stops: dict, settings: dict, final: bool) -> None:
-        """Stage (one upload), run the models' prefill, then admit (one launch)."""
-        slots = sorted(rows)
-        index = np.asarray(slots, np.int64)  # [n] int64: the slots, ascending (a host list for dict lookups)
-        host, table = self._stage_prompts(rows, starts, slots, index, limits, stops, final)
-        b = self.batch
-        lens, starts_now = host[:b], host[b: 2 * b]
-        ends = np.where(lens != NO_PREFILL, starts_now + lens, NO_PREFILL).astype(np.int32)  # [B] int32
-        stage = self._stage_view("chunks", (host.size - STAGE_HEAD * b) // b)
-        self._prefill_models(stage, ends, slots, index, settings, final, lens, starts_now)
-        self._admit(index, ends, table, host[2 * b: 2 * b + table.size].reshape(3, -1))
+    def _prefill_checked(self, slots: list, rows: list, starts: list, limits: list | None, stops: list | None,
+                         settings: dict, final: bool) -> None:
+        """Stage (one upload), run the models' prefill, then admit (one launch). ``slots`` ascending;
+        ``rows``, ``starts``, ``limits`` and ``stops`` (None for a non-final chunk) one entry per slot."""
+        index = np.asarray(slots, np.int64)  # [n] int64: the slots, ascending
+        lengths = [len(r) for r in rows]
+        host, table = self._stage_prompts(slots, index, rows, lengths, starts, limits, stops)
+        ends = [s + n for s, n in zip(starts, lengths)]  # each chunk's end: the slot's position after it
+        stage = self._stage_view("chunks", (host.size - STAGE_HEAD * self.batch) // self.batch)
+        self._prefill_models(stage, ends, slots, index, lengths, starts, settings, final)
+        self._admit(index, ends, limits, table, host[2 * self.batch: 2 * self.batch + table.size].reshape(3, -1))
 
-    def _check_prefill(self, prompts, start, final, max_new_tokens, eos, temperature, top_k, top_p, seed):
-        """Parse: ``({slot: chunk [n] int32}, {slot: start}, {slot: budget}, {slot: stop token},
-        {slot: SamplingParams})``, sentinels filled in."""
-        if not isinstance(final, bool):
-            raise TypeError(f"final must be a bool, got {type(final).__name__}")
-        if isinstance(prompts, np.ndarray) and prompts.ndim == 2:
-            prompts = list(prompts)
-        if isinstance(prompts, (str, bytes, bytearray)) or not isinstance(prompts, Sequence):
-            raise TypeError(f"prompts must be a list with one entry (token list or None) per slot ({self.batch}), "
-                            f"got {type(prompts).__name__}")
-        if len(prompts) != self.batch:
-            raise ValueError(f"prompts must have one entry per slot ({self.batch}), got {len(prompts)}")
-        slots = [b for b, p in enumerate(prompts) if p is not None]
-        starts = np.zeros(self.batch, np.int32)  # [B] int32
-        start_of = per_slot("start", start, self.batch)
-        for b in slots:
-            s = start_of[b]
-            starts[b] = 0 if s is None else check_int(f"start[{b}]", s, minimum=0, maximum=self.capacity - 1)
-        if slots and (starts.any() or not final):
-            for role in ("target", "draft"):
-                model = getattr(self, role)
-                if not chunked_prefill(model):
-                    raise ValueError(f"the {role} model ({type(model).__name__}) cannot continue a cached prompt "
-                                     "(no chunked_prefill): prefill whole prompts (start 0, final=True)")
-        if not final and any(v is not None for v in (max_new_tokens, eos, temperature, top_k, top_p, seed)):
-            raise TypeError("a non-final chunk takes no limit, stop token or sampling settings: "
-                            "pass them with the prompt's final chunk")
-        limits = per_slot("max_new_tokens", max_new_tokens, self.batch)
-        stops = per_slot("eos", eos, self.batch)
-        rows = {}
-        for b in slots:
-            if final:
-                rows[b], limits[b], stops[b] = self.check_first_burst_fits(prompts[b], limits[b], stops[b], index=b,
-                                                                           start=int(starts[b]))
-            else:
-                rows[b] = self._check_chunk(prompts[b], int(starts[b]), b)
-        settings = self._check_sampling_args(slots, temperature, top_k, top_p, seed) if final else {}
-        return (rows, {b: int(starts[b]) for b in slots}, {b: limits[b] for b in slots} if final else {},
-                {b: stops[b] for b in slots} if final else {}, settings)
-
-    def _check_chunk(self, prompt, start: int, b: int) -> np.ndarray:
-        """A non-final chunk: valid tokens, and room behind it for at least the prompt's last token."""
-        row = check_prompt(f"prompts[{b}]", prompt, self.target.vocab)
-        if start + len(row) + 1 > self.capacity:
-            raise CapacityError(f"prompts[{b}]: a chunk of {len(row)} tokens at position {start} leaves no room "
-                                f"for the prompt's final chunk in a cache of {self.capacity}", slots=(b,))
-        return row
-
-    def check_first_burst_fits(self, prompt, max_new_tokens=None, eos=None, *, index: int | None = None,
-                               start: int = 0):
-        """Validate one slot's prefill arguments without touching the device: the prompt plus
-        one burst of its tokens must fit the cache (the serving loop's stricter rule, and
-        why they differ: ``graphburst.serving.request.check_whole_request_fits``).
-
-        ``start``: the position of ``prompt[0]`` (its final chunk's, for a chunked prompt).
-        Returns ``(prompt [n] int32, budget, stop token)`` with the sentinels filled in
-        (``UNBOUNDED_BUDGET``, ``NO_EOS``). ``index`` names the slot in messages.
-
-        Raises
-        ------
-        TypeError, ValueError
-            For a bad prompt, limit or stop token.
-        CapacityError
-            When the prompt plus one burst's worth of its tokens cannot fit the cache.
-        """
-        at = "" if index is None else f"[{index}]"
-        row = check_prompt(f"prompts{at}", prompt, self.target.vocab)
-        limit = UNBOUNDED_BUDGET if max_new_tokens is None else check_int(
-            f"max_new_tokens{at}", max_new_tokens, maximum=UNBOUNDED_BUDGET - 1)
-        stop = NO_EOS if eos is None else check_int(f"eos{at}", eos, minimum=0, maximum=self.target.vocab - 1)
-        need = start + len(row) + min(limit, self.bufs.ring_capacity)
-        if need > self.capacity:
-            ahead = f" at position {start}" if start else ""
-            raise CapacityError(
-                f"prompts{at} of length {len(row)}{ahead} plus {min(limit, self.bufs.ring_capacity)} new tokens "
-                f"needs {need} KV entries, but the cache holds {self.capacity}")
-        return row, limit, stop
-
-    def _check_sampling_args(self, slots, temperature, top_k, top_p, seed) -> dict:
-        """Per-slot sampling settings of a prefill: ``slot -> SamplingParams``, validated."""
-        per = [per_slot(name, v, self.batch) for name, v in
-               (("temperature", temperature), ("top_k", top_k), ("top_p", top_p), ("seed", seed))]
-        return {b: check_slot(*(p[b] for p in per), sampling=self.sampling, index=b) for b in slots}
-
-    def _stage_prompts(self, rows: dict, starts: dict, slots: list, index: np.ndarray, limits: dict, stops: dict,
-                       final: bool):
+    def _stage_prompts(self, slots: list, index: np.ndarray, rows: list, lengths: list, starts: list,
+                       limits: list | None, stops: list | None):
         """Build the staging block on the host and upload it in one copy: chunk lengths
         (``[B]``, NO_PREFILL for slots left alone), starts (``[B]``), the admission table
-        (``[3, n]``: slot, budget, stop token; budget 0 until a prompt's final chunk) and the
-        chunks padded to the longest (``[B, P_max]``). ``index``: ``slots`` as ``[n]`` int64.
+        (``[3, n]``: slot, budget, stop token; budget 0 until a prompt's final chunk: ``limits``
+        None) and the chunks padded to the longest (``[B, P_max]``). ``index``: ``slots`` (ascending)
+        as ``[n]`` int64; the other lists hold one entry per slot.
         Returns ``(the host block [5B + B*P_max] int32, the table's device view [3, n] int32)``."""
         batch, n = self.batch, len(slots)
-        chunks = [rows[b] for b in slots]
-        p_max = max(lengths := [len(c) for c in chunks])
+        p_max = max(lengths)
         host = np.zeros(STAGE_HEAD * batch + batch * p_max, np.int32)  # the head, then [B, P_max] int32
         host[:batch] = NO_PREFILL
         host[index] = lengths
-        host[batch + index] = [starts.get(b, 0) for b in slots]
+        if any(starts):  # else they stay 0 (whole prompts: a serving loop's common case)
+            host[batch + index] = starts
         table = host[2 * batch: 2 * batch + 3 * n].reshape(3, n)  # [3, n] int32
         table[0] = index
-        if final:
-            table[1], table[2] = [limits[b] for b in slots], [stops[b] for b in slots]
+        if limits is not None:
+            table[1], table[2] = limits, stops
         else:
             table[2] = NO_EOS  # and budget 0
         # Whole columns above, the chunks slot by slot (a padded scatter costs more at ~20 short prompts).
         tokens = host[STAGE_HEAD * batch:].reshape(batch, p_max)  # [B, P_max] int32
-        for b, chunk, size in zip(slots, chunks, lengths):
+        for b, chunk, size in zip(slots, rows, lengths):
             tokens[b, :size] = chunk
         # Stream-ordered, into the staging block: a second prefill enqueued before the first
         # has run overwrites it only after the first's kernels have read it.
@@ -295,12 +225,12 @@ class SlotAdmission:
             self._stage_views[(part, size)] = view
         return view
 
-    def _prefill_models(self, stage, ends, slots: list, index: np.ndarray, settings: dict, final: bool,
-                        host_lens: np.ndarray, host_starts: np.ndarray) -> None:
+    def _prefill_models(self, stage, ends: list, slots: list, index: np.ndarray, lengths: list, starts: list,
+                        settings: dict, final: bool) -> None:
         """Run: the models' prefill (the target sets ``pos_ctr`` and, when final, ``pend``), in
         the calls each model asks for (``prefill_groups``), then a sampled first token.
-        ``index``: ``slots`` as ``[n]`` int64; ``host_lens``, ``host_starts``: ``[B]`` chunk
-        lengths and starts (the staging head).
+        ``slots`` ascending, ``index`` the same as ``[n]`` int64; ``ends``, ``lengths``, ``starts``:
+        each chunk's end, length and first position, one entry per slot.
 
         Slots whose chunk starts at position 0 are **fresh**: the models are told so by
         ``start=None`` (a torch module then attends to the prompt's own tokens, and may pack
@@ -318,38 +248,41 @@ class SlotAdmission:
                 model.prefill(stage, self._prompt_len, pos_ctr, out, s)
                 continue
             if lens is None:
-                lens = dict(zip(slots, host_lens[index].tolist()))
-                later = bool(host_starts[index].any())
+                lens, later = dict(zip(slots, lengths)), any(starts)
             apart = later and hook(model, "prefill_fresh_apart")
-            parts = _fresh_and_continued(lens, host_starts) if apart else [(lens, not later)]
+            parts = _fresh_and_continued(lens, dict(zip(slots, starts))) if apart else [(lens, not later)]
             for part, fresh in parts:
                 start = None if fresh else self._prompt_start
                 for group in hook(model, "prefill_groups")(part, fresh):
                     # the slot list on the host spares the model a device sync; the staging is
                     # narrowed to this call's longest chunk, so the call pads to its own rows only
                     if group == slots:  # one call for the whole admission (most models)
-                        width, rows = stage.shape[1], index
+                        width, rows, sizes = stage.shape[1], index, lengths
                     else:
-                        width, rows = max(part[b] for b in group), np.asarray(group, np.int64)
+                        sizes = [part[b] for b in group]
+                        width, rows = max(sizes), np.asarray(group, np.int64)
                     # a packing model takes the lengths too, so it never reads them from the device
-                    extra = {"lengths": host_lens[rows]} if getattr(model, "packed_prefill", False) else {}
+                    extra = {"lengths": np.asarray(sizes, np.int32)} if getattr(model, "packed_prefill", False) \
+                        else {}
                     model.prefill(stage if width == stage.shape[1] else stage[:, :width], self._prompt_len, pos_ctr,
                                   out, s, start=start, rows=rows, **extra)
         if sampling:
-            sample_first_tokens(self.backend.ops, self.backend, bufs, ends, s)
+            prompt_end = np.full(self.batch, NO_PREFILL, np.int32)  # [B] int32
+            prompt_end[index] = ends
+            sample_first_tokens(self.backend.ops, self.backend, bufs, prompt_end, s)
 
-    def _admit(self, slots: np.ndarray, ends: np.ndarray, table, host_table: np.ndarray) -> None:
-        """Record: each prefilled slot's budget (0 until its final chunk), stop token and zeroed
-        counters, in one launch on the device (``table``, [3, n] int32) and in the host mirror
-        (from ``host_table``, its host copy); a new generation."""
+    def _admit(self, slots: np.ndarray, ends: list, limits: list | None, table, host_table: np.ndarray) -> None:
+        """Record: each prefilled slot's budget (``limits``; 0 until its final chunk: None), stop token
+        and zeroed counters, in one launch on the device (``table``, [3, n] int32) and in the host mirror
+        (from ``host_table``, its host copy, and ``ends``, each slot's position after its chunk);
+        a new generation."""
         bufs = self.bufs
         self.backend.ops.admit_slots(table, bufs.budget, bufs.eos, bufs.acc, stream=self.stream)
-        pos, left = ends[slots], host_table[1]  # [n] each
-        self.host_pos[slots], self.host_left[slots], self.host_eos[slots] = pos, left, host_table[2]
+        self.host_pos[slots], self.host_left[slots], self.host_eos[slots] = ends, host_table[1], host_table[2]
         self._new_generation(slots)
         # The other slots' launch counts did not change and a slot whose whole budget fits never limits
         # it (_bursts_that_fit): a serving loop admits only such requests, so it recounts nothing here.
-        if np.count_nonzero(np.add(pos, left, dtype=np.int64) > self.capacity):
+        if limits is not None and any(end + limit > self.capacity for end, limit in zip(ends, limits)):
             self._update_fits()
 
     # ------------------------------------------------------------------ release and options

@@ -293,7 +293,7 @@ class ChunkLog(ServeLoop):
         self.prefilled = []  # (bursts drained before it, tokens prefilled, final?) per prefill call
 
     def _prefill_group(self, group, final):
-        self.prefilled.append((self.bursts, sum(e - s for _, s, e in group.values()), final))
+        self.prefilled.append((self.bursts, sum(e - s for _, _, s, e in group), final))
         super()._prefill_group(group, final)
 
 
@@ -479,7 +479,10 @@ def test_staging_block_matches_a_slot_by_slot_build(backend, lengths, final):
     starts = {b: int(rng.integers(0, 9)) for b in slots}
     limits = {b: int(rng.integers(1, 99)) for b in slots}
     stops = {b: int(rng.integers(0, VOCAB)) for b in slots}
-    host, _ = dec._stage_prompts(rows, starts, slots, np.asarray(slots, np.int64), limits, stops, final)
+    host, _ = dec._stage_prompts(slots, np.asarray(slots, np.int64), [rows[b] for b in slots],
+                                 [len(rows[b]) for b in slots], [starts[b] for b in slots],
+                                 [limits[b] for b in slots] if final else None,
+                                 [stops[b] for b in slots] if final else None)
     p_max = max(lengths)
     want = np.zeros(STAGE_HEAD * batch + batch * p_max, np.int32)
     want[:batch] = NO_PREFILL

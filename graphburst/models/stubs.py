@@ -265,8 +265,9 @@ class StubDraft(_StubModel, DraftModel):
         if not settings:
             return
         default = (self.default_seed, fixed24(self.default_accept_prob))
-        columns = np.array([default if v is None else v for v in settings.values()], np.uint32)  # [n, 2] uint32
-        self._host_slots[:, list(settings)] = columns.T.view(np.int32)  # seeds as their uint32 bits
+        seeds, agree = zip(*(default if v is None else v for v in settings.values()))
+        index = list(settings)
+        self._host_seed[index], self._host_agree[index] = seeds, agree  # a column each: no [n, 2] array built
         self._upload_slots(stream)
 
     def set_slots(self, settings: dict, stream=None) -> None:

@@ -49,16 +49,19 @@ NO_RECENT_ADMISSION = -(2**31)
 class LoopAdmission:
     """Slot changes of a serving loop, all at burst boundaries."""
 
-    def _free(self, slots) -> None:
+    def _free(self, slots: list, index: np.ndarray | None = None) -> None:
+        """Empty ``slots``; ``index``: the same as an int64 array, where the caller has one (the
+        array writes below then convert no list)."""
+        index = slots if index is None else index
         for b in slots:
             self.slots[b] = None
             self._prefilling.pop(b, None)
-        self._slot_state[slots] = None
+        self._slot_state[index] = None
         self._n_occupied -= len(slots)
-        self._first_copy[slots] = NO_COPY  # a copy still pending for them is for nobody now
+        self._first_copy[index] = NO_COPY  # a copy still pending for them is for nobody now
         if self._n_lead:
-            self._n_lead -= np.count_nonzero(self._lead[slots])
-            self._lead[slots] = False
+            self._n_lead -= np.count_nonzero(self._lead[index])
+            self._lead[index] = False
 
     def _boundary(self) -> None:
         """The burst boundary: free slots of finished, cancelled or failed requests, give free
@@ -176,7 +179,7 @@ class LoopAdmission:
 
     def _take_waiting(self) -> None:
         """Give each free slot the oldest waiting request (host bookkeeping only)."""
-        slots = self.slots
+        slots, slot_state = self.slots, self._slot_state
         free = [b for b, s in enumerate(slots) if s is None]
         states = self.intake.take_waiting(len(free))
         if not states:
@@ -185,9 +188,8 @@ class LoopAdmission:
         store = self.store
         for b, state in zip(admitted, states):
             state.slot, state._store = b, store
-            slots[b] = state
+            slots[b] = slot_state[b] = state  # an element at a time: a fancy write of objects costs more
         self._prefilling.update(dict.fromkeys(admitted, 0))
-        self._slot_state[admitted] = states
         self._n_occupied += len(admitted)
         store.reset(admitted)
         if self.log is not None:
@@ -197,7 +199,7 @@ class LoopAdmission:
         """Prefill up to ``prefill_chunk`` prompt tokens, oldest admission first: whole prompts
         that fit, then one chunk of the next. A slot whose last chunk is written goes live."""
         left = self.prefill_chunk or None
-        partial, final = {}, {}  # slot -> (state, start, end) of this boundary's chunk
+        partial, final = [], []  # (slot, state, start, end) of this boundary's chunks
         slots = self.slots
         for b, start in self._prefilling.items():
             state = slots[b]
@@ -210,51 +212,48 @@ class LoopAdmission:
                     break
                 n = min(n, left)
                 left -= n
-            (final if start + n == size else partial)[b] = (state, start, start + n)
+            (final if start + n == size else partial).append((b, state, start, start + n))
         for group, is_final in ((partial, False), (final, True)):
             if group:
                 self._prefill_group(group, is_final)
 
-    def _prefill_group(self, group: dict, final: bool) -> None:
+    def _prefill_group(self, group: list, final: bool) -> None:
         # The values were validated at submission (RequestIntake): admission only copies them,
-        # through the decoder's unchecked entry point, since the GPU may be waiting on it.
-        # One pass builds every per-slot argument (a dict comprehension apiece cost a microsecond a slot more).
-        rows, starts = {}, {}
-        limits, stops, options, sampling = ({}, {}, {}, {}) if final else (None, None, None, None)
-        for b, (state, start, end) in group.items():
-            rows[b], starts[b] = state.row[start:end], start
-            if final:
-                # every admitted slot gets an options entry: a reused one forgets its last request
-                limits[b], options[b], sampling[b] = state.limit, state.slot_options, state.sampling
-                stops[b] = NO_EOS if state.eos is None else state.eos
+        # through the decoder's unchecked entry point, since the GPU may be waiting on it. The
+        # arguments are lists in slot order (prefill_slots), each built in one comprehension.
+        group.sort()  # ascending slots; they differ, so the states are never compared
+        slots, states, starts, ends = (list(column) for column in zip(*group))
+        rows = [state.row[start:end] for state, start, end in zip(states, starts, ends)]
         try:
             if final:
-                self.dec.prefill_checked(rows, starts, limits=limits, stops=stops,
-                                         sampling=sampling if self.sampling else None, options=options)
+                # every admitted slot gets an options entry: a reused one forgets its last request
+                self.dec.prefill_slots(slots, rows, starts, limits=[state.limit for state in states],
+                                       stops=[NO_EOS if state.eos is None else state.eos for state in states],
+                                       sampling=[state.sampling for state in states] if self.sampling else None,
+                                       options=dict(zip(slots, [state.slot_options for state in states])))
             else:
-                self.dec.prefill_checked(rows, starts, final=False)
+                self.dec.prefill_slots(slots, rows, starts, final=False)
         except Exception as exc:  # noqa: BLE001 - only the requests being prefilled are touched
             msg = describe(exc)
-            group_slots = list(group)
-            for b in group_slots:
+            for b in slots:
                 self._retire(self.slots[b], error=msg)
-            self._n_stale -= len(group_slots)
-            self._free(group_slots)
-            self.dec.release(group_slots)
+            self._n_stale -= len(slots)
+            self._free(slots)
+            self.dec.release(slots)
             if not self._costs_only_its_requests(exc):
                 raise
             return
         if final:
             prefilling = self._prefilling
-            for b in group:
+            for b in slots:
                 del prefilling[b]
-            live = np.fromiter(group, np.int64, len(group))  # [n] int64
+            live = np.asarray(slots, np.int64)  # [n] int64
             self._running[live] = True
             if self._copy_first_tokens():  # their first tokens, copied behind the prefill (first_tokens.py)
                 self._first_copy[live] = self._first.enqueue(self.dec.bufs.pend, live, self.pipeline.launched,
                                                              self.dec.stream)
         else:
-            self._prefilling.update({b: end for b, (_, _, end) in group.items()})
+            self._prefilling.update(zip(slots, ends))
 
     def _costs_only_its_requests(self, exc: Exception) -> bool:
         """Whether a failed prefill ends only the requests being admitted (here: always).
