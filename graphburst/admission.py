@@ -282,7 +282,8 @@ class SlotAdmission(PrefillChecks):
         self._new_generation(slots)
         # The other slots' launch counts did not change and a slot whose whole budget fits never limits
         # it (_bursts_that_fit): a serving loop admits only such requests, so it recounts nothing here.
-        if limits is not None and any(end + limit > self.capacity for end, limit in zip(ends, limits)):
+        # limit > capacity - end, not end + limit > capacity: an int32 end plus UNBOUNDED_BUDGET would wrap
+        if limits is not None and any(limit > self.capacity - end for end, limit in zip(ends, limits)):
             self._update_fits()
 
     # ------------------------------------------------------------------ release and options

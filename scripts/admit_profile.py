@@ -55,7 +55,7 @@ def _wrap(loop, totals: dict, prof=None) -> None:
         def timed(*a, _real=real, _label=label, **kw):
             t = time.perf_counter()
             if _label == "prefill":
-                totals["slots"] += len(a[0])  # {slot: chunk}
+                totals["slots"] += len(a[0])  # the slots (a list, or a dict slot -> chunk)
             if prof is not None and _label == prof.label:
                 prof.enable()
             try:

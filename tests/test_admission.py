@@ -495,3 +495,41 @@ def test_staging_block_matches_a_slot_by_slot_build(backend, lengths, final):
     np.testing.assert_array_equal(host, want)
     host[:] = -7  # the upload is stream-ordered from a staged copy: the host block may be reused at once
     np.testing.assert_array_equal(dec.backend.to_host(dec._stage[: want.size], dec.stream), want)
+
+
+def test_an_int32_start_with_no_limit_still_recounts_the_launch_bound():
+    """prefill_checked of a numpy int32 start (as ``positions()`` gives it) and an unbounded budget:
+    end + UNBOUNDED_BUDGET would wrap in int32, so the recount test must not add them; the burst that
+    would pass the cache is refused, not run."""
+    from graphburst.admission import CapacityError
+
+    target, draft = stub_pair(2, 512, 2, 1, 64, seed=0, backend="numpy")
+    dec = SpecDecoder(target, draft, k=2, m_rounds=2)
+    dec.prefill_checked({0: np.arange(4, dtype=np.int32)}, {0: 0}, limits={0: 3})  # fits whole: no bound
+    dec.run_burst()
+    dec.prefill_checked({1: np.arange(8, dtype=np.int32)}, {1: 0}, final=False)
+    start = dec.positions()[1]
+    assert isinstance(start, np.int32)
+    dec.prefill_checked({1: np.arange(8, dtype=np.int32)}, {1: start})  # no limit: unbounded
+    with pytest.raises(CapacityError):
+        for _ in range(40):
+            dec.run_burst()
+    assert dec.host_pos[1] <= dec.capacity
+
+
+def test_a_group_keeps_admission_order_in_the_loop_events():
+    """A final group of a prompt carried over in chunks (slot 1) and one admitted after it (slot 0):
+    the decoder gets them in slot order, the loop's first-token event lists them as admitted."""
+    target, draft = stub_pair(2, 512, 2, 1, 256, seed=0, backend="numpy")
+    loop = ServeLoop(target, draft, k=1, m_rounds=1, prefill_chunk=6, admission="late")
+    loop.log = []
+    loop.submit(Request([1, 2], 1, id="a"))  # slot 0, done after its first token
+    loop.submit(Request(list(range(3, 12)), 4, id="b"))  # slot 1: chunks of 4, then 5
+    seen = []
+    for i in range(8):
+        if i == 1:
+            loop.submit(Request([7], 2, id="c"))  # takes slot 0 once "a" is gone
+        loop.step()
+        seen += [([s.request.id for s in e.states], e.rows.tolist()) for e in loop.log if type(e).__name__ == "Tokens"]
+        loop.log.clear()
+    assert (["b", "c"], [1, 0]) in seen

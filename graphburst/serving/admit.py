@@ -220,9 +220,12 @@ class LoopAdmission:
     def _prefill_group(self, group: list, final: bool) -> None:
         # The values were validated at submission (RequestIntake): admission only copies them,
         # through the decoder's unchecked entry point, since the GPU may be waiting on it. The
-        # arguments are lists in slot order (prefill_slots), each built in one comprehension.
-        group.sort()  # ascending slots; they differ, so the states are never compared
-        slots, states, starts, ends = (list(column) for column in zip(*group))
+        # arguments are lists in slot order (prefill_slots), each built in one comprehension; the
+        # loop's own writes and events keep the admission order of ``group`` (a prompt carried over
+        # from an earlier boundary before one admitted since, whatever their slots).
+        in_order = [entry[0] for entry in group]
+        # ascending slots; they differ, so the states are never compared
+        slots, states, starts, ends = (list(column) for column in zip(*sorted(group)))
         rows = [state.row[start:end] for state, start, end in zip(states, starts, ends)]
         try:
             if final:
@@ -235,19 +238,19 @@ class LoopAdmission:
                 self.dec.prefill_slots(slots, rows, starts, final=False)
         except Exception as exc:  # noqa: BLE001 - only the requests being prefilled are touched
             msg = describe(exc)
-            for b in slots:
+            for b in in_order:
                 self._retire(self.slots[b], error=msg)
-            self._n_stale -= len(slots)
-            self._free(slots)
-            self.dec.release(slots)
+            self._n_stale -= len(in_order)
+            self._free(in_order)
+            self.dec.release(in_order)
             if not self._costs_only_its_requests(exc):
                 raise
             return
         if final:
             prefilling = self._prefilling
-            for b in slots:
+            for b in in_order:
                 del prefilling[b]
-            live = np.asarray(slots, np.int64)  # [n] int64
+            live = np.asarray(in_order, np.int64)  # [n] int64, admission order (the first tokens' event rows)
             self._running[live] = True
             if self._copy_first_tokens():  # their first tokens, copied behind the prefill (first_tokens.py)
                 self._first_copy[live] = self._first.enqueue(self.dec.bufs.pend, live, self.pipeline.launched,
