@@ -88,11 +88,8 @@ class SlotAdmission(PrefillChecks):
         """
         rows, starts, limits, stops, settings = self._check_prefill(prompts, start, final, max_new_tokens, eos,
                                                                     temperature, top_k, top_p, seed)
-        if rows:
-            slots = sorted(rows)
-            self._prefill_checked(slots, [rows[b] for b in slots], [starts[b] for b in slots],
-                                  [limits[b] for b in slots] if final else None,
-                                  [stops[b] for b in slots] if final else None, settings, final)
+        if rows:  # validated now: on through the unchecked entry point, which puts them in slot order
+            self.prefill_checked(rows, starts, final=final, limits=limits, stops=stops, sampling=settings)
 
     def prefill_checked(self, rows: dict, starts: dict, *, final: bool = True, limits: dict | None = None,
                         stops: dict | None = None, sampling: dict | None = None, options: dict | None = None) -> None:
