@@ -32,7 +32,8 @@ from .validate import check_int
 
 GREEDY = SamplingParams()  # a slot's settings when none are given
 _NO_OPTIONS = ModelHooks.set_slot_options  # the protocol's default: a model without per-slot options
-#: The staging block's head, in units of B int32: lengths, starts, then the [3, n] admission table.
+#: The staging block's head, in units of B int32, for models without option columns: lengths,
+#: starts, then the [3, n] admission table (with C option columns, H = STAGE_HEAD + C: [3 + C, n]).
 STAGE_HEAD = 5
 
 
@@ -121,14 +122,17 @@ class SlotAdmission(PrefillChecks):
         """
         slots = sorted(rows)
         limits, stops, sampling = limits or {}, stops or {}, sampling or {}
+        if options and options.keys() != rows.keys():  # options of other slots too: applied apart, first
+            self._set_slot_options(options)
+            options = None
         self.prefill_slots(slots, [rows[b] for b in slots], [starts.get(b, 0) for b in slots], final=final,
                            limits=[limits.get(b, UNBOUNDED_BUDGET) for b in slots] if final else None,
                            stops=[stops.get(b, NO_EOS) for b in slots] if final else None,
                            sampling=[sampling.get(b) for b in slots] if final and self.sampling else None,
-                           options=options)
+                           options=[options[b] for b in slots] if options else None)
 
     def prefill_slots(self, slots: list, rows: list, starts: list, *, final: bool = True, limits: list | None = None,
-                      stops: list | None = None, sampling: list | None = None, options: dict | None = None) -> None:
+                      stops: list | None = None, sampling: list | None = None, options: list | None = None) -> None:
         """:meth:`prefill_checked` of values given per slot as lists (the serving loop's admission).
 
         Parameters
@@ -141,15 +145,21 @@ class SlotAdmission(PrefillChecks):
             Budget (``UNBOUNDED_BUDGET`` for none) and stop token (``NO_EOS`` for none).
         sampling : list, optional
             ``SamplingParams`` or None (greedy) per slot (sampling decoders, final chunks).
-        options : dict, optional
-            As for :meth:`prefill_checked`.
+        options : list, optional
+            A ``slot_options(...)`` result or None (the defaults) per slot, applied first as by
+            :meth:`set_slot_options`; None: the slots keep their options. A model's option
+            columns (``option_columns``) are written in the admission's one launch.
         """
         # min/max, not a generator over the slots: admission runs while the GPU may wait
         assert not slots or (0 <= slots[0] and slots[-1] < self.batch), "prefill_slots: a slot outside the batch"
         if not slots:
             return
-        if options:
-            self._set_slot_options(options)
+        option_rows, cols = None, self.option_columns
+        if options is not None:
+            if cols is None or len(cols.roles) < 2:  # a model without columns applies its own
+                self._set_slot_options(dict(zip(slots, options)), with_columns=False)
+            if cols is not None:
+                option_rows = cols.rows(options)
         if not final:
             limits = stops = None
         elif limits is None or stops is None:
@@ -158,68 +168,75 @@ class SlotAdmission(PrefillChecks):
         # only a sampling decoder reads the settings (greedy decoders sample nothing)
         settings = {b: p or GREEDY for b, p in zip(slots, sampling or [None] * len(slots))} \
             if final and self.sampling else {}
-        self._prefill_checked(slots, rows, starts, limits, stops, settings, final)
+        self._prefill_checked(slots, rows, starts, limits, stops, settings, final, option_rows)
 
     def _prefill_checked(self, slots: list, rows: list, starts: list, limits: list | None, stops: list | None,
-                         settings: dict, final: bool) -> None:
+                         settings: dict, final: bool, option_rows: list | None = None) -> None:
         """Stage (one upload), run the models' prefill, then admit (one launch). ``slots`` ascending;
-        ``rows``, ``starts``, ``limits`` and ``stops`` (None for a non-final chunk) one entry per slot."""
+        ``rows``, ``starts``, ``limits`` and ``stops`` (None for a non-final chunk) one entry per slot;
+        ``option_rows``: C lists of option column values (None: the columns are left alone)."""
         index = np.asarray(slots, np.int64)  # [n] int64: the slots, ascending
         lengths = [len(r) for r in rows]
-        host, table = self._stage_prompts(slots, index, rows, lengths, starts, limits, stops)
+        host, table = self._stage_prompts(slots, index, rows, lengths, starts, limits, stops, option_rows)
         ends = [s + n for s, n in zip(starts, lengths)]  # each chunk's end: the slot's position after it
-        stage = self._stage_view("chunks", (host.size - STAGE_HEAD * self.batch) // self.batch)
+        stage = self._stage_view("chunks", (host.size - self._stage_head * self.batch) // self.batch)
         self._prefill_models(stage, ends, slots, index, lengths, starts, settings, final)
-        self._admit(index, ends, limits, table, host[2 * self.batch: 2 * self.batch + table.size].reshape(3, -1))
+        self._admit(index, ends, limits, table,
+                    host[2 * self.batch: 2 * self.batch + table.size].reshape(table.shape[0], -1))
 
     def _stage_prompts(self, slots: list, index: np.ndarray, rows: list, lengths: list, starts: list,
-                       limits: list | None, stops: list | None):
+                       limits: list | None, stops: list | None, option_rows: list | None = None):
         """Build the staging block on the host and upload it in one copy: chunk lengths
         (``[B]``, NO_PREFILL for slots left alone), starts (``[B]``), the admission table
-        (``[3, n]``: slot, budget, stop token; budget 0 until a prompt's final chunk: ``limits``
-        None) and the chunks padded to the longest (``[B, P_max]``). ``index``: ``slots`` (ascending)
-        as ``[n]`` int64; the other lists hold one entry per slot.
-        Returns ``(the host block [5B + B*P_max] int32, the table's device view [3, n] int32)``."""
+        (``[3 + c, n]``: slot, budget, stop token, then ``option_rows``' c rows of option column
+        values; budget 0 until a prompt's final chunk: ``limits`` None) and, after the head of
+        ``H = 5 + C`` rows of B, the chunks padded to the longest (``[B, P_max]``). ``index``:
+        ``slots`` (ascending) as ``[n]`` int64; the other lists hold one entry per slot.
+        Returns ``(the host block [HB + B*P_max] int32, the table's device view [3 + c, n] int32)``."""
         batch, n = self.batch, len(slots)
         p_max = max(lengths)
-        host = np.zeros(STAGE_HEAD * batch + batch * p_max, np.int32)  # the head, then [B, P_max] int32
+        head = self._stage_head
+        host = np.zeros(head * batch + batch * p_max, np.int32)  # the head, then [B, P_max] int32
         host[:batch] = NO_PREFILL
         host[index] = lengths
         if any(starts):  # else they stay 0 (whole prompts: a serving loop's common case)
             host[batch + index] = starts
-        table = host[2 * batch: 2 * batch + 3 * n].reshape(3, n)  # [3, n] int32
+        table_rows = 3 + (len(option_rows) if option_rows else 0)
+        table = host[2 * batch: 2 * batch + table_rows * n].reshape(table_rows, n)  # [3 + c, n] int32
         table[0] = index
         if limits is not None:
             table[1], table[2] = limits, stops
         else:
             table[2] = NO_EOS  # and budget 0
+        if option_rows:
+            table[3:] = option_rows
         # Whole columns above, the chunks slot by slot (a padded scatter costs more at ~20 short prompts).
-        tokens = host[STAGE_HEAD * batch:].reshape(batch, p_max)  # [B, P_max] int32
+        tokens = host[head * batch:].reshape(batch, p_max)  # [B, P_max] int32
         for b, chunk, size in zip(slots, rows, lengths):
             tokens[b, :size] = chunk
         # Stream-ordered, into the staging block: a second prefill enqueued before the first
         # has run overwrites it only after the first's kernels have read it.
         self.backend.upload(self._stage_view("head+chunks", p_max), host, self.stream)
-        return host, self._stage_view("table", n)
+        return host, self._stage_view("table", n, table_rows)
 
-    def _stage_view(self, part: str, size: int):
-        """A device view of the staging block, made once per (part, size): a view costs a few
-        microseconds of host time on cupy, and admission runs while the GPU may wait.
+    def _stage_view(self, part: str, size: int, rows: int = 3):
+        """A device view of the staging block, made once per (part, size, rows): a view costs a
+        few microseconds of host time on cupy, and admission runs while the GPU may wait.
 
         ``("chunks", P_max)``: ``[B, P_max]``; ``("head+chunks", P_max)``: the block up to the
-        chunks' end (the upload's destination); ``("table", n)``: ``[3, n]``.
+        chunks' end (the upload's destination); ``("table", n, rows)``: ``[rows, n]``.
         """
-        view = self._stage_views.get((part, size))
+        view = self._stage_views.get((part, size, rows))
         if view is None:
             b = self.batch
             if part == "chunks":
                 view = self._prompt_flat[: b * size].reshape(b, size)
             elif part == "head+chunks":
-                view = self._stage[: STAGE_HEAD * b + b * size]
+                view = self._stage[: self._stage_head * b + b * size]
             else:
-                assert part == "table", part
-                view = self._stage[2 * b: 2 * b + 3 * size].reshape(3, size)
-            self._stage_views[(part, size)] = view
+                assert part == "table" and 3 <= rows <= self._stage_head - 2, (part, rows)
+                view = self._stage[2 * b: 2 * b + rows * size].reshape(rows, size)
+            self._stage_views[(part, size, rows)] = view
         return view
 
     def _prefill_models(self, stage, ends: list, slots: list, index: np.ndarray, lengths: list, starts: list,
@@ -269,12 +286,13 @@ class SlotAdmission(PrefillChecks):
             sample_first_tokens(self.backend.ops, self.backend, bufs, prompt_end, s)
 
     def _admit(self, slots: np.ndarray, ends: list, limits: list | None, table, host_table: np.ndarray) -> None:
-        """Record: each prefilled slot's budget (``limits``; 0 until its final chunk: None), stop token
-        and zeroed counters, in one launch on the device (``table``, [3, n] int32) and in the host mirror
-        (from ``host_table``, its host copy, and ``ends``, each slot's position after its chunk);
-        a new generation."""
+        """Record: each prefilled slot's budget (``limits``; 0 until its final chunk: None), stop token,
+        zeroed counters and option column values, in one launch on the device (``table``, [3 + c, n]
+        int32) and in the host mirror (from ``host_table``, its host copy, and ``ends``, each slot's
+        position after its chunk); a new generation."""
         bufs = self.bufs
-        self.backend.ops.admit_slots(table, bufs.budget, bufs.eos, bufs.acc, stream=self.stream)
+        columns = self.option_columns.table if table.shape[0] > 3 else None
+        self.backend.ops.admit_slots(table, bufs.budget, bufs.eos, bufs.acc, columns, stream=self.stream)
         self.host_pos[slots], self.host_left[slots], self.host_eos[slots] = ends, host_table[1], host_table[2]
         self._new_generation(slots)
         # The other slots' launch counts did not change and a slot whose whole budget fits never limits
@@ -320,11 +338,17 @@ class SlotAdmission(PrefillChecks):
             check_int("slot", slot, minimum=0, maximum=self.batch - 1)
         self._set_slot_options(settings)
 
-    def _set_slot_options(self, settings: dict) -> None:
-        """:meth:`set_slot_options` of checked slots, only to the models that take options."""
+    def _set_slot_options(self, settings: dict, *, with_columns: bool = True) -> None:
+        """:meth:`set_slot_options` of checked slots, only to the models that take options: the
+        option columns scattered (unless ``with_columns`` is False), the other models called."""
         if not settings:
             return
+        cols = self.option_columns
+        if cols is not None and with_columns:
+            cols.scatter(self.backend, settings, self.stream)
         for role in ("target", "draft"):
+            if cols is not None and cols.owns(role):
+                continue
             apply = getattr(getattr(self, role), "set_slot_options", None)
             if getattr(apply, "__func__", apply) not in (None, _NO_OPTIONS):  # the protocol's default does nothing
                 apply({b: None if v is None else v[role] for b, v in settings.items()}, self.stream)

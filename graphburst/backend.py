@@ -6,6 +6,7 @@ the kernel namespace (``ops``) and stream handling differ.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 
@@ -189,8 +190,9 @@ class Backend:
         Unlike a read-modify-write through the host (``to_host`` then ``upload``), this
         never syncs and never overwrites rows the device changed since the host last
         looked, so it may be enqueued behind bursts still in flight. ``rows`` is a host
-        int array; ``values`` a scalar or one entry (row) per element of ``rows``.
-        Allocates two small temporaries from the pool: never inside a capture.
+        int array; ``values`` a scalar or one entry (row) per element of ``rows``; ``stream``
+        None: the device's current stream. Allocates two small temporaries from the pool:
+        never inside a capture.
         """
         rows = np.asarray(rows, np.int64)
         if rows.size == 0:
@@ -198,7 +200,7 @@ class Backend:
         if not self.is_gpu:
             dst[rows] = values
             return
-        with self.device(), stream:
+        with self.device(), (stream if stream is not None else contextlib.nullcontext()):
             idx = self.xp.asarray(rows)  # the H2D copies run on ``stream``, like the scatter
             dst[idx] = values if np.isscalar(values) else self.xp.asarray(np.asarray(values, dst.dtype))
 

@@ -18,6 +18,7 @@ from .buffers import StreamBufs, kv_len_ptr_table
 from .burst_tokens import BurstTokens
 from .burst_mode import EAGER_MODES, MODES, BurstMode  # noqa: F401 (MODES re-exported: the old name)
 from .guard import Watched
+from .option_columns import OptionColumns
 from . import host_ops
 from .constants import NO_EOS, UNBOUNDED_BUDGET
 from .torch_capture import capture_api, stream_pair
@@ -87,14 +88,17 @@ class SpecDecoder(SlotAdmission, Watched):
         with self.stream:  # the decoder's own buffers are initialised in order with its stream
             self.bufs = StreamBufs(self.batch, k, m_rounds, self.backend,
                                    vocab=target.vocab if self.sampling else None)
+            # The models' per-slot int32 options, written by admission's one launch (option_columns.py)
+            self.option_columns = OptionColumns.of({"target": target, "draft": draft}, self.batch, self.backend)
             # Prefill staging, allocated once so admitting a request never allocates; one block,
             # so an admission is one host-to-device copy (admission.py, _stage_prompts).
             b = self.batch
-            self._stage = self.backend.zeros((STAGE_HEAD * b + b * self.capacity,), np.int32)  # [5B + B*cap] int32
+            self._stage_head = STAGE_HEAD + (self.option_columns.count if self.option_columns else 0)  # H = 5 + C
+            self._stage = self.backend.zeros((self._stage_head * b + b * self.capacity,), np.int32)  # [HB + B*cap]
             self._prompt_len = self._stage[:b]  # [B] int32: chunk lengths, NO_PREFILL for slots left alone
             self._prompt_start = self._stage[b: 2 * b]  # [B] int32: a chunk's first position
-            # [2B, 5B): the admission table, [3, n] int32 (slot, budget, stop token)
-            self._prompt_flat = self._stage[STAGE_HEAD * b:]  # [B * capacity] int32: chunks, viewed [B, P_max]
+            # [2B, HB): the admission table, [3 + C, n] int32 (slot, budget, stop token, C option values)
+            self._prompt_flat = self._stage[self._stage_head * b:]  # [B * capacity] int32: chunks, viewed [B, P_max]
             self._stage_views: dict = {}  # (part, size) -> device view of _stage (admission._stage_view)
         self.k, self.m_rounds = self.bufs.k, self.bufs.m_rounds
         for model in (target, draft):  # the buffers never move from here on: models may view them

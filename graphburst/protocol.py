@@ -143,6 +143,13 @@ Optional hooks (defaults in brackets)
     Apply validated options between bursts at admission: slot -> what ``slot_options``
     returned, or ``None`` for the defaults (a reused slot). Plain stream-ordered writes
     into fixed buffers; no allocation, so no recapture.
+``option_columns() -> tuple`` [()]
+    The cheaper alternative to ``set_slot_options`` for options that are one int32 per slot:
+    the model's fixed ``[B]`` int32 device arrays its kernels read (a uint32 array viewed as
+    int32), one per value of the tuple ``slot_options`` then returns (ints in int32 range: a
+    uint32 as its int32 bit pattern; ``slot_options({})`` gives the defaults). The decoder
+    then writes a slot's values itself, in admission's one launch (``admit_slots``), and
+    never calls ``set_slot_options``.
 """
 
 from __future__ import annotations
@@ -199,6 +206,10 @@ class ModelHooks:
 
     def set_slot_options(self, settings: dict, stream) -> None:
         """Apply validated options per slot between bursts (None = the defaults)."""
+
+    def option_columns(self) -> tuple:
+        """Per-slot int32 option columns the decoder writes at admission: none."""
+        return ()
 
 
 class TargetModel(ModelHooks):

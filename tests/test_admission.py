@@ -464,7 +464,8 @@ def test_prefill_checked_writes_what_prefill_writes(backend):
 
 @pytest.mark.parametrize("lengths", [[4], [3, 3, 3], [1, 7, 2], [19, 1, 257, 5]])
 @pytest.mark.parametrize("final", [True, False])
-def test_staging_block_matches_a_slot_by_slot_build(backend, lengths, final):
+@pytest.mark.parametrize("with_options", [True, False])
+def test_staging_block_matches_a_slot_by_slot_build(backend, lengths, final, with_options):
     """The staging block against a build written out position by position, and the device
     copy of it after the one upload (on cupy: the runtime copy from pageable memory)."""
     from graphburst.admission import STAGE_HEAD
@@ -473,24 +474,29 @@ def test_staging_block_matches_a_slot_by_slot_build(backend, lengths, final):
     batch = 8
     target, draft = _pair(backend, batch=batch)
     dec = SpecDecoder(target, draft, k=2, m_rounds=1)
+    head = dec._stage_head
+    assert head == STAGE_HEAD + 2  # the stub draft's two option columns (seed, agree24)
     rng = np.random.default_rng(len(lengths))
     slots = sorted(rng.choice(batch, len(lengths), replace=False).tolist())
     rows = {b: rng.integers(0, VOCAB, n).astype(np.int32) for b, n in zip(slots, lengths)}
     starts = {b: int(rng.integers(0, 9)) for b in slots}
     limits = {b: int(rng.integers(1, 99)) for b in slots}
     stops = {b: int(rng.integers(0, VOCAB)) for b in slots}
+    options = {b: (int(rng.integers(-2**31, 2**31)), int(rng.integers(0, 2**24))) for b in slots}
     host, _ = dec._stage_prompts(slots, np.asarray(slots, np.int64), [rows[b] for b in slots],
                                  [len(rows[b]) for b in slots], [starts[b] for b in slots],
                                  [limits[b] for b in slots] if final else None,
-                                 [stops[b] for b in slots] if final else None)
+                                 [stops[b] for b in slots] if final else None,
+                                 [[options[b][c] for b in slots] for c in range(2)] if with_options else None)
     p_max = max(lengths)
-    want = np.zeros(STAGE_HEAD * batch + batch * p_max, np.int32)
+    want = np.zeros(head * batch + batch * p_max, np.int32)
     want[:batch] = NO_PREFILL
     for i, b in enumerate(slots):
         want[b], want[batch + b] = len(rows[b]), starts[b]
-        want[STAGE_HEAD * batch + b * p_max: STAGE_HEAD * batch + b * p_max + len(rows[b])] = rows[b]
+        want[head * batch + b * p_max: head * batch + b * p_max + len(rows[b])] = rows[b]
         col = (b, limits[b], stops[b]) if final else (b, 0, NO_EOS)
-        for r in range(3):
+        col += options[b] if with_options else ()
+        for r in range(len(col)):
             want[2 * batch + r * len(slots) + i] = col[r]
     np.testing.assert_array_equal(host, want)
     host[:] = -7  # the upload is stream-ordered from a staged copy: the host block may be reused at once

@@ -154,6 +154,43 @@ def test_admit_slots(rng, ops, batch):
     assert (want["acc"][slots] == 0).all() and (want["budget"][slots] != P).all()
 
 
+@pytest.mark.parametrize("batch", SIZES)
+@pytest.mark.parametrize("n_cols", [1, 3])
+def test_admit_slots_writes_option_columns(rng, ops, batch, n_cols):
+    """The option columns (a PtrTable of [B] int32 arrays, one a uint32 view): each admitted slot's
+    values land in its column entry; slots outside the batch and the other slots keep theirs."""
+    from graphburst.buffers import PtrTable
+
+    n = int(rng.integers(1, batch + 1))
+    slots = rng.permutation(batch)[:n]
+    outside = np.array([-1, batch, batch + 5])
+    table = np.concatenate([np.stack([np.concatenate([slots, outside]), rng.integers(0, 300, n + 3),
+                                      rng.integers(0, 1000, n + 3)]),
+                            rng.integers(-2**31, 2**31, (n_cols, n + 3))]).astype(np.int32)
+    table = np.ascontiguousarray(table[:, rng.permutation(n + 3)])
+    start = [rng.integers(-2**31, 2**31, batch).astype(np.int32) for _ in range(n_cols)]
+    outs = []
+    for be, xp in ((Backend("numpy"), np), (Backend("cupy"), cp)):
+        cols = [xp.asarray(c) for c in start]
+        cols[0] = xp.asarray(start[0].view(np.uint32)).view(np.int32)  # the stub seed's kind of column
+        bufs = dict(budget=xp.full(batch, P, np.int32), eos=xp.full(batch, P, np.int32),
+                    acc=xp.asarray(rng.integers(1, 100, (batch, 2), dtype=np.int32)))
+        stream = cp.cuda.Stream(non_blocking=True) if xp is cp else None
+        (ops if xp is cp else reference).admit_slots(xp.asarray(table), **bufs, columns=PtrTable(cols, be),
+                                                     stream=stream)
+        if stream is not None:
+            stream.synchronize()
+        outs.append([cp.asnumpy(c) if xp is cp else c for c in cols] + [cp.asnumpy(bufs["budget"]) if xp is cp
+                                                                         else bufs["budget"]])
+    for want, got in zip(*outs):
+        np.testing.assert_array_equal(got, want)
+    want_cols = [c.copy() for c in start]
+    for c in range(n_cols):
+        want_cols[c][table[0][(table[0] >= 0) & (table[0] < batch)]] = table[3 + c][(table[0] >= 0) &
+                                                                                    (table[0] < batch)]
+        np.testing.assert_array_equal(outs[1][c], want_cols[c])  # against the table, written out
+
+
 class _Tables:
     """A stub cache's layer arrays on one backend, with its two pointer tables."""
 

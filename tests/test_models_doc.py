@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,12 +68,18 @@ def test_doc_example_options_are_validated(example):
         dec.slot_options({"temperature": 0.5})
     with pytest.raises(TypeError, match="miss_every must be an int"):
         dec.slot_options({"miss_every": "3"})
-    with pytest.raises(ValueError, match="miss_every must be >= 0"):
+    with pytest.raises(ValueError, match=r"miss_every must be in \[0, 2\*\*31\), got -1"):
         dec.slot_options({"miss_every": -1})
+    with pytest.raises(ValueError, match="got 2147483648"):  # an option column holds int32
+        dec.slot_options({"miss_every": 2**31})
     dec.set_slot_options({0: dec.slot_options({"miss_every": 2}), 1: None})
     assert draft.miss_every.tolist() == [2, 5]
     dec.set_slot_options({0: None})  # a reused slot gets the default back
     assert draft.miss_every.tolist() == [5, 5]
+    # at admission the column is written with the slot table: slot 1 only, slot 0 keeps its value
+    dec.set_slot_options({0: dec.slot_options({"miss_every": 3})})
+    dec.prefill_checked({1: np.array([4, 5], np.int32)}, {1: 0}, options={1: dec.slot_options({"miss_every": 1})})
+    assert draft.miss_every.tolist() == [3, 1]
 
 
 def _blocks(text: str) -> list[str]:

@@ -265,12 +265,14 @@ extern "C" __global__ void spec_epilogue(int k, int ring_cap,
 }
 
 // Threads: one per admitted slot.
-// Admission (graphburst/admission.py): ``table`` is [3, n] int32, rows (slot, budget, stop
-// token); each named slot gets its budget and stop token and zeroed accept counters. One
-// launch replaces three scatters: admission runs on the host between bursts, so its launch
-// count is the serving loop's cost per refill. Out-of-range slots are skipped.
+// Admission (graphburst/admission.py): ``table`` is [3 + n_cols, n] int32, rows (slot, budget,
+// stop token, then one row per model option column); each named slot gets its budget and stop
+// token, zeroed accept counters and its option values, written to ``((int*)cols[c])[slot]``.
+// One launch replaces three scatters plus the models' option uploads: admission runs on the
+// host between bursts, so its launch count is the serving loop's cost per refill.
+// Out-of-range slots are skipped.
 extern "C" __global__ void spec_admit_slots(int n, int batch, const int* __restrict__ table, int* budget, int* eos,
-                                            int* acc) {
+                                            int* acc, int n_cols, const u64* __restrict__ cols) {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     int b = table[i];
@@ -279,6 +281,7 @@ extern "C" __global__ void spec_admit_slots(int n, int batch, const int* __restr
     eos[b] = table[2 * n + i];
     acc[2 * b] = 0;
     acc[2 * b + 1] = 0;
+    for (int c = 0; c < n_cols; ++c) reinterpret_cast<int*>(cols[c])[b] = table[(3 + c) * n + i];
 }
 
 // Benchmark support: the floor graph is a chain of these.

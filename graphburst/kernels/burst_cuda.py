@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 from ..constants import THREADS_PER_BLOCK
-from .launch import _blocks, _i32, _launch, _layer_threads
+from .launch import _blocks, _i32, _launch, _layer_threads, _or_null
 
 
 def seed_gather(pend, pos_ctr, vtok, pos_start, brk, ring, *, reset_ring, stream):
@@ -60,19 +60,23 @@ def epilogue(tgt_pred, eos, vtok, brk, n_acc, last_pred, budget, ring, pend, acc
     _launch("spec_epilogue", grid, block, args, stream)
 
 
-def admit_slots(table, budget, eos, acc, *, stream):
+def admit_slots(table, budget, eos, acc, columns=None, *, stream):
     """Admission's one launch (see ``burst_ref.admit_slots``).
 
     Parameters
     ----------
-    table : [3, n] int32, C-contiguous (slot, budget, stop token per admitted slot)
+    table : [3 + C, n] int32, C-contiguous (slot, budget, stop token, then C option values per admitted slot)
     budget, eos : [B] int32
     acc : [B, 2] int32
+    columns : PtrTable of C [B] int32 arrays, or None when C = 0
     """
-    n = table.shape[1]
+    n_cols, n = table.shape[0] - 3, table.shape[1]
+    assert n_cols == (0 if columns is None else len(columns)), "admit_slots: one table row per option column"
     grid = (_blocks(n, THREADS_PER_BLOCK),)
     block = (THREADS_PER_BLOCK,)
-    _launch("spec_admit_slots", grid, block, (_i32(n), _i32(budget.shape[0]), table, budget, eos, acc), stream)
+    args = (_i32(n), _i32(budget.shape[0]), table, budget, eos, acc, _i32(n_cols),
+            _or_null(None if columns is None else columns.ptrs))
+    _launch("spec_admit_slots", grid, block, args, stream)
 
 
 def empty_node(*, stream):

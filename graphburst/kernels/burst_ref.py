@@ -164,19 +164,27 @@ def epilogue(tgt_pred, eos, vtok, brk, n_acc, last_pred, budget, ring, pend, acc
     seed_gather(pend, pos_ctr, vtok, pos_start, brk, ring, reset_ring=False)
 
 
-def admit_slots(table, budget, eos, acc, *, stream=None):
-    """Admission: each named slot gets its budget and stop token, and zeroed accept counters.
+def admit_slots(table, budget, eos, acc, columns=None, *, stream=None):
+    """Admission: each named slot gets its budget and stop token, zeroed accept counters
+    and its per-slot model options.
 
     Parameters
     ----------
-    table : [3, n] int32
+    table : [3 + C, n] int32
         Rows: slot, budget (``UNBOUNDED_BUDGET`` for none, 0 for a slot that stays idle),
-        stop token (``NO_EOS`` for none). Slots outside ``[0, B)`` are skipped.
+        stop token (``NO_EOS`` for none), then one row per option column. Slots outside
+        ``[0, B)`` are skipped.
     budget, eos : [B] int32, written at the named slots
     acc : [B, 2] int32, zeroed at the named slots
+    columns : PtrTable of C [B] int32 arrays (a model's ``option_columns``), or None when C = 0;
+        row ``3 + c`` is written to ``columns[c]`` at the named slots
     """
+    n_cols = table.shape[0] - 3
+    assert n_cols == (0 if columns is None else len(columns)), "admit_slots: one table row per option column"
     slots = table[0].astype(np.int64)
     ok = (slots >= 0) & (slots < budget.shape[0])
     budget[slots[ok]] = table[1][ok]
     eos[slots[ok]] = table[2][ok]
     acc[slots[ok]] = 0
+    for c, column in enumerate(columns.resolve() if n_cols else ()):
+        column.view(np.int32)[slots[ok]] = table[3 + c][ok]

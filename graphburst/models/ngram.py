@@ -93,10 +93,10 @@ class NgramDraft(Watched, DraftModel):
         self.hist = self.backend.zeros((batch, capacity), np.int32)  # [B, capacity] int32 token history
         self.hist_len = self.backend.zeros((batch,), np.int32)  # [B] int32: the burst's rollback sets it
         self.cache = KVCache([KVLayer(self.hist, self.hist_len)], batch, capacity, self.backend)
-        self._host_range = np.tile(np.array(self.default_range, np.int32), (batch, 1))  # [B, 2] host mirror
-        self.n_min = self.backend.zeros((batch,), np.int32)  # [B] int32
-        self.n_max = self.backend.zeros((batch,), np.int32)  # [B] int32
-        self._upload_range(None)
+        # Per-slot n-gram range, as two option columns: the decoder writes an admitted slot's
+        # values in its admission launch (``option_columns``).
+        self.n_min = self.backend.asarray(np.full(batch, self.default_range[0], np.int32))  # [B] int32
+        self.n_max = self.backend.asarray(np.full(batch, self.default_range[1], np.int32))  # [B] int32
         self.prop = None  # [B, k] int32 sampling-mode proposals, from bind()
 
     @property
@@ -167,26 +167,19 @@ class NgramDraft(Watched, DraftModel):
 
     # ------------------------------------------------------------------ per-request options
 
-    def _upload_range(self, stream) -> None:
-        self.backend.upload(self.n_min, self._host_range[:, 0], stream)
-        self.backend.upload(self.n_max, self._host_range[:, 1], stream)
+    def option_columns(self) -> tuple:
+        """The ``[B]`` int32 columns the search reads: ``n_min``, ``n_max``."""
+        return self.n_min, self.n_max
 
     def slot_options(self, options: dict) -> tuple:
-        """Validate ``{"ngram_min": a, "ngram_max": b}`` (either optional) against the defaults."""
+        """Validate ``{"ngram_min": a, "ngram_max": b}`` (either optional) against the defaults:
+        the slot's ``(n_min, n_max)`` option column values."""
         unknown = set(options) - self.option_keys
         if unknown:
             raise ValueError(f"unknown n-gram draft option {sorted(unknown)[0]!r}")
         lo = options.get("ngram_min", self.default_range[0])
         hi = options.get("ngram_max", self.default_range[1])
         return check_ngram_range(lo, hi)
-
-    def set_slot_options(self, settings: dict, stream) -> None:
-        """Apply :meth:`slot_options` results per slot between bursts; None restores the defaults."""
-        for slot, rng in settings.items():
-            slot = check_int("slot", slot, minimum=0, maximum=self.batch - 1)
-            self._host_range[slot] = self.default_range if rng is None else rng
-        if settings:
-            self._upload_range(stream)
 
 
 def ngram_for(target, *, n_min: int = DEFAULT_NGRAM_MIN, n_max: int = DEFAULT_NGRAM_MAX) -> NgramDraft:

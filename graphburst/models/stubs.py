@@ -229,63 +229,49 @@ class StubDraft(_StubModel, DraftModel):
         self.p_min = check_prob("p_min", p_min)
         self.default_accept_prob = check_prob("accept_prob", accept_prob)
         self.default_seed = check_int("seed", seed, minimum=0, maximum=2**32 - 1)
-        # The per-sequence settings share one block, with a host mirror: changing slots (at
-        # every admission, while the GPU may wait on the host) is one upload.
-        self._host_slots = np.empty((2, self.batch), np.int32)  # [2, B] int32: seed (as uint32), agree24
-        self._host_seed = self._host_slots[0].view(np.uint32)
-        self._host_agree = self._host_slots[1]
-        self._host_seed[:] = self.default_seed
-        self._host_agree[:] = fixed24(self.default_accept_prob)
-        self._slot_block = self.backend.zeros((2, self.batch), np.int32)  # [2, B] int32, the device copy
+        # The per-sequence settings are two int32 columns (``option_columns``): the decoder writes
+        # an admitted slot's values in its admission launch, with no upload of its own.
+        default = np.array(self._slot_values(self.default_seed, fixed24(self.default_accept_prob)), np.int32)
+        self._slot_block = self.backend.asarray(np.repeat(default[:, None], self.batch, axis=1))  # [2, B] int32
         self.seed = self._slot_block[0].view(np.uint32)  # [B] uint32
         self.agree24 = self._slot_block[1]  # [B] int32, 24-bit fixed point
-        self._upload_slots(None)
 
-    def _upload_slots(self, stream) -> None:
-        self.backend.upload(self._slot_block, self._host_slots, stream)
+    @staticmethod
+    def _slot_values(seed: int, agree24: int) -> tuple:
+        """A slot's ``(seed, agree24)`` column values: the uint32 seed as its int32 bit pattern."""
+        return (seed - 2**32 if seed >= 2**31 else seed), agree24
+
+    def option_columns(self) -> tuple:
+        """The ``[B]`` int32 columns of the per-slot settings: seed (uint32 viewed as int32), agree24."""
+        return self._slot_block[0], self._slot_block[1]
 
     def slot_options(self, options: dict) -> tuple:
         """Validate ``{"accept_prob": p, "seed": s}`` (either optional; a missing key takes the
-        model's default) as the slot's ``(seed, agree24)`` column of the settings block."""
+        model's default) as the slot's ``(seed, agree24)`` option column values."""
         unknown = set(options) - self.option_keys
         if unknown:
             raise ValueError(f"unknown stub draft option {sorted(unknown)[0]!r}")
         prob, seed = options.get("accept_prob"), options.get("seed")
         prob = self.default_accept_prob if prob is None else check_prob("accept_prob", prob)
         seed = self.default_seed if seed is None else check_int("seed", seed, minimum=0, maximum=2**32 - 1)
-        return seed, fixed24(prob)
-
-    def set_slot_options(self, settings: dict, stream) -> None:
-        """Apply :meth:`slot_options` results per slot; None restores the defaults.
-
-        The values were validated and converted by :meth:`slot_options` (at a request's
-        submission), and admission runs while the GPU may wait on it: here they are one
-        column write and one upload.
-        """
-        if not settings:
-            return
-        default = (self.default_seed, fixed24(self.default_accept_prob))
-        seeds, agree = zip(*(default if v is None else v for v in settings.values()))
-        index = list(settings)
-        self._host_seed[index], self._host_agree[index] = seeds, agree  # a column each: no [n, 2] array built
-        self._upload_slots(stream)
+        return self._slot_values(seed, fixed24(prob))
 
     def set_slots(self, settings: dict, stream=None) -> None:
-        """Set sequences' agreement probability and seed between bursts (plain writes).
+        """Set sequences' agreement probability and seed between bursts (stream-ordered scatters
+        of the named slots only: a decoder may have written the others at admission).
 
         Parameters
         ----------
         settings : dict
             ``slot -> (accept_prob or None, seed or None)``; None restores the default.
         """
+        slots, values = [], []
         for slot, (accept_prob, seed) in settings.items():
-            slot = check_int("slot", slot, minimum=0, maximum=self.batch - 1)
-            prob = self.default_accept_prob if accept_prob is None else check_prob("accept_prob", accept_prob)
-            self._host_agree[slot] = fixed24(prob)
-            self._host_seed[slot] = self.default_seed if seed is None else check_int("seed", seed, minimum=0,
-                                                                                     maximum=2**32 - 1)
-        if settings:
-            self._upload_slots(stream)
+            slots.append(check_int("slot", slot, minimum=0, maximum=self.batch - 1))
+            values.append(self.slot_options({"accept_prob": accept_prob, "seed": seed}))
+        if slots:
+            for column, col_values in zip(self.option_columns(), zip(*values)):
+                self.backend.scatter(column, slots, list(col_values), stream)
 
     def set_slot(self, slot: int, *, accept_prob: float | None = None, seed: int | None = None, stream=None) -> None:
         """Set one sequence's agreement probability or seed (None: the default)."""

@@ -233,7 +233,7 @@ class LoopAdmission:
                 self.dec.prefill_slots(slots, rows, starts, limits=[state.limit for state in states],
                                        stops=[NO_EOS if state.eos is None else state.eos for state in states],
                                        sampling=[state.sampling for state in states] if self.sampling else None,
-                                       options=dict(zip(slots, [state.slot_options for state in states])))
+                                       options=[state.slot_options for state in states])
             else:
                 self.dec.prefill_slots(slots, rows, starts, final=False)
         except Exception as exc:  # noqa: BLE001 - only the requests being prefilled are touched

@@ -1,0 +1,98 @@
+"""Per-slot model options that are one int32 each: written by the decoder at admission.
+
+A model declares them through the protocol hook ``option_columns`` (see
+:mod:`graphburst.protocol`): fixed ``[B]`` int32 device arrays, one per value of the tuple
+its ``slot_options`` returns. The decoder gathers both models' columns into one pointer
+table, and admission carries each admitted slot's values as extra rows of its slot table,
+so the one ``admit_slots`` launch writes them: no upload or launch per model at each
+refill, which the GPU may be waiting on. Outside admission (``set_slot_options``) the
+values are scattered column by column.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .buffers import PtrTable
+from .protocol import hook
+
+ROLES = ("target", "draft")
+_INT32 = (-(2**31), 2**31 - 1)
+
+
+def _column_values(role: str, model, values, n: int) -> tuple:
+    """``values`` (what ``slot_options`` returned) checked as ``n`` ints in int32 range."""
+    if not isinstance(values, tuple) or len(values) != n:
+        raise TypeError(f"{role} {type(model).__name__}: slot_options must return a tuple of {n} ints, one per "
+                        f"option column, got {values!r}")
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not _INT32[0] <= v <= _INT32[1]:
+            raise TypeError(f"{role} {type(model).__name__}: option column values must be ints in int32 range "
+                            f"(a uint32 as its int32 bit pattern), got {values!r}")
+    return tuple(int(v) for v in values)
+
+
+class OptionColumns:
+    """Both models' option columns (only the models that declare any).
+
+    Attributes
+    ----------
+    table : PtrTable
+        The columns' addresses, target's first: what ``admit_slots`` writes through.
+    roles : tuple of str
+        The roles with columns, in table order.
+    count : int
+        Columns in all (C): the admission table's extra rows.
+    """
+
+    def __init__(self, models: dict, batch: int, backend):
+        columns, self.roles, self._defaults = [], [], {}
+        for role in ROLES:
+            model = models[role]
+            own = tuple(hook(model, "option_columns")())
+            if not own:
+                continue
+            for i, col in enumerate(own):
+                if tuple(col.shape) != (batch,) or np.dtype(col.dtype).itemsize != 4 or not col.flags.c_contiguous:
+                    raise TypeError(f"{role} {type(model).__name__}: option column {i} must be a contiguous [{batch}] "
+                                    f"array of 4-byte ints, got {col.dtype} {tuple(col.shape)}")
+            self._defaults[role] = _column_values(role, model, hook(model, "slot_options")({}), len(own))
+            self.roles.append(role)
+            columns += own
+        self.roles = tuple(self.roles)
+        self.count = len(columns)
+        self.columns = tuple(columns)
+        self.table = PtrTable(columns, backend) if columns else None
+
+    @classmethod
+    def of(cls, models: dict, batch: int, backend) -> OptionColumns | None:
+        """The models' columns, or None when neither model declares any."""
+        cols = cls(models, batch, backend)
+        return cols if cols.count else None
+
+    def rows(self, settings: list) -> list:
+        """The ``C`` table rows for one admission: ``settings`` holds one entry per admitted slot
+        (a ``slot_options`` result of the decoder, ``{role: value}``, or None for the defaults).
+        Returns C lists of one int per slot."""
+        values = []
+        roles, defaults = self.roles, self._defaults
+        for setting in settings:
+            row = ()
+            for role in roles:
+                v = None if setting is None else setting[role]
+                row += defaults[role] if v is None else v
+            values.append(row)
+        return [list(col) for col in zip(*values)]
+
+    def scatter(self, backend, settings: dict, stream) -> None:
+        """Write ``settings`` (slot -> ``slot_options`` result or None) outside admission: a
+        stream-ordered scatter per column (allocates temporaries, so never under capture)."""
+        slots = list(settings)
+        if not slots:
+            return
+        for column, values in zip(self.columns, self.rows(list(settings.values()))):
+            backend.scatter(column.view(np.int32), slots, values, stream)
+
+    def owns(self, role: str) -> bool:
+        """Whether ``role``'s options are columns (the decoder writes them)."""
+        return role in self.roles
