@@ -23,6 +23,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from .admission_graph import NO_SLOT, width_bucket
 from .constants import NO_EOS, NO_PREFILL, UNBOUNDED_BUDGET
 from .prefill_checks import CapacityError, PrefillChecks, chunked_prefill  # noqa: F401 (re-exported)
 from .protocol import ModelHooks, hook, split_options
@@ -172,29 +173,42 @@ class SlotAdmission(PrefillChecks):
 
     def _prefill_checked(self, slots: list, rows: list, starts: list, limits: list | None, stops: list | None,
                          settings: dict, final: bool, option_rows: list | None = None) -> None:
-        """Stage (one upload), run the models' prefill, then admit (one launch). ``slots`` ascending;
-        ``rows``, ``starts``, ``limits`` and ``stops`` (None for a non-final chunk) one entry per slot;
-        ``option_rows``: C lists of option column values (None: the columns are left alone)."""
+        """Stage (one upload), then the models' prefill and the slot writes: one admission graph
+        launch (admission_graph.py) or, eagerly, each model's calls and one ``admit_slots`` launch.
+        ``slots`` ascending; ``rows``, ``starts``, ``limits`` and ``stops`` (None for a non-final
+        chunk) one entry per slot; ``option_rows``: C lists of option column values (None: the
+        columns are left alone)."""
         index = np.asarray(slots, np.int64)  # [n] int64: the slots, ascending
         lengths = [len(r) for r in rows]
-        host, table = self._stage_prompts(slots, index, rows, lengths, starts, limits, stops, option_rows)
+        graphs = self.admission_graphs
+        width = width_bucket(max(lengths), self.capacity) if graphs is not None else None
+        host, table = self._stage_prompts(slots, index, rows, lengths, starts, limits, stops, option_rows, width)
         ends = [s + n for s, n in zip(starts, lengths)]  # each chunk's end: the slot's position after it
-        stage = self._stage_view("chunks", (host.size - self._stage_head * self.batch) // self.batch)
-        self._prefill_models(stage, ends, slots, index, lengths, starts, settings, final)
-        self._admit(index, ends, limits, table,
-                    host[2 * self.batch: 2 * self.batch + table.size].reshape(table.shape[0], -1))
+        n_rows, n = table.shape[0], len(slots)
+        if graphs is not None:
+            graphs.launch(width, n_rows, final, any(starts))
+        else:
+            stage = self._stage_view("chunks", (host.size - self._stage_head * self.batch) // self.batch)
+            self._prefill_models(stage, ends, slots, index, lengths, starts, settings, final)
+            bufs = self.bufs
+            self.backend.ops.admit_slots(table, bufs.budget, bufs.eos, bufs.acc,
+                                         self.option_columns.table if n_rows > 3 else None, stream=self.stream)
+        self._admit(index, ends, limits, host[2 * self.batch: 2 * self.batch + table.size].reshape(n_rows, -1)[:, :n])
 
     def _stage_prompts(self, slots: list, index: np.ndarray, rows: list, lengths: list, starts: list,
-                       limits: list | None, stops: list | None, option_rows: list | None = None):
+                       limits: list | None, stops: list | None, option_rows: list | None = None,
+                       width: int | None = None):
         """Build the staging block on the host and upload it in one copy: chunk lengths
         (``[B]``, NO_PREFILL for slots left alone), starts (``[B]``), the admission table
         (``[3 + c, n]``: slot, budget, stop token, then ``option_rows``' c rows of option column
         values; budget 0 until a prompt's final chunk: ``limits`` None) and, after the head of
         ``H = 5 + C`` rows of B, the chunks padded to the longest (``[B, P_max]``). ``index``:
-        ``slots`` (ascending) as ``[n]`` int64; the other lists hold one entry per slot.
+        ``slots`` (ascending) as ``[n]`` int64; the other lists hold one entry per slot. ``width``
+        (an admission graph's): the chunks padded to it instead, and the table to ``B`` entries,
+        the last ``B - n`` of slot ``NO_SLOT``.
         Returns ``(the host block [HB + B*P_max] int32, the table's device view [3 + c, n] int32)``."""
         batch, n = self.batch, len(slots)
-        p_max = max(lengths)
+        p_max = max(lengths) if width is None else width
         head = self._stage_head
         host = np.zeros(head * batch + batch * p_max, np.int32)  # the head, then [B, P_max] int32
         host[:batch] = NO_PREFILL
@@ -202,7 +216,11 @@ class SlotAdmission(PrefillChecks):
         if any(starts):  # else they stay 0 (whole prompts: a serving loop's common case)
             host[batch + index] = starts
         table_rows = 3 + (len(option_rows) if option_rows else 0)
-        table = host[2 * batch: 2 * batch + table_rows * n].reshape(table_rows, n)  # [3 + c, n] int32
+        entries = n if width is None else batch  # a graph's table has B entries, the padding skipped
+        full = host[2 * batch: 2 * batch + table_rows * entries].reshape(table_rows, entries)  # [3 + c, n or B]
+        table = full[:, :n]
+        if width is not None:
+            full[0, n:] = NO_SLOT
         table[0] = index
         if limits is not None:
             table[1], table[2] = limits, stops
@@ -217,7 +235,7 @@ class SlotAdmission(PrefillChecks):
         # Stream-ordered, into the staging block: a second prefill enqueued before the first
         # has run overwrites it only after the first's kernels have read it.
         self.backend.upload(self._stage_view("head+chunks", p_max), host, self.stream)
-        return host, self._stage_view("table", n, table_rows)
+        return host, self._stage_view("table", entries, table_rows)
 
     def _stage_view(self, part: str, size: int, rows: int = 3):
         """A device view of the staging block, made once per (part, size, rows): a view costs a
@@ -285,14 +303,11 @@ class SlotAdmission(PrefillChecks):
             prompt_end[index] = ends
             sample_first_tokens(self.backend.ops, self.backend, bufs, prompt_end, s)
 
-    def _admit(self, slots: np.ndarray, ends: list, limits: list | None, table, host_table: np.ndarray) -> None:
-        """Record: each prefilled slot's budget (``limits``; 0 until its final chunk: None), stop token,
-        zeroed counters and option column values, in one launch on the device (``table``, [3 + c, n]
-        int32) and in the host mirror (from ``host_table``, its host copy, and ``ends``, each slot's
-        position after its chunk); a new generation."""
-        bufs = self.bufs
-        columns = self.option_columns.table if table.shape[0] > 3 else None
-        self.backend.ops.admit_slots(table, bufs.budget, bufs.eos, bufs.acc, columns, stream=self.stream)
+    def _admit(self, slots: np.ndarray, ends: list, limits: list | None, host_table: np.ndarray) -> None:
+        """Record in the host mirror what the admission wrote on the device: each prefilled slot's
+        budget (``limits``; 0 until its final chunk: None) and stop token (``host_table``, the host
+        copy of the table's ``[3 + c, n]`` entries), and ``ends``, each slot's position after its
+        chunk; a new generation."""
         self.host_pos[slots], self.host_left[slots], self.host_eos[slots] = ends, host_table[1], host_table[2]
         self._new_generation(slots)
         # The other slots' launch counts did not change and a slot whose whole budget fits never limits

@@ -19,6 +19,7 @@ from .burst_tokens import BurstTokens
 from .burst_mode import EAGER_MODES, MODES, BurstMode  # noqa: F401 (MODES re-exported: the old name)
 from .guard import Watched
 from .option_columns import OptionColumns
+from .admission_graph import AdmissionGraphs
 from . import host_ops
 from .constants import NO_EOS, UNBOUNDED_BUDGET
 from .torch_capture import capture_api, stream_pair
@@ -58,12 +59,17 @@ class SpecDecoder(SlotAdmission, Watched):
         (:mod:`graphburst.sampling.mode`): both models must declare ``supports_sampling`` and
         write logits. The round is then always unfused with an assemble launch; slots
         at temperature 0 still decode exactly the greedy tokens.
+    admission_graphs : bool
+        Admit through one captured graph per prompt width when both models declare
+        ``prefill_in_graph`` (greedy decoders; :mod:`graphburst.admission_graph`). False:
+        always the eager calls.
     """
 
     _watched = frozenset({"bufs", "table", "target", "draft", "stream"})
 
     def __init__(self, target: TargetModel, draft: DraftModel, *, k: int, m_rounds: int, stream=None,
-                 fused: bool = True, assemble: bool | None = None, sampling: bool = False):
+                 fused: bool = True, assemble: bool | None = None, sampling: bool = False,
+                 admission_graphs: bool = True):
         check_pair(target, draft, sampling=sampling)
         self.sampling = bool(sampling)
         # The fused epilogue is greedy only; a sampling round assembles vtok from the
@@ -140,6 +146,8 @@ class SpecDecoder(SlotAdmission, Watched):
         # watched attributes (refresh_tables rebinds ``table``) drops them.
         self._enqueued_program = CallCache()
         self.watch(self._enqueued_program)
+        # Admission as one graph launch when both models prefill from device sizes (admission_graph.py)
+        self.admission_graphs = AdmissionGraphs(self) if admission_graphs and AdmissionGraphs.usable(self) else None
         # Built: the buffers now belong to a live decoder (an adapter refuses to rebind them).
         self.bufs.decoder = weakref.ref(self)
 

@@ -127,6 +127,14 @@ Optional hooks (defaults in brackets)
     ``prefill_groups`` for the fresh slots (``fresh=True``) and for the others apart, and
     calls the model for each (it honours ``rows``). Otherwise every slot goes in the calls
     of one ``prefill_groups(lengths, False)``, with ``start``.
+``prefill_in_graph`` [False]
+    True when the model's ``prefill(prompt, prompt_len, pos_ctr, pend, stream)`` (with
+    ``start=`` for a chunked model) reads every size on the device: each slot's chunk length
+    from ``prompt_len`` (``NO_PREFILL``: left alone), one call covering every slot (``rows``
+    and ``prefill_groups`` unused), whatever the staging's padded width; and captures on a
+    CuPy stream (no allocation, no host sync). When both models declare it, a greedy decoder
+    captures their prefill and its slot writes into one CUDA graph per staging width and
+    admits with one graph launch (:mod:`graphburst.admission_graph`).
 ``warm_prefill(max_rows: int, max_length: int | None = None) -> dict`` [{}]
     Called once before serving, outside any capture: make now whatever the model's
     prefill would otherwise build at its first admissions of up to ``max_rows`` prompts
@@ -173,6 +181,7 @@ class ModelHooks:
     chunked_prefill: bool = False
     packed_prefill: bool = False
     prefill_fresh_apart: bool = False
+    prefill_in_graph: bool = False
     option_keys: frozenset = frozenset()
 
     def bind(self, bufs: StreamBufs) -> None:

@@ -6,7 +6,8 @@ modules together. The layers, lowest first:
 0. base: constants, validate, guard
 1. kernels/: the CUDA wrappers, their numpy twins and the module loader
 2. ground: backend, buffers, burst_tokens, host_ops, protocol, sampling.params
-3. engine: program, admission, prefill_checks, option_columns, burst, capture, torch_capture, sampling.mode
+3. engine: program, admission, prefill_checks, option_columns, admission_graph, burst, capture, torch_capture,
+   sampling.mode
 4. models/
 5. serving/ and the parallel runners
 6. commands: the package facade, cli, cli_args, demo, serve_cli, bench/, and the parallel commands
@@ -25,7 +26,8 @@ LAYERS = {
     0: {"constants", "validate", "guard"},
     1: {"kernels"},
     2: {"backend", "buffers", "burst_tokens", "host_ops", "protocol", "sampling", "sampling.params"},
-    3: {"program", "admission", "prefill_checks", "option_columns", "burst", "burst_mode", "capture", "torch_capture", "sampling.mode"},
+    3: {"program", "admission", "prefill_checks", "option_columns", "admission_graph", "burst", "burst_mode", "capture",
+        "torch_capture", "sampling.mode"},
     4: {"models"},
     5: {"serving", "parallel", "parallel.dist", "parallel.check", "parallel.models", "parallel.tp", "parallel.pp",
         "parallel.runner", "parallel.lockstep"},
@@ -35,7 +37,7 @@ LAYERS = {
 # What may sit at the root of graphburst/: the commands, the ground and the engine.
 ROOT_MODULES = {"__init__", "__main__", "cli", "cli_args", "demo", "serve_cli", "constants", "validate", "guard",
                 "backend", "buffers", "burst_tokens", "host_ops", "protocol", "program", "admission", "prefill_checks",
-                "option_columns", "burst",
+                "option_columns", "admission_graph", "burst",
                 "burst_mode", "capture", "torch_capture"}
 
 

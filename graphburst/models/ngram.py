@@ -80,6 +80,7 @@ class NgramDraft(Watched, DraftModel):
     writes_verify_tokens = True  # the search fills vtok[:, 1 + j] itself: no assemble launch
     supports_sampling = True  # one-hot draft logits (see the module docstring)
     chunked_prefill = True  # a chunk is a copy at its offset
+    prefill_in_graph = True  # the copy reads prompt_len on the device: admission may be one graph
     option_keys = frozenset({"ngram_min", "ngram_max"})
     _watched = frozenset({"cache", "hist", "hist_len", "n_min", "n_max", "prop"})
 

@@ -109,6 +109,7 @@ class _StubModel(Watched):
     _watched = frozenset({"cache", "kv_table", "len_table", "seed", "agree24"})
     supports_sampling = True  # writes logits when bound to sampling StreamBufs
     chunked_prefill = True  # the digest continues from the entry below start
+    prefill_in_graph = True  # the kernel reads prompt_len on the device: admission may be one graph
 
     def __init__(self, batch, vocab, layers, capacity, cost_ns, backend, role, logit_peak=None):
         self.backend = get_backend(backend)

@@ -1,0 +1,159 @@
+"""Admission as one captured CUDA graph per prompt width, for models that prefill from device sizes.
+
+An eager admission is a staging upload and then three launches from Python: the target's
+prefill, the draft's, and ``admit_slots``. When both models declare ``prefill_in_graph``
+(their ``prefill`` reads every size on the device: each slot's chunk length from
+``prompt_len``, ``NO_PREFILL`` for a slot left alone), those three launches depend on the
+host only through the staging block's width and the admission table's shape. So the
+decoder captures them once per **width bucket** (the next power of two of the longest
+prompt, at least :data:`MIN_WIDTH`, at most the capacity) over a table of all ``B``
+entries, padded with :data:`NO_SLOT`, and an admission is then the staging upload plus
+one graph launch. Between bursts every host microsecond of admission is GPU idle when the
+bursts are short (zero-cost models, n-gram drafting); a graph launch costs the host a few
+microseconds, a kernel launch from Python ten or more.
+
+Every admission of a greedy decoder whose models qualify takes this path: a graph per
+(width, table rows, final chunk or not, continuing cached prompts or not); other
+decoders stay eager (:mod:`graphburst.admission`). On the numpy backend the same bound
+calls are recorded and run in order, so CI runs this path. A captured graph bakes the
+staging block, the burst buffers, the models' caches and tables: it registers with every
+``Watched`` holder of them, and rebinding one (a ``refresh_tables`` before a recapture)
+drops every graph, recaptured at its next use.
+"""
+
+from __future__ import annotations
+
+from .protocol import hook
+from .torch_capture import capture_api
+
+#: Narrowest staging width captured: shorter prompts share one graph.
+MIN_WIDTH = 16
+#: Admission-table entry of no slot (the padding of a graph's ``B``-entry table): ``admit_slots`` skips it.
+NO_SLOT = -1
+
+
+def width_bucket(p_max: int, capacity: int) -> int:
+    """The staging width a graph admission of prompts up to ``p_max`` tokens uses: the next
+    power of two of ``p_max``, at least :data:`MIN_WIDTH` and at most ``capacity``."""
+    width = MIN_WIDTH
+    while width < p_max:
+        width *= 2
+    return min(width, capacity)
+
+
+class _Recorded:
+    """The numpy backend's stand-in for a captured graph: the bound calls, run in order."""
+
+    def __init__(self, calls: list):
+        self.calls = calls
+
+    def launch(self, stream) -> None:
+        for call in self.calls:
+            call(stream)
+
+
+class AdmissionGraphs:
+    """The decoder's admission graphs, one per (width bucket, table rows), captured at first use.
+
+    Parameters
+    ----------
+    dec : SpecDecoder
+        Its staging block, burst buffers, models and option columns are baked in.
+    """
+
+    def __init__(self, dec):
+        self.dec = dec
+        self._graphs: dict = {}  # (width, table rows, final, continued) -> graph
+        self.captures = 0  # graphs captured (a recapture after invalidation counts again)
+        self.launches = 0  # admissions run through a graph
+        backend = dec.backend
+        # Captured on a stream of their own: the decoder's may have bursts in flight.
+        self._capture_stream = backend.new_stream() if backend.is_gpu else None
+        for holder in self._holders():
+            holder.watch(self)
+
+    @staticmethod
+    def usable(dec) -> bool:
+        """Whether ``dec``'s admissions may run as graphs: both models prefill from device sizes,
+        through CuPy (a torch model is captured by torch), and the decoder is greedy."""
+        models = (dec.target, dec.draft)
+        return not dec.sampling and capture_api(*models) == "cupy" and \
+            all(hook(m, "prefill_in_graph") for m in models)
+
+    def _holders(self) -> list:
+        """Every Watched object holding a buffer the graphs bake (as BurstGraph watches them)."""
+        dec = self.dec
+        holders = [dec, dec.bufs]
+        if dec.option_columns is not None:
+            holders.append(dec.option_columns.table)
+        for model in (dec.target, dec.draft):
+            holders += [model, model.cache, *(layer for layer in model.cache.layers if layer is not None)]
+            holders += list(hook(model, "watched")())
+        return [h for h in holders if hasattr(h, "watch")]
+
+    def invalidate(self, what: str = "") -> None:
+        """A baked buffer may have moved: drop every graph (each is recaptured at its next use)."""
+        self._graphs.clear()
+
+    def launch(self, width: int, rows: int, final: bool, continued: bool) -> None:
+        """Enqueue the admission graph of staging ``width`` and a ``[rows, B]`` table on the
+        decoder's stream (capturing it first if needed). ``final``: the chunks end their prompts
+        (the target writes the first tokens); ``continued``: some chunk starts past position 0.
+        The staging block must already hold this admission (its upload is enqueued before)."""
+        key = (width, rows, bool(final), bool(continued))
+        graph = self._graphs.get(key)
+        if graph is None:
+            graph = self._graphs[key] = self._capture(*key)
+        graph.launch(self.dec.stream)
+        self.launches += 1
+
+    def _calls(self, width: int, rows: int, final: bool, continued: bool) -> list:
+        """The admission's device work as bound calls (``call(stream)``): both models' prefill
+        over the ``[B, width]`` staging (one call each, every slot's length read on the device),
+        then ``admit_slots`` over the ``[rows, B]`` table."""
+        dec = self.dec
+        bufs, ops = dec.bufs, dec.backend.ops
+        stage = dec._stage_view("chunks", width)
+        table = dec._stage_view("table", dec.batch, rows)
+        columns = dec.option_columns.table if rows > 3 else None
+        prompt_len, pend = dec._prompt_len, bufs.pend if final else None
+        at = {"start": dec._prompt_start} if continued else {}  # only chunked models continue a prompt
+
+        def target(stream):
+            dec.target.prefill(stage, prompt_len, bufs.pos_ctr, pend, stream, **at)
+
+        def draft(stream):
+            dec.draft.prefill(stage, prompt_len, None, None, stream, **at)
+
+        def admit(stream):
+            ops.admit_slots(table, bufs.budget, bufs.eos, bufs.acc, columns, stream=stream)
+
+        return [target, draft, admit]
+
+    def _capture(self, width: int, rows: int, final: bool, continued: bool):
+        calls = self._calls(width, rows, final, continued)
+        self.captures += 1
+        backend = self.dec.backend
+        if not backend.is_gpu:
+            return _Recorded(calls)
+        from .kernels import cuda_ops  # the CUDA module is imported only on a GPU backend
+
+        rt = backend.xp.cuda.runtime
+        stream = self._capture_stream
+        with backend.device():
+            cuda_ops.warm_up(backend.device_id)  # no module load inside the capture
+            # Thread-local: a serving process's other threads may use CUDA meanwhile, and an
+            # allocation in this thread still fails the capture (none belongs in it).
+            stream.begin_capture(mode=rt.streamCaptureModeThreadLocal)
+            try:
+                for call in calls:
+                    call(stream)
+            except Exception:
+                try:
+                    stream.end_capture()  # returns the stream to normal use; the partial graph is dropped
+                except Exception:  # noqa: BLE001 - the capture's own error is the one to report
+                    pass
+                raise
+            graph = stream.end_capture()
+            graph.upload(self.dec.stream)
+        return graph

@@ -1,0 +1,151 @@
+"""Admission as one captured graph per prompt width (graphburst/admission_graph.py) against
+the eager admission it replaces: the same device state after any sequence of admissions."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from graphburst import BurstGraph, SpecDecoder, stub_pair
+from graphburst.admission_graph import MIN_WIDTH, width_bucket
+from graphburst.models.ngram import NgramDraft
+from graphburst.models.stubs import StubTarget
+
+VOCAB = 997
+
+
+@pytest.mark.parametrize("p_max, capacity, want", [(1, 4096, MIN_WIDTH), (16, 4096, 16), (17, 4096, 32),
+                                                   (257, 4096, 512), (90, 100, 100), (7, 8, 8)])
+def test_width_bucket(p_max, capacity, want):
+    assert width_bucket(p_max, capacity) == want
+
+
+def _models(backend, kind, batch, capacity):
+    if kind == "stubs":
+        return stub_pair(batch, VOCAB, [True, False, True], [True], capacity, accept_prob=0.6, backend=backend)
+    return StubTarget(batch, VOCAB, 2, capacity, backend=backend), NgramDraft(batch, VOCAB, capacity, n_min=1, n_max=3,
+                                                                               backend=backend)
+
+
+def _state(dec) -> dict:
+    be = dec.backend
+    bufs = dec.bufs
+    out = {n: be.to_host(getattr(bufs, n), dec.stream) for n in ("budget", "eos", "acc", "pos_ctr", "pend")}
+    for role in ("target", "draft"):
+        for i, layer in enumerate(getattr(dec, role).cache.layers):
+            if layer is not None:
+                out[f"{role}{i}"] = be.to_host(layer.storage, dec.stream)
+                out[f"{role}{i}.len"] = be.to_host(layer.length, dec.stream)
+    for i, col in enumerate(dec.option_columns.columns if dec.option_columns else ()):
+        out[f"option{i}"] = be.to_host(col, dec.stream)
+    return out | {"host_pos": dec.host_pos.copy(), "host_left": dec.host_left.copy(),
+                  "host_eos": dec.host_eos.copy(), "gen": dec.slot_gen.copy()}
+
+
+def _script(rng, batch, capacity):
+    """A random sequence of admissions (fresh and continued chunks, options or not) and bursts."""
+    steps, pos = [], {}
+    for _ in range(6):
+        if rng.random() < 0.3:
+            steps.append(("burst",))
+            continue
+        slots = sorted(rng.choice(batch, int(rng.integers(1, batch + 1)), replace=False).tolist())
+        final = bool(rng.random() < 0.7)
+        continued = bool(rng.random() < 0.4)
+        rows, starts = {}, {}
+        for b in slots:
+            start = pos.get(b, 0) if continued else 0
+            n = int(rng.choice([1, 7, 19, 40]))
+            if start + n + 64 > capacity:
+                start = 0
+            rows[b], starts[b] = rng.integers(0, VOCAB, n).astype(np.int32), start
+            pos[b] = 0 if final else start + n
+        opts = {b: {"seed": int(rng.integers(0, 2**32))} if rng.random() < 0.5 else {} for b in slots} \
+            if rng.random() < 0.6 else None
+        limits = {b: int(rng.integers(1, 30)) for b in slots if rng.random() < 0.5}
+        steps.append(("admit", rows, starts, final, opts, limits))
+    return steps + [("burst",)]
+
+
+def _run(dec, steps) -> list:
+    counts = []
+    for step in steps:
+        if step[0] == "burst":
+            if dec.host_left.any():
+                counts.append(dec.run_burst().counts.tolist())
+            continue
+        _, rows, starts, final, opts, limits = step
+        options = None
+        if opts is not None:
+            options = {b: dec.slot_options({k: v for k, v in o.items() if k in _keys(dec)}) for b, o in opts.items()}
+        dec.prefill_checked(rows, starts, final=final, limits=limits if final else None, options=options)
+    return counts
+
+
+def _keys(dec) -> set:
+    return set(dec.draft.option_keys)
+
+
+@pytest.mark.parametrize("kind", ["stubs", "ngram"])
+@pytest.mark.parametrize("batch", [1, 7, 19])
+def test_graph_admission_writes_what_the_eager_one_writes(backend, rng, kind, batch):
+    capacity = 256
+    steps = _script(rng, batch, capacity)
+    decs = []
+    for graphs in (True, False):
+        target, draft = _models(backend, kind, batch, capacity)
+        decs.append(SpecDecoder(target, draft, k=3, m_rounds=2, admission_graphs=graphs))
+    graph, eager = decs
+    assert graph.admission_graphs is not None and eager.admission_graphs is None
+    assert _run(graph, steps) == _run(eager, steps)
+    want, got = _state(eager), _state(graph)
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    admissions = sum(step[0] == "admit" for step in steps)
+    assert graph.admission_graphs.launches == admissions
+    assert graph.admission_graphs.captures <= admissions
+
+
+def test_one_graph_per_key_and_a_refresh_drops_them(backend):
+    target, draft = _models(backend, "stubs", 4, 256)
+    dec = SpecDecoder(target, draft, k=2, m_rounds=1)
+    graphs = dec.admission_graphs
+    dec.prefill_checked({0: np.arange(3, dtype=np.int32)}, {0: 0})
+    dec.prefill_checked({1: np.arange(16, dtype=np.int32), 2: np.arange(5, dtype=np.int32)}, {1: 0, 2: 0})
+    assert graphs.captures == 1  # both within the narrowest width, no options: one graph
+    dec.prefill_checked({3: np.arange(17, dtype=np.int32)}, {3: 0})
+    assert graphs.captures == 2  # width 32
+    dec.refresh_tables()  # rebinds the decoder's table (a recapture's first step): every graph dropped
+    dec.prefill_checked({0: np.arange(3, dtype=np.int32)}, {0: 0})
+    assert graphs.captures == 3 and graphs.launches == 4
+
+
+def test_decoders_that_stay_eager(backend):
+    target, draft = _models(backend, "stubs", 2, 64)
+    assert SpecDecoder(target, draft, k=2, m_rounds=1, sampling=True).admission_graphs is None  # first-token sampling
+
+    class Plain(StubTarget):
+        prefill_in_graph = False  # a model that sizes its prefill on the host
+
+    assert SpecDecoder(Plain(2, VOCAB, 1, 64, backend=backend), draft, k=2, m_rounds=1).admission_graphs is None
+
+
+def test_graph_admission_behind_bursts_in_flight(backend):
+    """Admissions (and a first-use capture) while gapless bursts are queued: the same tokens as
+    the eager decoder running the same schedule."""
+    outs = []
+    for graphs in (True, False):
+        target, draft = _models(backend, "stubs", 5, 512)
+        dec = SpecDecoder(target, draft, k=3, m_rounds=2, admission_graphs=graphs)
+        dec.prefill([[1, 2, 3], [4], [5, 6], [7, 8, 9, 10], [11]], max_new_tokens=[40] * 5)
+        graph = BurstGraph(dec, gapless=True, depth=3)
+        got = []
+        graph.replay()
+        graph.replay()
+        dec.prefill_checked({1: np.arange(30, dtype=np.int32), 3: np.arange(2, dtype=np.int32)}, {1: 0, 3: 0},
+                            limits={1: 20, 3: 25}, options={1: dec.slot_options({"seed": 7}), 3: None})
+        graph.replay()
+        for _ in range(3):
+            got.append([row.tolist() for row in graph.drain()])
+        outs.append(got)
+    assert outs[0] == outs[1]
