@@ -23,6 +23,9 @@ drops every graph, recaptured at its next use.
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 from .protocol import hook
 from .torch_capture import capture_api
 
@@ -62,14 +65,17 @@ class AdmissionGraphs:
     """
 
     def __init__(self, dec):
-        self.dec = dec
+        # A weak reference: the decoder holds this object, and a cycle would leave a dead decoder's
+        # graphs and stream to the cyclic collector, which may run while another graph is being
+        # captured, and destroying a graph or stream then invalidates that capture.
+        self._dec = weakref.ref(dec)
         self._graphs: dict = {}  # (width, table rows, final, continued) -> graph
         self.captures = 0  # graphs captured (a recapture after invalidation counts again)
         self.launches = 0  # admissions run through a graph
         backend = dec.backend
         # Captured on a stream of their own: the decoder's may have bursts in flight.
         self._capture_stream = backend.new_stream() if backend.is_gpu else None
-        for holder in self._holders():
+        for holder in self._holders(dec):
             holder.watch(self)
 
     @staticmethod
@@ -80,9 +86,9 @@ class AdmissionGraphs:
         return not dec.sampling and capture_api(*models) == "cupy" and \
             all(hook(m, "prefill_in_graph") for m in models)
 
-    def _holders(self) -> list:
+    @staticmethod
+    def _holders(dec) -> list:
         """Every Watched object holding a buffer the graphs bake (as BurstGraph watches them)."""
-        dec = self.dec
         holders = [dec, dec.bufs]
         if dec.option_columns is not None:
             holders.append(dec.option_columns.table)
@@ -101,18 +107,20 @@ class AdmissionGraphs:
         (the target writes the first tokens); ``continued``: some chunk starts past position 0.
         The staging block must already hold this admission (its upload is enqueued before)."""
         key = (width, rows, bool(final), bool(continued))
+        dec = self._dec()
         graph = self._graphs.get(key)
         if graph is None:
-            graph = self._graphs[key] = self._capture(*key)
-        graph.launch(self.dec.stream)
+            graph = self._graphs[key] = self._capture(dec, *key)
+        graph.launch(dec.stream)
         self.launches += 1
 
-    def _calls(self, width: int, rows: int, final: bool, continued: bool) -> list:
+    @staticmethod
+    def _calls(dec, width: int, rows: int, final: bool, continued: bool) -> list:
         """The admission's device work as bound calls (``call(stream)``): both models' prefill
         over the ``[B, width]`` staging (one call each, every slot's length read on the device),
-        then ``admit_slots`` over the ``[rows, B]`` table."""
-        dec = self.dec
-        bufs, ops = dec.bufs, dec.backend.ops
+        then ``admit_slots`` over the ``[rows, B]`` table. The calls hold the models and buffers,
+        not the decoder (no cycle through a recorded program)."""
+        bufs, ops, target_model, draft_model = dec.bufs, dec.backend.ops, dec.target, dec.draft
         stage = dec._stage_view("chunks", width)
         table = dec._stage_view("table", dec.batch, rows)
         columns = dec.option_columns.table if rows > 3 else None
@@ -120,20 +128,20 @@ class AdmissionGraphs:
         at = {"start": dec._prompt_start} if continued else {}  # only chunked models continue a prompt
 
         def target(stream):
-            dec.target.prefill(stage, prompt_len, bufs.pos_ctr, pend, stream, **at)
+            target_model.prefill(stage, prompt_len, bufs.pos_ctr, pend, stream, **at)
 
         def draft(stream):
-            dec.draft.prefill(stage, prompt_len, None, None, stream, **at)
+            draft_model.prefill(stage, prompt_len, None, None, stream, **at)
 
         def admit(stream):
             ops.admit_slots(table, bufs.budget, bufs.eos, bufs.acc, columns, stream=stream)
 
         return [target, draft, admit]
 
-    def _capture(self, width: int, rows: int, final: bool, continued: bool):
-        calls = self._calls(width, rows, final, continued)
+    def _capture(self, dec, width: int, rows: int, final: bool, continued: bool):
+        calls = self._calls(dec, width, rows, final, continued)
         self.captures += 1
-        backend = self.dec.backend
+        backend = dec.backend
         if not backend.is_gpu:
             return _Recorded(calls)
         from .kernels import cuda_ops  # the CUDA module is imported only on a GPU backend
@@ -142,18 +150,26 @@ class AdmissionGraphs:
         stream = self._capture_stream
         with backend.device():
             cuda_ops.warm_up(backend.device_id)  # no module load inside the capture
-            # Thread-local: a serving process's other threads may use CUDA meanwhile, and an
-            # allocation in this thread still fails the capture (none belongs in it).
-            stream.begin_capture(mode=rt.streamCaptureModeThreadLocal)
+            # The cyclic collector must not run inside the capture: destroying a CUDA object it
+            # frees (another graph, a stream) is an unsafe call there, which invalidates the capture.
+            collecting = gc.isenabled()
+            gc.disable()
             try:
-                for call in calls:
-                    call(stream)
-            except Exception:
+                # Thread-local: a serving process's other threads may use CUDA meanwhile, and an
+                # allocation in this thread still fails the capture (none belongs in it).
+                stream.begin_capture(mode=rt.streamCaptureModeThreadLocal)
                 try:
-                    stream.end_capture()  # returns the stream to normal use; the partial graph is dropped
-                except Exception:  # noqa: BLE001 - the capture's own error is the one to report
-                    pass
-                raise
-            graph = stream.end_capture()
-            graph.upload(self.dec.stream)
+                    for call in calls:
+                        call(stream)
+                except Exception:
+                    try:
+                        stream.end_capture()  # returns the stream to normal use; the partial graph is dropped
+                    except Exception:  # noqa: BLE001 - the capture's own error is the one to report
+                        pass
+                    raise
+                graph = stream.end_capture()
+            finally:
+                if collecting:
+                    gc.enable()
+            graph.upload(dec.stream)
         return graph

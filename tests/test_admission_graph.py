@@ -149,3 +149,24 @@ def test_graph_admission_behind_bursts_in_flight(backend):
             got.append([row.tolist() for row in graph.drain()])
         outs.append(got)
     assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_a_decoder_is_freed_by_reference_counting(backend, graphs):
+    """No reference cycle through the admission graphs: a dead decoder's graphs and capture stream
+    are freed at once, never by the cyclic collector, which may run during another capture (where
+    destroying a graph or a stream invalidates that capture)."""
+    import gc
+    import weakref
+
+    target, draft = _models(backend, "stubs", 3, 64)
+    gc.disable()
+    try:
+        dec = SpecDecoder(target, draft, k=2, m_rounds=1, admission_graphs=graphs)
+        dec.prefill_checked({0: np.arange(3, dtype=np.int32)}, {0: 0}, options={0: None})
+        dec.run_burst()
+        alive = weakref.ref(dec)
+        del dec
+        assert alive() is None
+    finally:
+        gc.enable()
