@@ -20,6 +20,19 @@ ROLES = ("target", "draft")
 _INT32 = (-(2**31), 2**31 - 1)
 
 
+def scatter_columns(backend, columns, settings: dict, defaults: tuple, stream) -> None:
+    """Write ``settings`` (slot -> a tuple of one int32 value per column, None for ``defaults``)
+    into ``columns`` ([B] int32 device arrays) at the named slots only: one stream-ordered scatter
+    per column (temporaries from the pool, so never under capture). What a model's own
+    ``set_slot_options`` does with its option columns outside admission."""
+    slots = list(settings)
+    if not slots:
+        return
+    values = [defaults if v is None else v for v in settings.values()]
+    for column, column_values in zip(columns, zip(*values)):
+        backend.scatter(column.view(np.int32), slots, list(column_values), stream)
+
+
 def _column_values(role: str, model, values, n: int) -> tuple:
     """``values`` (what ``slot_options`` returned) checked as ``n`` ints in int32 range."""
     if not isinstance(values, tuple) or len(values) != n:
@@ -87,11 +100,9 @@ class OptionColumns:
     def scatter(self, backend, settings: dict, stream) -> None:
         """Write ``settings`` (slot -> ``slot_options`` result or None) outside admission: a
         stream-ordered scatter per column (allocates temporaries, so never under capture)."""
-        slots = list(settings)
-        if not slots:
-            return
-        for column, values in zip(self.columns, self.rows(list(settings.values()))):
-            backend.scatter(column.view(np.int32), slots, values, stream)
+        if settings:
+            rows = self.rows(list(settings.values()))  # both roles' columns, defaults filled in
+            scatter_columns(backend, self.columns, dict(zip(settings, zip(*rows))), (), stream)
 
     def owns(self, role: str) -> bool:
         """Whether ``role``'s options are columns (the decoder writes them)."""

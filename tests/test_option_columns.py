@@ -125,3 +125,14 @@ def test_bad_option_columns_fail_at_construction(columns, values, match):
     target = _BadColumns(2, VOCAB, 1, 32, backend="numpy", columns=columns(), values=values)
     with pytest.raises(TypeError, match=match):
         SpecDecoder(target, draft, k=2, m_rounds=1)
+
+
+def test_a_models_own_set_slot_options_writes_its_columns(backend):
+    """Called directly (not by a decoder), each drafter's set_slot_options still writes only the named slots."""
+    _, draft = stub_pair(3, VOCAB, 1, 1, 32, accept_prob=0.25, seed=9, backend=backend)
+    draft.set_slot_options({2: draft.slot_options({"seed": 3_000_000_000}), 0: None}, None)
+    assert _host(backend, draft.seed) == [9, 9, 3_000_000_000]
+    ngram = NgramDraft(3, VOCAB, 32, n_min=1, n_max=3, backend=backend)
+    ngram.set_slot_options({1: ngram.slot_options({"ngram_min": 2, "ngram_max": 5})}, None)
+    ngram.set_slot_options({1: None, 2: ngram.slot_options({"ngram_max": 4})}, None)
+    assert _host(backend, ngram.n_min) == [1, 1, 1] and _host(backend, ngram.n_max) == [3, 3, 4]

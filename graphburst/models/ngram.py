@@ -35,6 +35,7 @@ from ..backend import Backend, get_backend
 from ..buffers import KVCache, KVLayer, StreamBufs
 from ..constants import NGRAM_MAX
 from ..guard import Watched
+from ..option_columns import scatter_columns
 from ..protocol import DraftModel
 from ..validate import check_int
 from .capacity import MemorySpec
@@ -181,6 +182,11 @@ class NgramDraft(Watched, DraftModel):
         lo = options.get("ngram_min", self.default_range[0])
         hi = options.get("ngram_max", self.default_range[1])
         return check_ngram_range(lo, hi)
+
+    def set_slot_options(self, settings: dict, stream) -> None:
+        """Write :meth:`slot_options` results (None: the defaults) to the named slots' columns. A
+        decoder writes them itself at admission (``option_columns``) and does not call this."""
+        scatter_columns(self.backend, self.option_columns(), settings, self.default_range, stream)
 
 
 def ngram_for(target, *, n_min: int = DEFAULT_NGRAM_MIN, n_max: int = DEFAULT_NGRAM_MAX) -> NgramDraft:

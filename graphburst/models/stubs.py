@@ -31,6 +31,7 @@ from ..backend import Backend, get_backend
 from ..buffers import KVCache, KVLayer, PtrTable, StreamBufs, kv_len_ptr_table_range
 from ..kernels.digest import fixed24
 from ..guard import Watched
+from ..option_columns import scatter_columns
 from ..protocol import DraftModel, TargetModel
 from ..validate import check_int, check_prob
 from .capacity import MemorySpec
@@ -266,13 +267,15 @@ class StubDraft(_StubModel, DraftModel):
         settings : dict
             ``slot -> (accept_prob or None, seed or None)``; None restores the default.
         """
-        slots, values = [], []
-        for slot, (accept_prob, seed) in settings.items():
-            slots.append(check_int("slot", slot, minimum=0, maximum=self.batch - 1))
-            values.append(self.slot_options({"accept_prob": accept_prob, "seed": seed}))
-        if slots:
-            for column, col_values in zip(self.option_columns(), zip(*values)):
-                self.backend.scatter(column, slots, list(col_values), stream)
+        checked = {check_int("slot", slot, minimum=0, maximum=self.batch - 1):
+                   self.slot_options({"accept_prob": accept_prob, "seed": seed})
+                   for slot, (accept_prob, seed) in settings.items()}
+        self.set_slot_options(checked, stream)
+
+    def set_slot_options(self, settings: dict, stream) -> None:
+        """Write :meth:`slot_options` results (None: the defaults) to the named slots' columns. A
+        decoder writes them itself at admission (``option_columns``) and does not call this."""
+        scatter_columns(self.backend, self.option_columns(), settings, self.slot_options({}), stream)
 
     def set_slot(self, slot: int, *, accept_prob: float | None = None, seed: int | None = None, stream=None) -> None:
         """Set one sequence's agreement probability or seed (None: the default)."""
