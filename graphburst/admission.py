@@ -19,11 +19,12 @@ must declare ``chunked_prefill`` (see :mod:`graphburst.protocol`).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 import numpy as np
 
-from .admission_graph import NO_SLOT, width_bucket
+from .admission_graph import NO_SLOT, AdmissionCaptureError, width_bucket
 from .constants import NO_EOS, NO_PREFILL, UNBOUNDED_BUDGET
 from .prefill_checks import CapacityError, PrefillChecks, chunked_prefill  # noqa: F401 (re-exported)
 from .protocol import ModelHooks, hook, split_options
@@ -185,15 +186,27 @@ class SlotAdmission(PrefillChecks):
         host, table = self._stage_prompts(slots, index, rows, lengths, starts, limits, stops, option_rows, width)
         ends = [s + n for s, n in zip(starts, lengths)]  # each chunk's end: the slot's position after it
         n_rows, n = table.shape[0], len(slots)
-        if graphs is not None:
-            graphs.launch(width, n_rows, final, any(starts))
-        else:
+        if graphs is not None and not self._admit_in_graph(graphs, width, n_rows, final, any(starts)):
+            graphs = None  # the staging (padded width, NO_SLOT-padded table) serves the eager calls too
+        if graphs is None:
             stage = self._stage_view("chunks", (host.size - self._stage_head * self.batch) // self.batch)
             self._prefill_models(stage, ends, slots, index, lengths, starts, settings, final)
             bufs = self.bufs
             self.backend.ops.admit_slots(table, bufs.budget, bufs.eos, bufs.acc,
                                          self.option_columns.table if n_rows > 3 else None, stream=self.stream)
         self._admit(index, ends, limits, host[2 * self.batch: 2 * self.batch + table.size].reshape(n_rows, -1)[:, :n])
+
+    def _admit_in_graph(self, graphs, width: int, rows: int, final: bool, continued: bool) -> bool:
+        """Launch the admission graph; False (and eager admission from now on, with a warning) when
+        it cannot be captured: a model that declared ``prefill_in_graph`` wrongly must not cost
+        every admission its requests."""
+        try:
+            graphs.launch(width, rows, final, continued)
+            return True
+        except AdmissionCaptureError as exc:
+            warnings.warn(f"{exc}; admitting eagerly from now on", RuntimeWarning, stacklevel=3)
+            self.admission_graphs = None
+            return False
 
     def _stage_prompts(self, slots: list, index: np.ndarray, rows: list, lengths: list, starts: list,
                        limits: list | None, stops: list | None, option_rows: list | None = None,

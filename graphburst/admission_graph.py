@@ -29,6 +29,11 @@ import weakref
 from .protocol import hook
 from .torch_capture import capture_api
 
+class AdmissionCaptureError(RuntimeError):
+    """An admission graph could not be captured (a model's prefill allocated, synced, or used an
+    API capture forbids): the decoder then admits eagerly (``SpecDecoder._prefill_checked``)."""
+
+
 #: Narrowest staging width captured: shorter prompts share one graph.
 MIN_WIDTH = 16
 #: Admission-table entry of no slot (the padding of a graph's ``B``-entry table): ``admit_slots`` skips it.
@@ -144,8 +149,17 @@ class AdmissionGraphs:
         backend = dec.backend
         if not backend.is_gpu:
             return _Recorded(calls)
+        try:
+            return self._stream_capture(dec, calls)
+        except Exception as exc:  # noqa: BLE001 - reported as what it is, with the cause chained
+            raise AdmissionCaptureError(f"admission graph capture failed (width {width}, {rows} table rows): "
+                                        f"{type(exc).__name__}: {exc}") from exc
+
+    def _stream_capture(self, dec, calls: list):
+        """``calls`` captured on this object's stream into an uploaded CUDA graph."""
         from .kernels import cuda_ops  # the CUDA module is imported only on a GPU backend
 
+        backend = dec.backend
         rt = backend.xp.cuda.runtime
         stream = self._capture_stream
         with backend.device():

@@ -170,3 +170,35 @@ def test_a_decoder_is_freed_by_reference_counting(backend, graphs):
         assert alive() is None
     finally:
         gc.enable()
+
+
+def test_a_capture_that_fails_falls_back_to_eager_admission(backend):
+    """A model that declares prefill_in_graph but cannot be captured costs a warning, not requests:
+    that admission and every later one run eagerly and write what an eager decoder writes."""
+    from graphburst.admission_graph import AdmissionCaptureError
+
+    decs = []
+    for graphs in (True, False):
+        target, draft = _models(backend, "stubs", 4, 128)
+        decs.append(SpecDecoder(target, draft, k=2, m_rounds=2, admission_graphs=graphs))
+    failing, eager = decs
+
+    def cannot_capture(dec, width, rows, final, continued):
+        raise AdmissionCaptureError(f"admission graph capture failed (width {width}): planted")
+
+    failing.admission_graphs._capture = cannot_capture
+    for dec in decs:
+        opts = {1: dec.slot_options({"seed": 5}), 3: None}
+        if dec is failing:
+            with pytest.warns(RuntimeWarning, match="planted; admitting eagerly from now on"):
+                dec.prefill_checked({1: np.arange(20, dtype=np.int32), 3: np.arange(2, dtype=np.int32)}, {1: 0, 3: 0},
+                                    limits={1: 12}, options=opts)
+        else:
+            dec.prefill_checked({1: np.arange(20, dtype=np.int32), 3: np.arange(2, dtype=np.int32)}, {1: 0, 3: 0},
+                                limits={1: 12}, options=opts)
+        dec.prefill_checked({0: np.arange(5, dtype=np.int32)}, {0: 0})
+    assert failing.admission_graphs is None
+    assert failing.run_burst().counts.tolist() == eager.run_burst().counts.tolist()
+    want, got = _state(eager), _state(failing)
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
