@@ -105,7 +105,7 @@ class SpecDecoder(SlotAdmission, Watched):
             self._prompt_start = self._stage[b: 2 * b]  # [B] int32: a chunk's first position
             # [2B, HB): the admission table, [3 + C, n] int32 (slot, budget, stop token, C option values)
             self._prompt_flat = self._stage[self._stage_head * b:]  # [B * capacity] int32: chunks, viewed [B, P_max]
-            self._stage_views: dict = {}  # (part, size) -> device view of _stage (admission._stage_view)
+            self._stage_views: dict = {}  # (part, size, rows) -> device view of _stage (admission._stage_view)
         self.k, self.m_rounds = self.bufs.k, self.bufs.m_rounds
         for model in (target, draft):  # the buffers never move from here on: models may view them
             hook(model, "bind")(self.bufs)
