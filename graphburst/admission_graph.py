@@ -94,9 +94,7 @@ class AdmissionGraphs:
     @staticmethod
     def _holders(dec) -> list:
         """Every Watched object holding a buffer the graphs bake (as BurstGraph watches them)."""
-        holders = [dec, dec.bufs]
-        if dec.option_columns is not None:
-            holders.append(dec.option_columns.table)
+        holders = [dec, dec.bufs]  # the option columns follow the models, watched below
         for model in (dec.target, dec.draft):
             holders += [model, model.cache, *(layer for layer in model.cache.layers if layer is not None)]
             holders += list(hook(model, "watched")())

@@ -201,6 +201,8 @@ class SpecDecoder(SlotAdmission, Watched):
             hook(model, "refresh_tables")()
         self.backend.order_after_current(self.stream)  # new layers may have been initialised on another stream
         self._enqueued_program.invalidate("refresh_tables")
+        if self.option_columns is not None:  # a model may hand out new option arrays with its tables
+            self.option_columns.invalidate("refresh_tables")
         with self.stream:
             self.table = kv_len_ptr_table([self.target.cache, self.draft.cache], pos_ctr=self.bufs.pos_ctr)
 

@@ -48,34 +48,34 @@ def _column_values(role: str, model, values, n: int) -> tuple:
 class OptionColumns:
     """Both models' option columns (only the models that declare any).
 
+    The columns are read from the models again whenever a model reports a watched attribute
+    rebound (an n-gram draft's ``n_min``, say) or the decoder refreshes its tables, so the
+    pointer table always names the arrays the models' kernels read.
+
     Attributes
     ----------
     table : PtrTable
         The columns' addresses, target's first: what ``admit_slots`` writes through.
+    columns : tuple of [B] arrays
+        The columns themselves, in table order.
     roles : tuple of str
         The roles with columns, in table order.
     count : int
-        Columns in all (C): the admission table's extra rows.
+        Columns in all (C): the admission table's extra rows (fixed: the staging is sized by it).
     """
 
     def __init__(self, models: dict, batch: int, backend):
-        columns, self.roles, self._defaults = [], [], {}
-        for role in ROLES:
-            model = models[role]
-            own = tuple(hook(model, "option_columns")())
-            if not own:
-                continue
-            for i, col in enumerate(own):
-                if tuple(col.shape) != (batch,) or np.dtype(col.dtype).itemsize != 4 or not col.flags.c_contiguous:
-                    raise TypeError(f"{role} {type(model).__name__}: option column {i} must be a contiguous [{batch}] "
-                                    f"array of 4-byte ints, got {col.dtype} {tuple(col.shape)}")
-            self._defaults[role] = _column_values(role, model, hook(model, "slot_options")({}), len(own))
-            self.roles.append(role)
-            columns += own
-        self.roles = tuple(self.roles)
-        self.count = len(columns)
-        self.columns = tuple(columns)
-        self.table = PtrTable(columns, backend) if columns else None
+        self._models = {role: models[role] for role in ROLES}
+        self._batch, self._backend = batch, backend
+        self.roles = tuple(role for role in ROLES if tuple(hook(models[role], "option_columns")()))
+        self.count = None
+        self._build()
+        for role in self.roles:
+            self._check_defaults(role)
+            model = self._models[role]
+            for holder in (model, *hook(model, "watched")()):
+                if hasattr(holder, "watch"):
+                    holder.watch(self)
 
     @classmethod
     def of(cls, models: dict, batch: int, backend) -> OptionColumns | None:
@@ -83,17 +83,55 @@ class OptionColumns:
         cols = cls(models, batch, backend)
         return cols if cols.count else None
 
+    def _build(self) -> None:
+        columns = []
+        for role in self.roles:
+            model = self._models[role]
+            for i, col in enumerate(tuple(hook(model, "option_columns")())):
+                if tuple(col.shape) != (self._batch,) or np.dtype(col.dtype).itemsize != 4 or \
+                        not col.flags.c_contiguous:
+                    raise TypeError(f"{role} {type(model).__name__}: option column {i} must be a contiguous "
+                                    f"[{self._batch}] array of 4-byte ints, got {col.dtype} {tuple(col.shape)}")
+                columns.append(col)
+        if self.count is not None and len(columns) != self.count:
+            raise TypeError(f"the models now declare {len(columns)} option columns, not {self.count}: the decoder's "
+                            "staging is sized for the columns it was built with")
+        self.count = len(columns)
+        self.columns = tuple(columns)
+        self._table = PtrTable(columns, self._backend) if columns else None
+        self._stale = False
+
+    def _check_defaults(self, role: str) -> tuple:
+        model = self._models[role]
+        return _column_values(role, model, hook(model, "slot_options")({}), len(hook(model, "option_columns")()))
+
+    def invalidate(self, what: str = "") -> None:
+        """A model rebound a watched attribute (or the decoder refreshes its tables): read the
+        columns again before the next write."""
+        self._stale = True
+
+    @property
+    def table(self) -> PtrTable:
+        if self._stale:
+            self._build()
+        return self._table
+
     def rows(self, settings: list) -> list:
         """The ``C`` table rows for one admission: ``settings`` holds one entry per admitted slot
-        (a ``slot_options`` result of the decoder, ``{role: value}``, or None for the defaults).
+        (a ``slot_options`` result of the decoder, ``{role: value}``, or None for the defaults,
+        asked of the model now, as its own ``slot_options({})`` gives them).
         Returns C lists of one int per slot."""
-        values = []
-        roles, defaults = self.roles, self._defaults
+        values, defaults = [], {}
+        roles, models = self.roles, self._models
         for setting in settings:
             row = ()
             for role in roles:
                 v = None if setting is None else setting[role]
-                row += defaults[role] if v is None else v
+                if v is None:
+                    v = defaults.get(role)
+                    if v is None:
+                        v = defaults[role] = hook(models[role], "slot_options")({})
+                row += v
             values.append(row)
         return [list(col) for col in zip(*values)]
 
@@ -101,6 +139,8 @@ class OptionColumns:
         """Write ``settings`` (slot -> ``slot_options`` result or None) outside admission: a
         stream-ordered scatter per column (allocates temporaries, so never under capture)."""
         if settings:
+            if self._stale:
+                self._build()
             rows = self.rows(list(settings.values()))  # both roles' columns, defaults filled in
             scatter_columns(backend, self.columns, dict(zip(settings, zip(*rows))), (), stream)
 

@@ -136,3 +136,39 @@ def test_a_models_own_set_slot_options_writes_its_columns(backend):
     ngram.set_slot_options({1: ngram.slot_options({"ngram_min": 2, "ngram_max": 5})}, None)
     ngram.set_slot_options({1: None, 2: ngram.slot_options({"ngram_max": 4})}, None)
     assert _host(backend, ngram.n_min) == [1, 1, 1] and _host(backend, ngram.n_max) == [3, 3, 4]
+
+
+def test_a_drafters_set_slot_options_names_a_bad_slot():
+    _, draft = stub_pair(3, VOCAB, 1, 1, 32, backend="numpy")
+    ngram = NgramDraft(3, VOCAB, 32, backend="numpy")
+    for model, value in ((draft, None), (ngram, (2, 5))):
+        with pytest.raises(ValueError, match="slot must be >= 0, got -1"):
+            model.set_slot_options({-1: value}, None)
+        with pytest.raises(ValueError, match="slot must be <= 2, got 3"):
+            model.set_slot_options({3: value}, None)
+
+
+def test_rebound_option_arrays_are_the_ones_admission_writes(backend):
+    """An n-gram draft whose range arrays are rebound (a watched attribute): admission, with or
+    without graphs, writes the arrays the search now reads."""
+    for graphs in (True, False):
+        target = StubTarget(3, VOCAB, 1, 64, backend=backend)
+        draft = NgramDraft(3, VOCAB, 64, n_min=1, n_max=3, backend=backend)
+        dec = SpecDecoder(target, draft, k=2, m_rounds=1, admission_graphs=graphs)
+        dec.prefill_checked({0: np.arange(4, dtype=np.int32)}, {0: 0}, options={0: None})  # captures a graph
+        draft.n_min = backend.asarray(np.ones(3, np.int32))
+        draft.n_max = backend.asarray(np.full(3, 3, np.int32))
+        dec.prefill_checked({1: np.arange(4, dtype=np.int32)}, {1: 0},
+                            options={1: dec.slot_options({"ngram_min": 2, "ngram_max": 7})})
+        assert _host(backend, draft.n_min) == [1, 2, 1] and _host(backend, draft.n_max) == [3, 7, 3]
+
+
+def test_the_defaults_are_the_models_own_at_each_admission(backend):
+    """None means the model's defaults as its slot_options({}) gives them now (a default changed
+    after the decoder was built is the one written)."""
+    target, draft = stub_pair(2, VOCAB, 1, 1, 32, seed=7, backend=backend)
+    dec = SpecDecoder(target, draft, k=2, m_rounds=1)
+    draft.default_seed = 99
+    dec.prefill_checked({0: np.arange(3, dtype=np.int32)}, {0: 0}, options={0: None})
+    dec.set_slot_options({1: None})
+    assert _host(backend, draft.seed) == [99, 99]

@@ -186,6 +186,7 @@ class NgramDraft(Watched, DraftModel):
     def set_slot_options(self, settings: dict, stream) -> None:
         """Write :meth:`slot_options` results (None: the defaults) to the named slots' columns. A
         decoder writes them itself at admission (``option_columns``) and does not call this."""
+        settings = {check_int("slot", b, minimum=0, maximum=self.batch - 1): v for b, v in settings.items()}
         scatter_columns(self.backend, self.option_columns(), settings, self.default_range, stream)
 
 

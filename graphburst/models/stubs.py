@@ -267,14 +267,13 @@ class StubDraft(_StubModel, DraftModel):
         settings : dict
             ``slot -> (accept_prob or None, seed or None)``; None restores the default.
         """
-        checked = {check_int("slot", slot, minimum=0, maximum=self.batch - 1):
-                   self.slot_options({"accept_prob": accept_prob, "seed": seed})
-                   for slot, (accept_prob, seed) in settings.items()}
-        self.set_slot_options(checked, stream)
+        self.set_slot_options({slot: self.slot_options({"accept_prob": accept_prob, "seed": seed})
+                               for slot, (accept_prob, seed) in settings.items()}, stream)
 
     def set_slot_options(self, settings: dict, stream) -> None:
         """Write :meth:`slot_options` results (None: the defaults) to the named slots' columns. A
         decoder writes them itself at admission (``option_columns``) and does not call this."""
+        settings = {check_int("slot", b, minimum=0, maximum=self.batch - 1): v for b, v in settings.items()}
         scatter_columns(self.backend, self.option_columns(), settings, self.slot_options({}), stream)
 
     def set_slot(self, slot: int, *, accept_prob: float | None = None, seed: int | None = None, stream=None) -> None:
