@@ -119,8 +119,10 @@ class SlotAdmission(PrefillChecks):
         sampling : dict, optional
             ``slot -> SamplingParams`` (sampling decoders, final chunks); default: greedy.
         options : dict, optional
-            ``slot -> slot_options(...) result`` or None, applied first as by
-            :meth:`set_slot_options` (final chunks).
+            ``slot -> slot_options(...) result`` or None (the defaults). For exactly the
+            prefilled slots they are written with the admission (option columns in its one
+            launch; not at all if it fails); a dict naming other slots too is applied first,
+            as by :meth:`set_slot_options`.
         """
         slots = sorted(rows)
         limits, stops, sampling = limits or {}, stops or {}, sampling or {}

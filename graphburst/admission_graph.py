@@ -24,6 +24,7 @@ drops every graph, recaptured at its next use.
 from __future__ import annotations
 
 import gc
+import threading
 import weakref
 
 from .protocol import hook
@@ -38,6 +39,35 @@ class AdmissionCaptureError(RuntimeError):
 MIN_WIDTH = 16
 #: Admission-table entry of no slot (the padding of a graph's ``B``-entry table): ``admit_slots`` skips it.
 NO_SLOT = -1
+
+
+class CollectorPause:
+    """The cyclic collector off while any thread captures (a context manager): destroying a CUDA
+    object it frees (another graph, a stream) is an unsafe call inside a capture, which invalidates
+    it. Counted under a lock, so a capture ending in one thread does not turn the collector back on
+    under another's, and it is turned back on only if it ran before the first."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._depth = 0
+        self._was_enabled = False
+
+    def __enter__(self):
+        with self._lock:
+            if self._depth == 0:
+                self._was_enabled = gc.isenabled()
+                gc.disable()
+            self._depth += 1
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with self._lock:
+            self._depth -= 1
+            if self._depth == 0 and self._was_enabled:
+                gc.enable()
+
+
+_COLLECTOR_PAUSE = CollectorPause()  # one per process: the collector is
 
 
 def width_bucket(p_max: int, capacity: int) -> int:
@@ -88,8 +118,9 @@ class AdmissionGraphs:
         """Whether ``dec``'s admissions may run as graphs: both models prefill from device sizes,
         through CuPy (a torch model is captured by torch), and the decoder is greedy."""
         models = (dec.target, dec.draft)
+        # a packing model's prefill takes the lengths from the host (admission._prefill_models)
         return not dec.sampling and capture_api(*models) == "cupy" and \
-            all(hook(m, "prefill_in_graph") for m in models)
+            all(hook(m, "prefill_in_graph") and not hook(m, "packed_prefill") for m in models)
 
     @staticmethod
     def _holders(dec) -> list:
@@ -162,11 +193,7 @@ class AdmissionGraphs:
         stream = self._capture_stream
         with backend.device():
             cuda_ops.warm_up(backend.device_id)  # no module load inside the capture
-            # The cyclic collector must not run inside the capture: destroying a CUDA object it
-            # frees (another graph, a stream) is an unsafe call there, which invalidates the capture.
-            collecting = gc.isenabled()
-            gc.disable()
-            try:
+            with _COLLECTOR_PAUSE:
                 # Thread-local: a serving process's other threads may use CUDA meanwhile, and an
                 # allocation in this thread still fails the capture (none belongs in it).
                 stream.begin_capture(mode=rt.streamCaptureModeThreadLocal)
@@ -180,8 +207,5 @@ class AdmissionGraphs:
                         pass
                     raise
                 graph = stream.end_capture()
-            finally:
-                if collecting:
-                    gc.enable()
             graph.upload(dec.stream)
         return graph

@@ -95,7 +95,8 @@ class SpecDecoder(SlotAdmission, Watched):
             self.bufs = StreamBufs(self.batch, k, m_rounds, self.backend,
                                    vocab=target.vocab if self.sampling else None)
             # The models' per-slot int32 options, written by admission's one launch (option_columns.py)
-            self.option_columns = OptionColumns.of({"target": target, "draft": draft}, self.batch, self.backend)
+            self.option_columns = OptionColumns.of({"target": target, "draft": draft}, self.batch, self.backend,
+                                                   self.stream)
             # Prefill staging, allocated once so admitting a request never allocates; one block,
             # so an admission is one host-to-device copy (admission.py, _stage_prompts).
             b = self.batch

@@ -64,9 +64,10 @@ class OptionColumns:
         Columns in all (C): the admission table's extra rows (fixed: the staging is sized by it).
     """
 
-    def __init__(self, models: dict, batch: int, backend):
+    def __init__(self, models: dict, batch: int, backend, stream):
         self._models = {role: models[role] for role in ROLES}
-        self._batch, self._backend = batch, backend
+        # the decoder's stream: a rebuilt pointer table is copied in order with the launches that read it
+        self._batch, self._backend, self._stream = batch, backend, stream
         self.roles = tuple(role for role in ROLES if tuple(hook(models[role], "option_columns")()))
         self.count = None
         self._build()
@@ -78,9 +79,10 @@ class OptionColumns:
                     holder.watch(self)
 
     @classmethod
-    def of(cls, models: dict, batch: int, backend) -> OptionColumns | None:
-        """The models' columns, or None when neither model declares any."""
-        cols = cls(models, batch, backend)
+    def of(cls, models: dict, batch: int, backend, stream) -> OptionColumns | None:
+        """The models' columns (their pointer table built on ``stream``), or None when neither
+        model declares any."""
+        cols = cls(models, batch, backend, stream)
         return cols if cols.count else None
 
     def _build(self) -> None:
@@ -98,7 +100,8 @@ class OptionColumns:
                             "staging is sized for the columns it was built with")
         self.count = len(columns)
         self.columns = tuple(columns)
-        self._table = PtrTable(columns, self._backend) if columns else None
+        with self._stream:
+            self._table = PtrTable(columns, self._backend) if columns else None
         self._stale = False
 
     def _check_defaults(self, role: str) -> tuple:

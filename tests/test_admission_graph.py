@@ -202,3 +202,47 @@ def test_a_capture_that_fails_falls_back_to_eager_admission(backend):
     want, got = _state(eager), _state(failing)
     for name in want:
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+def test_the_collector_pause_is_counted_across_threads():
+    """Two captures overlapping in two threads: the collector stays off until the last ends, and
+    comes back only if it ran before."""
+    import gc
+    import threading
+
+    from graphburst.admission_graph import CollectorPause
+
+    pause = CollectorPause()
+    assert gc.isenabled()
+    first_in, second_done = threading.Event(), threading.Event()
+
+    def second():
+        first_in.wait()
+        with pause:
+            assert not gc.isenabled()
+        second_done.set()
+
+    worker = threading.Thread(target=second)
+    worker.start()
+    try:
+        with pause:
+            first_in.set()
+            second_done.wait(5)
+            assert not gc.isenabled()  # the other capture ended; this one still runs
+        assert gc.isenabled()
+        gc.disable()
+        with pause:
+            pass
+        assert not gc.isenabled()  # off before: left off
+    finally:
+        gc.enable()
+        worker.join(5)
+
+
+def test_a_packing_model_stays_eager(backend):
+    target, draft = _models(backend, "stubs", 2, 64)
+
+    class Packing(StubTarget):
+        packed_prefill = True  # its prefill takes the lengths from the host
+
+    assert SpecDecoder(Packing(2, VOCAB, 1, 64, backend=backend), draft, k=2, m_rounds=1).admission_graphs is None
