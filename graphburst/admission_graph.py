@@ -67,7 +67,7 @@ class CollectorPause:
                 gc.enable()
 
 
-_COLLECTOR_PAUSE = CollectorPause()  # one per process: the collector is
+_COLLECTOR_PAUSE = CollectorPause()  # one per process, as the collector itself is
 
 
 def width_bucket(p_max: int, capacity: int) -> int:
