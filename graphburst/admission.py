@@ -160,7 +160,7 @@ class SlotAdmission(PrefillChecks):
             return
         option_rows, cols = None, self.option_columns
         if options is not None:
-            if cols is None or len(cols.roles) < 2:  # a model without columns applies its own
+            if self._option_appliers:  # a model without columns applies its own
                 self._set_slot_options(dict(zip(slots, options)), with_columns=False)
             if cols is not None:
                 option_rows = cols.rows(options)
@@ -376,9 +376,18 @@ class SlotAdmission(PrefillChecks):
         cols = self.option_columns
         if cols is not None and with_columns:
             cols.scatter(self.backend, settings, self.stream)
+        for role, apply in self._option_appliers:
+            apply({b: None if v is None else v[role] for b, v in settings.items()}, self.stream)
+
+    def _models_applying_options(self) -> list:
+        """``[(role, its set_slot_options)]`` of the models that apply their own options: those
+        without option columns whose ``set_slot_options`` is not the protocol's default (which
+        does nothing). Found once, at construction: admission asks at every refill."""
+        cols, appliers = self.option_columns, []
         for role in ("target", "draft"):
             if cols is not None and cols.owns(role):
                 continue
             apply = getattr(getattr(self, role), "set_slot_options", None)
-            if getattr(apply, "__func__", apply) not in (None, _NO_OPTIONS):  # the protocol's default does nothing
-                apply({b: None if v is None else v[role] for b, v in settings.items()}, self.stream)
+            if getattr(apply, "__func__", apply) not in (None, _NO_OPTIONS):
+                appliers.append((role, apply))
+        return appliers

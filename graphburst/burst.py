@@ -97,6 +97,7 @@ class SpecDecoder(SlotAdmission, Watched):
             # The models' per-slot int32 options, written by admission's one launch (option_columns.py)
             self.option_columns = OptionColumns.of({"target": target, "draft": draft}, self.batch, self.backend,
                                                    self.stream)
+            self._option_appliers = self._models_applying_options()  # the models that apply their own options
             # Prefill staging, allocated once so admitting a request never allocates; one block,
             # so an admission is one host-to-device copy (admission.py, _stage_prompts).
             b = self.batch

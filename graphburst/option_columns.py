@@ -115,9 +115,13 @@ class OptionColumns:
 
     @property
     def table(self) -> PtrTable:
+        return self._current()._table
+
+    def _current(self) -> OptionColumns:
+        """Self, with the columns read again from the models first if one rebound them."""
         if self._stale:
             self._build()
-        return self._table
+        return self
 
     def rows(self, settings: list) -> list:
         """The ``C`` table rows for one admission: ``settings`` holds one entry per admitted slot
@@ -142,10 +146,8 @@ class OptionColumns:
         """Write ``settings`` (slot -> ``slot_options`` result or None) outside admission: a
         stream-ordered scatter per column (allocates temporaries, so never under capture)."""
         if settings:
-            if self._stale:
-                self._build()
             rows = self.rows(list(settings.values()))  # both roles' columns, defaults filled in
-            scatter_columns(backend, self.columns, dict(zip(settings, zip(*rows))), (), stream)
+            scatter_columns(backend, self._current().columns, dict(zip(settings, zip(*rows))), (), stream)
 
     def owns(self, role: str) -> bool:
         """Whether ``role``'s options are columns (the decoder writes them)."""
