@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .admission_graph import NO_SLOT, AdmissionCaptureError, width_bucket
+from .admission_graph import NO_SLOT, TABLE_ROWS, AdmissionCaptureError, width_bucket
 from .constants import NO_EOS, NO_PREFILL, UNBOUNDED_BUDGET
 from .prefill_checks import CapacityError, PrefillChecks, chunked_prefill  # noqa: F401 (re-exported)
 from .protocol import ModelHooks, hook, split_options
@@ -206,9 +206,29 @@ class SlotAdmission(PrefillChecks):
             graphs.launch(width, rows, final, continued)
             return True
         except AdmissionCaptureError as exc:
-            warnings.warn(f"{exc}; admitting eagerly from now on", RuntimeWarning, stacklevel=3)
-            self.admission_graphs = None
+            self._admit_eagerly(exc)
             return False
+
+    def _admit_eagerly(self, exc: AdmissionCaptureError) -> None:
+        warnings.warn(f"{exc}; admitting eagerly from now on", RuntimeWarning, stacklevel=4)
+        self.admission_graphs = None
+
+    def warm_admission_graphs(self, *, longest: int | None = None, chunk: int | None = None) -> int:
+        """Capture now the admission graphs a serving loop's admissions take
+        (:meth:`AdmissionGraphs.warm`: prompts up to ``longest`` tokens, default the capacity;
+        ``chunk``: the loop's ``prefill_chunk``), so none is captured while bursts run. Returns the
+        graphs captured: 0 for an eager decoder, or when a capture fails, which warns and makes
+        admission eager from then on, as at an admission."""
+        graphs = self.admission_graphs
+        if graphs is None:
+            return 0
+        cols = self.option_columns
+        try:
+            return graphs.warm(longest=self.capacity if longest is None else longest, chunk=chunk,
+                               option_rows=0 if cols is None else cols.count)
+        except AdmissionCaptureError as exc:
+            self._admit_eagerly(exc)
+            return 0
 
     def _stage_prompts(self, slots: list, index: np.ndarray, rows: list, lengths: list, starts: list,
                        limits: list | None, stops: list | None, option_rows: list | None = None,
@@ -230,7 +250,7 @@ class SlotAdmission(PrefillChecks):
         host[index] = lengths
         if any(starts):  # else they stay 0 (whole prompts: a serving loop's common case)
             host[batch + index] = starts
-        table_rows = 3 + (len(option_rows) if option_rows else 0)
+        table_rows = TABLE_ROWS + (len(option_rows) if option_rows else 0)
         entries = n if width is None else batch  # a graph's table has B entries, the padding skipped
         full = host[2 * batch: 2 * batch + table_rows * entries].reshape(table_rows, entries)  # [3 + c, n or B]
         table = full[:, :n]

@@ -39,6 +39,8 @@ class AdmissionCaptureError(RuntimeError):
 MIN_WIDTH = 16
 #: Admission-table entry of no slot (the padding of a graph's ``B``-entry table): ``admit_slots`` skips it.
 NO_SLOT = -1
+#: The admission table's rows before any option column: slot, budget, stop token.
+TABLE_ROWS = 3
 
 
 class CollectorPause:
@@ -79,6 +81,15 @@ def width_bucket(p_max: int, capacity: int) -> int:
     return min(width, capacity)
 
 
+def widths_up_to(p_max: int, capacity: int) -> list:
+    """Every width bucket (:func:`width_bucket`) of prompts of 1 to ``p_max`` tokens, narrowest first."""
+    top, width, widths = width_bucket(p_max, capacity), MIN_WIDTH, []
+    while width < top:
+        widths.append(width)
+        width *= 2
+    return widths + [top]
+
+
 class _Recorded:
     """The numpy backend's stand-in for a captured graph: the bound calls, run in order."""
 
@@ -91,7 +102,8 @@ class _Recorded:
 
 
 class AdmissionGraphs:
-    """The decoder's admission graphs, one per (width bucket, table rows), captured at first use.
+    """The decoder's admission graphs, one per (width bucket, table rows), captured at first use or
+    ahead of it (:meth:`warm`: a serving loop captures all of its own when it is built).
 
     Parameters
     ----------
@@ -135,6 +147,32 @@ class AdmissionGraphs:
         """A baked buffer may have moved: drop every graph (each is recaptured at its next use)."""
         self._graphs.clear()
 
+    def warm(self, *, longest: int, chunk: int | None, option_rows: int) -> int:
+        """Capture now, without launching, every graph a serving loop's admissions can take, so
+        that none is captured while bursts run (with short bursts the GPU waits for a capture, and
+        the first prompt of each width bucket would pay one).
+
+        A loop passes every admitted slot's options, so its final chunks carry ``option_rows``
+        extra table rows. Without ``chunk``, each prompt is one fresh final chunk: one graph per width
+        bucket of prompts up to ``longest`` tokens. With ``chunk`` (the loop's ``prefill_chunk``), no
+        admission is wider than the chunk; the keys are each width bucket up to it, final (with the
+        option rows) or not (:data:`TABLE_ROWS`: a partial chunk carries no options), fresh or
+        continued. Graphs already held are kept. Returns the graphs captured; raises
+        :class:`AdmissionCaptureError` as an admission's capture would.
+        """
+        dec = self._dec()
+        widths = widths_up_to(longest if chunk is None else min(chunk, longest), dec.capacity)
+        kinds = ((TABLE_ROWS + option_rows, True),) if chunk is None else \
+            ((TABLE_ROWS + option_rows, True), (TABLE_ROWS, False))
+        keys = [(w, rows, final, continued) for w in widths for rows, final in kinds
+                for continued in ((False,) if chunk is None else (False, True))]
+        captured = 0
+        for key in keys:
+            if key not in self._graphs:
+                self._graphs[key] = self._capture(dec, *key)
+                captured += 1
+        return captured
+
     def launch(self, width: int, rows: int, final: bool, continued: bool) -> None:
         """Enqueue the admission graph of staging ``width`` and a ``[rows, B]`` table on the
         decoder's stream (capturing it first if needed). ``final``: the chunks end their prompts
@@ -157,7 +195,7 @@ class AdmissionGraphs:
         bufs, ops, target_model, draft_model = dec.bufs, dec.backend.ops, dec.target, dec.draft
         stage = dec._stage_view("chunks", width)
         table = dec._stage_view("table", dec.batch, rows)
-        columns = dec.option_columns.table if rows > 3 else None
+        columns = dec.option_columns.table if rows > TABLE_ROWS else None
         prompt_len, pend = dec._prompt_len, bufs.pend if final else None
         at = {"start": dec._prompt_start} if continued else {}  # only chunked models continue a prompt
 

@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 
 from graphburst import BurstGraph, SpecDecoder, stub_pair
-from graphburst.admission_graph import MIN_WIDTH, width_bucket
+from graphburst.admission_graph import MIN_WIDTH, width_bucket, widths_up_to
 from graphburst.models.ngram import NgramDraft
 from graphburst.models.stubs import StubTarget
+from graphburst.serving.loop import Request, ServeLoop
 
 VOCAB = 997
 
@@ -18,6 +19,14 @@ VOCAB = 997
                                                    (257, 4096, 512), (90, 100, 100), (7, 8, 8)])
 def test_width_bucket(p_max, capacity, want):
     assert width_bucket(p_max, capacity) == want
+
+
+@pytest.mark.parametrize("p_max, capacity, want", [(1, 4096, [16]), (16, 4096, [16]), (17, 4096, [16, 32]),
+                                                   (100, 100, [16, 32, 64, 100]), (5, 8, [8]), (300, 256, [16, 32, 64,
+                                                                                                            128, 256])])
+def test_widths_up_to(p_max, capacity, want):
+    assert widths_up_to(p_max, capacity) == want
+    assert all(width_bucket(p, capacity) in want for p in range(1, p_max + 1))
 
 
 def _models(backend, kind, batch, capacity):
@@ -246,3 +255,62 @@ def test_a_packing_model_stays_eager(backend):
         packed_prefill = True  # its prefill takes the lengths from the host
 
     assert SpecDecoder(Packing(2, VOCAB, 1, 64, backend=backend), draft, k=2, m_rounds=1).admission_graphs is None
+
+
+@pytest.mark.parametrize("chunk", [None, 24])
+def test_a_serving_loop_captures_its_admission_graphs_at_start(backend, rng, chunk):
+    """Every graph a request can take is captured when the loop is built, none while it serves
+    prompts of every width bucket (in chunks or whole), and the warmed graphs, launched for the
+    first time mid-serving, give each request the tokens an eager admission gives it."""
+    capacity, sizes = 100, (1, 7, 16, 17, 19, 33, 64, 65, 99)
+    prompts = [rng.integers(0, VOCAB, n).tolist() for n in sizes]
+    got = []
+    for graphs in (True, False):
+        target, draft = _models(backend, "stubs", 4, capacity)
+        loop = ServeLoop(target, draft, k=3, m_rounds=2, depth=2, prefill_chunk=chunk)
+        held = loop.dec.admission_graphs
+        widths = [16, 32, 64, 100] if chunk is None else [16, 32]  # chunks of 24 are at most 32 wide
+        assert held.captures == len(widths) * (1 if chunk is None else 4) == loop.stats()["admission_graphs"]
+        if not graphs:
+            loop.dec.admission_graphs = None  # the eager admission, from the same staging
+        states = [loop.submit(Request(p, min(12, capacity - len(p)), options={"seed": i}))
+                  for i, p in enumerate(prompts)]
+        loop.run_until_idle()
+        assert not [s.error for s in states if s.error]
+        if graphs:
+            assert held.captures == len(widths) * (1 if chunk is None else 4), "captured while serving"
+            assert held.launches >= 3  # nine requests through four slots: three admissions at least
+        got.append([s.tokens for s in states])
+    assert got[0] == got[1]
+
+
+def test_warm_captures_each_key_once(backend):
+    target, draft = _models(backend, "stubs", 4, 256)
+    dec = SpecDecoder(target, draft, k=2, m_rounds=1)
+    dec.prefill_checked({0: np.arange(20, dtype=np.int32)}, {0: 0}, options={0: None})  # first use: width 32
+    assert dec.admission_graphs.captures == 1
+    assert dec.warm_admission_graphs(longest=100) == 3  # widths 16, 64 and 128; 32 is held
+    assert dec.warm_admission_graphs(longest=100) == 0
+    assert dec.warm_admission_graphs(longest=100, chunk=20) == 6  # 16 and 32: 2 x (fresh, continued) + 2 partial
+    launches = dec.admission_graphs.launches
+    dec.prefill_checked({1: np.arange(70, dtype=np.int32)}, {1: 0}, options={1: None})
+    assert (dec.admission_graphs.captures, dec.admission_graphs.launches) == (10, launches + 1)
+    target, draft = _models(backend, "stubs", 4, 256)
+    assert SpecDecoder(target, draft, k=2, m_rounds=1, admission_graphs=False).warm_admission_graphs() == 0
+
+
+def test_a_warm_capture_that_fails_leaves_admission_eager(backend):
+    from graphburst.admission_graph import AdmissionCaptureError
+
+    target, draft = _models(backend, "stubs", 4, 128)
+    dec = SpecDecoder(target, draft, k=2, m_rounds=1)
+
+    def cannot_capture(dec, width, rows, final, continued):
+        raise AdmissionCaptureError(f"admission graph capture failed (width {width}): planted")
+
+    dec.admission_graphs._capture = cannot_capture
+    with pytest.warns(RuntimeWarning, match="planted; admitting eagerly from now on"):
+        assert dec.warm_admission_graphs() == 0
+    assert dec.admission_graphs is None
+    dec.prefill_checked({0: np.arange(5, dtype=np.int32)}, {0: 0})
+    assert dec.run_burst().counts.tolist()[0] > 0

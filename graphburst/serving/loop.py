@@ -125,6 +125,9 @@ class ServeLoop(LoopAdmission, LoopFirstTokens, LoopDelivery):
         self.dec = self._make_decoder(target, draft, k=k, m_rounds=m_rounds, sampling=self.sampling)
         self.engine = engine
         self.pipeline = BurstPipeline(self.dec, engine, pipelined, make_graph=self._make_graph, depth=depth)
+        # Every admission graph a request can take, captured now: a capture mid-serving stalls the host
+        # while short bursts wait (admission_graph.py; none for decoders that admit eagerly)
+        self.dec.warm_admission_graphs(chunk=self.prefill_chunk)
         self.pipelined = self.pipeline.pipelined
         self.graph = self.pipeline.graph
         self.vocab = target.vocab
@@ -349,7 +352,8 @@ class ServeLoop(LoopAdmission, LoopFirstTokens, LoopDelivery):
     def stats(self) -> dict:
         """Loop-level counters: bursts, tokens/s, GPU-idle fraction between bursts.
 
-        ``deferred_boundaries``: boundaries ``auto`` admission let wait a burst to coalesce
+        ``admission_graphs``: admission graphs captured (at construction, and again after a
+        ``refresh_tables``). ``deferred_boundaries``: boundaries ``auto`` admission let wait a burst to coalesce
         them with the next (:meth:`LoopAdmission._defer_boundary`). ``gpu_idle_fraction``
         counts every gap while a request held a slot;
         ``gpu_idle_fraction_steady`` only the gaps before bursts launched with every
@@ -371,5 +375,6 @@ class ServeLoop(LoopAdmission, LoopFirstTokens, LoopDelivery):
             "gpu_admission_fraction": clock.overall.admission_fraction,
             "steady_bursts": clock.steady.bursts,
             "captures": self.graph.captures if self.graph is not None else 0,
+            "admission_graphs": 0 if self.dec.admission_graphs is None else self.dec.admission_graphs.captures,
             "deferred_boundaries": self.deferred_boundaries,
         }
