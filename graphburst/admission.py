@@ -219,12 +219,14 @@ class SlotAdmission(PrefillChecks):
         ``chunk``: the loop's ``prefill_chunk``), so none is captured while bursts run. Returns the
         graphs captured: 0 for an eager decoder, or when a capture fails, which warns and makes
         admission eager from then on, as at an admission."""
+        longest = self.capacity if longest is None else check_int("longest", longest, minimum=1)
+        chunk = None if chunk is None else check_int("chunk", chunk, minimum=1)
         graphs = self.admission_graphs
         if graphs is None:
             return 0
         cols = self.option_columns
         try:
-            return graphs.warm(longest=self.capacity if longest is None else longest, chunk=chunk,
+            return graphs.warm(longest=longest, chunk=chunk,
                                option_rows=0 if cols is None else cols.count)
         except AdmissionCaptureError as exc:
             self._admit_eagerly(exc)

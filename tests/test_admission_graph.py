@@ -295,6 +295,9 @@ def test_warm_captures_each_key_once(backend):
     launches = dec.admission_graphs.launches
     dec.prefill_checked({1: np.arange(70, dtype=np.int32)}, {1: 0}, options={1: None})
     assert (dec.admission_graphs.captures, dec.admission_graphs.launches) == (10, launches + 1)
+    for bad in ({"longest": 0}, {"chunk": -3}, {"longest": 2.5}):
+        with pytest.raises((ValueError, TypeError), match=next(iter(bad))):
+            dec.warm_admission_graphs(**bad)
     target, draft = _models(backend, "stubs", 4, 256)
     assert SpecDecoder(target, draft, k=2, m_rounds=1, admission_graphs=False).warm_admission_graphs() == 0
 

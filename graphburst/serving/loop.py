@@ -125,8 +125,9 @@ class ServeLoop(LoopAdmission, LoopFirstTokens, LoopDelivery):
         self.dec = self._make_decoder(target, draft, k=k, m_rounds=m_rounds, sampling=self.sampling)
         self.engine = engine
         self.pipeline = BurstPipeline(self.dec, engine, pipelined, make_graph=self._make_graph, depth=depth)
-        # Every admission graph a request can take, captured now: a capture mid-serving stalls the host
-        # while short bursts wait (admission_graph.py; none for decoders that admit eagerly)
+        # Every admission graph a request can take, captured now, not by its first request: the process's
+        # first capture took 14 ms on an H200, later ones ~0.1 ms, and a prefill that cannot be captured
+        # shows here (admission_graph.py; nothing for decoders that admit eagerly)
         self.dec.warm_admission_graphs(chunk=self.prefill_chunk)
         self.pipelined = self.pipeline.pipelined
         self.graph = self.pipeline.graph
