@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import pathlib
 import statistics
 import sys
 import time
@@ -38,6 +39,9 @@ from graphburst.backend import get_backend  # noqa: E402
 from graphburst.bench.common import VOCAB, stub_models  # noqa: E402
 from graphburst.burst import SpecDecoder  # noqa: E402
 from graphburst.serving.loop import Request, ServeLoop  # noqa: E402
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from version_ab import serve_checked  # noqa: E402 (the checked, timed pass, shared)
 
 K = 4
 
@@ -79,15 +83,10 @@ def run(be, loop_cls, prompts: list, *, batch: int, capacity: int, new: int, m: 
     loop = loop_cls(target, draft, k=K, m_rounds=m, depth=depth)
     loop.submit(Request([1, 2, 3], m * (K + 1)))
     loop.run_until_idle()  # compiles kernels, captures the burst graph (and, cold, the narrowest bucket)
-    graphs, clock = loop.dec.admission_graphs, loop.pipeline.clock
-    captures0, busy0, idle0 = graphs.captures, clock.overall.busy_ms, clock.overall.idle_ms
-    states = [loop.submit(Request(p, new, options={"seed": i})) for i, p in enumerate(prompts)]
-    t0 = time.perf_counter()
-    loop.run_until_idle()
-    wall = (time.perf_counter() - t0) * 1e3
-    bad = [s.request.id for s in states if s.error or len(s.tokens) != new]
-    assert not bad, f"requests without all their tokens: {bad[:5]}"
-    busy, idle = clock.overall.busy_ms - busy0, clock.overall.idle_ms - idle0
+    graphs = loop.dec.admission_graphs
+    captures0 = graphs.captures
+    states, wall, busy, idle = serve_checked(loop, [Request(p, new, options={"seed": i})
+                                                    for i, p in enumerate(prompts)], new)
     ttft = [(s.first_token - s.submitted) * 1e3 for s in states]
     figures = {"wall_ms": round(wall, 3), "idle": idle / (busy + idle) if be.is_gpu and busy + idle > 0 else None,
                "ttft_p50_ms": round(float(np.percentile(ttft, 50)), 3),

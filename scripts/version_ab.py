@@ -59,6 +59,21 @@ def import_base(commit: str | None, into: pathlib.Path, repo: str = ".", tree: s
     return importlib.import_module(BASE_NAME)
 
 
+def serve_checked(loop, reqs: list, new: int, label: str = "") -> tuple:
+    """Submit ``reqs`` to a warmed ``loop`` (of any graphburst version) and serve them to the end,
+    timed; every request must get ``new`` tokens. Returns ``(states, wall ms, GPU busy ms, GPU idle
+    ms)`` of the pass (busy and idle 0 without a device clock)."""
+    clock = loop.pipeline.clock
+    busy0, idle0 = clock.overall.busy_ms, clock.overall.idle_ms
+    states = [loop.submit(r) for r in reqs]
+    t0 = time.perf_counter()
+    loop.run_until_idle()
+    wall = (time.perf_counter() - t0) * 1e3
+    bad = [s.request.id for s in states if s.error or len(s.tokens) != new]
+    assert not bad, f"{label}requests without all their tokens: {bad[:5]}"
+    return states, wall, clock.overall.busy_ms - busy0, clock.overall.idle_ms - idle0
+
+
 def run(pkg, backend_name: str, m: int, depth: int) -> dict:
     """One pass of the workload through ``pkg``'s serving loop, after a warm-up request."""
     backend_mod = importlib.import_module(f"{pkg.__name__}.backend")
@@ -72,15 +87,7 @@ def run(pkg, backend_name: str, m: int, depth: int) -> dict:
     loop = loop_mod.ServeLoop(target, draft, k=K, m_rounds=m, depth=depth)
     loop.submit(loop_mod.Request([1, 2, 3], m * (K + 1)))
     loop.run_until_idle()  # compiles kernels, captures the graph
-    clock = loop.pipeline.clock
-    busy0, idle0 = clock.overall.busy_ms, clock.overall.idle_ms
-    states = [loop.submit(r) for r in reqs]
-    t0 = time.perf_counter()
-    loop.run_until_idle()
-    wall = (time.perf_counter() - t0) * 1e3
-    bad = [s.request.id for s in states if s.error or len(s.tokens) != NEW]
-    assert not bad, f"{pkg.__name__}: requests without all their tokens: {bad[:5]}"
-    busy, idle = clock.overall.busy_ms - busy0, clock.overall.idle_ms - idle0
+    states, wall, busy, idle = serve_checked(loop, reqs, NEW, label=f"{pkg.__name__}: ")
     return {"code": pkg.__name__, "m": m, "depth": depth, "wall_ms": wall, "busy_ms": busy, "idle_ms": idle,
             "idle": idle / (busy + idle) if busy + idle > 0 else None, "bursts": loop.bursts,
             "deferred": getattr(loop, "deferred_boundaries", None),  # an older graphburst may have none
