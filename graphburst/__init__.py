@@ -7,7 +7,9 @@ so it works without torch too.
 
 from .backend import Backend, cuda_available, get_backend
 from .buffers import KVCache, KVLayer, PtrTable, StreamBufs, kv_len_ptr_table, kv_len_ptr_table_range
-from .burst import BurstMode, CapacityError, SpecDecoder
+from .engine.mode import BurstMode
+from .engine.admission.checks import CapacityError
+from .engine.decoder import SpecDecoder
 from .capture import BurstGraph
 from .constants import NO_EOS, PLACEHOLDER_TOKEN, UNBOUNDED_BUDGET
 from .kernels.digest import greedy_reference

@@ -21,11 +21,12 @@ import numpy as np
 
 from .buffers import PtrTable, StreamBufs, split_out_block
 from .burst_tokens import BurstTokens, split_ring
-from .burst import Call, SpecDecoder, assemble_call, epilogue_call, seed_call, separate_tail_calls
+from .engine.program import Call, assemble_call, epilogue_call, seed_call, separate_tail_calls
+from .engine.decoder import SpecDecoder
 from .constants import MAX_DEPTH
 from .guard import AddressGuard, StaleGraphError
 from .protocol import hook
-from .torch_capture import TorchCapturer, capture_api, graph_node_count
+from .engine.torch_capture import TorchCapturer, capture_api, graph_node_count
 from .validate import check_int
 
 CAPTURE_MODES = ("global", "thread_local")
@@ -322,11 +323,6 @@ class BurstGraph:
         self.last_acc = acc.copy()
         self.dec.finish_burst(tokens, mirror=(pos, budget))
         return tokens
-
-    @property
-    def n_slots(self) -> int:
-        """The old name of :attr:`n_graphs` ("slot" means a batch row only)."""
-        return self.n_graphs
 
     def run(self) -> BurstTokens:
         """Replay one burst and drain it."""

@@ -1,6 +1,6 @@
 """Named sentinels and limits shared by the kernels, the reference and the host code.
 
-The CUDA source defines the same values as ``GB_*`` macros; ``tests/test_reference.py``
+The CUDA source defines the same values as ``GB_*`` macros; ``tests/kernels/test_reference.py``
 checks that the two stay in step.
 """
 
@@ -10,7 +10,6 @@ UNBOUNDED_BUDGET = 2**31 - 1  # budget[b] for a sequence with no token limit
 NO_PREFILL = -1  # prompt_len[b] for a slot a prefill call leaves untouched
 ABSENT_LAYER = 0  # pointer-table entry of a layer without KV (linear attention, KV-shared)
 RING_COUNT_COLUMN = 0  # ring[b, 0] holds the number of tokens committed this burst
-RING_COUNT_SLOT = RING_COUNT_COLUMN  # the old name ("slot" means a batch row only)
 
 MAX_K = 64  # drafts per round; bounds the verify kernel's shared memory
 MAX_TABLE_ENTRIES = 65535  # rollback walks the table on gridDim.y
@@ -26,7 +25,6 @@ SELECT_THREADS = 512  # threads per block of the top-k/top-p select (kernels.cu 
 SELECT_DIGIT = 11  # bits of the select's radix digit (GB_SEL_DIGIT)
 SELECT_BINS = 1 << SELECT_DIGIT  # histogram bins per row (GB_SEL_BINS)
 RACES_PER_ROW = 2  # race partials per scratch row: [0] draft / residual, [1] the bonus race over p (GB_RACES_PER_ROW)
-RACE_SLOTS = RACES_PER_ROW  # the old name ("slot" means a batch row only)
 SAMPLE_MAX_VOCAB = 1 << 20  # keeps a row's top-p mass (2**32 per token at most) exact in a double
 DRAW_DRAFT = 0  # Philox counter word 1: the draft's proposal for a position
 DRAW_ACCEPT = 1  # the uniform of the accept test for a position

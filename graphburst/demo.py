@@ -24,9 +24,11 @@ from rich.console import Console
 from rich.table import Table
 
 from .backend import BACKEND_NAMES, get_backend
-from .burst import BurstMode, SpecDecoder
-from .cli_args import NGRAM_DRAFT, FlagError, add_ngram_flags, check_backend, check_kv_memory, check_ngram_flags, \
-    draft_dir_or_ngram, int_in, readable_dir, real_in
+from .engine.mode import BurstMode
+from .engine.decoder import SpecDecoder
+from .models.ngram import NGRAM_DRAFT
+from .cli_args import (FlagError, add_ngram_flags, check_backend, check_kv_memory, check_ngram_flags,
+                       draft_dir_or_ngram, int_in, readable_dir, real_in)
 from .constants import MAX_K, TOP_K_OFF, TOP_P_OFF
 from .kernels.digest import greedy_reference
 from .sampling.params import check_sampling

@@ -134,7 +134,7 @@ Optional hooks (defaults in brackets)
     and ``prefill_groups`` unused), whatever the staging's padded width; and captures on a
     CuPy stream (no allocation, no host sync). When both models declare it, a greedy decoder
     captures their prefill and its slot writes into one CUDA graph per staging width and
-    admits with one graph launch (:mod:`graphburst.admission_graph`); a capture that fails
+    admits with one graph launch (:mod:`graphburst.engine.admission.graphs`); a capture that fails
     makes it warn and admit eagerly from then on.
 ``warm_prefill(max_rows: int, max_length: int | None = None) -> dict`` [{}]
     Called once before serving, outside any capture: make now whatever the model's

@@ -15,8 +15,9 @@ import sys
 from rich.console import Console
 
 from .backend import BACKEND_NAMES
-from .cli_args import AUTO, NGRAM_DRAFT, FlagError, add_ngram_flags, check_backend, check_kv_memory, \
-    check_ngram_flags, fraction, int_in, int_or_auto, readable_file, real_in, same_file, writable_file
+from .cli_args import (AUTO, FlagError, add_ngram_flags, check_backend, check_kv_memory, check_ngram_flags, fraction,
+                       int_in, int_or_auto, readable_file, real_in, same_file, writable_file)
+from .models.ngram import NGRAM_DRAFT
 from .constants import MAX_DEPTH, MAX_K
 from .models.capacity import DEFAULT_GPU_MEMORY_FRACTION
 from .serving.admit import ADMISSION_MODES
@@ -36,7 +37,7 @@ def add_parser(sub) -> None:
     p.add_argument("--backend", choices=BACKEND_NAMES, default="auto",
                    help="cupy (GPU), numpy (CPU reference) or auto (cupy when a GPU is usable)")
     p.add_argument("--engine", choices=ENGINE_MODES, default="graph",
-                   help="graph: one captured burst graph per burst; per_round_sync (or eager_sync): eager bursts "
+                   help="graph: one captured burst graph per burst; per_round_sync: eager bursts "
                         "with a host sync per round (for comparison)")
     p.add_argument("--batch", type=int_in(1, 65536), default=64, help="batch slots")
     p.add_argument("-k", type=int_in(1, MAX_K), default=4, help="drafts per round")

@@ -31,7 +31,8 @@ sys.path.insert(0, ".")
 from graphburst.backend import get_backend  # noqa: E402
 from graphburst.bench.common import VOCAB, stub_models  # noqa: E402
 from graphburst.bench.load_server import shape_models  # noqa: E402
-from graphburst.serving.loop import Request, ServeLoop  # noqa: E402
+from graphburst.serving.request import Request
+from graphburst.serving.loop import ServeLoop
 
 LOAD_MAX = 512  # --model: prompt and output lengths lognormal, mean 128, in [16, 512] (the load benchmark's default)
 # (label, owner attribute path from the loop ("" is the loop), method): timed inclusively

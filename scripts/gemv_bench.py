@@ -1,5 +1,5 @@
-"""cuBLAS (F.linear) against the weight-streaming GEMV (kernels/gemv_triton.py) at decode shapes, and a
-sweep of the GEMV's tilings to fill ``gemv_triton.CONFIGS`` (H200, bf16).
+"""cuBLAS (F.linear) against the weight-streaming GEMV (models/decode/gemv.py) at decode shapes, and a
+sweep of the GEMV's tilings to fill ``gemv.CONFIGS`` (H200, bf16).
 
     PYTHONPATH=. python3 scripts/gemv_bench.py --shapes 1b 8b --m 1 5 16 64 --sweep-m 1 5 --json gemv.json
 
@@ -13,7 +13,7 @@ and y bytes once; ``%HBM`` is that over 4.8 TB/s.
 One rich row per (shape, projection, M): cuBLAS, the GEMV on CONFIGS' tiling, and (at
 ``--sweep-m``) the best swept tiling. Then, per ``(next_pow2(N), next_pow2(K))`` bucket, the
 tiling with the least summed time over the swept M, printed as a ``CONFIGS`` literal to paste
-into kernels/gemv_triton.py. Set ``llama_decode.GEMV_MAX_M`` to the largest M where the
+into models/decode/gemv.py. Set ``llama_decode.GEMV_MAX_M`` to the largest M where the
 GEMV beats cuBLAS on every projection (0 if it never does).
 """
 
@@ -31,7 +31,7 @@ from rich.table import Table
 
 from tp_floor import graph_us  # scripts/ is on sys.path when a script runs
 
-from graphburst.kernels.gemv_triton import CONFIGS, FMA_MAX_M, GemvConfig, default_config, gemv, pick_config
+from graphburst.models.decode.gemv import CONFIGS, FMA_MAX_M, GemvConfig, default_config, gemv, pick_config
 
 #: HBM bandwidth the %HBM column divides by (H200: 4.8 TB/s)
 HBM_BYTES_PER_S = 4.8e12

@@ -28,7 +28,8 @@ from rich.table import Table
 sys.path.insert(0, ".")
 from graphburst.backend import get_backend  # noqa: E402
 from graphburst.bench.common import VOCAB, stub_models  # noqa: E402
-from graphburst.serving.loop import Request, ServeLoop  # noqa: E402
+from graphburst.serving.request import Request
+from graphburst.serving.loop import ServeLoop
 
 CATEGORIES = ("plain", "admit", "after")
 

@@ -45,7 +45,7 @@ PATHS = {"auto": "fused", "cublas": "fused-cublas"}
 #: kernel name -> category, first match wins. Attention goes first: PyTorch's memory-efficient
 #: attention is a CUTLASS kernel (``fmha_cutlassF_...``) and flash's split-KV kernels say "splitkv".
 #: GEMM: cuBLAS / cuBLASLt / CUTLASS names on the H200 (``nvjet_...``, ``..._gemm_...``) and the
-#: Triton GEMV (``kernels/gemv_triton.py``: ``_gemv`` and its split-K sum ``_split_k_sum``).
+#: Triton GEMV (``models/decode/gemv.py``: ``_gemv`` and its split-K sum ``_split_k_sum``).
 #: fused: the per-layer elementwise work (graphburst's Triton ``_add_rmsnorm``, ``_rope_kv_write``,
 #: ``_silu_mul``; aten's norm kernel on the SDPA path). other: the rest (copies, adds, index, argmax...).
 CATEGORIES = (
@@ -84,7 +84,7 @@ def check(model, tok, pos, lengths) -> float:
     scale = want.abs().max().item()
     # bf16 through a random-weight model: the fused kernels round RoPE, norms and softmax once
     # where SDPA's path rounds each product, and 32 layers amplify it (8b: 6% of the largest
-    # logit on the H200); a wiring bug is O(scale). tests/test_decode_kernels_gpu.py holds
+    # logit on the H200); a wiring bug is O(scale). tests/models/decode/test_decode_kernels_gpu.py holds
     # the same forward to 1e-5 in fp32.
     if not err <= 0.25 * scale + 1e-3:
         raise SystemExit(f"fused forward disagrees with SDPA: max |diff| {err:.4g} (logits up to {scale:.4g})")

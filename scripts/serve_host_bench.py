@@ -36,7 +36,8 @@ from graphburst.backend import get_backend  # noqa: E402
 from graphburst.bench.common import stub_models  # noqa: E402
 from graphburst.burst_tokens import BurstTokens  # noqa: E402
 from graphburst.capture import RecordedProgram  # noqa: E402
-from graphburst.serving.loop import Request, ServeLoop  # noqa: E402
+from graphburst.serving.request import Request
+from graphburst.serving.loop import ServeLoop
 
 PHASES = {"drain": ("pipeline", "drain"), "launch": ("pipeline", "launch"),
           "deliver": (None, "_deliver"), "boundary": (None, "_boundary")}

@@ -10,7 +10,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from ..burst import SpecDecoder
+from ..engine.decoder import SpecDecoder
 from ..kernels.digest import greedy_reference
 from ..models.stubs import stub_pair
 

@@ -19,7 +19,7 @@ import time
 from rich.console import Console
 from rich.progress import Progress
 
-from ..burst import SpecDecoder
+from ..engine.decoder import SpecDecoder
 from ..cli_args import FlagError, check_kv_memory, int_in, writable_file
 from .common import build_decoder, check_greedy, fmt, label, new_table, random_prompts, write_results
 from .modes import LABELS, TIMING_ONLY, EmptyModel, Floor, Graph, Mode, Peer, burst_runner

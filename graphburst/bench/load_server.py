@@ -27,7 +27,8 @@ from rich.console import Console
 
 from ..backend import get_backend
 from ..serving.factory import ServeConfig, build_loop, describe_warmup, warm_models
-from ..serving.loop import Request, ServeLoop
+from ..serving.request import Request
+from ..serving.loop import ServeLoop
 from .load_schedule import LengthDist, check_requests
 
 CHECK_PREFIX = "graphburst bench: in-process "

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import enum
 
-from ..burst import BurstMode, SpecDecoder
+from ..engine.mode import BurstMode
+from ..engine.decoder import SpecDecoder
 from ..capture import BurstGraph
 from ..protocol import hook
 
@@ -16,7 +17,7 @@ from ..protocol import hook
 class Mode(str, enum.Enum):
     """Benchmark modes; the value is the letter the tables and JSON use.
 
-    The first four are the engine's :class:`~graphburst.burst.BurstMode` (``burst_mode``);
+    The first four are the engine's :class:`~graphburst.engine.mode.BurstMode` (``burst_mode``);
     the rest are references the benchmark adds.
     """
 

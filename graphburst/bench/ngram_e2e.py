@@ -28,7 +28,7 @@ import time
 import numpy as np
 import torch
 
-from ..burst import SpecDecoder
+from ..engine.decoder import SpecDecoder
 from ..capture import BurstGraph
 from ..models.ngram import NgramDraft
 from ..models.torch_adapter import TorchTarget

@@ -32,9 +32,9 @@ from rich.console import Console
 from rich.progress import Progress
 
 from .common import label
-# add_parser, check_args: the bench command's hooks (bench/__init__), from the flags' module
-from .real_args import (CALIBRATION, DEFAULT_PLOT, EPS_GRID, MODEL_NAMES, _capacity, add_parser,  # noqa: F401
-                        check_args, settings)
+from .real_args import CALIBRATION, DEFAULT_PLOT, EPS_GRID, _capacity, settings
+# the bench command's hooks (bench/__init__ calls them on this module), defined with the flags
+from .real_args import add_parser, check_args  # noqa: F401
 from .real_profile import profile_all
 from .real_report import NOT_RUN, SAME_KERNEL_ORDER, plot_problem, report
 
@@ -269,7 +269,7 @@ def _build_model(mname, mi, s, backend, failures) -> dict:
     hf, hf_reason = None, None
     if "hf" in s["engines"]:
         try:
-            import transformers  # noqa: F401
+            import transformers
         except ImportError:
             hf_reason = "not run: transformers is not installed"
     if "hf" in s["engines"] and hf_reason is None:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import warnings
 
 from ..models.parity import NEAR_TIE_TOL, compare_tokens, first_divergence, teacher_forced_logits
-from ..models.parity import near_tie  # noqa: F401 (this module's rule, named here for its callers)
 from .real_engines import sync
 from .real_report import SAME_KERNEL_ORDER, SAME_KERNEL_RULE
 
@@ -49,7 +48,7 @@ def fp32_check(src, draft, s, backend, prompt) -> dict:
     """
     import torch
 
-    from ..burst import SpecDecoder
+    from ..engine.decoder import SpecDecoder
     from ..models.llama import Llama
     from ..models.torch_adapter import TorchDraft, TorchTarget
     from .real_engines import HFAssisted

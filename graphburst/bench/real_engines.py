@@ -33,7 +33,7 @@ import time
 
 import torch
 
-from ..burst import SpecDecoder
+from ..engine.decoder import SpecDecoder
 from ..capture import BurstGraph
 from ..models.llama import Llama
 from ..models.torch_adapter import TorchDraft, TorchTarget

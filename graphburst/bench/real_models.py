@@ -28,7 +28,8 @@ import dataclasses
 import torch
 from torch import nn
 
-from ..models.llama import Llama, LlamaConfig
+from ..models.llama import Llama
+from ..models.llama_config import LlamaConfig
 
 INIT_STD = 0.02
 LLAMA32_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import statistics
 import time
 
-from ..burst import SpecDecoder
+from ..engine.decoder import SpecDecoder
 from ..capture import BurstGraph
 from .common import check_greedy, fmt, new_table, random_prompts, stub_models
 

@@ -20,10 +20,12 @@ import time
 import numpy as np
 from rich.console import Console
 
-from ..burst import BurstMode
+from ..engine.mode import BurstMode
 from ..cli_args import TOKEN_BYTES, DeprecatedAlias, FlagError, check_kv_memory, check_memory, int_in, writable_file
 from ..constants import MAX_DEPTH
-from ..serving.loop import Request, ServeLoop, inter_token_latencies_us, percentiles
+from ..serving.request import Request
+from ..serving.loop import ServeLoop
+from ..serving.timing import inter_token_latencies_us, percentiles
 from . import load
 from .common import VOCAB, check_greedy, fmt, label, new_table, stub_models, write_results
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from ..kernels.digest import greedy_reference
-from ..serving.loop import percentiles
+from ..serving.timing import percentiles
 from .common import VOCAB
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # so the subprocess imports this graphburst

@@ -10,7 +10,7 @@ the same buffers (zero-copy DLPack views), and the whole burst is captured with
 from __future__ import annotations
 
 from ..burst_tokens import split_ring
-from ..burst import SpecDecoder
+from ..engine.decoder import SpecDecoder
 from ..constants import PLACEHOLDER_TOKEN
 
 

@@ -265,7 +265,7 @@ extern "C" __global__ void spec_epilogue(int k, int ring_cap,
 }
 
 // Threads: one per admitted slot.
-// Admission (graphburst/admission.py): ``table`` is [3 + n_cols, n] int32, rows (slot, budget,
+// Admission (graphburst/engine/admission/slots.py): ``table`` is [3 + n_cols, n] int32, rows (slot, budget,
 // stop token, then one row per model option column); each named slot gets its budget and stop
 // token, zeroed accept counters and its option values, written to ``((int*)cols[c])[slot]``.
 // One launch replaces three scatters plus the models' option uploads: admission runs on the

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 #: The ``--gpu-memory-fraction`` default: vLLM's, leaving a tenth of the GPU to everything unaccounted.
 DEFAULT_GPU_MEMORY_FRACTION = 0.9
 #: Capacities are rounded down to a multiple of this: the Triton decode attention reads KV in
-#: tiles of 64 rows (``kernels/attention_triton.BLOCK_N``), so a full slot ends on a whole tile,
+#: tiles of 64 rows (``kernels/attention.BLOCK_N``), so a full slot ends on a whole tile,
 #: and 64 is a multiple of the Llama KV row rounding (``llama.KV_ROW_MULTIPLE``, 16), so a
 #: model's storage rows (capacity + its slack, rounded) waste no rows to rounding.
 CAPACITY_MULTIPLE = 64

@@ -21,7 +21,8 @@ from pathlib import Path
 from ..backend import Backend, get_backend
 from ..validate import check_int
 from .llama_config import CheckpointError, LlamaConfig
-from .torch_adapter import TorchDraft, TorchTarget, _torch
+from .torch_adapter import TorchDraft, TorchTarget
+from .torch_model import _torch
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

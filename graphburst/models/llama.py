@@ -9,7 +9,7 @@ This module holds the model: the layer stack, its KV storage and RoPE tables, th
 inputs every layer shares per forward, and the forward / greedy entry points. The layers
 (RMSNorm, fused projections, attention, the SwiGLU MLP, the decoder block) and why each
 issues few kernels are in ``llama_layers.py``, the config in ``llama_config.py``, RoPE
-with the ``llama3`` scaling in ``rope.py``; all three are re-exported here. It computes what
+with the ``llama3`` scaling in ``rope.py``. It computes what
 ``transformers.LlamaForCausalLM`` computes (the tests check logits and greedy tokens
 against it), with three differences that a captured burst needs:
 
@@ -36,10 +36,9 @@ from torch import nn
 
 from ..constants import MAX_K
 from . import llama_decode
-from .llama_config import LLAMA3_KEYS, ROPE_TYPES, CheckpointError, LlamaConfig  # noqa: F401 (re-exported)
-from .llama_layers import (DETERMINISTIC_SDPA, MLP, PREFILL_SDPA, Attention, Block, FusedLinear,  # noqa: F401
-                           LayerIndex, Packed, RMSNorm, fold_mask, kv_index)
-from .rope import apply_rope, rope_inv_freq, rope_rotation, rope_tables, rotate  # noqa: F401 (re-exported)
+from .llama_config import LlamaConfig
+from .llama_layers import PREFILL_SDPA, Block, FusedLinear, LayerIndex, Packed, RMSNorm, fold_mask, kv_index
+from .rope import rope_rotation, rope_tables
 
 #: rows past ``capacity`` in every KV tensor: a chain of up to MAX_K drafts plus the
 #: draft's extra append, started at the last valid row, stays in bounds.

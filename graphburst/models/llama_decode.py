@@ -8,17 +8,17 @@ an additive mask and spends ~17 kernels per layer outside the GEMMs; here a laye
     -> add+RMSNorm -> gate/up GEMM -> SiLU*up -> down GEMM
 
 with each layer's residual add folded into the next norm (the last one into the final
-norm), the attention reading only rows ``< length + T`` (``kernels/attention_triton.py``),
+norm), the attention reading only rows ``< length + T`` (``models/decode/attention.py``),
 and positions and lengths read on the device, so the forward is graph-capturable: fixed
 grids, no host reads, temporaries from torch's allocator (the graph's pool in a capture).
 At M = B * T <= ``DecodeOps.gemv_max_m`` rows the projections and the head run on a
-weight-streaming GEMV (``kernels/gemv_triton.py``: cuBLAS streams weights well below
+weight-streaming GEMV (``models/decode/gemv.py``: cuBLAS streams weights well below
 the HBM rate at such M); past it, and for a projection with forward hooks (tensor
 parallelism's all-reduce on o_proj and down_proj), the module's own ``nn.Linear`` call
 (cuBLAS) runs, so the hooks still run.
 
 :data:`TRITON` runs the Triton kernels (CUDA, or the CPU under ``TRITON_INTERPRET=1``);
-:data:`REFERENCE` runs their plain-torch references (``kernels/decode_ref.py``), which is
+:data:`REFERENCE` runs their plain-torch references (``models/decode/reference.py``), which is
 how CI checks this forward's wiring against the SDPA path without Triton.
 """
 
@@ -35,14 +35,14 @@ from torch import nn
 #: projections and head on the weight-streaming GEMV instead of cuBLAS (cuBLAS's GEMMs and
 #: head took 776 µs for the 1b at B = 1 on the H200, 1.5x the 518 µs bytes floor). Set from
 #: the H200 sweep (``scripts/gemv_bench.py``): the largest M at which the GEMV still wins on
-#: every shape; 0 keeps cuBLAS. At most ``gemv_triton.MAX_M`` (one row tile).
+#: every shape; 0 keeps cuBLAS. At most ``gemv.MAX_M`` (one row tile).
 #: Measured on the H200 (2026-12-01, docs/results/gemv_1b_h200.json): it never wins on every
 #: shape. The 1b's small projections are latency-bound single kernels (qkv 6.5 µs under cuBLAS,
 #: 9.2 µs as the GEMV at M = 1; o 6.1 vs 7.7), only the head gains (4% at M >= 5), and the whole
 #: B = 1 forward is 1187 µs with cuBLAS against 1197 µs with the GEMV. So cuBLAS it stays.
 GEMV_MAX_M = 0
 #: ``decode_kernels="triton"`` and ``"reference"``: the GEMV up to its whole row tile
-#: (``gemv_triton.MAX_M``) whatever GEMV_MAX_M says, so the forced paths keep it tested.
+#: (``gemv.MAX_M``) whatever GEMV_MAX_M says, so the forced paths keep it tested.
 FORCED_GEMV_MAX_M = 16
 
 
@@ -61,16 +61,15 @@ class DecodeOps(NamedTuple):
 
 
 def triton_ops(gemv_max_m: int = FORCED_GEMV_MAX_M) -> DecodeOps:
-    from ..kernels.attention_triton import decode_attention
-    from ..kernels.fused_triton import add_rmsnorm, rope_kv_write, silu_mul
-    from ..kernels.gemv_triton import MAX_M, gemv
+    from .decode.attention import decode_attention
+    from .decode.fused import add_rmsnorm, rope_kv_write, silu_mul
+    from .decode.gemv import MAX_M, gemv
     assert 0 <= gemv_max_m <= MAX_M, "the GEMV is one row tile"
     return DecodeOps(decode_attention, add_rmsnorm, rope_kv_write, silu_mul, gemv, gemv_max_m)
 
 
 def reference_ops(gemv_max_m: int = FORCED_GEMV_MAX_M) -> DecodeOps:
-    from ..kernels.decode_ref import (add_rmsnorm_ref, decode_attention_ref, linear_ref, rope_kv_write_ref,
-                                      silu_mul_ref)
+    from .decode.reference import add_rmsnorm_ref, decode_attention_ref, linear_ref, rope_kv_write_ref, silu_mul_ref
     return DecodeOps(decode_attention_ref, add_rmsnorm_ref, rope_kv_write_ref, silu_mul_ref, linear_ref, gemv_max_m)
 
 

@@ -9,7 +9,7 @@ loading names the parts of a :class:`FusedLinear`. The families graphburst loads
 here only by config switches (q/k/v biases, o_proj and MLP biases, per-head q/k RMSNorm).
 
 Every launch is a graph node and at batch 1 a layer's non-GEMM work is launch-bound, so
-a layer is written to issue few kernels (``tests/test_llama_ops.py`` bounds the count):
+a layer is written to issue few kernels (``tests/models/test_llama_ops.py`` bounds the count):
 
 * **Fused projections.** ``qkv_proj`` holds HF's ``q_proj``, ``k_proj``, ``v_proj`` rows
   stacked, ``gate_up_proj`` holds ``gate_proj`` then ``up_proj``: one GEMM each, split by

@@ -45,7 +45,7 @@ from .prefill_buckets import DEFAULT_MAX_TOKENS, continued_warm_lengths, warm_ou
 #: Tokens one prefill forward is sized for when the caller does not say (a chunked
 #: prefill's chunk bounds it; admitting more prompt tokens at once than this may not fit).
 DEFAULT_PREFILL_TOKENS = 8192
-#: The Triton decode kernels (``kernels/attention_triton.py``) offset a slot's KV by
+#: The Triton decode kernels (``models/decode/attention.py``) offset a slot's KV by
 #: ``b * stride`` with int32 arguments, so one layer's K (or V), batch x rows x KV heads x
 #: head_dim elements, must stay below 2**31: a cap on the capacity at large batches.
 MAX_KV_HALF_ELEMENTS = 2**31 - 1

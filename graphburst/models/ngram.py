@@ -35,7 +35,7 @@ from ..backend import Backend, get_backend
 from ..buffers import KVCache, KVLayer, StreamBufs
 from ..constants import NGRAM_MAX
 from ..guard import Watched
-from ..option_columns import scatter_columns
+from ..engine.admission.options import scatter_columns
 from ..protocol import DraftModel
 from ..validate import check_int
 from .capacity import MemorySpec

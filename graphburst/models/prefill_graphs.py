@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import time
 
-from ..torch_capture import end_capture_quietly
+from ..engine.torch_capture import end_capture_quietly
 from ..validate import check_int
 from .prefill_buckets import (CALL_COST_TOKENS, CAPTURE_AT_USE, DEFAULT_MAX_TOKENS, EAGER_CALL_COST_TOKENS,
                               continued_warm_lengths, padded_bucket, warm_sizes)

@@ -31,7 +31,7 @@ from ..backend import Backend, get_backend
 from ..buffers import KVCache, KVLayer, PtrTable, StreamBufs, kv_len_ptr_table_range
 from ..kernels.digest import fixed24
 from ..guard import Watched
-from ..option_columns import scatter_columns
+from ..engine.admission.options import scatter_columns
 from ..protocol import DraftModel, TargetModel
 from ..validate import check_int, check_prob
 from .capacity import MemorySpec

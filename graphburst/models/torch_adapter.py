@@ -51,7 +51,7 @@ from __future__ import annotations
 from ..backend import Backend
 from ..buffers import StreamBufs
 from ..validate import check_prob
-from .torch_model import TorchBufs, _torch, _TorchModel, as_tensor  # noqa: F401 (all but _TorchModel re-exported)
+from .torch_model import _TorchModel
 
 
 class TorchTarget(_TorchModel):

@@ -6,10 +6,6 @@ of the ``StreamBufs`` (:class:`TorchBufs`, :func:`as_tensor`) and of the one KV 
 every layer shares (made once, outside capture), the ``KVCache``, binding to one live
 decoder per module, the stream the ops run on, and prefill, eager or through prefill graphs.
 The module contract it serves is in :mod:`graphburst.models.torch_adapter`'s docstring.
-
-These moved here from :mod:`graphburst.models.torch_adapter` (it had reached 453 lines),
-which keeps the contract and the two wrappers and still re-exports :func:`as_tensor`,
-:class:`TorchBufs` and ``_torch``, so old imports work.
 """
 
 from __future__ import annotations

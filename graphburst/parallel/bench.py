@@ -78,7 +78,7 @@ class Run:
         gc.collect()  # the last phase's models (sharded modules hold reference cycles through their hooks)
         if self.gpu:
             self.torch.cuda.empty_cache()
-        from ..burst import SpecDecoder
+        from ..engine.decoder import SpecDecoder
         from ..models.checkpoint import wrap_pair
         from .models import random_pair
         from .runner import ParallelBurst, ParallelDecoder, build_pair, hash_parts
@@ -176,7 +176,7 @@ class Run:
     def _time_program(self, dec, program, reps: int) -> float:
         """Seconds for ``reps`` launches of ``program`` as one graph; buffers and lengths restored after."""
         from ..capture import RecordedProgram, _capture_failed
-        from ..torch_capture import TorchCapturer
+        from ..engine.torch_capture import TorchCapturer
 
         arrays = [dec.bufs.out_block] + [getattr(dec.bufs, n) for n in dec.bufs.LAYOUT if n not in dec.bufs.OUTPUTS]
         arrays += [ly.length for m in (dec.target, dec.draft) for ly in m.cache.layers if ly is not None]

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ..constants import TP_MAX_DEPTH
-from ..models.torch_adapter import as_tensor
+from ..models.torch_model import as_tensor
 from .dist import Context, ParallelError
 
 #: buffers folded into the checksum: everything the replicated epilogue writes and the host reads

@@ -37,7 +37,8 @@ import time
 
 import numpy as np
 
-from ..serving.loop import Request, ServeLoop
+from ..serving.request import Request
+from ..serving.loop import ServeLoop
 from ..serving.pipeline import graph_of
 from .dist import Context, ParallelError
 

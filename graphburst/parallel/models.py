@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from ..models.llama import Llama, LlamaConfig
+from ..models.llama import Llama
+from ..models.llama_config import LlamaConfig
 
 #: the small model of ``--model tiny-random`` (TP 2 and PP 2 divide it)
 TINY = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,

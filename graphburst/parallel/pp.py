@@ -20,7 +20,8 @@ from torch import nn
 
 from ..buffers import PtrTable, StreamBufs, kv_len_ptr_table, kv_len_ptr_table_range
 from ..models.llama import Llama
-from ..models.torch_adapter import TorchTarget, as_tensor
+from ..models.torch_adapter import TorchTarget
+from ..models.torch_model import as_tensor
 from .dist import Context, Layout, check_layout
 
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 import contextlib
 import functools
 
-from ..burst import Call, SpecDecoder
+from ..engine.program import Call
+from ..engine.decoder import SpecDecoder
 from ..capture import BurstGraph
 from ..models.torch_adapter import TorchDraft, TorchTarget
 from .check import MAX_GRAPHS, RankCheck

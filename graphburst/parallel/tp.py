@@ -25,7 +25,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..models.llama import Llama, LlamaConfig
+from ..models.llama import Llama
+from ..models.llama_config import LlamaConfig
 from .dist import Context, Layout, check_layout
 
 

@@ -1,4 +1,4 @@
-"""Sampling mode of a :class:`~graphburst.burst.SpecDecoder`: its round calls, per-slot
+"""Sampling mode of a :class:`~graphburst.engine.decoder.SpecDecoder`: its round calls, per-slot
 settings and first tokens.
 
 A decoder built with ``sampling=True`` allocates the buffers of
@@ -20,7 +20,7 @@ is greedy only)::
 Randomness is Philox keyed by (``seed[b]``, absolute position of the token decided, draw
 index): a sequence's tokens depend on nothing the host holds, nor on its batch slot. A
 slot at temperature 0 (or top_k = 1) gets one-hot distributions, so it decodes exactly
-the greedy tokens. The functions here return ``(name, fn)`` pairs that :mod:`graphburst.program` wraps
+the greedy tokens. The functions here return ``(name, fn)`` pairs that :mod:`graphburst.engine.program` wraps
 as its ``Call`` objects.
 """
 

@@ -1,7 +1,7 @@
 """The serving loop's burst boundary: freeing slots, admitting waiting requests, prefilling.
 
 The boundary may run while bursts are still in flight: every write it makes is enqueued
-behind them on the decoder's stream with no host sync (:mod:`graphburst.admission`), so
+behind them on the decoder's stream with no host sync (:mod:`graphburst.engine.admission.slots`), so
 the GPU keeps decoding the other slots, and the first burst launched afterwards serves the
 new ones. With ``prefill_chunk`` a long prompt is prefilled a chunk per boundary, so the
 decoding streams wait at most one chunk's prefill per burst.
@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from ..admission import chunked_prefill
+from ..engine.admission.checks import chunked_prefill
 from ..constants import NO_EOS
 from ..validate import check_int
 from .events import Admitted
@@ -69,7 +69,7 @@ class LoopAdmission:
         (every slot change of the loop happens here).
 
         Bursts may still be in flight: every write is enqueued behind them on the decoder's
-        stream, with no host sync (``graphburst.admission``), and the first burst launched
+        stream, with no host sync (``graphburst.engine.admission.slots``), and the first burst launched
         after it serves the new slots. Admission reads the values validated at submission;
         a request whose prefill fails finishes with an error and its slot is freed.
         """

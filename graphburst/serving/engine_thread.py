@@ -29,7 +29,8 @@ import time
 import traceback
 
 from .events import Admitted, Retired, Tokens
-from .loop import Request, RequestState, ServeLoop
+from .request import Request, RequestState
+from .loop import ServeLoop
 
 STATS_PERIOD_S = 0.05  # loop.stats() snapshots for /metrics, at most this often
 

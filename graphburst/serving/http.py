@@ -40,7 +40,8 @@ from ..validate import parse_json
 from .engine_thread import EngineThread, Ticket
 from .metrics import CONTENT_TYPE, Metrics
 from .factory import build_loop, model_name, resolve_capacity
-from .loop import Request, ServeLoop
+from .request import Request
+from .loop import ServeLoop
 from .request import MAX_REQUEST_BYTES
 
 DEFAULT_ADDRESS = "127.0.0.1:8000"

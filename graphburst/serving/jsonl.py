@@ -19,9 +19,8 @@ request already taken runs to its end and gets its record; exit 0. A second one 
 the requests still running or waiting are cancelled, every taken line still gets its
 record (``finish_reason: "cancelled"`` with the tokens so far), exit ``128 + signal``.
 
-The input side, the reader thread (:class:`LineReader`) and :func:`parse_line`, lives in
-:mod:`graphburst.serving.jsonl_input` (moved there when this file reached 452 lines); both
-names, and ``MAX_LINE_BYTES``, are still importable from here.
+The input side, the reader thread (:class:`LineReader`) and :func:`parse_line`, is
+:mod:`graphburst.serving.jsonl_input`.
 """
 
 from __future__ import annotations
@@ -38,7 +37,8 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from .loop import RequestState, ServeLoop
+from .request import RequestState
+from .loop import ServeLoop
 from .jsonl_input import _EOF, MAX_LINE_BYTES, READ_AHEAD, STOP_POLL_S, LineReader, LineTooLong, parse_line
 from .events import Retired
 

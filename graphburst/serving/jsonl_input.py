@@ -5,10 +5,8 @@ bounded queue, so it runs at most ``read_ahead`` lines ahead of the loop, and a 
 ``MAX_LINE_BYTES`` is handed over as its size (:class:`LineTooLong`), never held whole.
 :func:`parse_line` turns one line into a request: the known fields, and every other key a
 per-request model option.
-
-These moved here from :mod:`graphburst.serving.jsonl` (it had reached 452 lines), which keeps
-the serving side: :class:`~graphburst.serving.jsonl.JsonlServer`, the records, the signals and
-``run``. It still re-exports ``parse_line`` and ``MAX_LINE_BYTES``, so old imports work.
+The serving side (:class:`~graphburst.serving.jsonl.JsonlServer`, the records, the signals and
+``run``) is :mod:`graphburst.serving.jsonl`.
 """
 
 from __future__ import annotations

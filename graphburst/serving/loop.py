@@ -33,14 +33,14 @@ from collections.abc import AsyncIterator, Iterator
 
 import numpy as np
 
-from ..burst import BurstMode, SpecDecoder
-from .. import host_ops
+from ..engine.mode import BurstMode
+from ..engine.decoder import SpecDecoder
+from ..engine import host_ops
 from ..capture import BurstGraph
 from ..constants import MAX_DEPTH
 from ..sampling.params import SamplingParams
 from ..validate import check_int
-from .admit import (ADMISSION_WINDOW, NO_RECENT_ADMISSION, LoopAdmission, check_admission, check_prefill_chunk,
-                    describe)
+from .admit import ADMISSION_WINDOW, NO_RECENT_ADMISSION, LoopAdmission, check_admission, check_prefill_chunk, describe
 from .delivery import LoopDelivery
 from .events import Retired
 from .first_tokens import NO_COPY, FirstTokenCopies, LoopFirstTokens
@@ -51,7 +51,7 @@ from .slot_tokens import SlotTokens
 from .timing import inter_token_latencies_us, percentiles
 
 SERVE_MODES = (BurstMode.GRAPH, BurstMode.PER_ROUND_SYNC)  # ``pipelined`` makes the graph engine gapless
-ENGINE_MODES = tuple(m.value for m in SERVE_MODES) + ("eager_sync",)  # --engine choices; eager_sync: the old name
+ENGINE_MODES = tuple(m.value for m in SERVE_MODES)  # --engine choices
 
 __all__ = ["ENGINE_MODES", "SERVE_MODES", "Request", "RequestState", "ServeLoop", "inter_token_latencies_us",
            "percentiles"]
@@ -65,7 +65,7 @@ class ServeLoop(LoopAdmission, LoopFirstTokens, LoopDelivery):
     target, draft : the models (a stub draft gets per-request acceptance and seed)
     k, m_rounds : int
     engine : BurstMode or str
-        ``GRAPH``, or ``PER_ROUND_SYNC`` (also spelt ``"eager_sync"``) to run the same
+        ``GRAPH``, or ``PER_ROUND_SYNC`` to run the same
         loop through eager bursts that sync every round, for comparison.
     pipelined : bool
         Graph engine only: keep a second burst in flight (gapless drain) while the host
@@ -127,7 +127,7 @@ class ServeLoop(LoopAdmission, LoopFirstTokens, LoopDelivery):
         self.pipeline = BurstPipeline(self.dec, engine, pipelined, make_graph=self._make_graph, depth=depth)
         # Every admission graph a request can take, captured now, not by its first request: the process's
         # first capture took 14 ms on an H200, later ones ~0.1 ms, and a prefill that cannot be captured
-        # shows here (admission_graph.py; nothing for decoders that admit eagerly)
+        # shows here (engine/admission/graphs.py; nothing for decoders that admit eagerly)
         self.dec.warm_admission_graphs(chunk=self.prefill_chunk)
         self.pipelined = self.pipeline.pipelined
         self.graph = self.pipeline.graph

@@ -19,7 +19,8 @@ import functools
 
 import numpy as np
 
-from ..burst import BurstMode, SpecDecoder
+from ..engine.mode import BurstMode
+from ..engine.decoder import SpecDecoder
 from ..capture import BurstGraph
 from .timing import BurstClock
 

@@ -73,13 +73,13 @@ def check_whole_request_fits(req: Request, *, vocab: int, capacity: int) -> tupl
     The capacity rules differ, on purpose. The serving loop's rule (this one): the prompt
     plus the whole ``max_new_tokens`` budget must fit one slot's KV cache, so a request
     the loop accepts can never run out of cache half-way and lose its work.
-    :meth:`graphburst.burst.SpecDecoder.check_first_burst_fits` (the decoder's, at prefill)
+    :meth:`graphburst.engine.decoder.SpecDecoder.check_first_burst_fits` (the decoder's, at prefill)
     only needs the prompt plus the tokens of one burst to fit; a caller driving the
     decoder directly may ask for more and is stopped by a ``CapacityError`` at the launch
     of a burst that would overflow.
     """
     if not isinstance(req, Request):
-        raise TypeError(f"request must be a graphburst.serving.loop.Request, got {type(req).__name__}")
+        raise TypeError(f"request must be a graphburst.serving.request.Request, got {type(req).__name__}")
     row = check_prompt("prompt", req.prompt, vocab)
     limit = check_int("max_new_tokens", req.max_new_tokens, maximum=UNBOUNDED_BUDGET - 1)
     eos = None if req.eos is None else check_int("eos", req.eos, minimum=0, maximum=vocab - 1)

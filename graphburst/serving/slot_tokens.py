@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import host_ops
+from ..engine import host_ops
 
 
 class SlotTokens:

@@ -1,0 +1,239 @@
+"""Awkward-size cases for the decode kernels, shared by the CPU (Triton interpreter) and GPU tests.
+
+Each check builds inputs on ``device``, runs a kernel from ``graphburst.kernels`` and its
+plain-torch reference from ``decode.reference`` and raises AssertionError on a mismatch. KV rows
+past each sequence's ``length + T`` are poisoned with NaN (and +inf), so a kernel that
+reads them fails.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from graphburst.constants import MAX_K
+from graphburst.models.decode import reference as decode_reference
+
+#: KV capacity of the cases (lengths 0, 1, 63 and CAPACITY - 1); rows = CAPACITY + slack
+CAPACITY = 96
+ROWS = CAPACITY + MAX_K + 2
+LENGTHS = (0, 1, 63, CAPACITY - 1)
+#: fp32 within float rounding; bf16 within two bf16 ulps of values ~1 (one rounding of p and of the output)
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+
+#: (B, T, KV heads, group, head_dim, dtype, splits): every B, group and head_dim, T from 1 to MAX_K + 1,
+#: single and split KV; small enough for Triton's CPU interpreter
+CI_ATTENTION = [
+    (1, 1, 1, 8, 128, torch.float32, 4), (3, 1, 2, 4, 64, torch.bfloat16, 2), (19, 1, 2, 1, 64, torch.float32, 1),
+    (1, 5, 2, 4, 64, torch.bfloat16, 4), (3, 2, 1, 8, 128, torch.float32, 1), (19, 3, 1, 1, 64, torch.bfloat16, 2),
+    (1, MAX_K + 1, 1, 4, 64, torch.float32, 2), (3, MAX_K + 1, 1, 1, 128, torch.bfloat16, 1),
+    (1, 33, 2, 8, 64, torch.float32, 4), (3, 4, 2, 8, 64, torch.float32, None),
+]
+
+
+def gpu_attention_cases() -> list:
+    """Every T in 1..MAX_K + 1 against every B and group; head_dim and dtype rotate; default splits.
+
+    (The split counts 1, 2 and 4 are in CI_ATTENTION; each distinct split count, group,
+    head_dim and dtype is one more Triton compile, so the rotation keeps them few.)
+    """
+    out = []
+    for t in range(1, MAX_K + 2):
+        for j, (b, g) in enumerate(itertools.product((1, 3, 19), (1, 4, 8))):
+            d = (64, 128)[(t + j) % 2]
+            dtype = (torch.float32, torch.bfloat16)[(t // 2 + j) % 2]
+            out.append((b, t, 2 if b > 1 else 1, g, d, dtype, None))
+    return out
+
+
+def lengths_for(b: int, t: int, salt: int = 0) -> torch.Tensor:
+    """[b] int32 cycling through LENGTHS (B = 1 takes one of them by ``salt``)."""
+    return torch.tensor([LENGTHS[(i + salt) % len(LENGTHS)] for i in range(b)], dtype=torch.int32)
+
+
+def poison_tail(kv: torch.Tensor, length: torch.Tensor, t: int) -> None:
+    """NaN in every row a forward of T tokens must not read (rows >= length + T), +inf in the first."""
+    for i, n in enumerate(length.tolist()):
+        kv[:, i, n + t:] = float("nan")
+        if n + t < kv.shape[2]:
+            kv[:, i, n + t] = float("inf")
+
+
+#: an idle slot's length may be a sentinel: the kernels read it as 0 (and stay finite)
+IDLE_LENGTHS = (-1, 5, -(2**31))
+#: (T, dtype, splits) of the idle-slot cases; split KV too (the combine is where a NaN would come from)
+CI_IDLE = [(1, torch.float32, 4), (3, torch.bfloat16, 2), (2, torch.float32, 1)]
+
+
+def check_attention(attention, case, device, seed: int = 0, length: torch.Tensor | None = None) -> None:
+    """``length``: [B] int32 to use instead of :func:`lengths_for` (negative: an idle slot, read as 0)."""
+    b, t, kvh, g, d, dtype, splits = case
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, t, kvh * g, d, generator=gen).to(dtype).to(device)
+    kv = torch.randn(2, b, ROWS, kvh, d, generator=gen).to(dtype)
+    length = lengths_for(b, t, seed) if length is None else length
+    poison_tail(kv, length.clamp(min=0), t)
+    kv, length = kv.to(device), length.to(device)
+    got = attention(q, kv, length, splits=splits)
+    want = decode_reference.decode_attention_ref(q, kv, length)
+    assert torch.isfinite(got.float()).all(), f"non-finite output for {case}"
+    torch.testing.assert_close(got.float(), want.float(), **TOL[dtype], msg=lambda m: f"{case}: {m}")
+
+
+def check_attention_idle(attention, case, device, seed: int = 0) -> None:
+    """B = 3 with lengths IDLE_LENGTHS: finite, and equal to the reference (which reads them as 0)."""
+    t, dtype, splits = case
+    check_attention(attention, (len(IDLE_LENGTHS), t, 2, 4, 64, dtype, splits), device, seed,
+                    length=torch.tensor(IDLE_LENGTHS, dtype=torch.int32))
+
+
+#: rows per sequence of the int64 case: batch index 2 times the batch stride (2^24 rows x 64) is 2^31 elements
+HUGE_ROWS = 2**24
+
+
+def check_int64_offsets(attention, rope_kv_write, device) -> None:
+    """A bf16 cache of 3 x 2^24 rows (12.9 GB, untouched but for a few rows: the CPU commits only those pages)
+    where sequence 2 starts at element 2^31: the RoPE write and the attention reach its rows, not a wrapped
+    int32 offset. Held to the same kernels on a small copy of the rows they touch, and to the reference."""
+    b, t, h, kvh, d, small = 3, 2, 4, 1, 64, 32
+    gen = torch.Generator().manual_seed(7)
+    length = torch.tensor([5, 0, 9], dtype=torch.int32)
+    kv_small = torch.randn(2, b, small, kvh, d, generator=gen).to(torch.bfloat16)
+    poison_tail(kv_small, length, t)
+    qkv = torch.randn(b, t, h + 2 * kvh, d, generator=gen).to(torch.bfloat16).to(device)
+    ang = torch.rand(small, d // 2, generator=gen)
+    cos, sin = torch.cat((ang.cos(), ang.cos()), -1).to(device), torch.cat((ang.sin(), ang.sin()), -1).to(device)
+    kv = torch.empty(2, b, HUGE_ROWS, kvh, d, dtype=torch.bfloat16, device=device)
+    assert (b - 1) * kv.stride(1) == 2**31 and kv.stride(1) < 2**31  # an int32 product wraps; the stride does not
+    kv_small, length = kv_small.to(device), length.to(device)
+    kv[:, :, :small] = kv_small
+    qkv_small = qkv.clone()
+    rope_kv_write(qkv, cos, sin, length, length, kv, h)
+    rope_kv_write(qkv_small, cos, sin, length, length, kv_small, h)
+    torch.testing.assert_close(kv[:, :, :small].float(), kv_small.float(), rtol=0, atol=0, equal_nan=True)
+    for splits in (1, 2):
+        got = attention(qkv[:, :, :h], kv, length, splits=splits)
+        want = decode_reference.decode_attention_ref(qkv_small[:, :, :h], kv_small, length)
+        assert torch.isfinite(got.float()).all(), f"non-finite output, splits {splits}"
+        torch.testing.assert_close(got.float(), want.float(), **TOL[torch.bfloat16],
+                                   msg=lambda m: f"splits {splits}: {m}")
+
+
+#: (rows R, hidden N, dtype, with residual)
+CI_NORM = [(1, 64, torch.float32, False), (7, 96, torch.float32, True), (19, 2048, torch.bfloat16, True),
+           (3, 257, torch.bfloat16, False)]
+
+
+def check_add_rmsnorm(add_rmsnorm, case, device, seed: int = 0) -> None:
+    r, n, dtype, has_res = case
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(r, n, generator=gen).to(dtype).to(device)
+    res = torch.randn(r, n, generator=gen).to(dtype).to(device) if has_res else None
+    w = torch.randn(n, generator=gen).to(dtype).to(device)
+    x_ref = x.clone()
+    got = add_rmsnorm(x, res, w, 1e-5)
+    want = decode_reference.add_rmsnorm_ref(x_ref, res, w, 1e-5)
+    torch.testing.assert_close(x.float(), x_ref.float(), **TOL[dtype], msg=lambda m: f"{case} residual: {m}")
+    torch.testing.assert_close(got.float(), want.float(), **TOL[dtype], msg=lambda m: f"{case}: {m}")
+
+
+#: (B, T, H, KV heads, head_dim, dtype)
+CI_ROPE = [(1, 1, 8, 1, 128, torch.float32), (3, 5, 4, 1, 64, torch.bfloat16), (19, 2, 8, 8, 64, torch.float32),
+           (3, MAX_K + 1, 8, 2, 64, torch.float32)]
+
+
+def check_rope_kv_write(rope_kv_write, case, device, seed: int = 0) -> None:
+    b, t, h, kvh, d, dtype = case
+    gen = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(b, t, h + 2 * kvh, d, generator=gen).to(dtype).to(device)
+    ang = torch.rand(ROWS, d // 2, generator=gen) * 6.0
+    cos, sin = torch.cat((ang.cos(), ang.cos()), -1).to(device), torch.cat((ang.sin(), ang.sin()), -1).to(device)
+    start = (lengths_for(b, t, seed) + 3).to(device)  # positions differ from the rows written
+    length = lengths_for(b, t, seed + 1).to(device)
+    kv = torch.full((2, b, ROWS, kvh, d), float("nan"), dtype=dtype, device=device)  # untouched rows stay NaN
+    qkv_ref, kv_ref = qkv.clone(), kv.clone()
+    rope_kv_write(qkv, cos, sin, start, length, kv, h)
+    decode_reference.rope_kv_write_ref(qkv_ref, cos, sin, start, length, kv_ref, h)
+    torch.testing.assert_close(qkv.float(), qkv_ref.float(), **TOL[dtype], msg=lambda m: f"{case} q: {m}")
+    torch.testing.assert_close(kv.float(), kv_ref.float(), **TOL[dtype], equal_nan=True,
+                               msg=lambda m: f"{case} kv: {m}")
+
+
+#: (rows R, F, dtype)
+CI_SILU = [(1, 64, torch.float32), (7, 1000, torch.bfloat16), (19, 2050, torch.float32)]
+
+
+def check_silu_mul(silu_mul, case, device, seed: int = 0) -> None:
+    r, f, dtype = case
+    gu = torch.randn(r, 2 * f, generator=torch.Generator().manual_seed(seed)).to(dtype).to(device)
+    torch.testing.assert_close(silu_mul(gu).float(), decode_reference.silu_mul_ref(gu).float(), **TOL[dtype],
+                               msg=lambda m: f"{case}: {m}")
+
+
+def check_model(decode_kernels: str, device, dtype=torch.float32, batch: int = 3, ts=(1, 5), **switches) -> None:
+    """A 2-layer Llama on ``decode_kernels`` against the same weights on SDPA: logits and every KV row.
+
+    ``switches``: architecture switches of LlamaConfig (``qkv_bias``, ``qk_norm``), whose
+    biases and norm weights are drawn away from 0 and 1 so they change the function.
+    """
+    from graphburst.models.llama import Llama
+    from graphburst.models.llama_config import LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=8, num_key_value_heads=2, head_dim=64, **switches)
+    models = [Llama(cfg, batch=batch, capacity=CAPACITY, dtype=dtype, device=device, decode_kernels=k).init_random_(0)
+              for k in ("off", decode_kernels)]
+    for m in models:
+        gen = torch.Generator().manual_seed(3)
+        with torch.no_grad():
+            for name, t in m.named_parameters():
+                if name.endswith(("q_norm.weight", "k_norm.weight")):
+                    t.copy_(torch.rand(t.shape, generator=gen) + 0.5)
+                elif name.endswith("bias"):
+                    t.copy_(torch.randn(t.shape, generator=gen) * 0.5)
+    gen = torch.Generator().manual_seed(1)
+    for t in ts:
+        tokens = torch.randint(0, cfg.vocab_size, (batch, t), generator=gen).to(device)
+        start = torch.tensor([(0, 7, CAPACITY - t)[i % 3] for i in range(batch)], dtype=torch.int32, device=device)
+        fill = torch.randn(models[0].kv[0].shape, generator=gen).to(dtype)
+        for m in models:
+            for kv in m.kv:
+                kv.copy_(fill)
+        with torch.no_grad():
+            want, got = (m(tokens, start, [start] * cfg.num_hidden_layers) for m in models)
+        tol = TOL[dtype] if dtype == torch.float32 else dict(rtol=5e-2, atol=5e-2)
+        torch.testing.assert_close(got, want, **tol, msg=lambda m: f"{decode_kernels} T={t} logits: {m}")
+        for a, b in zip(*(m.kv for m in models)):
+            torch.testing.assert_close(b.float(), a.float(), **tol, msg=lambda m: f"{decode_kernels} T={t} kv: {m}")
+
+
+#: (M, N, K, dtype, bias, GemvConfig or None, fma or None): M = 1, 3, 7, 16 (and 19, past one row tile), K
+#: whole tiles and not (257), split-K 1 to 4, the multiply-accumulate path (M = 1) and tl.dot; tuple configs
+#: are GemvConfig fields (this module does not import Triton)
+CI_GEMV = [
+    (1, 96, 64, torch.float32, False, None, None), (1, 96, 257, torch.bfloat16, True, (16, 64, 4, 3), None),
+    (1, 257, 96, torch.float32, True, (32, 32, 4, 2), False), (3, 96, 257, torch.float32, True, (16, 32, 4, 4), None),
+    (7, 257, 64, torch.bfloat16, False, (64, 16, 4, 1), None), (16, 96, 64, torch.bfloat16, True, (16, 32, 4, 2), None),
+    (16, 257, 257, torch.float32, False, None, None), (19, 96, 64, torch.float32, True, (16, 32, 4, 1), None),
+]
+
+
+def check_gemv(gemv, case, device, seed: int = 0, tol: dict | None = None) -> None:
+    """``gemv(x, W, b)`` into a view of a NaN buffer (rows and columns past it must stay NaN), x a strided view,
+    against ``decode_reference.linear_ref``. W is scaled by 1/sqrt(K), so outputs are ~1 and TOL's bf16 bound is
+    about two bf16 ulps (both round one fp32 sum once; the sums differ only in order)."""
+    from graphburst.models.decode.gemv import GemvConfig
+
+    m, n, k, dtype, has_bias, cfg, fma = case
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k + 3, generator=gen).to(dtype).to(device)[:, :k]  # row stride k + 3
+    w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(dtype).to(device)
+    b = torch.randn(n, generator=gen).to(dtype).to(device) if has_bias else None
+    buf = torch.full((m + 2, n + 5), float("nan"), dtype=dtype, device=device)
+    out = buf[:m, :n]
+    got = gemv(x, w, b, out=out, config=None if cfg is None else GemvConfig(*cfg), fma=fma)
+    assert got.data_ptr() == out.data_ptr(), "gemv must write into out"
+    want = decode_reference.linear_ref(x, w, b)
+    assert buf[m:].isnan().all() and buf[:, n:].isnan().all(), f"{case}: wrote outside out"
+    torch.testing.assert_close(out.float(), want.float(), **(tol or TOL[dtype]), msg=lambda s: f"{case}: {s}")
