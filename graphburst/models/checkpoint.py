@@ -1,6 +1,8 @@
-"""Load Hugging Face checkpoints into :class:`graphburst.models.llama.Llama`, and build pairs.
+"""Load checkpoints into :class:`graphburst.models.llama.Llama`, and build pairs.
 
-A checkpoint directory holds ``config.json`` and either ``model.safetensors`` or a
+A checkpoint is a Hugging Face directory, a GGUF file (:mod:`~graphburst.models.gguf_checkpoint`:
+config, tokenizer and quantized tensors in one file) or a name of
+:data:`~graphburst.models.named.NAMED_MODELS` (``smollm2-135m``). A checkpoint directory holds ``config.json`` and either ``model.safetensors`` or a
 sharded ``model.safetensors.index.json`` (its ``weight_map`` names each tensor's shard).
 The architecture comes from ``config.json`` (Llama, Mistral, Qwen2/2.5, Qwen3: see
 ``llama_config.py``). Tensors are read one at a time with ``safetensors.safe_open`` and
@@ -20,7 +22,9 @@ from pathlib import Path
 
 from ..backend import Backend, get_backend
 from ..validate import check_int
+from .gguf_checkpoint import is_gguf, load_gguf_llama, read_gguf_config
 from .llama_config import CheckpointError, LlamaConfig
+from .named import resolve_model
 from .torch_adapter import TorchDraft, TorchTarget
 from .torch_model import _torch
 
@@ -50,7 +54,11 @@ def read_json(path: Path):
 
 
 def read_config(model_dir):
-    """:class:`LlamaConfig` from ``model_dir/config.json`` (CheckpointError naming the file and a bad key)."""
+    """:class:`LlamaConfig` of a checkpoint: ``model_dir/config.json``, a GGUF file's metadata, or a named
+    model's (CheckpointError naming the file and a bad key)."""
+    model_dir = resolve_model(model_dir)
+    if is_gguf(model_dir):
+        return read_gguf_config(model_dir)
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise CheckpointError(f"{model_dir}: no config.json (expected a Hugging Face checkpoint directory)")
@@ -93,11 +101,13 @@ def torch_dtype(dtype):
 
 
 def load_llama(model_dir, *, batch: int, capacity: int, dtype="float32", device="cpu", **kw):
-    """Build a :class:`Llama` from a HF checkpoint directory.
+    """Build a :class:`Llama` from a HF checkpoint directory, a GGUF file or a named model.
 
     Parameters
     ----------
     model_dir : path
+        A directory (config.json + safetensors), a ``.gguf`` file, or a name of
+        :data:`~graphburst.models.named.NAMED_MODELS`.
     batch, capacity : int
     dtype : str or torch.dtype
         Weights are cast to it on load.
@@ -121,6 +131,9 @@ def load_llama(model_dir, *, batch: int, capacity: int, dtype="float32", device=
 
     torch = _torch()
     batch, capacity = check_int("batch", batch), check_int("capacity", capacity)
+    model_dir = resolve_model(model_dir)
+    if is_gguf(model_dir):
+        return load_gguf_llama(model_dir, batch=batch, capacity=capacity, dtype=dtype, device=device, **kw)
     cfg = read_config(model_dir)
     model = Llama(cfg, batch=batch, capacity=capacity, dtype=torch_dtype(dtype), device=device, **kw)
     files = tensor_files(model_dir)

