@@ -206,9 +206,30 @@ def readable_dir(text: str, flag: str | None = None) -> str:
     raise argparse.ArgumentTypeError(why)
 
 
+def checkpoint(text: str, flag: str | None = None) -> str:
+    """``type=`` for a model checkpoint: a directory, a ``.gguf`` file, or a named model
+    (:data:`~graphburst.models.named.NAMED_MODELS`; its package must be installed). The
+    value is kept as given (a named model keeps its name).
+
+    Called directly with ``flag`` it raises :class:`FlagError` naming that flag instead.
+    """
+    from .models.llama_config import CheckpointError
+    from .models.named import check_checkpoint
+
+    try:
+        path = check_checkpoint(text)
+    except CheckpointError as exc:
+        if flag is not None:
+            raise FlagError(flag, str(exc)) from None
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if os.path.isdir(path):
+        readable_dir(path, flag)
+    return text
+
+
 def draft_dir_or_ngram(text: str) -> str:
-    """``type=`` for ``--draft``: a readable checkpoint directory, or ``ngram`` (prompt lookup)."""
-    return text if text == NGRAM_DRAFT else readable_dir(text)
+    """``type=`` for ``--draft``: a checkpoint (:func:`checkpoint`), or ``ngram`` (prompt lookup)."""
+    return text if text == NGRAM_DRAFT else checkpoint(text)
 
 
 def writable_file(text: str) -> str:

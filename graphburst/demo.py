@@ -6,9 +6,12 @@ checked token for token against an independent greedy reference, in a rich table
 acceptance, tokens per second and the host syncs the bursts took.
 
 Models: the stub pair by default (reference: the CPU greedy oracle); ``--model
-tiny-random`` for a small random Llama pair built in memory; ``--model DIR --draft DIR``
-for Hugging Face checkpoints of any supported family (reference for both: the target alone, re-running the
-whole prefix for every token).
+tiny-random`` for a small random Llama pair built in memory; ``--model MODEL --draft MODEL``
+(or ``--draft ngram``) for checkpoints of any supported family: Hugging Face directories, GGUF
+files, or a named model such as ``smollm2-135m`` (reference for all: the target alone,
+re-running the whole prefix for every token). ``--prompt TEXT`` gives a checkpoint that
+carries a tokenizer a real prompt, rendered through its chat template when it has one, and
+prints the answer; otherwise the prompts are random token ids.
 
 ``--temperature T`` (with ``--top-k``, ``--top-p``; slot b's seed is ``--seed`` * 2**16 + b)
 samples instead; the reference is then the same pair, built afresh, run eagerly with a
@@ -26,9 +29,11 @@ from rich.table import Table
 from .backend import BACKEND_NAMES, get_backend
 from .engine.mode import BurstMode
 from .engine.decoder import SpecDecoder
+from .models.named import NAMED_MODELS
 from .models.ngram import NGRAM_DRAFT
-from .cli_args import (FlagError, add_ngram_flags, check_backend, check_kv_memory, check_ngram_flags,
-                       draft_dir_or_ngram, int_in, readable_dir, real_in)
+from .models.tokenizer import has_tokenizer
+from .cli_args import (FlagError, add_ngram_flags, check_backend, check_kv_memory, check_ngram_flags, checkpoint,
+                       draft_dir_or_ngram, int_in, real_in)
 from .constants import MAX_K, TOP_K_OFF, TOP_P_OFF
 from .kernels.digest import greedy_reference
 from .sampling.params import check_sampling
@@ -45,14 +50,20 @@ def add_parser(sub) -> None:
     p.add_argument("--backend", choices=BACKEND_NAMES, default="auto",
                    help="cupy (GPU), numpy (CPU reference) or auto (cupy when a GPU is usable)")
     p.add_argument("--model", default=None,
-                   help=f"'{TINY_RANDOM}' (a small random Llama pair, no files) or a Hugging Face checkpoint "
-                        "directory (Llama, Mistral, Qwen2, Qwen3); the stub models when absent")
+                   help=f"'{TINY_RANDOM}' (a small random Llama pair, no files), a Hugging Face checkpoint directory "
+                        f"or a .gguf file (Llama, Mistral, Qwen2, Qwen3), or a named model ({', '.join(NAMED_MODELS)}); "
+                        "the stub models when absent")
     p.add_argument("--draft", type=draft_dir_or_ngram, default=None,
-                   help=f"the draft's checkpoint directory (with --model DIR), or {NGRAM_DRAFT!r}: prompt lookup, no "
+                   help=f"the draft's checkpoint (with --model), or {NGRAM_DRAFT!r}: prompt lookup, no "
                         "draft model (with the stubs or any --model)")
+    p.add_argument("--prompt", default=None,
+                   help="with a --model that carries a tokenizer: this text as every slot's prompt (through the "
+                        "model's chat template when it has one), decoded until its end-of-turn token; the answer "
+                        "is printed")
     add_ngram_flags(p)
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="weights and KV of a --model pair")
-    p.add_argument("--batch", type=int_in(1, 4096), default=4, help="sequences decoded together")
+    p.add_argument("--batch", type=int_in(1, 4096), default=None,
+                   help="sequences decoded together (default 4, or 1 with --prompt)")
     p.add_argument("-k", type=int_in(1, MAX_K), default=4, help="drafts per round")
     p.add_argument("-m", "--rounds", type=int_in(1, 1024), default=8, help="rounds per burst")
     p.add_argument("--bursts", type=int_in(1, 10_000), default=4, help="bursts of M rounds to run and check")
@@ -94,9 +105,18 @@ def check_args(args) -> None:
     if args.model is None and args.draft not in (None, NGRAM_DRAFT):
         raise FlagError("--draft", "needs --model DIR")
     if args.model not in (None, TINY_RANDOM):
-        readable_dir(args.model, flag="--model")
+        checkpoint(args.model, flag="--model")
         if args.draft is None:
-            raise FlagError("--model", f"a checkpoint directory needs --draft DIR (or use --model {TINY_RANDOM})")
+            raise FlagError("--model", f"a checkpoint needs --draft MODEL or --draft {NGRAM_DRAFT} (or use --model "
+                                       f"{TINY_RANDOM})")
+    if args.prompt is not None:
+        if args.model in (None, TINY_RANDOM) or not has_tokenizer(args.model):
+            raise FlagError("--prompt", "needs a --model that carries a tokenizer (a .gguf file, a named model, or a "
+                                        "directory with tokenizer.json)")
+        if not args.prompt.strip():
+            raise FlagError("--prompt", "is empty")
+    if args.batch is None:
+        args.batch = 1 if args.prompt is not None else 4
     if args.temperature == 0:
         # Greedy decoding has no distribution to filter: a filter given here would be ignored.
         for flag, value in (("--top-k", args.top_k), ("--top-p", args.top_p)):
@@ -117,8 +137,31 @@ def check_args(args) -> None:
         check_kv_memory(args.batch, capacity, args.layers + 1, flags=("--batch", "--bursts", "--rounds", "-k"))
 
 
+#: KV rows a --prompt may take (its rendered ids, template included)
+PROMPT_ROWS = 1024
+
+
 def _capacity(args) -> int:
-    return 64 + args.bursts * args.rounds * (args.k + 1)  # prompts are at most 32 tokens
+    # random prompts are at most 32 tokens; a --prompt at most PROMPT_ROWS
+    return (PROMPT_ROWS if args.prompt is not None else 64) + args.bursts * args.rounds * (args.k + 1)
+
+
+def _text_prompt(args):
+    """(prompt ids, end-of-turn id, tokenizer) of ``--prompt``: the model's chat template over one user
+    message when the tokenizer has one, else the plain text."""
+    from .models.tokenizer import checkpoint_tokenizer
+
+    tok = checkpoint_tokenizer(args.model)
+    if tok.chat_template:
+        ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
+                                      tokenize=True)
+        ids = ids["input_ids"] if hasattr(ids, "keys") else ids  # transformers 5 returns a BatchEncoding
+    else:
+        ids = tok(args.prompt)["input_ids"]
+    ids = [int(t) for t in ids]
+    if len(ids) > PROMPT_ROWS:
+        raise FlagError("--prompt", f"is {len(ids)} tokens, over the demo's {PROMPT_ROWS}")
+    return ids, tok.eos_token_id, tok
 
 
 def _build(args, backend, capacity):
@@ -196,17 +239,26 @@ def run(args, console: Console) -> int:
     capacity = _capacity(args)
     target, draft, vocab, reference = _build(args, backend, capacity)
     rng = np.random.default_rng(args.seed)
-    prompts = [rng.integers(0, vocab, int(rng.integers(1, 33))).tolist() for _ in range(args.batch)]
+    if args.prompt is None:
+        prompts = [rng.integers(0, vocab, int(rng.integers(1, 33))).tolist() for _ in range(args.batch)]
+        stop, tok = None, None
+    else:
+        ids, stop, tok = _text_prompt(args)
+        prompts = [ids] * args.batch
     sampling = args.temperature > 0
     dec = SpecDecoder(target, draft, k=args.k, m_rounds=args.rounds, sampling=sampling)
-    dec.prefill(prompts, **_sampling_kwargs(args))
+    dec.prefill(prompts, eos=stop, **_sampling_kwargs(args))
     run_burst = _runner(dec, args.mode)  # capture happens here, outside the timed bursts
     syncs0 = dec.host_syncs
     out = [[] for _ in prompts]
     t0 = time.perf_counter()
+    ran = 0
     for _ in range(args.bursts):
         for b, t in enumerate(run_burst()):
             out[b] += t.tolist()
+        ran += 1
+        if stop is not None and not dec.host_left.any():
+            break  # every slot answered (its end-of-turn token): nothing more to decode
     wall = time.perf_counter() - t0
     syncs = dec.host_syncs - syncs0
     acc = dec.accept_counters()
@@ -216,7 +268,7 @@ def run(args, console: Console) -> int:
     else:
         want = [reference(prompts[b], len(out[b])) for b in range(args.batch)]
     model = ("stub" if args.model is None else args.model) + (" + prompt lookup" if args.draft == NGRAM_DRAFT else "")
-    table = Table(title=f"{model}: k={args.k}, M={args.rounds}, {args.bursts} bursts, mode={args.mode}, "
+    table = Table(title=f"{model}: k={args.k}, M={args.rounds}, {ran} bursts, mode={args.mode}, "
                         f"backend={backend.name}")
     check = f"matches eager (T={args.temperature:g})" if sampling else "matches greedy"
     for col in ("seq", "committed", "accepted drafts", "rounds", "acceptance", "tokens/round", check):
@@ -233,5 +285,10 @@ def run(args, console: Console) -> int:
     total = sum(len(o) for o in out)
     console.print(f"{total} tokens in {wall * 1e3:.1f} ms: {total / wall:,.0f} tokens/s ({args.mode}"
                   f"{'' if backend.is_gpu else ', CPU reference: not a GPU timing'}); host syncs: {syncs} over "
-                  f"{args.bursts} bursts ({syncs / args.bursts:.1f} per burst)")
+                  f"{ran} bursts ({syncs / ran:.1f} per burst)")
+    if tok is not None:
+        from rich.text import Text
+
+        console.print(Text.assemble(("prompt ", "bold"), args.prompt))
+        console.print(Text.assemble(("answer ", "bold"), tok.decode(out[0], skip_special_tokens=True)))
     return 0 if all_ok else 1

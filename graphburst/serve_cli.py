@@ -21,6 +21,7 @@ from .models.ngram import NGRAM_DRAFT
 from .constants import MAX_DEPTH, MAX_K
 from .models.capacity import DEFAULT_GPU_MEMORY_FRACTION
 from .serving.admit import ADMISSION_MODES
+from .models.named import NAMED_MODELS
 from .serving.factory import DEFAULT_PREFILL_WARMUP, STUB_DEFAULTS, TINY_RANDOM, ConfigError, ServeConfig, build_loop, \
     resolve_capacity
 from .serving.jsonl import error_text, stderr_console
@@ -58,12 +59,12 @@ def add_parser(sub) -> None:
     s.add_argument("--cost-us", type=real_in(0.0, 1e6), default=None,
                    help=f"emulated model time per call (default {STUB_DEFAULTS['cost_us']})")
     m = p.add_argument_group("Llama models (graphburst.models.checkpoint)")
-    m.add_argument("--model", default=None, metavar="DIR",
-                   help=f"target checkpoint directory (Hugging Face Llama), or {TINY_RANDOM!r} (a small random "
-                        "pair built in memory)")
-    m.add_argument("--draft", default=None, metavar="DIR",
-                   help=f"draft checkpoint directory (with a --model DIR), or {NGRAM_DRAFT!r}: prompt lookup, no "
-                        "draft model (with the stubs or any --model)")
+    m.add_argument("--model", default=None, metavar="MODEL",
+                   help=f"target checkpoint: a Hugging Face directory, a .gguf file, a named model "
+                        f"({', '.join(NAMED_MODELS)}), or {TINY_RANDOM!r} (a small random pair built in memory)")
+    m.add_argument("--draft", default=None, metavar="MODEL",
+                   help=f"draft checkpoint (a directory or .gguf file with the target's vocabulary), or "
+                        f"{NGRAM_DRAFT!r}: prompt lookup, no draft model (with the stubs or any --model)")
     add_ngram_flags(m)
     m.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="weights and KV (default float32)")
     m.add_argument("--p-min", type=real_in(0.0, 1.0), default=None,
@@ -103,7 +104,8 @@ def add_parser(sub) -> None:
                    help="seconds a request may take to send its body")
     h.add_argument("--write-timeout", type=real_in(0.1, 86400.0), default=300.0,
                    help="seconds a stream may wait for a client that does not read; then it is cancelled and closed")
-    h.add_argument("--tokenizer", default=None, metavar="DIR", help="model dir with tokenizer.json (text I/O)")
+    h.add_argument("--tokenizer", default=None, metavar="MODEL",
+                   help="text I/O: a directory with tokenizer.json, or a .gguf file (default: the --model's own)")
     h.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default graphburst-stub, or the --model directory's name)")
     # --- tensor-parallel serving (graphburst/parallel/serve_tp.py, docs/parallel.md) ---

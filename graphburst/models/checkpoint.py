@@ -26,20 +26,13 @@ from .gguf_checkpoint import is_gguf, load_gguf_llama, read_gguf_config
 from .llama_config import CheckpointError, LlamaConfig
 from .named import resolve_model
 from .torch_adapter import TorchDraft, TorchTarget
-from .torch_model import _torch
+from .torch_model import _torch, torch_dtype
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-DTYPES = ("float32", "bfloat16", "float16")
-HF_PREFIX = "model."  # HF nests everything but lm_head under <Family>ForCausalLM.model
 #: checkpoint tensors that carry no weights: older Llama files saved the RoPE frequencies
 #: (recomputed here from the config); a tied model's file may still hold its head (HF ties it anyway)
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
-
-
-def hf_name(name: str) -> str:
-    """HF name of one of :meth:`Llama.hf_tensors` (``layers.0.mlp.up_proj.weight`` -> ``model.layers.0...``)."""
-    return name if name.startswith("lm_head.") else HF_PREFIX + name
 
 
 def read_json(path: Path):
@@ -90,16 +83,6 @@ def tensor_files(model_dir) -> dict[str, Path]:
     raise CheckpointError(f"{model_dir}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
 
 
-def torch_dtype(dtype):
-    """A torch dtype from a name in DTYPES or a torch dtype."""
-    torch = _torch()
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
-    return getattr(torch, dtype)
-
-
 def load_llama(model_dir, *, batch: int, capacity: int, dtype="float32", device="cpu", **kw):
     """Build a :class:`Llama` from a HF checkpoint directory, a GGUF file or a named model.
 
@@ -127,7 +110,7 @@ def load_llama(model_dir, *, batch: int, capacity: int, dtype="float32", device=
     """
     from safetensors import SafetensorError
 
-    from .llama import Llama
+    from .llama import Llama, hf_name
 
     torch = _torch()
     batch, capacity = check_int("batch", batch), check_int("capacity", capacity)

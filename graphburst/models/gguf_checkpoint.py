@@ -123,8 +123,8 @@ def load_gguf_llama(path, *, batch: int, capacity: int, dtype="float32", device=
     import numpy as np
     import torch
 
-    from .checkpoint import hf_name, torch_dtype
-    from .llama import Llama
+    from .llama import Llama, hf_name
+    from .torch_model import torch_dtype
 
     gguf = _gguf()
     path = Path(path)

@@ -318,5 +318,14 @@ class Llama(nn.Module):
         return seq[len(prompt):]
 
 
+HF_PREFIX = "model."  # HF nests everything but lm_head under <Family>ForCausalLM.model
+
+
+def hf_name(name: str) -> str:
+    """HF checkpoint name of one of :meth:`Llama.hf_tensors` (``layers.0.mlp.up_proj.weight`` ->
+    ``model.layers.0...``)."""
+    return name if name.startswith("lm_head.") else HF_PREFIX + name
+
+
 #: the family-neutral name: the same class computes every architecture of ``llama_config.ARCHITECTURES``
 DecoderLM = Llama

@@ -48,3 +48,21 @@ def resolve_model(value):
     """``value`` unchanged, or the file path of a :data:`NAMED_MODELS` name."""
     named = NAMED_MODELS.get(value) if isinstance(value, str) else None
     return value if named is None else named.path(value)
+
+
+def check_checkpoint(value) -> str:
+    """The path a checkpoint argument names (``value`` itself, or a named model's file), if it can be one:
+    a directory, or a ``.gguf`` file. CheckpointError saying why not (a missing package names its install)."""
+    path = resolve_model(value)
+    if not isinstance(path, (str, os.PathLike)):
+        raise CheckpointError(f"a checkpoint is a directory, a .gguf file or one of {', '.join(NAMED_MODELS)}; "
+                              f"got {type(value).__name__} {value!r}")
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        return path
+    if os.path.isfile(path):
+        if path.lower().endswith(".gguf"):
+            return path
+        raise CheckpointError(f"{path!r} is a file but not a .gguf file (a Hugging Face checkpoint is a directory)")
+    names = ", ".join(NAMED_MODELS)
+    raise CheckpointError(f"no such checkpoint: {path!r} (a directory, a .gguf file or one of {names})")

@@ -23,6 +23,19 @@ from ..validate import check_int
 from .packed_prefill import prefill_graphs_for
 
 
+DTYPES = ("float32", "bfloat16", "float16")  # the weight dtypes a checkpoint may be loaded in
+
+
+def torch_dtype(dtype):
+    """A torch dtype from a name in DTYPES or a torch dtype."""
+    torch = _torch()
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    return getattr(torch, dtype)
+
+
 def _torch():
     try:
         import torch

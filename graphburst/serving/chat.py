@@ -2,7 +2,7 @@
 
 A chat request is a completion whose prompt is the model's own chat template rendered over
 the messages. The template is the one in the tokenizer directory (``tokenizer_config.json``'s
-``chat_template`` or ``chat_template.jinja``), rendered by transformers exactly as
+``chat_template`` or ``chat_template.jinja``) or in a GGUF file's metadata, rendered by transformers exactly as
 ``tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)`` renders
 it (jinja2 in transformers' sandbox), so the prompt ids are the ones the model was trained
 on. Generation then runs as for ``/v1/completions``; the model's end-of-turn ids (the
@@ -20,6 +20,10 @@ import json
 import os
 
 from ..constants import SEED_LIMIT
+from ..models.gguf_checkpoint import is_gguf
+from ..models.llama_config import CheckpointError
+from ..models.named import resolve_model
+from ..models.tokenizer import checkpoint_tokenizer
 from . import openai_api as api
 
 ROLES = ("system", "developer", "user", "assistant")
@@ -56,6 +60,12 @@ def load_chat_tokenizer(model_dir: str) -> ChatTokenizer:
     except ImportError as exc:
         return ChatTokenizer(None, [], missing=f"chat templates need transformers and jinja2, which this server "
                                               f"lacks (pip install 'graphburst[serve]'): {exc}")
+    if is_gguf(resolve_model(model_dir)):  # the file's metadata: tokenizer, template and eos id in one
+        try:
+            tok = checkpoint_tokenizer(model_dir)
+        except CheckpointError as exc:
+            raise ValueError(f"--tokenizer {model_dir!r}: {exc}") from None
+        return ChatTokenizer(tok, [] if tok.eos_token_id is None else [int(tok.eos_token_id)])
     try:
         tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     except Exception as exc:  # noqa: BLE001 - transformers raises many types for a directory it cannot read

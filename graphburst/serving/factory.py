@@ -18,8 +18,11 @@ from ..backend import BACKEND_NAMES, get_backend
 from ..buffers import StreamBufs
 from ..constants import MAX_DEPTH, MAX_K, TP_MAX_DEPTH
 from ..models.capacity import DEFAULT_GPU_MEMORY_FRACTION, CapacityPlan, MemorySpec, auto_capacity, check_fraction
+from ..models.llama_config import CheckpointError
+from ..models.named import check_checkpoint
 from ..models.ngram import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, NGRAM_DRAFT, NgramDraft, check_ngram_range, ngram_for
 from ..models.stubs import stub_memory_spec, stub_pair
+from ..models.tokenizer import has_tokenizer
 from ..protocol import hook
 from .admit import ADMISSION_MODES
 from .loop import ENGINE_MODES, ServeLoop
@@ -225,15 +228,16 @@ class ServeConfig:
                 raise ConfigError("draft", f"model {TINY_RANDOM!r} builds its own draft (or use {NGRAM_DRAFT!r}), "
                                            f"got {self.draft!r}")
         elif self.draft is None:
-            raise ConfigError("draft", f"model {self.model!r} needs a draft directory (a smaller checkpoint with the "
+            raise ConfigError("draft", f"model {self.model!r} needs a draft (a smaller checkpoint with the "
                                        "same vocabulary)")
         else:
             for name in ("model",) if self.lookup else ("model", "draft"):
-                if not os.path.isdir(getattr(self, name)):
-                    raise ConfigError(name, f"{getattr(self, name)!r} is not a directory")
-            # HTTP reads the model directory's own tokenizer unless told otherwise (JSONL takes token ids)
-            if self.http is not None and self.tokenizer is None and \
-                    os.path.isfile(os.path.join(self.model, "tokenizer.json")):
+                try:
+                    check_checkpoint(getattr(self, name))
+                except CheckpointError as exc:
+                    raise ConfigError(name, str(exc)) from None
+            # HTTP reads the model's own tokenizer unless told otherwise (JSONL takes token ids)
+            if self.http is not None and self.tokenizer is None and has_tokenizer(self.model):
                 self._set("tokenizer", self.model)
         self._set("dtype", self.dtype or "float32")
         self._set("p_min", 0.0 if self.p_min is None else self.p_min)

@@ -36,6 +36,10 @@ from aiohttp import web
 from . import chat as chat_api
 from . import openai_api as api
 from ..backend import get_backend
+from ..models.gguf_checkpoint import is_gguf
+from ..models.llama_config import CheckpointError
+from ..models.named import resolve_model
+from ..models.tokenizer import checkpoint_tokenizer
 from ..validate import parse_json
 from .engine_thread import EngineThread, Ticket
 from .metrics import CONTENT_TYPE, Metrics
@@ -67,9 +71,15 @@ def parse_address(text: str) -> tuple[str, int]:
 
 
 def load_tokenizer(model_dir: str):
-    """The ``tokenizers`` tokenizer in ``model_dir/tokenizer.json``."""
+    """The ``tokenizers`` tokenizer in ``model_dir/tokenizer.json``, or the one a GGUF file (or named
+    model) carries, as transformers builds it from the file's metadata."""
     from tokenizers import Tokenizer
 
+    if is_gguf(resolve_model(model_dir)):
+        try:
+            return checkpoint_tokenizer(model_dir).backend_tokenizer
+        except CheckpointError as exc:
+            raise ValueError(f"--tokenizer {model_dir!r}: {exc}") from None
     path = os.path.join(model_dir, "tokenizer.json")
     if not os.path.isfile(path):
         raise ValueError(f"--tokenizer {model_dir!r}: no tokenizer.json there")

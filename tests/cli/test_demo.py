@@ -66,3 +66,25 @@ def test_model_flag_errors_are_one_line(args, flag):
     res = demo(*args, timeout=60)
     lines = res.stderr.strip().splitlines()
     assert res.returncode == 2 and len(lines) == 1 and flag in lines[0] and "Traceback" not in res.stderr, res.stderr
+
+
+def test_a_trained_model_answers_a_text_prompt():
+    # the README's real-model line: SmolLM2-135M-Instruct from its GGUF, its chat template, prompt lookup
+    res = demo("--model", "smollm2-135m", "--draft", "ngram", "--prompt", "What is the capital of France?")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "answer The capital of France is Paris." in res.stdout
+    assert "matches greedy" in res.stdout and "NO" not in res.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--prompt", "hi"], "--prompt: needs a --model that carries a tokenizer"),
+    (["--model", "tiny-random", "--prompt", "hi"], "--prompt: needs a --model that carries a tokenizer"),
+    (["--model", "smollm2-135m", "--draft", "ngram", "--prompt", "  "], "--prompt: is empty"),
+    (["--model", "smollm2-135m"], "--model: a checkpoint needs --draft MODEL or --draft ngram"),
+    (["--model", "no/such/dir", "--draft", "ngram"], "--model: no such checkpoint: 'no/such/dir'"),
+    (["--model", __file__, "--draft", "ngram"], "is a file but not a .gguf file"),
+])
+def test_prompt_and_model_flag_errors_are_one_line(args, message):
+    res = demo(*args)
+    assert res.returncode == 2 and message in res.stderr, res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1 and "Traceback" not in res.stderr
