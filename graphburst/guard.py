@@ -1,10 +1,13 @@
 """Address guard: a captured graph must never replay over buffers that moved.
 
-Objects that hold baked buffers derive from :class:`Watched`. Rebinding or deleting one
-of their watched attributes marks every guard watching them stale at once, so the
-per-replay check is a single attribute test. :meth:`AddressGuard.verify` re-reads
-every recorded address, for buffers held by objects that are not ``Watched`` (a
-caller's own model) or changed in place.
+An object that holds baked buffers tells its guards when it rebinds one, so the
+per-replay check is a single attribute test. It does so through a :class:`Watcher` it
+owns: plain data holders (buffers, caches, pointer tables, models) derive from
+:class:`Watched`, whose ``__setattr__`` tells it for the attributes they list in
+``_watched``; a class with a hot path of its own (the decoder) owns one and tells it from
+the setters of the few attributes it lets be rebound. :meth:`AddressGuard.verify` re-reads
+every recorded address, for buffers held by objects that tell no guard (a caller's own
+model) or changed in place.
 """
 
 from __future__ import annotations
@@ -17,8 +20,36 @@ class StaleGraphError(RuntimeError):
     """A buffer baked into a graph was reallocated, resized or released."""
 
 
+class Watcher:
+    """The guards (anything with ``invalidate(what)``) watching one holder's baked attributes.
+
+    Held weakly: a guard lives as long as its graph or program, not as long as the holder.
+
+    Parameters
+    ----------
+    owner : str
+        The holder's name in a stale guard's message (``"SpecDecoder"``: ``"SpecDecoder.table"``).
+    """
+
+    __slots__ = ("owner", "_guards")
+
+    def __init__(self, owner: str):
+        self.owner = owner
+        self._guards = weakref.WeakSet()
+
+    def watch(self, guard) -> None:
+        """Register ``guard`` to be told when a watched attribute is rebound (idempotent)."""
+        self._guards.add(guard)
+
+    def rebound(self, name: str) -> None:
+        """The holder rebinds (or deletes) ``name``: every guard watching it goes stale."""
+        for guard in list(self._guards):
+            guard.invalidate(f"{self.owner}.{name}")
+
+
 class Watched:
-    """Mixin: rebinding or deleting an attribute named in ``_watched`` invalidates guards."""
+    """Mixin of plain data holders: rebinding or deleting an attribute named in ``_watched``
+    tells the holder's :class:`Watcher` (made at the first :meth:`watch`)."""
 
     _watched: frozenset = frozenset()
 
@@ -34,13 +65,16 @@ class Watched:
 
     def watch(self, guard: AddressGuard) -> None:
         """Register ``guard`` to be told when a watched attribute changes."""
-        if "_guards" not in self.__dict__:
-            object.__setattr__(self, "_guards", weakref.WeakSet())
-        self._guards.add(guard)
+        watcher = self.__dict__.get("_watcher")
+        if watcher is None:
+            watcher = Watcher(type(self).__name__)
+            object.__setattr__(self, "_watcher", watcher)
+        watcher.watch(guard)
 
     def _notify(self, name: str) -> None:
-        for guard in list(self.__dict__.get("_guards", ())):
-            guard.invalidate(f"{type(self).__name__}.{name}")
+        watcher = self.__dict__.get("_watcher")
+        if watcher is not None:
+            watcher.rebound(name)
 
 
 class AddressGuard:
@@ -50,8 +84,8 @@ class AddressGuard:
     ----------
     buffers : dict of name -> getter
         Each getter returns the buffer currently at that place.
-    holders : iterable of Watched
-        Objects whose attribute rebinding invalidates the graph.
+    holders : iterable
+        Objects (each with ``watch(guard)``) whose attribute rebinding invalidates the graph.
     address : callable
         Maps an array to its address.
     """
