@@ -6,7 +6,7 @@
  * longer than the burst. These two functions do the same work in one call each. Their numpy
  * twins are the reference (tests/test_host_ops.py holds them equal) and the path taken without
  * a C compiler: gb_drain is BurstTokens + SpecDecoder.finish_burst (burst_tokens.py, burst.py),
- * gb_append is SlotTokens.append + LoopDelivery._deliver's masks (serving/slot_tokens.py,
+ * gb_append is SlotTokens.append + Delivery.deliver's masks (serving/slot_tokens.py,
  * serving/delivery.py).
  *
  * Every array is C-contiguous and owned by the Python object that set up the struct; int32 is

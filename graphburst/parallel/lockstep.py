@@ -2,12 +2,15 @@
 
 ``torchrun --nproc_per_node 2 -m graphburst serve --tp 2 --model ... [--http ...]``
 
-Every rank builds the same :class:`LockstepLoop` (a :class:`~graphburst.serving.loop.ServeLoop`
-over a :class:`~.runner.ParallelDecoder` and a :class:`~.runner.CheckedGraph`). Only rank
-0 has requests: the HTTP server or the JSONL reader submits and cancels there. The loop's
-device work (which slots are admitted with which prompts, when bursts are launched and
-drained) is a deterministic function of its submit/cancel history and of the drained
-tokens, which the collectives make identical on every rank. So rank 0 records its
+Every rank builds the same :class:`LockstepLoop`: a :class:`~graphburst.serving.loop.ServeLoop`
+it owns, built with a :class:`LockstepPolicy` (its
+:class:`~graphburst.serving.policy.LoopPolicy`: a :class:`~.runner.ParallelDecoder`, a
+:class:`~.runner.CheckedGraph`, and no choice that would follow one rank's own timings), and
+the plan broadcast around that loop's steps. Only rank 0 has requests: the HTTP server or
+the JSONL reader submits and cancels there. The loop's device work (which slots are
+admitted with which prompts, when bursts are launched and drained) is a deterministic
+function of its submit/cancel history and of the drained tokens, which the collectives make
+identical on every rank. So rank 0 records its
 submits and cancels in order and, at the start of every ``step()``, broadcasts them to
 the other ranks as the step's **plan**; each follower applies the plan to its own loop
 and takes the same step. Per step, one broadcast of a small int64 header over a
@@ -30,6 +33,7 @@ rank 0's stop.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import threading
@@ -37,7 +41,7 @@ import time
 
 import numpy as np
 
-from ..serving.request import Request
+from ..serving.request import Request, RequestState
 from ..serving.loop import ServeLoop
 from ..serving.pipeline import graph_of
 from .dist import Context, ParallelError
@@ -106,8 +110,65 @@ class PlanChannel:
         return kind, ops, tuple(fingerprint)
 
 
-class LockstepLoop(ServeLoop):
-    """A ServeLoop on one rank of a tensor-parallel group; rank 0 leads, the others follow.
+@dataclasses.dataclass(frozen=True)
+class LockstepPolicy:
+    """The :class:`~graphburst.serving.policy.LoopPolicy` of one rank's loop.
+
+    Every rank's loop must take the same steps, so none of its choices may follow this rank's
+    own timings (``local_timing``: admission always after the refill, a due boundary always
+    runs; its prefill holds collectives), first tokens come with the first burst
+    (``early_first_tokens``: a rank waits for a first-token copy with no time limit, where its
+    drains are bounded by :class:`~.runner.CheckedGraph`, so a peer dying mid-prefill would hang
+    it instead of failing the loop), and only a bad request's failure is recovered from
+    (:meth:`costs_only_its_requests`).
+
+    Parameters
+    ----------
+    ctx : Context
+    heartbeat_s : float or None
+        Rank 0: how often a driver steps an idle loop (the plan channel's); None on the others.
+    drain_timeout_s : float, optional
+        Bound of the drain's event wait (:class:`~.runner.CheckedGraph`); default the group timeout.
+    """
+
+    ctx: Context
+    heartbeat_s: float | None = None
+    drain_timeout_s: float | None = None
+    early_first_tokens: bool = False
+    local_timing: bool = False
+
+    @property
+    def replays_ids(self) -> bool:
+        """A follower submits rank 0's requests, made-up ids included."""
+        return self.ctx.rank != 0
+
+    def make_decoder(self, target, draft, **kw):
+        from .runner import ParallelDecoder
+
+        return ParallelDecoder(target, draft, self.ctx, **kw)
+
+    def make_graph(self, dec, *, depth: int):
+        from .runner import CheckedGraph
+
+        return graph_of(dec, depth=depth, graph_cls=CheckedGraph, drain_timeout_s=self.drain_timeout_s)
+
+    def costs_only_its_requests(self, exc: Exception) -> bool:
+        # A bad request (ValueError: CapacityError, a refused prefill) fails the same way on
+        # every rank, so every rank recovers the same way. Anything else (a peer died, a
+        # collective timed out) cannot be recovered in lockstep: it stops the loop.
+        return isinstance(exc, (ValueError, TypeError)) and not isinstance(exc, ParallelError)
+
+
+class LockstepLoop:
+    """One rank of a tensor-parallel group serving in lockstep; rank 0 leads, the others follow.
+
+    It owns a :class:`~graphburst.serving.loop.ServeLoop` (``loop``, built with a
+    :class:`LockstepPolicy`) and steps it between plans: rank 0 records its submits and
+    cancels and sends them before each step; a follower applies rank 0's plan to its loop and
+    takes the same step. Drivers (the JSONL reader, the HTTP engine thread) use it as they use
+    a ServeLoop: :meth:`submit`, :meth:`cancel`, :meth:`step`, :attr:`idle`, :attr:`heartbeat_s`,
+    :attr:`log`, :meth:`stats`, and the loop's ``intake``, ``dec``, ``pipeline``, ``graph``,
+    ``vocab`` and ``sampling``.
 
     Parameters
     ----------
@@ -117,14 +178,16 @@ class LockstepLoop(ServeLoop):
     drain_timeout_s : float, optional
         Bound of the drain's event wait (:class:`CheckedGraph`); default the group timeout.
     **kw
-        As :class:`ServeLoop` (``k``, ``m_rounds``, ``pipelined``, ``sampling``); the
+        As :class:`ServeLoop` (``k``, ``m_rounds``, ``pipelined``, ``depth``, ``sampling``); the
         engine is always ``"graph"``.
     """
 
     def __init__(self, target, draft, ctx: Context, channel: PlanChannel, *, drain_timeout_s: float | None = None,
                  **kw):
         self.ctx, self.channel = ctx, channel
-        self._drain_timeout_s = drain_timeout_s
+        #: drivers of an idle loop call step() at least this often (rank 0 only)
+        self.heartbeat_s = channel.heartbeat_s if ctx.rank == 0 else None
+        self.policy = LockstepPolicy(ctx, heartbeat_s=self.heartbeat_s, drain_timeout_s=drain_timeout_s)
         self._ops: list = []  # rank 0: submits and cancels since the last plan, in order
         self._last_sent = time.monotonic()
         self.steps = 0
@@ -132,58 +195,53 @@ class LockstepLoop(ServeLoop):
         self._stepping = threading.Lock()  # held by step(): finish() must not run beside it
         self.fatal: str | None = None  # why the loop stopped for good (a peer failed)
         self.on_fatal = None  # rank 0: called once, on the engine thread, when ``fatal`` is set
-        super().__init__(target, draft, engine="graph", **kw)
+        self.loop = ServeLoop(target, draft, engine="graph", policy=self.policy, **kw)
         self._after_step = self.fingerprint()  # rank 0: sent with the next plan
-        #: drivers of an idle loop call step() at least this often (rank 0 only)
-        self.heartbeat_s = channel.heartbeat_s if ctx.rank == 0 else None
 
     @property
     def leader(self) -> bool:
         return self.ctx.rank == 0
 
+    # ------------------------------------------------------------------ the loop, as drivers see it
+
     @property
-    def replays_ids(self) -> bool:  # a follower submits rank 0's requests, made-up ids included
-        return not self.leader
+    def log(self) -> list | None:
+        return self.loop.log
 
-    # ------------------------------------------------------------------ ServeLoop hooks
+    @log.setter
+    def log(self, events: list | None) -> None:
+        self.loop.log = events
 
-    def _make_decoder(self, target, draft, **kw):
-        from .runner import ParallelDecoder
+    @property
+    def intake(self):
+        return self.loop.intake
 
-        return ParallelDecoder(target, draft, self.ctx, **kw)
+    @property
+    def dec(self):
+        return self.loop.dec
 
-    def _make_graph(self, *, depth: int):
-        from .runner import CheckedGraph
+    @property
+    def pipeline(self):
+        return self.loop.pipeline
 
-        return graph_of(self.dec, depth=depth, graph_cls=CheckedGraph, drain_timeout_s=self._drain_timeout_s)
+    @property
+    def graph(self):
+        return self.loop.graph
 
-    # A rank waits for a first-token copy with no time limit, where its drains are bounded
-    # (CheckedGraph, wait_until): a peer dying mid-prefill would hang it instead of failing the
-    # loop. Until that wait is bounded too, first tokens arrive with the first burst here.
-    early_first_tokens = False
+    @property
+    def vocab(self) -> int:
+        return self.loop.vocab
 
-    def _admit_early(self) -> bool:
-        # Admission's place in a step must be the same on every rank (its prefill holds
-        # collectives), so it never follows a rank's own timings: always after the refill.
-        return False
+    @property
+    def sampling(self) -> bool:
+        return self.loop.sampling
 
-    def _defer_boundary(self) -> bool:
-        # Nor does whether a step admits at all: a due boundary always runs.
-        return False
+    @property
+    def active(self) -> int:
+        return self.loop.active
 
-    def _costs_only_its_requests(self, exc: Exception) -> bool:
-        # A bad request (ValueError: CapacityError, a refused prefill) fails the same way on
-        # every rank, so every rank recovers the same way. Anything else (a peer died, a
-        # collective timed out) cannot be recovered in lockstep: it stops the loop.
-        return isinstance(exc, (ValueError, TypeError)) and not isinstance(exc, ParallelError)
-
-    def _recover(self, exc: Exception) -> int:
-        if self._costs_only_its_requests(exc):
-            try:
-                return super()._recover(exc)
-            except Exception as inner:  # noqa: BLE001 - the recovery's own boundary failed (a prefill's collective)
-                self._fail(inner)
-        self._fail(exc)
+    def stats(self) -> dict:
+        return self.loop.stats()
 
     def _fail(self, exc: Exception):
         """Stop for good: record why, tell rank 0's server (``on_fatal``), raise a ParallelError."""
@@ -197,30 +255,29 @@ class LockstepLoop(ServeLoop):
 
     # ------------------------------------------------------------------ rank 0
 
-    def submit(self, req: Request, *, line: int | None = None):
-        state = super().submit(req, line=line)
+    def submit(self, req: Request, *, line: int | None = None) -> RequestState:
+        state = self.loop.submit(req, line=line)
         if self.leader:
             try:
                 # A snapshot now, as plain JSON values: a caller's later change to the request
                 # (or its options dict) must not reach the followers, whatever rank 0 runs.
                 wire = json.loads(json.dumps(_wire(state), default=_json_scalar))
             except (TypeError, ValueError) as exc:  # cannot reach the other ranks: refused like a bad field
-                self.intake.withdraw(state)
-                self._retire(state)
+                self.loop.withdraw(state)
                 raise ValueError(f"options must be JSON values under --tp (they are sent to every rank): "
                                  f"{exc}") from None
             self._ops.append(["submit", wire])
         return state
 
-    def cancel(self, state) -> None:
+    def cancel(self, state: RequestState) -> None:
         if self.leader and not state.done:
             self._ops.append(["cancel", state.request.id])
-        super().cancel(state)
+        self.loop.cancel(state)
 
     @property
     def idle(self) -> bool:
         """As ServeLoop's, but False on rank 0 when a heartbeat is due (the driver then steps)."""
-        quiet = super().idle
+        quiet = self.loop.idle
         if quiet and self.leader and time.monotonic() - self._last_sent >= self.heartbeat_s:
             return False
         return quiet
@@ -238,9 +295,14 @@ class LockstepLoop(ServeLoop):
             except ParallelError as exc:  # a follower is gone: nothing can run any more
                 self._fail(exc)
         self.steps += 1
-        if ServeLoop.idle.fget(self):  # nothing to run: a heartbeat (the same step on every rank)
+        if self.loop.idle:  # nothing to run: a heartbeat (the same step on every rank)
             self.idle_steps += 1
-        delivered = super().step()
+        try:
+            # A failure the policy lets cost only its requests is recovered from inside; anything
+            # else (one it does not, or a recovery's own failure: a prefill's collective) ends here.
+            delivered = self.loop.step()
+        except Exception as exc:  # noqa: BLE001 - whatever it was, the ranks may now be apart: stop
+            self._fail(exc)
         self._after_step = self.fingerprint()
         return delivered
 
@@ -252,7 +314,8 @@ class LockstepLoop(ServeLoop):
 
     def fingerprint(self) -> tuple:
         """What every rank's schedule must agree on between steps."""
-        return (self.bursts, len(self.pipeline), self.active, len(self.intake), self.tokens_out)
+        loop = self.loop
+        return (loop.bursts, len(loop.pipeline), loop.active, len(loop.intake), loop.tokens_out)
 
     def finish(self) -> None:
         """Rank 0: send the stop plan; every rank: drain the bursts still in flight (their checks included).
@@ -266,8 +329,9 @@ class LockstepLoop(ServeLoop):
         try:
             if self.leader:
                 self._send(STOP)
-            while self.pipeline:
-                self.pipeline.drain()  # runs each burst's rank check; nobody is left to hand tokens to
+            pipeline = self.loop.pipeline
+            while pipeline:
+                pipeline.drain()  # runs each burst's rank check; nobody is left to hand tokens to
         finally:
             self._stepping.release()
 
@@ -277,6 +341,7 @@ class LockstepLoop(ServeLoop):
         """Apply rank 0's plans and step, until its stop plan; then :meth:`finish`."""
         from .check import RankDivergence
 
+        loop = self.loop
         while True:
             kind, ops, theirs = self.channel.receive()
             ours = self.fingerprint()
@@ -288,13 +353,13 @@ class LockstepLoop(ServeLoop):
                 break
             for op, arg in ops:
                 if op == "submit":
-                    super().submit(Request(**arg))
+                    loop.submit(Request(**arg))
                 elif op == "cancel":
-                    state = self.intake.lookup(arg)
+                    state = loop.intake.lookup(arg)
                     if state is None:
                         raise RankDivergence(f"rank {self.ctx.rank}: rank 0 cancelled request {arg!r}, which is "
                                              f"not in flight here")
-                    super().cancel(state)
+                    loop.cancel(state)
                 else:
                     raise ParallelError(f"rank {self.ctx.rank}: unknown plan op {op!r} from rank 0")
             self.step()
@@ -302,8 +367,8 @@ class LockstepLoop(ServeLoop):
 
     def summary(self) -> str:
         s = self.stats()
-        return (f"rank {self.ctx.rank}: {self.steps} steps ({self.idle_steps} idle), {s['bursts']} bursts, {s['tokens']} tokens, rank check "
-                f"at {self.dec.check.bursts} drains")
+        return (f"rank {self.ctx.rank}: {self.steps} steps ({self.idle_steps} idle), {s['bursts']} bursts, "
+                f"{s['tokens']} tokens, rank check at {self.dec.check.bursts} drains")
 
 
 def _json_scalar(value):

@@ -7,6 +7,9 @@ drained burst that delivered tokens and per batch of first tokens handed out, on
 request finishes for any reason (stop, length, cancel, error). The consumer reads them
 by type (``isinstance`` or ``match``) and empties the list. The events are frozen: the
 arrays they carry belong to the consumer.
+
+:class:`LoopRecord` is where the loop's parts write what they did: the log (if a consumer
+set one) and the loop's counters.
 """
 
 from __future__ import annotations
@@ -58,3 +61,31 @@ class Retired:
 
 
 Event = Tokens | Admitted | Retired
+
+
+class LoopRecord:
+    """What a serving loop has done: the event log a consumer reads, and the loop's counters.
+
+    One object the loop builds and hands to each of its parts that hands tokens out or
+    finishes requests, so every part appends to the same log and counts into the same
+    figures (``ServeLoop.log``, ``bursts``, ``tokens_out``, ``errors`` read it).
+
+    Attributes
+    ----------
+    log : list or None
+        None, or the list of events a consumer set (``ServeLoop.log``); parts append in order.
+    bursts : int
+        Bursts drained and handed out.
+    tokens_out : int
+        Tokens handed out (first tokens included).
+    errors : int
+        Requests the loop finished with an error.
+    """
+
+    __slots__ = ("log", "bursts", "tokens_out", "errors")
+
+    def __init__(self):
+        self.log: list | None = None
+        self.bursts = 0
+        self.tokens_out = 0
+        self.errors = 0

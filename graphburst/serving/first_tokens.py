@@ -12,12 +12,12 @@ Which copies the loop waits for is decided by stream order alone, never by polli
 event: a copy enqueued before burst ``i`` was launched is complete by the time burst ``i``
 is, so the loop hands it out (waiting for the copy, not the burst) just before it would
 wait on burst ``i``. Every rank of a lockstep loop would so take the same steps, but
-lockstep loops keep first tokens with the first burst for now (``early_first_tokens``:
+lockstep loops keep first tokens with the first burst for now (``LoopPolicy.early_first_tokens``:
 their wait for a copy is not bounded as their drains are).
 
-:class:`FirstTokenCopies` keeps the copies; :class:`LoopFirstTokens` (a mixin of
-:class:`~graphburst.serving.loop.ServeLoop`, which owns the slots, the token store and the
-log) hands them out and drops the ring's copy.
+:class:`FirstTokenCopies` keeps the copies; :class:`FirstTokens`, a part of
+:class:`~graphburst.serving.loop.ServeLoop` given the slot table, the decoder, the pipeline and
+the loop's record, makes them, hands them out and drops the ring's copy.
 """
 
 from __future__ import annotations
@@ -29,10 +29,9 @@ import time
 import numpy as np
 
 from ..constants import RING_COUNT_COLUMN
-from .events import Tokens
-
-#: ``ServeLoop._first_copy`` of a slot with no first-token copy pending.
-NO_COPY = 0
+from .events import LoopRecord, Tokens
+from .pipeline import BurstPipeline
+from .slot_table import NO_COPY, SlotTable
 
 
 @dataclasses.dataclass(slots=True)
@@ -109,23 +108,51 @@ class FirstTokenCopies:
         return taken
 
 
-class LoopFirstTokens:
-    """First-token hand-out of a serving loop (``_first``, ``_first_copy``, ``_lead`` are the loop's)."""
+class FirstTokens:
+    """First-token hand-out of a serving loop.
 
-    def _hand_out_first(self, upto: int) -> int:
+    Parameters
+    ----------
+    table : SlotTable
+        Its ``first_copy``, ``lead`` and ``n_lead`` are this part's to write; it reads ``running``.
+    record : LoopRecord
+        The log (``Tokens`` events) and ``tokens_out``.
+    dec : SpecDecoder
+        Its backend, ``pend`` buffer and stream (the copies).
+    pipeline : BurstPipeline
+        Its launch count: which burst a copy precedes.
+    """
+
+    def __init__(self, table: SlotTable, record: LoopRecord, dec, pipeline: BurstPipeline):
+        self.table, self.record, self.dec, self.pipeline = table, record, dec, pipeline
+        self.copies = FirstTokenCopies(dec.backend, dec.batch)
+        # Asked at every step: the copies' own method, bound once, so the question costs one call
+        self.due = self.copies.due
+
+    def __len__(self) -> int:
+        """Copies not yet handed out."""
+        return len(self.copies)
+
+    def copy(self, live: np.ndarray) -> None:
+        """Copy the first tokens of ``live`` ([n] int64, slots just prefilled) out behind the prefill."""
+        dec = self.dec
+        self.table.first_copy[live] = self.copies.enqueue(dec.bufs.pend, live, self.pipeline.launched, dec.stream)
+
+    def hand_out(self, upto: int) -> int:
         """Hand out the first tokens of the copies enqueued before burst ``upto`` (waiting for
         the copies, not the burst); returns the tokens handed out.
 
         A slot receives its copy's token only if it still runs the request the copy was made
-        for (``_first_copy``): one cancelled meanwhile gets nothing, and a request admitted
+        for (``first_copy``): one cancelled meanwhile gets nothing, and a request admitted
         into its slot since waits for its own copy.
         """
         delivered = 0
-        for copy in self._first.take(upto):
+        table = self.table
+        for copy in self.copies.take(upto):
             slots = copy.slots
-            mine = self._first_copy[slots] == copy.copy_id  # [n] bool
-            self._first_copy[slots[mine]] = NO_COPY
-            rows = slots[mine & self._running[slots]]
+            mine = table.first_copy[slots] == copy.copy_id  # [n] bool
+            table.first_copy[slots[mine]] = NO_COPY
+            rows = slots[mine & table.running[slots]]
             if rows.size:
                 delivered += self._deliver_first(rows, copy.host)
         return delivered
@@ -133,27 +160,30 @@ class LoopFirstTokens:
     def _deliver_first(self, rows: np.ndarray, pend: np.ndarray) -> int:
         """Hand ``rows`` their first token from ``pend`` ([B] int32, host), as a one-token delivery."""
         now = time.perf_counter()
-        ring = np.zeros((len(self.slots), 2), np.int32)  # [B, 2] int32: count, token (the ring's layout)
+        table = self.table
+        ring = np.zeros((table.batch, 2), np.int32)  # [B, 2] int32: count, token (the ring's layout)
         ring[rows, RING_COUNT_COLUMN] = 1
         ring[rows, 1] = pend[rows]
         counts = ring[:, RING_COUNT_COLUMN].copy()  # [B] int32
-        store = self.store
+        store = table.store
         store.append(ring, counts, rows, store.acc, now)
-        if self.log is not None:
+        log = self.record.log
+        if log is not None:
             # No round has run for them: zero counters, as admission set on the device (the store's
             # rows may still hold the slot's last request's, until this request's first burst drains).
-            self.log.append(Tokens(now, self._slot_state[rows], rows, counts, ring, np.zeros((rows.size, 2), np.int64)))
-        self._lead[rows] = True
-        self._n_lead += rows.size
-        self.tokens_out += rows.size
+            log.append(Tokens(now, table.slot_state[rows], rows, counts, ring, np.zeros((rows.size, 2), np.int64)))
+        table.lead[rows] = True
+        table.n_lead += rows.size
+        self.record.tokens_out += rows.size
         return rows.size
 
-    def _drop_first(self, tokens) -> None:
+    def drop_first(self, tokens) -> None:
         """Drop the leading token of the ring rows of slots whose first token was handed out
         already (:meth:`_deliver_first`): their first burst commits that token first."""
-        rows = np.logical_and(self._lead, tokens.counts).nonzero()[0]  # counts >= 0
+        table = self.table
+        rows = np.logical_and(table.lead, tokens.counts).nonzero()[0]  # counts >= 0
         if not rows.size:
             return
         tokens.drop_first(rows)
-        self._lead[rows] = False
-        self._n_lead -= rows.size
+        table.lead[rows] = False
+        table.n_lead -= rows.size

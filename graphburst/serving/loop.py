@@ -13,41 +13,48 @@ A failure inside :meth:`ServeLoop.step` costs only the requests it touches: they
 with ``error`` set (``finish_reason == "error"``), the tokens already handed out stay,
 and the loop goes on serving the others.
 
-The parts the loop owns: its intake (``loop.intake``: validation at submission, ids, the
-waiting queue; :mod:`graphburst.serving.intake`), its pipeline (``loop.pipeline``: the
-bursts in flight; :mod:`graphburst.serving.pipeline`) and its per-slot token rows
-(:mod:`graphburst.serving.slot_tokens`); requests are :mod:`graphburst.serving.request`,
+The loop owns its parts and hands each one what it uses, explicitly; no part reads another's
+attributes through a shared ``self``:
+
+- ``loop.intake`` (:mod:`~graphburst.serving.intake`): validation at submission, ids, the waiting queue;
+- ``loop.pipeline`` (:mod:`~graphburst.serving.pipeline`): the bursts in flight;
+- ``loop.table`` (:mod:`~graphburst.serving.slot_table`): which request each batch slot holds, and
+  the slots' token rows: the one state the parts below share;
+- ``loop.record`` (:class:`~graphburst.serving.events.LoopRecord`): the event log and the counters;
+- ``loop.schedule`` and ``loop.boundary`` (:mod:`~graphburst.serving.admit`): when the burst boundary
+  runs, and the boundary itself (freeing, admission, chunked prefill);
+- ``loop.first_tokens`` (:mod:`~graphburst.serving.first_tokens`): first tokens handed out after the prefill;
+- ``loop.delivery`` (:mod:`~graphburst.serving.delivery`): a drained burst's tokens handed out, and
+  every request's retirement.
+
+How the decoder and the graph are built, and which choices the loop may make from its own
+timings, is its :class:`~graphburst.serving.policy.LoopPolicy` (tensor-parallel serving passes
+its own: :mod:`graphburst.parallel.lockstep`). Requests are :mod:`graphburst.serving.request`,
 timing figures :mod:`graphburst.serving.timing`, and what a step did is told as typed events
-(:mod:`graphburst.serving.events`). This module holds the loop itself: the step,
-cancellation, a request's retirement, streaming and the loop's counters; the boundary
-(freeing, admission, chunked prefill) is :mod:`graphburst.serving.admit`, and handing a drained
-burst's tokens out :mod:`graphburst.serving.delivery`.
+(:mod:`graphburst.serving.events`). This module holds the loop itself: the step, cancellation,
+streaming and the loop's figures.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
+import functools
 import time
 from collections.abc import AsyncIterator, Iterator
 
-import numpy as np
-
 from ..engine.mode import BurstMode
-from ..engine.decoder import SpecDecoder
-from ..engine import host_ops
-from ..capture import BurstGraph
 from ..constants import MAX_DEPTH
 from ..sampling.params import SamplingParams
 from ..validate import check_int
-from .admit import ADMISSION_WINDOW, NO_RECENT_ADMISSION, LoopAdmission, check_admission, check_prefill_chunk, describe
-from .delivery import LoopDelivery
-from .events import Retired
-from .first_tokens import NO_COPY, FirstTokenCopies, LoopFirstTokens
+from .admit import AdmissionSchedule, Boundary, check_admission, check_prefill_chunk, describe
+from .delivery import Delivery
+from .events import LoopRecord
+from .first_tokens import FirstTokens
 from .intake import RequestIntake
-from .pipeline import BurstPipeline, graph_of
+from .pipeline import BurstPipeline
+from .policy import LoopPolicy, check_policy
 from .request import Request, RequestState
-from .slot_tokens import SlotTokens
+from .slot_table import SlotTable
 from .timing import inter_token_latencies_us, percentiles
 
 SERVE_MODES = (BurstMode.GRAPH, BurstMode.PER_ROUND_SYNC)  # ``pipelined`` makes the graph engine gapless
@@ -57,7 +64,7 @@ __all__ = ["ENGINE_MODES", "SERVE_MODES", "Request", "RequestState", "ServeLoop"
            "percentiles"]
 
 
-class ServeLoop(LoopAdmission, LoopFirstTokens, LoopDelivery):
+class ServeLoop:
     """Continuous batching of requests over one captured burst graph.
 
     Parameters
@@ -86,8 +93,13 @@ class ServeLoop(LoopAdmission, LoopFirstTokens, LoopDelivery):
         Pipelined: whether a step admits waiting requests before refilling the pipeline
         (their first burst comes one burst sooner) or after it (the GPU keeps a full queue
         while the host admits); ``auto`` picks early once bursts outlast admissions
-        (:meth:`~graphburst.serving.admit.LoopAdmission._admit_early`), and while bursts are
-        shorter than admissions lets a boundary due right after one wait a burst (``_defer_boundary``).
+        (:meth:`~graphburst.serving.admit.AdmissionSchedule.admit_early`), and while bursts are
+        shorter than admissions lets a boundary due right after one wait a burst
+        (:meth:`~graphburst.serving.admit.AdmissionSchedule.defer_boundary`). A policy without
+        ``local_timing`` makes ``auto`` late.
+    policy : LoopPolicy, optional
+        How the decoder and graph are built and what the loop may decide on its own
+        (:mod:`~graphburst.serving.policy`); default a :class:`~graphburst.serving.policy.LocalPolicy`.
 
     Attributes
     ----------
@@ -95,6 +107,11 @@ class ServeLoop(LoopAdmission, LoopFirstTokens, LoopDelivery):
         Validation at submission, request ids, the queue of requests waiting for a slot.
     pipeline : BurstPipeline
         The bursts in flight (launch, refill, drain).
+    table, record, schedule, boundary, first_tokens, delivery
+        The loop's other parts (the module's docstring says what each does).
+    heartbeat_s : float or None
+        The policy's: a driver steps an idle loop at least this often (None: a plain loop,
+        stepped only when there is work).
     log : list or None
         None (the default) or a list of :mod:`~graphburst.serving.events` the loop appends
         to, in order, for a consumer that forwards tokens elsewhere (JSONL writer, HTTP
@@ -104,81 +121,42 @@ class ServeLoop(LoopAdmission, LoopFirstTokens, LoopDelivery):
         when one finishes for any reason. The consumer empties it.
     """
 
-    #: True where request ids come from a loop that made them up already (a lockstep follower):
-    #: the intake then takes ids of the made-up form.
-    replays_ids = False
-    #: Hand first tokens out after the prefill (first_tokens.py); False: with the first burst.
-    early_first_tokens = True
-
     def __init__(self, target, draft, *, k: int, m_rounds: int, engine: str = "graph", pipelined: bool = True,
-                 depth: int = 2, sampling: bool = False, prefill_chunk: int | None = None, admission: str = "auto"):
+                 depth: int = 2, sampling: bool = False, prefill_chunk: int | None = None, admission: str = "auto",
+                 policy: LoopPolicy | None = None):
+        self.policy = policy = check_policy(policy)
         engine = BurstMode.parse(engine, SERVE_MODES, name="engine")
         depth = check_int("depth", depth, minimum=2, maximum=MAX_DEPTH)
-        self.admission = check_admission(admission)
-        self._admission_ms = collections.deque(maxlen=ADMISSION_WINDOW)  # host ms of the last admissions
-        self._typical_admission_ms = None  # their median (None before the first)
-        self._admitted_at = NO_RECENT_ADMISSION  # pipeline.launched at the last admission (coalescing: admit.py)
-        self._deferrals = 0  # boundaries deferred since that admission
-        self.deferred_boundaries = 0  # boundaries auto admission let wait a burst (LoopAdmission._defer_boundary)
+        admission = check_admission(admission, local_timing=policy.local_timing)
+        self.heartbeat_s = policy.heartbeat_s
         self.sampling = bool(sampling)
         self.prefill_chunk = check_prefill_chunk(prefill_chunk, target, draft)
-        self.dec = self._make_decoder(target, draft, k=k, m_rounds=m_rounds, sampling=self.sampling)
+        self.dec = dec = policy.make_decoder(target, draft, k=k, m_rounds=m_rounds, sampling=self.sampling)
         self.engine = engine
-        self.pipeline = BurstPipeline(self.dec, engine, pipelined, make_graph=self._make_graph, depth=depth)
+        self.pipeline = BurstPipeline(dec, engine, pipelined, make_graph=functools.partial(policy.make_graph, dec),
+                                      depth=depth)
         # Every admission graph a request can take, captured now, not by its first request: the process's
         # first capture took 14 ms on an H200, later ones ~0.1 ms, and a prefill that cannot be captured
         # shows here (engine/admission/graphs.py; nothing for decoders that admit eagerly)
-        self.dec.warm_admission_graphs(chunk=self.prefill_chunk)
+        dec.warm_admission_graphs(chunk=self.prefill_chunk)
         self.pipelined = self.pipeline.pipelined
         self.graph = self.pipeline.graph
         self.vocab = target.vocab
-        batch = self.dec.batch
-        self.slots: list[RequestState | None] = [None] * batch
-        self._slot_state = np.full(batch, None, object)  # [B] object: slots, indexable by an array of slots
-        # Tokens land in per-slot rows (one vectorised copy per burst); a request's
-        # Python list is built when read or when it finishes.
-        self.store = SlotTokens(batch, self.dec.capacity, self.dec.bufs.ring_capacity)
-        self._running = np.zeros(batch, bool)  # [B] slot holds a request that is not done
-        # _deliver's masks go into scratch arrays, and every slot receiving (the steady state)
-        # reuses one read-only row list: each numpy temporary or Python-scalar operand costs
-        # about a microsecond between bursts, while the GPU may wait.
-        self._receiving = np.zeros(batch, bool)  # [B] bool scratch
-        self._finished = np.zeros(batch, bool)  # [B] bool scratch
-        self._no_left = np.zeros(batch, np.int64)  # [B] int64 constant 0
-        self._every_slot = np.arange(batch)  # [B] int64: rows when every slot receives
-        self._every_slot.setflags(write=False)  # Tokens events hand it to consumers
-        # A graph's drained bursts are handed out in C (host_ops.c) where the decoder drains in C
-        self._c_store = None if self.dec.host_mirror is None else self.store.in_c(
-            host_ops.library(), running=self._running, left=self.dec.host_left, receiving=self._receiving,
-            finished=self._finished)
-        self._n_occupied = 0  # slots holding a request (done or not)
-        self._n_stale = 0  # slots holding a request that is done: freed at the next boundary
-        # Slots whose prompt is still being prefilled (admission order): slot -> prompt tokens
-        # already in the caches. Such a slot holds its request but is idle in bursts.
-        self._prefilling: dict[int, int] = {}
-        # First tokens are handed out once the prefill has made them (first_tokens.py), and
-        # dropped from the head of the slot's first drained ring row.
-        self._first = FirstTokenCopies(self.dec.backend, batch)
-        self._first_copy = np.full(batch, NO_COPY, np.int64)  # [B] int64: the copy holding the slot's first token
-        self._lead = np.zeros(batch, bool)  # [B] bool: first token handed out; its first burst not yet drained
-        self._n_lead = 0  # slots with _lead set
-        self.intake = RequestIntake(vocab=self.vocab, capacity=self.dec.capacity, sampling=self.sampling,
-                                    slot_options=self.dec.slot_options, replays_ids=self.replays_ids)
-        self.log: list | None = None
-        self.errors = 0  # requests finished with an error by the loop
-        self.bursts = 0
-        self.tokens_out = 0
+        self.intake = RequestIntake(vocab=self.vocab, capacity=dec.capacity, sampling=self.sampling,
+                                    slot_options=dec.slot_options, replays_ids=policy.replays_ids)
+        # The parts, each handed what it uses
+        self.table = SlotTable(dec.batch, dec.capacity, dec.bufs.ring_capacity)
+        self.record = LoopRecord()
+        self.first_tokens = FirstTokens(self.table, self.record, dec, self.pipeline)
+        self.delivery = Delivery(self.table, self.record, dec, self.intake, self.first_tokens)
+        self.schedule = AdmissionSchedule(admission, table=self.table, intake=self.intake, pipeline=self.pipeline,
+                                          early_first_tokens=policy.early_first_tokens)
+        self.boundary = Boundary(table=self.table, dec=dec, intake=self.intake, pipeline=self.pipeline,
+                                 schedule=self.schedule, first_tokens=self.first_tokens, record=self.record,
+                                 retire=self.delivery.retire, costs_only_its_requests=policy.costs_only_its_requests,
+                                 prefill_chunk=self.prefill_chunk, sampling=self.sampling)
         self.started = time.perf_counter()
         self._lock = None
-
-    # Hooks for graphburst.parallel.lockstep (tensor-parallel serving): its loop builds a
-    # ParallelDecoder and a CheckedGraph here; everything else in the loop is unchanged.
-
-    def _make_decoder(self, target, draft, **kw) -> SpecDecoder:
-        return SpecDecoder(target, draft, **kw)
-
-    def _make_graph(self, *, depth: int) -> BurstGraph:
-        return graph_of(self.dec, depth=depth)
 
     # ------------------------------------------------------------------ requests
 
@@ -203,32 +181,45 @@ class ServeLoop(LoopAdmission, LoopFirstTokens, LoopDelivery):
         if state.done:
             return
         state.cancelled = True
-        self._retire(state)
+        self.delivery.retire(state)
 
-    def _retire(self, state: RequestState, now: float | None = None, error: str | None = None) -> None:
-        """Mark a request finished (once) and forget its id."""
-        if state.done:
-            return
-        if error is not None:
-            state.error = error
-            self.errors += 1
-        if state._store is not None:
-            self._running[state.slot] = False  # no later burst's tokens reach it
-            self._n_stale += 1  # its slot is freed at the next boundary
-            state._detach()
-        state.finished = now or time.perf_counter()
-        self.intake.forget(state)
-        if self.log is not None:
-            self.log.append(Retired(state))
+    def withdraw(self, state: RequestState) -> None:
+        """Undo the submission of a request not yet admitted: out of the queue, finished (not
+        cancelled: the caller refused it after all), its id free again."""
+        self.intake.withdraw(state)
+        self.delivery.retire(state)
+
+    @property
+    def log(self) -> list | None:
+        return self.record.log
+
+    @log.setter
+    def log(self, events: list | None) -> None:
+        self.record.log = events
+
+    @property
+    def bursts(self) -> int:
+        """Bursts drained and handed out."""
+        return self.record.bursts
+
+    @property
+    def tokens_out(self) -> int:
+        """Tokens handed out."""
+        return self.record.tokens_out
+
+    @property
+    def errors(self) -> int:
+        """Requests the loop finished with an error."""
+        return self.record.errors
 
     @property
     def active(self) -> int:
-        return self._n_occupied
+        return self.table.n_occupied
 
     @property
     def idle(self) -> bool:
         """Nothing queued, running or in flight."""
-        return not self.intake.queue and self._n_occupied == 0 and not self.pipeline
+        return not self.intake.queue and self.table.n_occupied == 0 and not self.pipeline
 
     # ------------------------------------------------------------------ the loop
 
@@ -244,64 +235,69 @@ class ServeLoop(LoopAdmission, LoopFirstTokens, LoopDelivery):
         An exception inside the iteration finishes the requests it touches with an
         error (those of the slots it names, else every running one) and is not raised;
         tokens already delivered stay, and bursts in flight still deliver to the rest.
-        Only a failure of the recovery itself (the device is unusable) propagates.
+        Only a failure of the recovery itself (the device is unusable), or one the policy
+        says must not be recovered from (``costs_only_its_requests``), propagates.
         """
         try:
             return self._step()
         except Exception as exc:  # noqa: BLE001 - a serving loop outlives one request's failure
+            if not self.policy.costs_only_its_requests(exc):
+                raise
             return self._recover(exc)
 
     def _recover(self, exc: Exception) -> int:
         msg = describe(exc)
-        named = [b for b in getattr(exc, "slots", ()) if 0 <= b < len(self.slots) and self.slots[b] is not None]
-        touched = named or [b for b, s in enumerate(self.slots) if s is not None]
+        table, retire = self.table, self.delivery.retire
+        slots = table.slots
+        named = [b for b in getattr(exc, "slots", ()) if 0 <= b < len(slots) and slots[b] is not None]
+        touched = named or table.held_slots()
         now = time.perf_counter()
         for b in touched:
-            self._retire(self.slots[b], now, error=msg)
+            retire(slots[b], now, error=msg)
         delivered = 0
         pipeline = self.pipeline
         if self.graph is not None:
             while pipeline:  # launched bursts still hold the other requests' tokens
-                delivered += self._hand_out_first(pipeline.oldest)  # first tokens before their bursts
-                delivered += self._deliver(*pipeline.drain())
+                delivered += self.first_tokens.hand_out(pipeline.oldest)  # first tokens before their bursts
+                delivered += self.delivery.deliver(*pipeline.drain())
         if self.dec.outstanding:  # a burst failed part-way through being enqueued
             self.dec.abandon_enqueued()
-        self._boundary()
+        self.boundary.run()
         return delivered
 
-    def _steady(self) -> bool:
-        """Every batch slot runs a request (the window of the steady-state idle figure)."""
-        return self._n_occupied == self.dec.batch and self._n_stale == 0
-
     def _step(self) -> int:
-        pipeline = self.pipeline
-        if not pipeline and self._n_occupied == 0:
+        # Each decision below is the schedule's or the first tokens' (what this step does next),
+        # each application a part's (the boundary, the pipeline, delivery). A decision is taken
+        # where its inputs exist: the admission order needs the drained burst's GPU time, whether
+        # a boundary is due the slots its delivery freed.
+        pipeline, table = self.pipeline, self.table
+        if not pipeline and table.n_occupied == 0:
             # Nothing runs and no request holds a slot: the GPU's next gap is the loop
             # waiting for work, not host overhead between bursts, so it is not counted.
             pipeline.clock.forget_gap()
         if self.graph is None:
-            self._boundary()
+            self.boundary.run()
             # Every copy precedes the next burst: hand its tokens out first, then run the burst in the
             # same step (returning in between would let a stream of admissions hold every burst back).
-            delivered = self._hand_out_first(pipeline.launched)
-            return delivered + (self._deliver(*pipeline.run_eager(self._steady())) if self._running.any() else 0)
-        delivered = 0
+            delivered = self.first_tokens.hand_out(pipeline.launched)
+            return delivered + (self.delivery.deliver(*pipeline.run_eager(table.steady()))
+                                if table.running.any() else 0)
         if not pipeline:  # nothing in flight (always so unpipelined): admit before launching
-            self._boundary()
-        steady = self._steady()
+            self.boundary.run()
+        steady = table.steady()
         pipeline.fill(steady)
         if not pipeline:
-            return delivered  # no live slot (prompts still being prefilled, or none at all)
-        if self._first.due(pipeline.oldest):
+            return 0  # no live slot (prompts still being prefilled, or none at all)
+        if self.first_tokens.due(pipeline.oldest):
             # Admitted requests' first tokens are ready no later than the oldest burst in flight:
             # wait for them instead, and return, so a consumer forwards them before the burst.
-            return self._hand_out_first(pipeline.oldest)
+            return self.first_tokens.hand_out(pipeline.oldest)
         drained = pipeline.drain()
-        if self.pipelined and self._admit_early():  # the bursts still queued outlast admission
-            delivered += self._deliver(*drained)
-            if self._boundary_due():
-                self._boundary()
-            pipeline.fill(self._steady())
+        if self.pipelined and self.schedule.admit_early():  # the bursts still queued outlast admission
+            delivered = self.delivery.deliver(*drained)
+            if self.schedule.boundary_due():
+                self.boundary.run()
+            pipeline.fill(table.steady())
             return delivered
         # Refill before handing the drained tokens out: while the host delivers burst n,
         # bursts n+1 and n+2 are both queued, so the GPU has work even if delivery is slow.
@@ -309,11 +305,11 @@ class ServeLoop(LoopAdmission, LoopFirstTokens, LoopDelivery):
             if self.pipelined:
                 pipeline.fill(steady)
         finally:  # a launch that fails (a capacity error, say) must not lose the drained tokens
-            delivered += self._deliver(*drained)
-        if self.pipelined and self._boundary_due():
+            delivered = self.delivery.deliver(*drained)
+        if self.pipelined and self.schedule.boundary_due():
             # Admission without draining: the boundary's writes queue behind the bursts in
             # flight, and the next launch carries the new slots.
-            self._boundary()
+            self.boundary.run()
         return delivered
 
     def run_until_idle(self) -> None:
@@ -355,7 +351,7 @@ class ServeLoop(LoopAdmission, LoopFirstTokens, LoopDelivery):
 
         ``admission_graphs``: admission graphs captured (at construction, and again after a
         ``refresh_tables``). ``deferred_boundaries``: boundaries ``auto`` admission let wait a burst to coalesce
-        them with the next (:meth:`LoopAdmission._defer_boundary`). ``gpu_idle_fraction``
+        them with the next (:meth:`AdmissionSchedule.defer_boundary`). ``gpu_idle_fraction``
         counts every gap while a request held a slot;
         ``gpu_idle_fraction_steady`` only the gaps before bursts launched with every
         batch slot running (ramp-up and ramp-down left out); ``gpu_admission_fraction``
@@ -363,19 +359,19 @@ class ServeLoop(LoopAdmission, LoopFirstTokens, LoopDelivery):
         :mod:`~graphburst.serving.timing`). None without GPU timing.
         """
         elapsed = time.perf_counter() - self.started
-        clock = self.pipeline.clock
+        clock, record = self.pipeline.clock, self.record
         return {
-            "bursts": self.bursts,
-            "tokens": self.tokens_out,
-            "tokens_per_s": self.tokens_out / elapsed if elapsed > 0 else 0.0,
+            "bursts": record.bursts,
+            "tokens": record.tokens_out,
+            "tokens_per_s": record.tokens_out / elapsed if elapsed > 0 else 0.0,
             "active_slots": self.active,
             "queued": len(self.intake),
-            "errors": self.errors,
+            "errors": record.errors,
             "gpu_idle_fraction": clock.overall.idle_fraction,
             "gpu_idle_fraction_steady": clock.steady.idle_fraction,
             "gpu_admission_fraction": clock.overall.admission_fraction,
             "steady_bursts": clock.steady.bursts,
             "captures": self.graph.captures if self.graph is not None else 0,
             "admission_graphs": 0 if self.dec.admission_graphs is None else self.dec.admission_graphs.captures,
-            "deferred_boundaries": self.deferred_boundaries,
+            "deferred_boundaries": self.schedule.deferred_boundaries,
         }

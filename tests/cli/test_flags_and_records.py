@@ -120,12 +120,18 @@ def test_a_made_up_id_never_turns_away_a_later_user_id():
 
 
 def test_a_loop_that_replays_another_loops_requests_takes_its_made_up_ids():
-    """A lockstep follower (parallel/lockstep.py: replays_ids) submits rank 0's requests, made-up ids included."""
-    from graphburst.parallel.lockstep import LockstepLoop
+    """A lockstep follower (parallel/lockstep.py: its policy's replays_ids) submits rank 0's requests, made-up ids
+    included."""
+    import types
 
-    assert LockstepLoop.replays_ids.fget(type("Follower", (), {"leader": False})())
+    from graphburst.parallel.lockstep import LockstepPolicy
+    from graphburst.serving.policy import LocalPolicy
+
+    assert LockstepPolicy(types.SimpleNamespace(rank=1)).replays_ids
+    assert not LockstepPolicy(types.SimpleNamespace(rank=0)).replays_ids
     target, draft = stub_pair(2, VOCAB, [True], [True], 64, backend="numpy")
-    follower = type("Follower", (ServeLoop,), {"replays_ids": True})(target, draft, k=2, m_rounds=1)
+    replaying = type("Replaying", (LocalPolicy,), {"replays_ids": True})()
+    follower = ServeLoop(target, draft, k=2, m_rounds=1, policy=replaying)
     state = follower.submit(Request([1], 3, id="auto-0"))
     with pytest.raises(ValueError, match="already in flight"):
         follower.submit(Request([1], 3, id="auto-0"))

@@ -1,5 +1,5 @@
 """host_ops.c against its numpy twins: the drain (BurstTokens + SpecDecoder.finish_burst) and the
-append (SlotTokens.append + ServeLoop._deliver's masks), bit for bit, at awkward batch sizes, with
+append (SlotTokens.append + Delivery.deliver's masks), bit for bit, at awkward batch sizes, with
 poisoned counts, moved generations, finished and idle slots; and a serving loop's whole output the
 same with the C path and without it."""
 
@@ -117,7 +117,7 @@ def test_append_equals_slot_tokens_append_and_the_delivery_masks(batch):
     running = rng.random(batch) < 0.7
     left = np.where(rng.random(batch) < 0.3, 0, rng.integers(1, 9, batch)).astype(np.int64)
     now = 12.5
-    # numpy: _deliver's masks and SlotTokens.append
+    # numpy: Delivery.deliver's masks and SlotTokens.append
     want = stores[0]
     receiving = running & (counts > 0)
     want.append(ring, counts, receiving.nonzero()[0], acc, now)
@@ -166,7 +166,7 @@ def _serve(monkeypatch, in_c: bool) -> list:
         monkeypatch.setattr(host_ops, "library", lambda: None)
     target, draft = stub_pair(3, VOCAB, 2, 1, 256, backend="numpy")
     loop = ServeLoop(target, draft, k=3, m_rounds=2, depth=3)
-    assert (loop._c_store is not None) == in_c
+    assert (loop.delivery.c_store is not None) == in_c
     loop.log = []
     rng = np.random.default_rng(5)
     states = []

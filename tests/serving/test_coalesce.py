@@ -1,5 +1,5 @@
 """Auto admission coalesces consecutive boundaries while the host is the bottleneck
-(``LoopAdmission._defer_boundary``). Expected tokens come from the CPU greedy oracle.
+(``AdmissionSchedule.defer_boundary``). Expected tokens come from the CPU greedy oracle.
 
 On numpy there is no GPU timing, so the CPU tests set the last burst's device time by hand;
 the GPU test lets zero-cost and costly stubs set it.
@@ -30,7 +30,7 @@ def _serve(loop, busy_ms=None):
     finish that freed its slot and its first token."""
     loop.submit(Request([1], 3))
     loop.run_until_idle()  # compiles and captures (on a GPU), so the admissions timed are plain ones
-    loop._forget_admissions()
+    loop.schedule.forget_admissions()
     states = [loop.submit(Request([5 + i, 2], n, options=SURE)) for i, n in enumerate(BUDGETS)]
     freed_at, waits, first_seen = {}, [], set()
     while not loop.idle:
@@ -55,21 +55,21 @@ def _serve(loop, busy_ms=None):
 
 def test_auto_coalesces_boundaries_when_bursts_are_shorter_than_admissions():
     late = make_loop()
-    late.admission = "late"
+    late.schedule.mode = "late"
     late_waits = _serve(late, busy_ms=1e-6)
-    assert late.deferred_boundaries == 0
+    assert late.schedule.deferred_boundaries == 0
 
     auto = make_loop()
     waits = _serve(auto, busy_ms=1e-6)  # a burst far shorter than any admission: host-bound
-    assert auto.deferred_boundaries > 0
-    assert auto.stats()["deferred_boundaries"] == auto.deferred_boundaries
+    assert auto.schedule.deferred_boundaries > 0
+    assert auto.stats()["deferred_boundaries"] == auto.schedule.deferred_boundaries
     # a freed slot waits at most depth - 1 bursts more than it would have without coalescing
     assert max(waits) <= max(late_waits) + auto.pipeline.depth - 1
     assert len(waits) == len(late_waits) == len(BUDGETS) - 3
 
     costly = make_loop()
     _serve(costly, busy_ms=1e9)  # bursts far longer than admissions: never
-    assert costly.deferred_boundaries == 0
+    assert costly.schedule.deferred_boundaries == 0
 
 
 def test_a_boundary_is_deferred_only_within_the_limit_after_an_admission_nor_mid_prompt():
@@ -77,42 +77,43 @@ def test_a_boundary_is_deferred_only_within_the_limit_after_an_admission_nor_mid
 
     loop = make_loop()  # depth 3: at most 2 bursts
     loop.pipeline.clock.last_busy_ms = 0.1
-    loop._note_admission(0.3)
-    assert not loop._defer_boundary()  # no admission yet in this loop's life
-    loop._admitted_at, loop._deferrals = loop.pipeline.launched, 0
-    assert not loop._defer_boundary()  # one admission measured: it may have compiled kernels
+    loop.schedule.note_admission(0.3)
+    assert not loop.schedule.defer_boundary()  # no admission yet in this loop's life
+    loop.schedule.admitted_at, loop.schedule.deferrals = loop.pipeline.launched, 0
+    assert not loop.schedule.defer_boundary()  # one admission measured: it may have compiled kernels
     for _ in range(COALESCE_AFTER - 1):
-        loop._note_admission(0.3)
-    loop._prefilling[0] = 4  # a prompt part-way through a chunked prefill goes on at every boundary
-    assert not loop._defer_boundary()
-    del loop._prefilling[0]
-    assert loop._coalesce_limit() == 2  # an admission covers 3 bursts; depth - 1 caps it
-    assert loop._defer_boundary() and loop._defer_boundary()
-    assert not loop._defer_boundary()  # the limit's worth, then it runs
-    loop._admitted_at, loop._deferrals = loop.pipeline.launched - 3, 0  # three bursts launched since
-    assert not loop._defer_boundary()
-    loop._admitted_at = loop.pipeline.launched
+        loop.schedule.note_admission(0.3)
+    loop.table.prefilling[0] = 4  # a prompt part-way through a chunked prefill goes on at every boundary
+    assert not loop.schedule.defer_boundary()
+    del loop.table.prefilling[0]
+    assert loop.schedule.coalesce_limit() == 2  # an admission covers 3 bursts; depth - 1 caps it
+    assert loop.schedule.defer_boundary() and loop.schedule.defer_boundary()
+    assert not loop.schedule.defer_boundary()  # the limit's worth, then it runs
+    loop.schedule.admitted_at, loop.schedule.deferrals = loop.pipeline.launched - 3, 0  # three bursts launched since
+    assert not loop.schedule.defer_boundary()
+    loop.schedule.admitted_at = loop.pipeline.launched
     for busy, limit in ((0.25, 1), (0.14, 2), (0.3, 0)):  # 1.2 and 2.1 bursts' worth; not host-bound
         loop.pipeline.clock.last_busy_ms = busy
-        assert loop._coalesce_limit() == limit, busy
+        assert loop.schedule.coalesce_limit() == limit, busy
     loop.pipeline.clock.last_busy_ms = 0.25
-    assert loop._defer_boundary() and not loop._defer_boundary()
-    loop._deferrals = 0
+    assert loop.schedule.defer_boundary() and not loop.schedule.defer_boundary()
+    loop.schedule.deferrals = 0
     loop.pipeline.clock.last_busy_ms = 0.3  # a burst as long as a typical admission
-    assert not loop._defer_boundary()
+    assert not loop.schedule.defer_boundary()
     loop.pipeline.clock.last_busy_ms = 0.1
     for order in ("early", "late"):
-        loop.admission = order
-        assert not loop._defer_boundary()
-    assert loop.deferred_boundaries == 3
+        loop.schedule.mode = order
+        assert not loop.schedule.defer_boundary()
+    assert loop.schedule.deferred_boundaries == 3
     shallow = make_loop(depth=2)  # depth 2: one burst at most, however short the bursts
     shallow.pipeline.clock.last_busy_ms = 0.01
     for _ in range(COALESCE_AFTER):
-        shallow._note_admission(0.3)
-    shallow._admitted_at, shallow._deferrals = shallow.pipeline.launched, 0
-    assert shallow._coalesce_limit() == 1 and shallow._defer_boundary() and not shallow._defer_boundary()
+        shallow.schedule.note_admission(0.3)
+    shallow.schedule.admitted_at, shallow.schedule.deferrals = shallow.pipeline.launched, 0
+    schedule = shallow.schedule
+    assert schedule.coalesce_limit() == 1 and schedule.defer_boundary() and not schedule.defer_boundary()
     shallow.pipeline.clock.last_busy_ms = 0.0  # an event pair that read 0 ms: no division by it
-    assert shallow._coalesce_limit() == 1
+    assert shallow.schedule.coalesce_limit() == 1
 
 
 def test_no_deferral_where_auto_admits_early():
@@ -120,14 +121,14 @@ def test_no_deferral_where_auto_admits_early():
     outlast four: auto then admits early, and deferring would only cost a burst."""
     loop = make_loop(depth=6)
     for _ in range(3):
-        loop._note_admission(1.0)
+        loop.schedule.note_admission(1.0)
     loop.pipeline.clock.last_busy_ms = 0.9  # 0.9 * (6 - 1) > 4 * 1.0: early
-    loop._admitted_at = loop.pipeline.launched
-    assert loop._admit_early()
-    assert not loop._defer_boundary()
+    loop.schedule.admitted_at = loop.pipeline.launched
+    assert loop.schedule.admit_early()
+    assert not loop.schedule.defer_boundary()
     loop.pipeline.clock.last_busy_ms = 0.5  # 0.5 * 5 < 4: late, and host-bound
-    assert not loop._admit_early()
-    assert loop._defer_boundary()
+    assert not loop.schedule.admit_early()
+    assert loop.schedule.defer_boundary()
 
 
 @pytest.mark.gpu
@@ -136,7 +137,7 @@ def test_gpu_zero_cost_stubs_coalesce_and_costly_ones_do_not():
 
     cheap = make_loop(backend=Backend("cupy"), batch=4, depth=4)  # 12 requests through 4 slots: many admissions
     _serve(cheap)
-    assert cheap.deferred_boundaries > 0  # ~0.02 ms bursts against ~0.2 ms admissions
+    assert cheap.schedule.deferred_boundaries > 0  # ~0.02 ms bursts against ~0.2 ms admissions
     costly = make_loop(backend=Backend("cupy"), cost_ns=2_000_000, depth=2)
     _serve(costly)
-    assert costly.deferred_boundaries == 0  # 8 ms bursts
+    assert costly.schedule.deferred_boundaries == 0  # 8 ms bursts

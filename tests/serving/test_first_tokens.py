@@ -8,7 +8,7 @@ import pytest
 
 from graphburst import greedy_reference, stub_pair
 from graphburst.serving.events import Tokens
-from graphburst.serving.first_tokens import NO_COPY
+from graphburst.serving.slot_table import NO_COPY
 from graphburst.serving.request import Request
 from graphburst.serving.loop import ServeLoop
 
@@ -64,13 +64,13 @@ def test_a_slot_refilled_before_its_last_copy_is_handed_out_gets_its_own_first_t
     second = loop.submit(Request([7], 30))
     third = loop.submit(Request([9, 9], 12))
     loop.cancel(first)  # the boundary frees the slot and admits the second behind 3 bursts in flight
-    while loop.slots[0] is not second:
+    while loop.table.slots[0] is not second:
         loop.step()
-    assert len(loop._first) == 1 and second.n_tokens == 0  # its copy is pending behind the bursts
+    assert len(loop.first_tokens) == 1 and second.n_tokens == 0  # its copy is pending behind the bursts
     loop.cancel(second)  # cancelled before its copy is handed out: the third takes the slot
-    while loop.slots[0] is not third:
+    while loop.table.slots[0] is not third:
         loop.step()
-    assert len(loop._first) == 2  # the second's copy, for nobody now, is still pending
+    assert len(loop.first_tokens) == 2  # the second's copy, for nobody now, is still pending
     loop.run_until_idle()
     assert second.tokens == [] and second.finish_reason == "cancelled"
     assert third.tokens == greedy_reference([9, 9], 12, VOCAB) and third.finish_reason == "length"
@@ -112,17 +112,17 @@ def test_gpu_first_token_is_handed_out_while_its_first_burst_still_runs():
     for s in states:
         assert s.tokens == greedy_reference(s.request.prompt, 40, VOCAB)
         assert s.deliveries[0][1] == 1
-    np.testing.assert_array_equal(loop._lead, False)
+    np.testing.assert_array_equal(loop.table.lead, False)
 
 
 def _bursts_between_a_finish_and_the_next_first_token(admission, **kw):
     """Drained bursts from the one that finishes A to B's first token, B admitted into A's slot while
     a long request in the other slot keeps the pipeline launching."""
     loop = make_loop(2, **kw)
-    loop.admission = admission
+    loop.schedule.mode = admission
     loop.submit(Request([1], 3))
     loop.run_until_idle()  # compiles and captures, so the admission timed below is a plain one
-    loop._forget_admissions()  # nor does auto count the compiles as an admission's host time
+    loop.schedule.forget_admissions()  # nor does auto count the compiles as an admission's host time
     a = loop.submit(Request([2], 5, options=SURE))  # one burst: 1 + 7 > 5
     long = loop.submit(Request([4], 60, options=SURE))
     b = loop.submit(Request([3], 9, options=SURE))
@@ -148,7 +148,7 @@ def test_early_admission_gives_a_freed_slot_its_next_request_one_burst_sooner():
 @pytest.mark.parametrize("admission", ["early", "late"])
 def test_either_admission_order_serves_a_refill_workload_greedily(admission):
     loop = make_loop(3, depth=3)
-    loop.admission = admission
+    loop.schedule.mode = admission
     loop.log = []
     states = [loop.submit(Request([5 + i, 2], n)) for i, n in enumerate((25, 7, 13, 4, 18, 1, 30, 9))]
     seen = {id(s): [] for s in states}
@@ -196,29 +196,30 @@ def test_auto_admission_is_early_only_when_the_queued_bursts_outlast_typical_adm
 
     loop = make_loop(2)  # depth 2: one burst still queued when an early step admits
     clock = loop.pipeline.clock
-    assert not loop._admit_early()  # nothing measured (and no GPU timing here)
+    assert not loop.schedule.admit_early()  # nothing measured (and no GPU timing here)
     clock.last_busy_ms = 35.0  # a 1b burst
-    assert not loop._admit_early()  # no admission measured yet
+    assert not loop.schedule.admit_early()  # no admission measured yet
     for ms in (2.0, 1.5, 20.0):  # small admissions, and one of a burst of prompts
-        loop._note_admission(ms)
-    assert loop._admit_early()  # the median (2 ms), not the big one, is typical
+        loop.schedule.note_admission(ms)
+    assert loop.schedule.admit_early()  # the median (2 ms), not the big one, is typical
     for ms in (0.3, 0.1, 0.3, 0.4, 0.1, 0.2):  # zero-cost stubs' admissions
-        loop._note_admission(ms)
+        loop.schedule.note_admission(ms)
     clock.last_busy_ms = 0.11
-    assert not loop._admit_early()
-    loop._forget_admissions()
-    loop._note_admission(0.1)  # a one-slot admission alone: the margin still says late
-    assert not loop._admit_early()
+    assert not loop.schedule.admit_early()
+    loop.schedule.forget_admissions()
+    loop.schedule.note_admission(0.1)  # a one-slot admission alone: the margin still says late
+    assert not loop.schedule.admit_early()
     clock.last_busy_ms = 0.1 * EARLY_ADMISSION_MARGIN  # exactly at the margin: late
-    assert not loop._admit_early()
+    assert not loop.schedule.admit_early()
     for _ in range(ADMISSION_WINDOW):  # the window forgets older admissions
-        loop._note_admission(100.0)
-    assert list(loop._admission_ms) == [100.0] * ADMISSION_WINDOW and loop._typical_admission_ms == 100.0
-    loop.admission = "early"
-    assert loop._admit_early()
-    loop.admission = "late"
+        loop.schedule.note_admission(100.0)
+    assert list(loop.schedule.admission_ms) == [100.0] * ADMISSION_WINDOW
+    assert loop.schedule.typical_admission_ms == 100.0
+    loop.schedule.mode = "early"
+    assert loop.schedule.admit_early()
+    loop.schedule.mode = "late"
     clock.last_busy_ms = 1e9
-    assert not loop._admit_early()
+    assert not loop.schedule.admit_early()
 
 
 def test_a_host_bound_loop_hands_first_tokens_out_with_their_first_burst():
@@ -228,14 +229,14 @@ def test_a_host_bound_loop_hands_first_tokens_out_with_their_first_burst():
     for host_bound in (True, False):
         loop = make_loop(2)
         for ms in (0.3, 0.3, 0.3):
-            loop._note_admission(ms)
+            loop.schedule.note_admission(ms)
         clock = loop.pipeline.clock
         clock.last_busy_ms = 0.1 if host_bound else 35.0  # numpy: no GPU timing of its own
-        assert loop._host_bound() is host_bound and loop._copy_first_tokens() is not host_bound
+        assert loop.schedule.host_bound() is host_bound and loop.schedule.copy_first_tokens() is not host_bound
         states = [loop.submit(Request([4 + i, 1], 20, options=SURE)) for i in range(2)]
-        loop._boundary()
-        assert len(loop._first) == (0 if host_bound else 1)
-        assert (loop._first_copy[:2] == NO_COPY).all() == host_bound
+        loop.boundary.run()
+        assert len(loop.first_tokens) == (0 if host_bound else 1)
+        assert (loop.table.first_copy[:2] == NO_COPY).all() == host_bound
         while not loop.idle:
             clock.last_busy_ms = 0.1 if host_bound else 35.0
             loop.step()
@@ -243,7 +244,7 @@ def test_a_host_bound_loop_hands_first_tokens_out_with_their_first_burst():
             assert s.tokens == greedy_reference(s.request.prompt, 20, VOCAB)
             # with a copy: 1 alone, then the first burst's other 7; without: the first burst's 8
             assert [n for _, n in s.deliveries] == ([8, 8, 4] if host_bound else [1, 7, 8, 4])
-        np.testing.assert_array_equal(loop._lead, False)
+        np.testing.assert_array_equal(loop.table.lead, False)
 
 
 def test_a_first_token_event_carries_zero_counters_not_the_slots_last_requests():

@@ -1,4 +1,4 @@
-"""Requests finishing together in one delivery (``ServeLoop._retire_finished``): each keeps its
+"""Requests finishing together in one delivery (``Delivery.retire_finished``): each keeps its
 own tokens, deliveries and accept counters, gets one Retired event, frees its slot and its id.
 Expected tokens come from the CPU greedy oracle; expected deliveries and counters are rebuilt
 from the loop's Tokens events, independently of the request's own copy-out."""
@@ -74,7 +74,7 @@ def test_every_slot_finishing_in_one_burst_keeps_its_own_record():
         assert [n for _, n in s.deliveries] == [1, 7, 8, 4] and s.finish_reason == "length"
         check_finished(s, seen, last_acc)
         assert s.rounds >= 1 and s.accepted > 0
-    assert loop.active == 0 and not loop.intake.live and loop._slot_state.tolist() == [None] * 64
+    assert loop.active == 0 and not loop.intake.live and loop.table.slot_state.tolist() == [None] * 64
     again = loop.submit(Request([1], 3, id="r0"))  # its id is free again
     loop.run_until_idle()
     assert again.tokens == greedy_reference([1], 3, VOCAB)
@@ -116,13 +116,13 @@ def test_a_request_cancelled_before_its_first_token_has_empty_records():
     loop.step()
     first = loop.submit(Request([7], 30))
     loop.step()  # admitted at this step's boundary, behind bursts in flight: running, no token yet
-    assert loop.slots[first.slot] is first and loop._running[first.slot] and first.n_tokens == 0
+    assert loop.table.slots[first.slot] is first and loop.table.running[first.slot] and first.n_tokens == 0
     loop.cancel(first)
     loop.run_until_idle()
     assert first.tokens == [] and first.deliveries == [] and first.first_token is None
     assert first.last_delivery is None and first.finish_reason == "cancelled"
     assert first.stats()["ttft_ms"] is None and (first.accepted, first.rounds) == (0, 0)
-    assert other.tokens == greedy_reference([2], 30, VOCAB) and np.count_nonzero(loop._running) == 0
+    assert other.tokens == greedy_reference([2], 30, VOCAB) and np.count_nonzero(loop.table.running) == 0
 
 
 def test_take_waiting_pops_the_oldest_live_requests_and_skips_cancelled_ones():
