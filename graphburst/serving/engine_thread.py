@@ -152,7 +152,7 @@ class EngineThread(threading.Thread):
                 while not self._inbox and not self._stopping and (self.loop.idle or self.failed):
                     # idle (or dead): sleep until a handler writes the inbox; a --tp rank 0
                     # (parallel/lockstep.py) wakes every heartbeat_s to keep its followers' wait alive
-                    self._cond.wait(getattr(self.loop, "heartbeat_s", None))
+                    self._cond.wait(self.loop.heartbeat_s)
                 ops = list(self._inbox)
                 self._inbox.clear()
                 stopping = self._stopping

@@ -201,7 +201,7 @@ class JsonlServer:
         """Take lines while requests may wait; wait for one only when the loop has nothing to do."""
         block = self.loop.idle
         # (a --tp rank 0 wakes every heartbeat_s to keep its followers' plan wait alive)
-        wait = (getattr(self.loop, "heartbeat_s", None) or STOP_POLL_S) if block else None
+        wait = (self.loop.heartbeat_s or STOP_POLL_S) if block else None
         while self.reading and len(self.loop.intake) < self.max_queue and not self.signals.stop.is_set():
             try:
                 item = self.reader.lines.get(block=block, timeout=wait)
