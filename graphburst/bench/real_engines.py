@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import time
 
 import torch
 
@@ -37,6 +36,7 @@ from ..engine.decoder import SpecDecoder
 from ..capture import BurstGraph
 from ..models.llama import Llama
 from ..models.torch_adapter import TorchDraft, TorchTarget
+from .graph_timing import Timer
 from .real_models import draft_instance, hf_draft_twin, hf_twin, instance, set_assistant
 
 
@@ -58,27 +58,6 @@ def accepted_drafts(tokens: list, rounds: int) -> int:
 def sync(device) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
-
-
-class Timer:
-    """GPU time of enqueued work (CUDA events) or host time on the CPU, in µs."""
-
-    def __init__(self, device):
-        self.cuda = torch.device(device).type == "cuda"
-
-    def measure(self, fn, n: int) -> float:
-        if self.cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(n):
-                fn()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end) * 1e3 / n
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        return (time.perf_counter() - t0) * 1e6 / n
 
 
 class TorchLoop:
