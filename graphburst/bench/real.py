@@ -31,12 +31,12 @@ import numpy as np
 from rich.console import Console
 from rich.progress import Progress
 
-from .common import label
-from .real_args import CALIBRATION, DEFAULT_PLOT, EPS_GRID, _capacity, settings
+from .common import label, write_results
+from .real_args import CALIBRATION, DEFAULT_PLOT, EPS_GRID, _capacity, json_path, profile_settings, settings
 # the bench command's hooks (bench/__init__ calls them on this module), defined with the flags
 from .real_args import add_parser, check_args  # noqa: F401
 from .real_profile import profile_all
-from .real_report import NOT_RUN, SAME_KERNEL_ORDER, plot_problem, report
+from .real_report import NOT_RUN, SAME_KERNEL_ORDER, finish, plot_problem, report
 
 # ---------------------------------------------------------------------- steps
 
@@ -189,17 +189,59 @@ def m_sweep(src, draft, s, backend, prompts, ref, floor_us, vllm) -> list:
 
 
 def run(args, console: Console, backend) -> int:
+    """The summary of saved results, the profile views, or the engine comparison (the default)."""
+    if args.summary is not None:
+        from .real_summary import run as summarize
+
+        return summarize(args.summary, console)
+    if args.profile is not None:
+        return run_profile(args, console, backend)
+    return run_engines(args, console, backend)
+
+
+def _cpu_torch(torch) -> None:
+    # Small ε makes subnormal activations, which x86 handles in microcode (100x slower).
+    torch.set_flush_denormal(True)
+    # The CPU run is a correctness run of tiny models: intra-op threads only contend
+    # (10x slower on a shared 2-core CI machine).
+    torch.set_num_threads(1)
+
+
+def run_profile(args, console: Console, backend) -> int:
+    """The profile views (``--profile``): each one checked then timed, one table each, one JSON."""
+    import contextlib
+
+    import torch
+
+    from . import real_forward, real_prefill
+
+    s = profile_settings(args)
+    cuda = backend.is_gpu
+    if not cuda:
+        _cpu_torch(torch)
+    console.print(f"[bold]graphburst bench real --profile {','.join(s['views'])}[/bold]: {label(backend)}; torch "
+                  f"{torch.__version__} on {_device(backend)}, {s['dtype']}; models {','.join(s['models'])}")
+    views = {"forward": real_forward, "prefill": real_prefill}
+    results, tables, failures = {}, [], []
+    # Timers and graph captures use the current device: make it the backend's.
+    with torch.cuda.device(backend.device_id) if cuda else contextlib.nullcontext():
+        for view in s["views"]:
+            results[view] = views[view].run(s, backend, console, failures)
+            tables.append(views[view].table(results[view], label(backend)))
+    device = torch.cuda.get_device_name(_device(backend)) if cuda else "cpu"
+    write_results(console, json_path(args), backend=backend, tables=tables, results=results, failures=failures,
+                  settings=s, device=device, torch=torch.__version__)
+    return finish(console, failures)
+
+
+def run_engines(args, console: Console, backend) -> int:
     """Parse the settings, then per model: build it and its engines, check and time every config; report."""
     import torch
 
     s = settings(args)
     cuda = backend.is_gpu
     if not cuda:
-        # Small ε makes subnormal activations, which x86 handles in microcode (100x slower).
-        torch.set_flush_denormal(True)
-        # The CPU run is a correctness run of tiny models: intra-op threads only contend
-        # (10x slower on a shared 2-core CI machine).
-        torch.set_num_threads(1)
+        _cpu_torch(torch)
     # The docs' PNG is the default only for a full GPU run (a smoke run must not overwrite it).
     plot_path = None if args.no_plot else (args.plot or (DEFAULT_PLOT if cuda and not args.smoke else None))
     problem = plot_problem() if plot_path else None
@@ -225,7 +267,7 @@ def run(args, console: Console, backend) -> int:
                     torch.cuda.empty_cache()
             del model
     device = torch.cuda.get_device_name(_device(backend)) if cuda else "cpu"
-    return report(console, args.json, backend, results, failures, plot_path, problem, settings=s, device=device,
+    return report(console, json_path(args), backend, results, failures, plot_path, problem, settings=s, device=device,
                   torch=torch.__version__)
 
 
@@ -313,8 +355,8 @@ def _run_batch(model, batch, args, s, backend, results, failures):
             if name == "compile":
                 r["compile_s"] = engines[name].compile_s
         ref = checked[next(n for n in SAME_KERNEL_ORDER if n in engines)].tokens
-        if batch == 1 and level is mid and args.profile:
-            info["profile"] = profile_all(engines, prompts, s, len(ref[0]), args.profile, mname, cuda)
+        if batch == 1 and level is mid and s["trace"]:
+            info["profile"] = profile_all(engines, prompts, s, len(ref[0]), s["trace"], mname, cuda)
         if batch == 1 and level is mid and s["m_sweep"]:
             results["m_sweep"] += [dict(model=mname, eps=level["eps"], **r) for r in m_sweep(
                 model["src"], model["draft"], s, backend, prompts, ref, floor, timed.get("vllm"))]

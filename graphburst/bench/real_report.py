@@ -37,7 +37,7 @@ def _tps(cfg, name):
 
 
 def targets(results) -> list:
-    """The issue's targets at B=1 (one row per model, ε and graphburst variant), plus the 1B verify."""
+    """The targets at B=1 (one row per model, ε and graphburst variant), plus the 1B verify."""
     rows = []
     for cfg in results["configs"]:
         if cfg["batch"] != 1:
@@ -212,6 +212,11 @@ def report(console, path, backend, results, failures, plot_path, problem, **meta
     write_results(console, path, backend=backend, tables=tables(results, label(backend)), results=results,
                   plot=plotted if plotted else (f"not written: {problem}" if problem else None), failures=failures,
                   **meta)
+    return finish(console, failures)
+
+
+def finish(console, failures) -> int:
+    """Name every correctness failure after the results are written; the exit status: 1 on any."""
     for line in failures:
-        console.print(f"[red]correctness failure[/red]: {line}")
+        console.print(f"[red]correctness failure[/red]: {line}", highlight=False)
     return 1 if failures else 0

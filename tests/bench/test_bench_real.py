@@ -8,12 +8,10 @@ same table, JSON and plot writers, with a tiny model.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from real_cli import cli as real_cli
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -27,15 +25,12 @@ from graphburst.bench.real_models import (MODELS, Epsilon, hf_twin, instance, ra
 from graphburst.bench.real_report import plot_problem  # noqa: E402
 from graphburst.models.parity import first_divergence  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
 TINY = MODELS["tiny"]
 torch.set_num_threads(1)
 
 
 def cli(*args, tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, "-m", "graphburst.cli", "bench", "real", *args], capture_output=True,
-                          text=True, env=env, timeout=240, cwd=tmp_path)
+    return real_cli(*args, cwd=tmp_path)
 
 
 @pytest.fixture(scope="module")
@@ -43,14 +38,14 @@ def smoke(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("real")
     out, png = tmp / "real.json", tmp / "real.png"
     (tmp / "prof").mkdir()
-    proc = cli("--smoke", "--backend", "numpy", "--json", str(out), "--plot", str(png), "--profile", str(tmp / "prof"),
+    proc = cli("--smoke", "--backend", "numpy", "--json", str(out), "--plot", str(png), "--trace", str(tmp / "prof"),
                tmp_path=tmp)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(out.read_text()), proc.stdout, png
+    return json.loads(out.read_text()), proc.stdout, png, out
 
 
 def test_smoke_checks_every_engine_before_timing(smoke):
-    res, _, _ = smoke
+    res, *_ = smoke
     assert res["meta"]["backend"] == "numpy" and "CPU REFERENCE" in res["meta"]["label"]
     configs = res["results"]["configs"]
     assert {(c["model"], c["batch"]) for c in configs} == {("tiny", 1), ("tiny", 2)}
@@ -77,7 +72,7 @@ def test_smoke_checks_every_engine_before_timing(smoke):
 
 
 def test_smoke_models_sweep_targets_and_outputs(smoke):
-    res, stdout, png = smoke
+    res, stdout, png, _ = smoke
     r = res["results"]
     info = r["models"]["tiny"]
     fp = info["fp32_check"]
@@ -98,10 +93,30 @@ def test_smoke_models_sweep_targets_and_outputs(smoke):
         assert not png.exists() and "matplotlib" in res["meta"]["plot"] and "plot skipped" in stdout
 
 
+def test_the_summary_of_the_smoke_run(smoke, tmp_path):
+    """``--summary`` of the run's own JSON: one line per config, naming every engine that ran."""
+    res, _, _, out = smoke
+    proc = cli("--summary", str(out), tmp_path=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert len(lines) == len(res["results"]["configs"]) == 4
+    for line, cfg in zip(lines, res["results"]["configs"]):
+        assert line.startswith(f"{out}: tiny B={cfg['batch']} eps=")
+        assert all(f"{name} {cfg['engines'][name]['tokens_per_s']:.0f} tok/s" in line for name in cfg["engines"])
+
+
 @pytest.mark.parametrize("args, flag", [(["--models", "huge"], "--models"), (["--engines", "hf"], "--engines"),
                                         (["--rounds", "5", "--m-sweep", "2"], "--rounds"),
                                         (["--batches", "1,x"], "--batches"), (["--accepts", "1.5"], "--accepts"),
-                                        (["--profile", "no/such/dir"], "--profile")])
+                                        (["--trace", "no/such/dir"], "--trace"),
+                                        (["--profile", "prof"], "--profile"),
+                                        (["--capacities", "64"], "--capacities"),
+                                        (["--profile", "--engines", "vllm"], "--engines"),
+                                        (["--profile", "forward", "--prefill-cases", "2"], "--prefill-cases"),
+                                        (["--profile", "prefill", "--models", "8b-tp2"], "--models"),
+                                        (["--profile", "--kernels", "fast"], "--kernels"),
+                                        (["--profile", "--capacities", "8"], "--capacities"),
+                                        (["--profile", "--valid", "60"], "--valid")])
 def test_bad_flags_are_one_line_exit_2(args, flag, tmp_path):
     proc = cli("--smoke", "--backend", "numpy", *args, tmp_path=tmp_path)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and flag in proc.stderr, proc.stderr

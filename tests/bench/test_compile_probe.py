@@ -79,21 +79,3 @@ def test_compile_engine_runs_or_says_why():
     assert [t[0] for t in runs[0]] == [t[0] for t in runs[1]]
     assert all(len(t) >= 6 for t in runs[1])
 
-
-def test_the_batch_summary_names_an_engine_that_did_not_run():
-    """scripts/real_summary.py (scripts/issue20_h200.sh's summary lines): timed engines and the reasons."""
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-    try:
-        import real_summary
-    finally:
-        sys.path.pop(0)
-    why = "not run: torch.compile probe died (signal 11 (SIGSEGV)): compiling"
-    doc = {"meta": {"failures": []}, "results": {"configs": [
-        {"model": "1b", "batch": 1, "eps": 0.0213, "floor_us": 4312.4,
-         "engines": {"graphburst": {"tokens_per_s": 986.2, "us_per_round": 4361.0, "acceptance": 0.83,
-                                    "x_floor": 1.0113}},
-         "not_run": {"compile": why, "hf": "not run: opt-in"}}]}}
-    assert real_summary.lines(doc) == [f"1b B=1 eps=0.0213 floor 4312 us: graphburst 986 tok/s 4361 us/round acc 0.83 "
-                                       f"1.011x floor; compile {why}"]
