@@ -1,5 +1,5 @@
-"""scripts/gemv_bench.py on the CPU: its shapes, the sweep's candidates, the per-bucket choice and the
-CONFIGS literal it prints (the lead pastes that into models/decode/gemv.py), and the table."""
+"""tools/gemv_bench.py on the CPU: its shapes, the sweep's candidates, the per-bucket choice and the
+CONFIGS literal it prints (pasted into models/decode/gemv.py), and the table."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ from scripts_import import import_script
 @pytest.fixture(scope="module")
 def gb():
     pytest.importorskip("triton")
-    return import_script("gemv_bench")
+    return import_script("gemv_bench", "tools")
 
 
 def test_shapes_and_configs_cover_them(gb):
-    """The 1b and 8b projections (N, K) are issue 20's, and CONFIGS holds a tiling for each one's bucket."""
+    """The 1b and 8b projections (N, K) are the models' shapes, and CONFIGS holds a tiling for each one's bucket."""
     from graphburst.models.decode.gemv import CONFIGS
 
     assert gb.projections("1b") == [("qkv", 3072, 2048), ("o", 2048, 2048), ("gate_up", 16384, 2048),

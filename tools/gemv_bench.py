@@ -1,7 +1,7 @@
 """cuBLAS (F.linear) against the weight-streaming GEMV (models/decode/gemv.py) at decode shapes, and a
 sweep of the GEMV's tilings to fill ``gemv.CONFIGS`` (H200, bf16).
 
-    PYTHONPATH=. python3 scripts/gemv_bench.py --shapes 1b 8b --m 1 5 16 64 --sweep-m 1 5 --json gemv.json
+    PYTHONPATH=. python3 tools/gemv_bench.py --shapes 1b 8b --m 1 5 16 64 --sweep-m 1 5 --json gemv.json
 
 Per (shape, projection, M): correctness first (cuBLAS and every GEMV tiling against the fp32
 reference, within ``TOL``; a wrong tiling is reported, never timed), then each is timed as a
@@ -29,8 +29,7 @@ import torch.nn.functional as F
 from rich.console import Console
 from rich.table import Table
 
-from tp_floor import graph_us  # scripts/ is on sys.path when a script runs
-
+from graphburst.bench.graph_timing import graph_us
 from graphburst.models.decode.gemv import CONFIGS, FMA_MAX_M, GemvConfig, default_config, gemv, pick_config
 
 #: HBM bandwidth the %HBM column divides by (H200: 4.8 TB/s)
@@ -89,7 +88,7 @@ def configs_literal(best: dict[tuple[int, int], GemvConfig]) -> str:
 
 def cycling_graph_us(calls: list, reps: int, trials: int) -> float:
     """Median µs per call of a CUDA graph of ``reps`` calls cycling through ``calls``
-    (``tp_floor.graph_us`` over a closure that takes the next call each time)."""
+    (``graph_timing.graph_us`` over a closure that takes the next call each time)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):

@@ -1,9 +1,9 @@
 """Per-kernel device time of one eager burst at the base config, for running under ncu.
 
-Usage (GPU machine):
-  ncu --clock-control none --metrics gpu__time_duration.sum --csv \\
-      python3 scripts/profile_nodes.py > ncu.csv
-  python3 scripts/profile_nodes.py --summarize ncu.csv
+Usage (GPU machine, from the repository root):
+  PYTHONPATH=. ncu --clock-control none --metrics gpu__time_duration.sum --csv \\
+      python3 tools/profile_nodes.py > ncu.csv
+  python3 tools/profile_nodes.py --summarize ncu.csv
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ def run() -> None:
 
 
 def summarize(path: str) -> None:
-    text = open(path).read()
+    with open(path) as f:
+        text = f.read()
     start = text.find('"ID"')
     rows = csv.DictReader(io.StringIO(text[start:]))
     times = defaultdict(list)
@@ -47,4 +48,7 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--summarize")
     args = ap.parse_args()
-    summarize(args.summarize) if args.summarize else run()
+    if args.summarize:
+        summarize(args.summarize)
+    else:
+        run()
