@@ -4,36 +4,40 @@ A :class:`SpecDecoder` owns the burst buffers and the rollback pointer table of 
 (target, draft) pair. It builds each round as a list of bound kernel calls
 (:mod:`graphburst.engine.program`); the eager modes run that list, and
 :mod:`graphburst.capture` captures the same list.
+
+It owns, by composition: its :class:`~graphburst.engine.admission.slots.Admission`
+(``admission``: prefill, release, per-slot options, the admission graphs), which it
+builds with everything admission writes; the :class:`~graphburst.engine.ledger.SlotLedger`
+(``ledger``: the host mirror, slot generations, bursts in flight) that both advance; and a
+:class:`~graphburst.guard.Watcher` its rollback table's setter tells when ``table`` is
+rebound. The models, buffers and stream are fixed at construction: the models are bound to
+the buffers, and admission and every captured graph hold them.
 """
 
 from __future__ import annotations
 
-import collections
 import weakref
+from collections.abc import Sequence
 
 import numpy as np
 
-from .admission.slots import STAGE_HEAD, SlotAdmission
+from .admission.slots import Admission, StagingBlock
 from .admission.checks import CapacityError
-from ..buffers import StreamBufs, kv_len_ptr_table
+from ..buffers import PtrTable, StreamBufs, kv_len_ptr_table
 from ..burst_tokens import BurstTokens
 from .mode import EAGER_MODES, BurstMode
-from ..guard import Watched
+from ..guard import Watcher
 from .admission.options import OptionColumns
 from .admission.graphs import AdmissionGraphs
 from . import host_ops
 from ..constants import NO_EOS, UNBOUNDED_BUDGET
+from .ledger import ANY_NUMBER, SlotLedger
 from .torch_capture import capture_api, stream_pair
 from ..protocol import DraftModel, TargetModel, check_pair, hook
 from .program import Call, CallCache, round_calls, seed_call
-from ..sampling.mode import SlotSampling
 
 
-
-_BIG = np.iinfo(np.int64).max  # "any number of bursts fits"
-
-
-class SpecDecoder(SlotAdmission, Watched):
+class SpecDecoder:
     """Speculative-decoding bursts of a target/draft pair over fixed-address buffers.
 
     Parameters
@@ -65,71 +69,52 @@ class SpecDecoder(SlotAdmission, Watched):
         always the eager calls.
     """
 
-    _watched = frozenset({"bufs", "table", "target", "draft", "stream"})
-
     def __init__(self, target: TargetModel, draft: DraftModel, *, k: int, m_rounds: int, stream=None,
                  fused: bool = True, assemble: bool | None = None, sampling: bool = False,
                  admission_graphs: bool = True):
         check_pair(target, draft, sampling=sampling)
+        # Told when ``table`` is rebound: the eager program's calls and every captured burst graph bake it.
+        self._watcher = Watcher(type(self).__name__)
         self.sampling = bool(sampling)
         # The fused epilogue is greedy only; a sampling round assembles vtok from the
         # sampled drafts (a draft's own vtok writes, if any, are its greedy proposals).
         self.fused = bool(fused) and not self.sampling
         own_vtok = hook(draft, "writes_verify_tokens")
         self.assemble = self.sampling or (not own_vtok if assemble is None else bool(assemble))
-        self.target, self.draft = target, draft
+        self._target, self._draft = target, draft
         self.backend = target.cache.backend
         self.batch = target.cache.batch
-        self.stream = self.backend.new_stream() if stream is None else stream
+        self._stream = self.backend.new_stream() if stream is None else stream
         # Torch models are captured by torch (capture.py): the decoder's stream must then
         # be one CUDA stream that both torch and CuPy name.
         self.torch_stream = None
         if self.backend.is_gpu and capture_api(target, draft) == "torch":
-            self.stream, self.torch_stream = stream_pair(self.backend, stream)
+            self._stream, self.torch_stream = stream_pair(self.backend, stream)
         # The caller's models (KV caches, tables) were initialised on the device's
         # current stream, which this stream does not wait for: order that work first,
         # with an event rather than a host sync.
         self.backend.order_after_current(self.stream)
         self.capacity = min(target.cache.capacity, draft.cache.capacity)
-        with self.stream:  # the decoder's own buffers are initialised in order with its stream
-            self.bufs = StreamBufs(self.batch, k, m_rounds, self.backend,
-                                   vocab=target.vocab if self.sampling else None)
+        with self._stream:  # the decoder's own buffers are initialised in order with its stream
+            bufs = self._bufs = StreamBufs(self.batch, k, m_rounds, self.backend,
+                                           vocab=target.vocab if self.sampling else None)
             # The models' per-slot int32 options, written by admission's one launch (admission/options.py)
-            self.option_columns = OptionColumns.of({"target": target, "draft": draft}, self.batch, self.backend,
-                                                   self.stream)
-            self._option_appliers = self._models_applying_options()  # the models that apply their own options
-            # Prefill staging, allocated once so admitting a request never allocates; one block,
-            # so an admission is one host-to-device copy (admission.py, _stage_prompts).
-            b = self.batch
-            self._stage_head = STAGE_HEAD + (self.option_columns.count if self.option_columns else 0)  # H = 5 + C
-            self._stage = self.backend.zeros((self._stage_head * b + b * self.capacity,), np.int32)  # [HB + B*cap]
-            self._prompt_len = self._stage[:b]  # [B] int32: chunk lengths, NO_PREFILL for slots left alone
-            self._prompt_start = self._stage[b: 2 * b]  # [B] int32: a chunk's first position
-            # [2B, HB): the admission table, [3 + C, n] int32 (slot, budget, stop token, C option values)
-            self._prompt_flat = self._stage[self._stage_head * b:]  # [B * capacity] int32: chunks, viewed [B, P_max]
-            self._stage_views: dict = {}  # (part, size, rows) -> device view of _stage (admission._stage_view)
-        self.k, self.m_rounds = self.bufs.k, self.bufs.m_rounds
+            option_columns = OptionColumns.of({"target": target, "draft": draft}, self.batch, self.backend,
+                                              self._stream)
+            # Prefill staging, allocated once so admitting a request never allocates (admission/slots.py)
+            staging = StagingBlock(self.batch, self.capacity, option_columns.count if option_columns else 0,
+                                   self.backend)
+        self.k, self.m_rounds = bufs.k, bufs.m_rounds
         for model in (target, draft):  # the buffers never move from here on: models may view them
-            hook(model, "bind")(self.bufs)
-        with self.stream:
-            self.table = kv_len_ptr_table([target.cache, draft.cache], pos_ctr=self.bufs.pos_ctr)
-        # Host mirror of what has been drained: positions and token budgets per slot.
-        self.host_pos = np.zeros(self.batch, np.int64)
-        self.host_left = np.zeros(self.batch, np.int64)  # tokens still allowed; 0 = idle or finished
-        self.host_eos = np.full(self.batch, NO_EOS, np.int64)
-        self.host_sampling = SlotSampling(self.batch) if self.sampling else None
+            hook(model, "bind")(bufs)
+        with self._stream:
+            self._table = kv_len_ptr_table([target.cache, draft.cache], pos_ctr=bufs.pos_ctr)
+        # Host mirror of what has been drained, slot generations, bursts in flight (ledger.py):
+        # advanced here at each launch and drain, written by admission at each prefill and release.
+        ledger = self.ledger = SlotLedger(self.batch, self.capacity, bufs.ring_capacity)
         self.host_syncs = 0
         self.bursts = 0
         self.outstanding = 0  # bursts enqueued but not yet drained
-        # Slot generations (admission.py): a burst's tokens for a slot prefilled or released
-        # after its launch belong to the slot's previous sequence and are dropped at drain.
-        self.slot_gen = np.zeros(self.batch, np.int64)  # [B] int64
-        self._gen_epoch = 0  # bumped with any slot's generation: a drain compares generations only when it moved
-        # [epoch, [B] int64 slot_gen or None] at each launch of a burst in flight, oldest first: the generations
-        # are copied only when they change with the burst in flight (_new_generation), not at every launch
-        self._launch_gen: collections.deque = collections.deque()
-        self._inflight = np.zeros(self.batch, np.int64)  # [B] bursts in flight that commit for this sequence
-        self._launchable = 0  # more bursts that fit every live slot; nothing is live before prefill
         # finish_burst runs between bursts on the host, where a numpy call over B slots costs
         # about a microsecond, mostly fixed overhead: its masks go into these scratch arrays,
         # and it compares against arrays, which costs a third of converting a Python scalar.
@@ -142,16 +127,177 @@ class SpecDecoder(SlotAdmission, Watched):
         # finish_burst in C (host_ops.c, one call instead of ~10 numpy ones) for a graph's drain; None: numpy
         lib = host_ops.library()
         self.host_mirror = None if lib is None else host_ops.Mirror(
-            lib, row=self.bufs.ring_capacity + 1, slot_gen=self.slot_gen, inflight=self._inflight,
-            host_pos=self.host_pos, host_left=self.host_left)
-        # enqueue_burst's bound calls, built once: rebinding the decoder's or its buffers'
-        # watched attributes (refresh_tables rebinds ``table``) drops them.
+            lib, row=bufs.ring_capacity + 1, slot_gen=ledger.gen, inflight=ledger.inflight,
+            host_pos=ledger.pos, host_left=ledger.left)
+        # enqueue_burst's bound calls, built once: rebinding the decoder's ``table`` (refresh_tables
+        # does) or its buffers' watched attributes drops them.
         self._enqueued_program = CallCache()
-        self.watch(self._enqueued_program)
+        self._watcher.watch(self._enqueued_program)
         # Admission as one graph launch when both models prefill from device sizes (admission/graphs.py)
-        self.admission_graphs = AdmissionGraphs(self) if admission_graphs and AdmissionGraphs.usable(self) else None
+        graphs = AdmissionGraphs(target=target, draft=draft, bufs=bufs, staging=staging,
+                                 option_columns=option_columns, backend=self.backend, stream=self._stream) \
+            if admission_graphs and AdmissionGraphs.usable(target, draft, sampling=self.sampling) else None
+        # Admission holds what it writes, not the decoder: no cycle through it (a dead decoder is
+        # freed by reference counting, its graphs and streams with it).
+        self.admission = Admission(target=target, draft=draft, bufs=bufs, stream=self._stream, backend=self.backend,
+                                   staging=staging, option_columns=option_columns, graphs=graphs, ledger=ledger,
+                                   sampling=self.sampling)
         # Built: the buffers now belong to a live decoder (an adapter refuses to rebind them).
-        self.bufs.decoder = weakref.ref(self)
+        bufs.decoder = weakref.ref(self)
+
+    # ------------------------------------------------------------------ what is baked in
+
+    @property
+    def target(self) -> TargetModel:
+        """The target model (fixed: it is bound to the buffers, and admission and graphs hold it)."""
+        return self._target
+
+    @property
+    def draft(self) -> DraftModel:
+        """The draft model (fixed, as :attr:`target`)."""
+        return self._draft
+
+    @property
+    def bufs(self) -> StreamBufs:
+        """The burst buffers (fixed: the models view them; a buffer inside may be rebound, and its
+        rebinding drops what baked it)."""
+        return self._bufs
+
+    @property
+    def stream(self):
+        """The stream every burst and admission is enqueued on (fixed)."""
+        return self._stream
+
+    @property
+    def table(self) -> PtrTable:
+        """The rollback pointer table: every KV layer's length, then ``pos_ctr``."""
+        return self._table
+
+    @table.setter
+    def table(self, table: PtrTable) -> None:
+        # Rebound by refresh_tables (a parallel decoder's stage table too): the eager program and
+        # every burst graph that baked the old one must not run it again.
+        self._watcher.rebound("table")
+        self._table = table
+
+    def watch(self, guard) -> None:
+        """Register ``guard`` (``invalidate(what)``) to be told when :attr:`table` is rebound."""
+        self._watcher.watch(guard)
+
+    # ------------------------------------------------------------------ the host mirror
+
+    @property
+    def host_pos(self) -> np.ndarray:
+        """``[B]`` int64: each slot's position as of the last drained burst (the ledger's, in place)."""
+        return self.ledger.pos
+
+    @property
+    def host_left(self) -> np.ndarray:
+        """``[B]`` int64: tokens each slot may still emit; 0 = idle or finished."""
+        return self.ledger.left
+
+    @property
+    def host_eos(self) -> np.ndarray:
+        """``[B]`` int64: each slot's stop token (``NO_EOS`` for none)."""
+        return self.ledger.eos
+
+    @property
+    def slot_gen(self) -> np.ndarray:
+        """``[B]`` int64: slot generations (:mod:`graphburst.engine.ledger`)."""
+        return self.ledger.gen
+
+    # ------------------------------------------------------------------ admission (``self.admission``'s)
+
+    def prefill(self, prompts: Sequence[Sequence[int] | None], *, start=None, final: bool = True,
+                max_new_tokens=None, eos=None, temperature=None, top_k=None, top_p=None, seed=None) -> None:
+        """Write prompts (or chunks of them) into the caches, validated first: see
+        :meth:`Admission.prefill <graphburst.engine.admission.slots.Admission.prefill>`."""
+        self.admission.prefill(prompts, start=start, final=final, max_new_tokens=max_new_tokens, eos=eos,
+                               temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+
+    def prefill_slots(self, slots: list, rows: list, starts: list, *, final: bool = True, limits: list | None = None,
+                      stops: list | None = None, sampling: list | None = None, options: list | None = None) -> None:
+        """:meth:`prefill` of values validated already, per slot as lists (the serving loop's admission):
+        see :meth:`Admission.prefill_slots <graphburst.engine.admission.slots.Admission.prefill_slots>`."""
+        self.admission.prefill_slots(slots, rows, starts, final=final, limits=limits, stops=stops, sampling=sampling,
+                                     options=options)
+
+    def prefill_checked(self, rows: dict, starts: dict, *, final: bool = True, limits: dict | None = None,
+                        stops: dict | None = None, sampling: dict | None = None, options: dict | None = None) -> None:
+        """:meth:`prefill_slots` of values given per slot as dicts, with no checks repeated (anything
+        not validated as :meth:`prefill` validates is undefined behaviour).
+
+        Parameters
+        ----------
+        rows : dict
+            ``slot -> [n] int32`` tokens of this chunk (n >= 1, each in ``[0, vocab)``).
+        starts : dict
+            ``slot -> position`` of the chunk's first token (0 for a whole prompt).
+        final : bool
+            As for :meth:`prefill`.
+        limits, stops : dict, final chunks only
+            ``slot -> budget`` (``UNBOUNDED_BUDGET`` for none) and ``slot -> stop token``
+            (``NO_EOS`` for none); default: none.
+        sampling : dict, optional
+            ``slot -> SamplingParams`` (sampling decoders, final chunks); default: greedy.
+        options : dict, optional
+            ``slot -> slot_options(...) result`` or None (the defaults). For exactly the
+            prefilled slots they are written with the admission (option columns in its one
+            launch; not at all if it fails); a dict naming other slots too is applied first,
+            by :meth:`set_slot_options`.
+        """
+        slots = sorted(rows)
+        limits, stops, sampling = limits or {}, stops or {}, sampling or {}
+        admission = self.admission
+        if options and options.keys() != rows.keys():  # options of other slots too: applied apart, first
+            admission.set_slot_options(options)
+            options = None
+        admission.prefill_slots(slots, [rows[b] for b in slots], [starts.get(b, 0) for b in slots], final=final,
+                                limits=[limits.get(b, UNBOUNDED_BUDGET) for b in slots] if final else None,
+                                stops=[stops.get(b, NO_EOS) for b in slots] if final else None,
+                                sampling=[sampling.get(b) for b in slots] if final and self.sampling else None,
+                                options=[options[b] for b in slots] if options else None)
+
+    def check_first_burst_fits(self, prompt, max_new_tokens=None, eos=None, *, index: int | None = None,
+                               start: int = 0):
+        """Validate one slot's prefill arguments without touching the device: see
+        :func:`graphburst.engine.admission.checks.check_first_burst_fits`."""
+        return self.admission.check_first_burst_fits(prompt, max_new_tokens, eos, index=index, start=start)
+
+    def release(self, slots) -> None:
+        """Make slots idle (budget 0), bursts in flight or not: see :meth:`Admission.release
+        <graphburst.engine.admission.slots.Admission.release>`."""
+        self.admission.release(slots)
+
+    def slot_options(self, options: dict | None) -> dict:
+        """Validate one request's model options (at submission); see :func:`protocol.split_options`.
+
+        Returns an opaque value for :meth:`set_slot_options`; raises ValueError/TypeError
+        naming a key no model accepts or a model's own complaint.
+        """
+        return self.admission.slot_options(options)
+
+    def set_slot_options(self, settings: dict) -> None:
+        """Apply validated options (``slot -> slot_options(...) result`` or None for the models'
+        defaults), stream-ordered: see :meth:`Admission.set_slot_options
+        <graphburst.engine.admission.slots.Admission.set_slot_options>`."""
+        self.admission.set_slot_options(settings)
+
+    def warm_admission_graphs(self, *, longest: int | None = None, chunk: int | None = None) -> int:
+        """Capture now the admission graphs a serving loop's admissions take; returns how many were
+        captured: see :meth:`Admission.warm_graphs <graphburst.engine.admission.slots.Admission.warm_graphs>`."""
+        return self.admission.warm_graphs(longest=longest, chunk=chunk)
+
+    @property
+    def admission_graphs(self) -> AdmissionGraphs | None:
+        """The admission graphs, or None when admission is eager (from construction, or since a
+        capture failed)."""
+        return self.admission.graphs
+
+    @property
+    def option_columns(self) -> OptionColumns | None:
+        """The models' per-slot int32 option columns (None when neither model declares any)."""
+        return self.admission.option_columns
 
     def abandon_enqueued(self) -> None:
         """Forget bursts enqueued but never drained, after a failure mid-enqueue.
@@ -159,26 +305,15 @@ class SpecDecoder(SlotAdmission, Watched):
         Their tokens are lost; the host mirror is re-read from the device (a host sync)
         so capacity checks stay exact. For error recovery only.
         """
-        self.stream.synchronize()
+        stream, ledger = self._stream, self.ledger
+        stream.synchronize()
         self.outstanding = 0
-        self._launch_gen.clear()
-        self._inflight[:] = 0
-        self.host_pos[:] = self.backend.to_host(self.bufs.pos_ctr, self.stream)
-        budget = self.backend.to_host(self.bufs.budget, self.stream).astype(np.int64)
-        self.host_left[:] = budget
-        self._update_fits()
-
-    def _new_generation(self, slots: np.ndarray) -> None:
-        """Slots prefilled or released: bursts in flight no longer commit for their sequence."""
-        if self._launch_gen and self._launch_gen[-1][1] is None:
-            launched = self.slot_gen.copy()  # the generations every burst launched since the last change saw
-            for entry in reversed(self._launch_gen):
-                if entry[1] is not None:
-                    break
-                entry[1] = launched
-        self.slot_gen[slots] += 1
-        self._gen_epoch += 1
-        self._inflight[slots] = 0
+        ledger.launch_gen.clear()
+        ledger.inflight[:] = 0
+        ledger.pos[:] = self.backend.to_host(self._bufs.pos_ctr, stream)
+        budget = self.backend.to_host(self._bufs.budget, stream).astype(np.int64)
+        ledger.left[:] = budget
+        ledger.update_fits()
 
     # ------------------------------------------------------------------ the round program
 
@@ -201,53 +336,35 @@ class SpecDecoder(SlotAdmission, Watched):
         """Rebuild every pointer table from the caches' current layers (before a recapture)."""
         for model in (self.target, self.draft):
             hook(model, "refresh_tables")()
-        self.backend.order_after_current(self.stream)  # new layers may have been initialised on another stream
+        self.backend.order_after_current(self._stream)  # new layers may have been initialised on another stream
         self._enqueued_program.invalidate("refresh_tables")
-        if self.option_columns is not None:  # a model may hand out new option arrays with its tables
-            self.option_columns.invalidate("refresh_tables")
-        with self.stream:
-            self.table = kv_len_ptr_table([self.target.cache, self.draft.cache], pos_ctr=self.bufs.pos_ctr)
-
-    def _bursts_that_fit(self) -> np.ndarray:
-        """``[B]`` int64: how many more bursts each slot can take beyond those in flight for
-        it; ``BIG`` when any number can.
-
-        Over n bursts a live slot writes at most ``min(host_left, n * ring_capacity)``
-        tokens (its budget bounds it, and so does the ring), so n bursts fit iff
-        ``host_pos + min(host_left, n * R) <= capacity``. A slot whose whole remaining
-        budget fits never limits the count; idle and finished slots write nothing. Only the
-        bursts launched since the slot's sequence was admitted count against it.
-        """
-        ring = self.bufs.ring_capacity
-        left = self.host_left
-        whole_budget_fits = self.host_pos + left <= self.capacity
-        by_ring = np.maximum(self.capacity - self.host_pos, 0) // ring - self._inflight
-        return np.where((left <= 0) | whole_budget_fits, _BIG, by_ring)
-
-    def _update_fits(self) -> None:
-        """Recompute exactly how many more bursts fit every live slot."""
-        self._launchable = int(self._bursts_that_fit().min(initial=_BIG))
+        # a model may hand out new option arrays with its tables: the columns are read again, and
+        # the admission graphs (which bake the models' tables) dropped
+        self.admission.refresh("refresh_tables")
+        with self._stream:
+            self.table = kv_len_ptr_table([self.target.cache, self.draft.cache], pos_ctr=self._bufs.pos_ctr)
 
     def check_fits(self) -> None:
         """Raise CapacityError unless one more burst, after those in flight, fits every live slot.
 
-        ``_launchable`` is a lower bound kept in O(1) per burst: a launch uses one for
+        ``ledger.launchable`` is a lower bound kept in O(1) per burst: a launch uses one for
         every slot; a drained burst of c tokens moves a slot to ``(pos + c, left - c)``
         with ``c <= ring_capacity`` and one burst fewer in flight for it, which never lowers
         its count. The exact recount runs only when the bound is reached.
         """
-        if self._launchable >= 1:
+        ledger = self.ledger
+        if ledger.launchable >= 1:
             return
-        self._update_fits()
-        if self._launchable >= 1:
+        ledger.update_fits()
+        if ledger.launchable >= 1:
             return
-        fits = self._bursts_that_fit()
+        fits = ledger.bursts_that_fit()
         b = int(np.argmin(fits))
         over = np.flatnonzero(fits < 1)
-        n = int(self._inflight[b]) + 1
+        n = int(ledger.inflight[b]) + 1
         raise CapacityError(
-            f"slot {b} is at position {int(self.host_pos[b])} with {int(self.host_left[b])} tokens left; "
-            f"{n} more burst(s) of up to {self.bufs.ring_capacity} tokens would pass the KV capacity {self.capacity}",
+            f"slot {b} is at position {int(ledger.pos[b])} with {int(ledger.left[b])} tokens left; "
+            f"{n} more burst(s) of up to {self._bufs.ring_capacity} tokens would pass the KV capacity {self.capacity}",
             slots=over)
 
     def begin_burst(self, max_outstanding: int = 1) -> None:
@@ -256,23 +373,25 @@ class SpecDecoder(SlotAdmission, Watched):
             raise RuntimeError(f"{self.outstanding} burst(s) not drained; another would overwrite their tokens")
         self.check_fits()
         self.outstanding += 1
-        if self._launchable != _BIG:
-            self._launchable -= 1
-        np.add(self._inflight, self._one, out=self._inflight)  # an array operand: cheaper than ``+= 1``
-        self._launch_gen.append([self._gen_epoch, None])  # generations copied if they change in flight
+        ledger = self.ledger
+        if ledger.launchable != ANY_NUMBER:
+            ledger.launchable -= 1
+        np.add(ledger.inflight, self._one, out=ledger.inflight)  # an array operand: cheaper than ``+= 1``
+        ledger.launch_gen.append([ledger.epoch, None])  # generations copied if they change in flight
 
     def enqueue_burst(self, *, mode: BurstMode | str = BurstMode.PRE_ISSUED) -> None:
         """Enqueue one eager burst; ``PER_ROUND_SYNC`` reads ``n_commit`` after every round."""
         mode = BurstMode.parse(mode, EAGER_MODES)
         self.begin_burst()
         head, first, later = self._enqueued_calls()
+        stream = self._stream
         for call in head:
-            call(self.stream)
+            call(stream)
         for r in range(self.m_rounds):
             for call in first if r == 0 else later:
-                call(self.stream)
+                call(stream)
             if mode is BurstMode.PER_ROUND_SYNC:
-                self.backend.to_host(self.bufs.n_commit, self.stream)
+                self.backend.to_host(self._bufs.n_commit, stream)
                 self.host_syncs += 1
 
     def _enqueued_calls(self) -> tuple[list[Call], list[Call], list[Call]]:
@@ -310,25 +429,27 @@ class SpecDecoder(SlotAdmission, Watched):
             mirror is advanced from the tokens (:meth:`_advance_mirror`), as the device does.
         """
         launch_gen = self._drained()
+        ledger = self.ledger
+        inflight = ledger.inflight
         if launch_gen is None:  # no slot prefilled or released since the launch: no compare
             every, current = True, None
-            np.subtract(self._inflight, self._one, out=self._inflight)  # one burst fewer in flight for each
+            np.subtract(inflight, self._one, out=inflight)  # one burst fewer in flight for each
         else:
-            current = np.equal(launch_gen, self.slot_gen, out=self._current)  # [B] bool
+            current = np.equal(launch_gen, ledger.gen, out=self._current)  # [B] bool
             every = np.count_nonzero(current) == self.batch  # count_nonzero: a fifth of the cost of .all()
             if not every:
                 tokens.drop(np.logical_not(current, out=self._mask2))
-            self._inflight -= current  # one burst fewer in flight for the sequences it committed for
+            inflight -= current  # one burst fewer in flight for the sequences it committed for
         if mirror is None:
             self._advance_mirror(tokens)
             return
         pos, budget = mirror
         if every:
-            np.copyto(self.host_pos, pos)
-            np.copyto(self.host_left, budget)
+            np.copyto(ledger.pos, pos)
+            np.copyto(ledger.left, budget)
         else:  # a refilled or released slot keeps the values its admission or release set
-            np.copyto(self.host_pos, pos, where=current)
-            np.copyto(self.host_left, budget, where=current)
+            np.copyto(ledger.pos, pos, where=current)
+            np.copyto(ledger.left, budget, where=current)
 
     def finish_block(self, pinned_addr: int) -> BurstTokens:
         """:meth:`finish_burst` of a graph's drained output block in C (``host_mirror``, not None):
@@ -346,8 +467,9 @@ class SpecDecoder(SlotAdmission, Watched):
         self.host_syncs += 1
         self.bursts += 1
         self.outstanding -= 1
-        epoch, launch_gen = self._launch_gen.popleft()
-        return None if epoch == self._gen_epoch else launch_gen
+        ledger = self.ledger
+        epoch, launch_gen = ledger.launch_gen.popleft()
+        return None if epoch == ledger.epoch else launch_gen
 
     def _advance_mirror(self, tokens: BurstTokens) -> None:
         """``host_pos`` and ``host_left`` after ``tokens`` (dropped rows count 0), computed on
@@ -355,8 +477,9 @@ class SpecDecoder(SlotAdmission, Watched):
         count, a bounded budget falls by it, and a slot whose last token is its stop token
         stops (budget 0)."""
         counts = tokens.counts
-        self.host_pos += counts
-        left, eos = self.host_left, self.host_eos
+        ledger = self.ledger
+        ledger.pos += counts
+        left, eos = ledger.left, ledger.eos
         bounded = np.not_equal(left, self._unbounded, out=self._mask)
         np.subtract(left, counts, out=left, where=bounded)
         # A slot stops when its last committed token is its stop token. tail() is that

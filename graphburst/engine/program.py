@@ -91,9 +91,9 @@ def separate_tail_calls(ops, bufs: StreamBufs, table) -> list[Call]:
 class CallCache:
     """Bound calls built once and dropped when anything they bind may have moved.
 
-    Register it with :meth:`~graphburst.guard.Watched.watch` on every object whose
-    attributes the calls bind (the decoder, its StreamBufs): rebinding a watched
-    attribute calls :meth:`invalidate`, as it does for a captured graph's guard.
+    Register it with the ``watch`` of every object whose attributes the calls bind (the
+    decoder, for its rollback table; its StreamBufs): rebinding a watched attribute calls
+    :meth:`invalidate`, as it does for a captured graph's guard (:mod:`graphburst.guard`).
     ``key`` holds the plain settings the calls were built with (flags, the ops
     namespace); a different key means a rebuild too.
     """

@@ -98,7 +98,7 @@ def test_the_launch_bound_stays_a_lower_bound_when_admission_does_not_recount_it
     ring, refused, launched = dec.bufs.ring_capacity, 0, 0
 
     def exact() -> int:
-        return int(dec._bursts_that_fit().min(initial=np.iinfo(np.int64).max))
+        return int(dec.ledger.bursts_that_fit().min(initial=np.iinfo(np.int64).max))
 
     for _ in range(400):
         op = rng.choice(4, p=[0.15, 0.05, 0.45, 0.35])  # admit, release, launch, drain
@@ -121,28 +121,25 @@ def test_the_launch_bound_stays_a_lower_bound_when_admission_does_not_recount_it
                 launched += 1
         elif op == 3 and dec.outstanding:
             graph.drain()
-        assert dec._launchable <= exact()
+        assert dec.ledger.launchable <= exact()
     assert refused and launched  # both sides were exercised
 
 
-def recording_loop(*a, **kw) -> ServeLoop:
-    """A loop that records how many bursts were in flight at each boundary that admitted a request
-    (its boundary's ``take_waiting``, wrapped on this loop only)."""
-    loop = ServeLoop(*a, **kw)
-    loop.in_flight_at_admission = []
-    take = loop.boundary.take_waiting
+class RecordingLoop(ServeLoop):
+    """Records how many bursts were in flight at each boundary that admitted a request."""
 
-    def recording_take():
-        loop.in_flight_at_admission.append(len(loop.pipeline))
-        take()
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.in_flight_at_admission = []
 
-    loop.boundary.take_waiting = recording_take
-    return loop
+    def _take_waiting(self):
+        self.in_flight_at_admission.append(len(self.pipeline))
+        super()._take_waiting()
 
 
 def test_loop_refills_slots_without_draining_the_pipeline(backend, rng):
     target, draft = _pair(backend, batch=4, capacity=256)
-    loop = recording_loop(target, draft, k=4, m_rounds=2, pipelined=True)
+    loop = RecordingLoop(target, draft, k=4, m_rounds=2, pipelined=True)
     reqs = []
     for _ in range(24):
         prompt = rng.integers(0, VOCAB, int(rng.integers(1, 9))).tolist()
@@ -158,7 +155,7 @@ def test_loop_refills_slots_without_draining_the_pipeline(backend, rng):
 @pytest.mark.parametrize("depth", [3, 4])
 def test_a_deeper_pipeline_admits_behind_more_bursts_with_the_same_tokens(backend, rng, depth):
     target, draft = _pair(backend, batch=4, capacity=256)
-    loop = recording_loop(target, draft, k=4, m_rounds=2, pipelined=True, depth=depth)
+    loop = RecordingLoop(target, draft, k=4, m_rounds=2, pipelined=True, depth=depth)
     assert loop.pipeline.depth == depth and loop.graph.n_graphs == depth
     reqs = [Request(rng.integers(0, VOCAB, int(rng.integers(1, 9))).tolist(), int(rng.integers(1, 60)),
                     options=dict(accept_prob=0.8, seed=3)) for _ in range(24)]
@@ -289,19 +286,16 @@ def test_prefill_chunk_is_checked_at_construction(backend):
 # ---------------------------------------------------------------------- chunked prefill in the loop
 
 
-def chunk_logging_loop(*a, **kw) -> ServeLoop:
-    """A loop that records, per prefill call, the prompt tokens prefilled and the bursts drained so
-    far (its boundary's ``prefill_group``, wrapped on this loop only)."""
-    loop = ServeLoop(*a, **kw)
-    loop.prefilled = []  # (bursts drained before it, tokens prefilled, final?) per prefill call
-    group_call = loop.boundary.prefill_group
+class ChunkLog(ServeLoop):
+    """Records, per boundary, the prompt tokens prefilled and the bursts drained so far."""
 
-    def logged(group, final):
-        loop.prefilled.append((loop.bursts, sum(e - s for _, _, s, e in group), final))
-        group_call(group, final)
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.prefilled = []  # (bursts drained before it, tokens prefilled, final?) per prefill call
 
-    loop.boundary.prefill_group = logged
-    return loop
+    def _prefill_group(self, group, final):
+        self.prefilled.append((self.bursts, sum(e - s for _, _, s, e in group), final))
+        super()._prefill_group(group, final)
 
 
 def _requests(rng, n, long_every=3):
@@ -316,7 +310,7 @@ def _requests(rng, n, long_every=3):
 @pytest.mark.parametrize("chunk", [1, 7, 19, 257])
 def test_chunked_loop_gives_the_tokens_of_whole_prefills(backend, rng, chunk):
     target, draft = _pair(backend, batch=3, capacity=512)
-    loop = chunk_logging_loop(target, draft, k=3, m_rounds=2, prefill_chunk=chunk)
+    loop = ChunkLog(target, draft, k=3, m_rounds=2, prefill_chunk=chunk)
     states = [loop.submit(r) for r in _requests(rng, 10)]
     loop.run_until_idle()
     for s in states:
@@ -328,7 +322,7 @@ def test_chunked_loop_gives_the_tokens_of_whole_prefills(backend, rng, chunk):
 
 def test_decoding_streams_keep_going_while_a_long_prompt_prefills(backend):
     target, draft = _pair(backend, batch=2, capacity=512)
-    loop = chunk_logging_loop(target, draft, k=3, m_rounds=1, prefill_chunk=16)
+    loop = ChunkLog(target, draft, k=3, m_rounds=1, prefill_chunk=16)
     short = loop.submit(Request([3, 1, 4], 200, options=dict(accept_prob=0.5, seed=1)))
     loop.step()
     loop.step()
@@ -354,7 +348,7 @@ def test_cancel_during_chunked_prefill_frees_the_slot(backend):
     nxt = loop.submit(Request([7, 7], 9))
     loop.step()
     loop.step()
-    assert loop.table.prefilling  # still prefilling
+    assert loop._prefilling  # still prefilling
     loop.cancel(long)
     loop.run_until_idle()
     assert long.done and long.tokens == []
@@ -481,7 +475,7 @@ def test_staging_block_matches_a_slot_by_slot_build(backend, lengths, final, wit
     batch = 8
     target, draft = _pair(backend, batch=batch)
     dec = SpecDecoder(target, draft, k=2, m_rounds=1)
-    head = dec._stage_head
+    head = dec.admission.staging.head
     assert head == STAGE_HEAD + 2  # the stub draft's two option columns (seed, agree24)
     rng = np.random.default_rng(len(lengths))
     slots = sorted(rng.choice(batch, len(lengths), replace=False).tolist())
@@ -490,11 +484,11 @@ def test_staging_block_matches_a_slot_by_slot_build(backend, lengths, final, wit
     limits = {b: int(rng.integers(1, 99)) for b in slots}
     stops = {b: int(rng.integers(0, VOCAB)) for b in slots}
     options = {b: (int(rng.integers(-2**31, 2**31)), int(rng.integers(0, 2**24))) for b in slots}
-    host, _ = dec._stage_prompts(slots, np.asarray(slots, np.int64), [rows[b] for b in slots],
-                                 [len(rows[b]) for b in slots], [starts[b] for b in slots],
-                                 [limits[b] for b in slots] if final else None,
-                                 [stops[b] for b in slots] if final else None,
-                                 [[options[b][c] for b in slots] for c in range(2)] if with_options else None)
+    host, _ = dec.admission.stage(slots, np.asarray(slots, np.int64), [rows[b] for b in slots],
+                                  [len(rows[b]) for b in slots], [starts[b] for b in slots],
+                                  [limits[b] for b in slots] if final else None,
+                                  [stops[b] for b in slots] if final else None,
+                                  [[options[b][c] for b in slots] for c in range(2)] if with_options else None)
     p_max = max(lengths)
     want = np.zeros(head * batch + batch * p_max, np.int32)
     want[:batch] = NO_PREFILL
@@ -507,7 +501,7 @@ def test_staging_block_matches_a_slot_by_slot_build(backend, lengths, final, wit
             want[2 * batch + r * len(slots) + i] = col[r]
     np.testing.assert_array_equal(host, want)
     host[:] = -7  # the upload is stream-ordered from a staged copy: the host block may be reused at once
-    np.testing.assert_array_equal(dec.backend.to_host(dec._stage[: want.size], dec.stream), want)
+    np.testing.assert_array_equal(dec.backend.to_host(dec.admission.staging.block[: want.size], dec.stream), want)
 
 
 def test_an_int32_start_with_no_limit_still_recounts_the_launch_bound():

@@ -193,7 +193,7 @@ def test_a_capture_that_fails_falls_back_to_eager_admission(backend):
         decs.append(SpecDecoder(target, draft, k=2, m_rounds=2, admission_graphs=graphs))
     failing, eager = decs
 
-    def cannot_capture(dec, width, rows, final, continued):
+    def cannot_capture(width, rows, final, continued):
         raise AdmissionCaptureError(f"admission graph capture failed (width {width}): planted")
 
     failing.admission_graphs._capture = cannot_capture
@@ -273,7 +273,7 @@ def test_a_serving_loop_captures_its_admission_graphs_at_start(backend, rng, chu
         widths = [16, 32, 64, 100] if chunk is None else [16, 32]  # chunks of 24 are at most 32 wide
         assert held.captures == len(widths) * (1 if chunk is None else 4) == loop.stats()["admission_graphs"]
         if not graphs:
-            loop.dec.admission_graphs = None  # the eager admission, from the same staging
+            loop.dec.admission.graphs = None  # the eager admission, from the same staging
         states = [loop.submit(Request(p, min(12, capacity - len(p)), options={"seed": i}))
                   for i, p in enumerate(prompts)]
         loop.run_until_idle()
@@ -309,7 +309,7 @@ def test_a_warm_capture_that_fails_leaves_admission_eager(backend):
     target, draft = _models(backend, "stubs", 4, 128)
     dec = SpecDecoder(target, draft, k=2, m_rounds=1)
 
-    def cannot_capture(dec, width, rows, final, continued):
+    def cannot_capture(width, rows, final, continued):
         raise AdmissionCaptureError(f"admission graph capture failed (width {width}): planted")
 
     dec.admission_graphs._capture = cannot_capture

@@ -93,13 +93,14 @@ def lockstep(ctx, scenario: str) -> dict:
     """Lockstep serving faults: a follower whose schedule differs; a prefill whose failure is not the request's."""
     from graphburst.parallel.dist import ParallelError
     from graphburst.serving.request import Request
+    from graphburst.serving.loop import ServeLoop
 
     loop = lockstep_loop(ctx)
     out = {"raised": None}
     if scenario == "lockstep_prefill_fails":
         def broken(*a, **kw):  # as a collective inside prefill would fail: not a bad request
             raise RuntimeError(f"injected collective failure on rank {ctx.rank}")
-        loop.dec._prefill_checked = broken  # what prefill and prefill_checked (the loop's) both run
+        loop.dec.admission.prefill_slots = broken  # what prefill and the loop's prefill_slots both run
     try:
         if ctx.rank == 0:
             state = loop.submit(Request(prompt=[5, 17, 300], max_new_tokens=6, id="a"))
@@ -111,7 +112,7 @@ def lockstep(ctx, scenario: str) -> dict:
                 out["request"] = {"error": state.error, "done": state.done}
         else:
             if scenario == "lockstep_schedule_diverges":
-                loop.loop.submit(Request(prompt=[7], max_new_tokens=3, id="only-here"))  # rank 0 never sent it
+                ServeLoop.submit(loop, Request(prompt=[7], max_new_tokens=3, id="only-here"))  # rank 0 never sent it
             loop.follow()
     except ParallelError as exc:
         out["raised"] = f"{type(exc).__name__}: {exc}"

@@ -17,22 +17,21 @@ Every admission of a greedy decoder whose models qualify takes this path: a grap
 decoders stay eager (:mod:`graphburst.engine.admission.slots`). On the numpy backend the same bound
 calls are recorded and run in order, so CI runs this path. A captured graph bakes the
 staging block, the burst buffers, the models' caches and tables: it registers with every
-``Watched`` holder of them, and rebinding one (a ``refresh_tables`` before a recapture)
-drops every graph, recaptured at its next use.
+holder of them that tells its guards of a rebinding, and rebinding one, or the decoder's
+``refresh_tables`` before a recapture, drops every graph, recaptured at its next use.
 """
 
 from __future__ import annotations
 
 import gc
 import threading
-import weakref
 
 from ...protocol import hook
 from ..torch_capture import capture_api
 
 class AdmissionCaptureError(RuntimeError):
     """An admission graph could not be captured (a model's prefill allocated, synced, or used an
-    API capture forbids): the decoder then admits eagerly (``SpecDecoder._prefill_checked``)."""
+    API capture forbids): the decoder then admits eagerly (``Admission.prefill_slots``)."""
 
 
 #: Narrowest staging width captured: shorter prompts share one graph.
@@ -102,43 +101,58 @@ class _Recorded:
 
 
 class AdmissionGraphs:
-    """The decoder's admission graphs, one per (width bucket, table rows), captured at first use or
-    ahead of it (:meth:`warm`: a serving loop captures all of its own when it is built).
+    """The admission graphs of one decoder, one per (width bucket, table rows), captured at first use
+    or ahead of it (:meth:`warm`: a serving loop captures all of its own when it is built).
 
     Parameters
     ----------
-    dec : SpecDecoder
-        Its staging block, burst buffers, models and option columns are baked in.
+    target, draft : the models
+        Their prefill calls, caches and tables are baked in.
+    bufs : StreamBufs
+        The burst buffers ``prefill`` and ``admit_slots`` write (baked in).
+    staging : StagingBlock
+        The decoder's prefill staging block (:mod:`graphburst.engine.admission.slots`): its
+        views are baked in, so each admission uploads into it before the launch.
+    option_columns : OptionColumns or None
+        The models' option columns, written through their pointer table by ``admit_slots``.
+    backend, stream
+        The decoder's: graphs are uploaded and launched on its stream.
+
+    Holds the models and buffers, never the decoder or its admission: nothing they hold refers
+    back here but weakly (the watchers), so no cycle leaves a dead decoder's graphs and capture
+    stream to the cyclic collector, which may run while another graph is being captured, and
+    destroying a graph or stream then invalidates that capture.
     """
 
-    def __init__(self, dec):
-        # A weak reference: the decoder holds this object, and a cycle would leave a dead decoder's
-        # graphs and stream to the cyclic collector, which may run while another graph is being
-        # captured, and destroying a graph or stream then invalidates that capture.
-        self._dec = weakref.ref(dec)
+    def __init__(self, *, target, draft, bufs, staging, option_columns, backend, stream):
+        self._target, self._draft, self._bufs = target, draft, bufs
+        self._staging, self._option_columns = staging, option_columns
+        self._backend, self._stream = backend, stream
         self._graphs: dict = {}  # (width, table rows, final, continued) -> graph
         self.captures = 0  # graphs captured (a recapture after invalidation counts again)
         self.launches = 0  # admissions run through a graph
-        backend = dec.backend
         # Captured on a stream of their own: the decoder's may have bursts in flight.
         self._capture_stream = backend.new_stream() if backend.is_gpu else None
-        for holder in self._holders(dec):
+        for holder in self._holders():
             holder.watch(self)
 
     @staticmethod
-    def usable(dec) -> bool:
-        """Whether ``dec``'s admissions may run as graphs: both models prefill from device sizes,
-        through CuPy (a torch model is captured by torch), and the decoder is greedy."""
-        models = (dec.target, dec.draft)
-        # a packing model's prefill takes the lengths from the host (admission._prefill_models)
-        return not dec.sampling and capture_api(*models) == "cupy" and \
+    def usable(target, draft, *, sampling: bool) -> bool:
+        """Whether a decoder's admissions may run as graphs: both models prefill from device sizes,
+        through CuPy (a torch model is captured by torch), and the decoder is greedy (``sampling``
+        False: a sampled first token is drawn on the host's settings)."""
+        models = (target, draft)
+        # a packing model's prefill takes the lengths from the host (Admission.prefill_models)
+        return not sampling and capture_api(*models) == "cupy" and \
             all(hook(m, "prefill_in_graph") and not hook(m, "packed_prefill") for m in models)
 
-    @staticmethod
-    def _holders(dec) -> list:
-        """Every Watched object holding a buffer the graphs bake (as BurstGraph watches them)."""
-        holders = [dec, dec.bufs]  # the option columns follow the models, watched below
-        for model in (dec.target, dec.draft):
+    def _holders(self) -> list:
+        """Every object that tells its guards when it rebinds a buffer the graphs bake (as BurstGraph
+        watches them): the burst buffers, the models, their caches and layers, the models' own
+        holders. The option columns follow the models, watched by them; the decoder's rollback
+        table is not baked, and the decoder drops these graphs itself when it refreshes its tables."""
+        holders = [self._bufs]
+        for model in (self._target, self._draft):
             holders += [model, model.cache, *(layer for layer in model.cache.layers if layer is not None)]
             holders += list(hook(model, "watched")())
         return [h for h in holders if hasattr(h, "watch")]
@@ -160,8 +174,7 @@ class AdmissionGraphs:
         continued. Graphs already held are kept. Returns the graphs captured; raises
         :class:`AdmissionCaptureError` as an admission's capture would.
         """
-        dec = self._dec()
-        widths = widths_up_to(longest if chunk is None else min(chunk, longest), dec.capacity)
+        widths = widths_up_to(longest if chunk is None else min(chunk, longest), self._staging.capacity)
         kinds = ((TABLE_ROWS + option_rows, True),) if chunk is None else \
             ((TABLE_ROWS + option_rows, True), (TABLE_ROWS, False))
         keys = [(w, rows, final, continued) for w in widths for rows, final in kinds
@@ -169,7 +182,7 @@ class AdmissionGraphs:
         captured = 0
         for key in keys:
             if key not in self._graphs:
-                self._graphs[key] = self._capture(dec, *key)
+                self._graphs[key] = self._capture(*key)
                 captured += 1
         return captured
 
@@ -179,25 +192,24 @@ class AdmissionGraphs:
         (the target writes the first tokens); ``continued``: some chunk starts past position 0.
         The staging block must already hold this admission (its upload is enqueued before)."""
         key = (width, rows, bool(final), bool(continued))
-        dec = self._dec()
         graph = self._graphs.get(key)
         if graph is None:
-            graph = self._graphs[key] = self._capture(dec, *key)
-        graph.launch(dec.stream)
+            graph = self._graphs[key] = self._capture(*key)
+        graph.launch(self._stream)
         self.launches += 1
 
-    @staticmethod
-    def _calls(dec, width: int, rows: int, final: bool, continued: bool) -> list:
+    def _calls(self, width: int, rows: int, final: bool, continued: bool) -> list:
         """The admission's device work as bound calls (``call(stream)``): both models' prefill
         over the ``[B, width]`` staging (one call each, every slot's length read on the device),
         then ``admit_slots`` over the ``[rows, B]`` table. The calls hold the models and buffers,
-        not the decoder (no cycle through a recorded program)."""
-        bufs, ops, target_model, draft_model = dec.bufs, dec.backend.ops, dec.target, dec.draft
-        stage = dec._stage_view("chunks", width)
-        table = dec._stage_view("table", dec.batch, rows)
-        columns = dec.option_columns.table if rows > TABLE_ROWS else None
-        prompt_len, pend = dec._prompt_len, bufs.pend if final else None
-        at = {"start": dec._prompt_start} if continued else {}  # only chunked models continue a prompt
+        not this object (no cycle through a recorded program)."""
+        bufs, ops, target_model, draft_model = self._bufs, self._backend.ops, self._target, self._draft
+        staging = self._staging
+        stage = staging.view("chunks", width)
+        table = staging.view("table", staging.batch, rows)
+        columns = self._option_columns.table if rows > TABLE_ROWS else None
+        prompt_len, pend = staging.lengths, bufs.pend if final else None
+        at = {"start": staging.starts} if continued else {}  # only chunked models continue a prompt
 
         def target(stream):
             target_model.prefill(stage, prompt_len, bufs.pos_ctr, pend, stream, **at)
@@ -210,23 +222,22 @@ class AdmissionGraphs:
 
         return [target, draft, admit]
 
-    def _capture(self, dec, width: int, rows: int, final: bool, continued: bool):
-        calls = self._calls(dec, width, rows, final, continued)
+    def _capture(self, width: int, rows: int, final: bool, continued: bool):
+        calls = self._calls(width, rows, final, continued)
         self.captures += 1
-        backend = dec.backend
-        if not backend.is_gpu:
+        if not self._backend.is_gpu:
             return _Recorded(calls)
         try:
-            return self._stream_capture(dec, calls)
+            return self._stream_capture(calls)
         except Exception as exc:  # noqa: BLE001 - reported as what it is, with the cause chained
             raise AdmissionCaptureError(f"admission graph capture failed (width {width}, {rows} table rows): "
                                         f"{type(exc).__name__}: {exc}") from exc
 
-    def _stream_capture(self, dec, calls: list):
+    def _stream_capture(self, calls: list):
         """``calls`` captured on this object's stream into an uploaded CUDA graph."""
         from ...kernels import cuda_ops  # the CUDA module is imported only on a GPU backend
 
-        backend = dec.backend
+        backend = self._backend
         rt = backend.xp.cuda.runtime
         stream = self._capture_stream
         with backend.device():
@@ -245,5 +256,5 @@ class AdmissionGraphs:
                         pass
                     raise
                 graph = stream.end_capture()
-            graph.upload(dec.stream)
+            graph.upload(self._stream)
         return graph
