@@ -125,21 +125,24 @@ def test_the_launch_bound_stays_a_lower_bound_when_admission_does_not_recount_it
     assert refused and launched  # both sides were exercised
 
 
-class RecordingLoop(ServeLoop):
-    """Records how many bursts were in flight at each boundary that admitted a request."""
+def recording_loop(*a, **kw) -> ServeLoop:
+    """A loop that records how many bursts were in flight at each boundary that admitted a request
+    (its boundary's ``take_waiting``, wrapped on this loop only)."""
+    loop = ServeLoop(*a, **kw)
+    loop.in_flight_at_admission = []
+    take = loop.boundary.take_waiting
 
-    def __init__(self, *a, **kw):
-        super().__init__(*a, **kw)
-        self.in_flight_at_admission = []
+    def recording_take():
+        loop.in_flight_at_admission.append(len(loop.pipeline))
+        take()
 
-    def _take_waiting(self):
-        self.in_flight_at_admission.append(len(self.pipeline))
-        super()._take_waiting()
+    loop.boundary.take_waiting = recording_take
+    return loop
 
 
 def test_loop_refills_slots_without_draining_the_pipeline(backend, rng):
     target, draft = _pair(backend, batch=4, capacity=256)
-    loop = RecordingLoop(target, draft, k=4, m_rounds=2, pipelined=True)
+    loop = recording_loop(target, draft, k=4, m_rounds=2, pipelined=True)
     reqs = []
     for _ in range(24):
         prompt = rng.integers(0, VOCAB, int(rng.integers(1, 9))).tolist()
@@ -155,7 +158,7 @@ def test_loop_refills_slots_without_draining_the_pipeline(backend, rng):
 @pytest.mark.parametrize("depth", [3, 4])
 def test_a_deeper_pipeline_admits_behind_more_bursts_with_the_same_tokens(backend, rng, depth):
     target, draft = _pair(backend, batch=4, capacity=256)
-    loop = RecordingLoop(target, draft, k=4, m_rounds=2, pipelined=True, depth=depth)
+    loop = recording_loop(target, draft, k=4, m_rounds=2, pipelined=True, depth=depth)
     assert loop.pipeline.depth == depth and loop.graph.n_graphs == depth
     reqs = [Request(rng.integers(0, VOCAB, int(rng.integers(1, 9))).tolist(), int(rng.integers(1, 60)),
                     options=dict(accept_prob=0.8, seed=3)) for _ in range(24)]
@@ -286,16 +289,19 @@ def test_prefill_chunk_is_checked_at_construction(backend):
 # ---------------------------------------------------------------------- chunked prefill in the loop
 
 
-class ChunkLog(ServeLoop):
-    """Records, per boundary, the prompt tokens prefilled and the bursts drained so far."""
+def chunk_logging_loop(*a, **kw) -> ServeLoop:
+    """A loop that records, per prefill call, the prompt tokens prefilled and the bursts drained so
+    far (its boundary's ``prefill_group``, wrapped on this loop only)."""
+    loop = ServeLoop(*a, **kw)
+    loop.prefilled = []  # (bursts drained before it, tokens prefilled, final?) per prefill call
+    group_call = loop.boundary.prefill_group
 
-    def __init__(self, *a, **kw):
-        super().__init__(*a, **kw)
-        self.prefilled = []  # (bursts drained before it, tokens prefilled, final?) per prefill call
+    def logged(group, final):
+        loop.prefilled.append((loop.bursts, sum(e - s for _, _, s, e in group), final))
+        group_call(group, final)
 
-    def _prefill_group(self, group, final):
-        self.prefilled.append((self.bursts, sum(e - s for _, _, s, e in group), final))
-        super()._prefill_group(group, final)
+    loop.boundary.prefill_group = logged
+    return loop
 
 
 def _requests(rng, n, long_every=3):
@@ -310,7 +316,7 @@ def _requests(rng, n, long_every=3):
 @pytest.mark.parametrize("chunk", [1, 7, 19, 257])
 def test_chunked_loop_gives_the_tokens_of_whole_prefills(backend, rng, chunk):
     target, draft = _pair(backend, batch=3, capacity=512)
-    loop = ChunkLog(target, draft, k=3, m_rounds=2, prefill_chunk=chunk)
+    loop = chunk_logging_loop(target, draft, k=3, m_rounds=2, prefill_chunk=chunk)
     states = [loop.submit(r) for r in _requests(rng, 10)]
     loop.run_until_idle()
     for s in states:
@@ -322,7 +328,7 @@ def test_chunked_loop_gives_the_tokens_of_whole_prefills(backend, rng, chunk):
 
 def test_decoding_streams_keep_going_while_a_long_prompt_prefills(backend):
     target, draft = _pair(backend, batch=2, capacity=512)
-    loop = ChunkLog(target, draft, k=3, m_rounds=1, prefill_chunk=16)
+    loop = chunk_logging_loop(target, draft, k=3, m_rounds=1, prefill_chunk=16)
     short = loop.submit(Request([3, 1, 4], 200, options=dict(accept_prob=0.5, seed=1)))
     loop.step()
     loop.step()
@@ -348,7 +354,7 @@ def test_cancel_during_chunked_prefill_frees_the_slot(backend):
     nxt = loop.submit(Request([7, 7], 9))
     loop.step()
     loop.step()
-    assert loop._prefilling  # still prefilling
+    assert loop.table.prefilling  # still prefilling
     loop.cancel(long)
     loop.run_until_idle()
     assert long.done and long.tokens == []

@@ -93,7 +93,6 @@ def lockstep(ctx, scenario: str) -> dict:
     """Lockstep serving faults: a follower whose schedule differs; a prefill whose failure is not the request's."""
     from graphburst.parallel.dist import ParallelError
     from graphburst.serving.request import Request
-    from graphburst.serving.loop import ServeLoop
 
     loop = lockstep_loop(ctx)
     out = {"raised": None}
@@ -112,7 +111,7 @@ def lockstep(ctx, scenario: str) -> dict:
                 out["request"] = {"error": state.error, "done": state.done}
         else:
             if scenario == "lockstep_schedule_diverges":
-                ServeLoop.submit(loop, Request(prompt=[7], max_new_tokens=3, id="only-here"))  # rank 0 never sent it
+                loop.loop.submit(Request(prompt=[7], max_new_tokens=3, id="only-here"))  # rank 0 never sent it
             loop.follow()
     except ParallelError as exc:
         out["raised"] = f"{type(exc).__name__}: {exc}"
