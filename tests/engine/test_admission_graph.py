@@ -130,6 +130,26 @@ def test_one_graph_per_key_and_a_refresh_drops_them(backend):
     assert graphs.captures == 3 and graphs.launches == 4
 
 
+@pytest.mark.parametrize("graphs", [True, False])
+def test_the_phases_are_looked_up_on_the_admission(backend, graphs):
+    """A profiler times admission's phases by wrapping them on the instance: every admission,
+    through the decoder's entry points, goes through the wrapped methods (a graph admission
+    launches one graph instead of the models' prefill and admit_slots)."""
+    target, draft = _models(backend, "stubs", 3, 64)
+    dec = SpecDecoder(target, draft, k=2, m_rounds=1, admission_graphs=graphs)
+    adm, called = dec.admission, []
+    for phase in ("prefill_slots", "stage", "admit_in_graph", "prefill_models", "admit", "record"):
+        def timed(*a, _real=getattr(adm, phase), _phase=phase, **kw):
+            called.append(_phase)
+            return _real(*a, **kw)
+        setattr(adm, phase, timed)
+    dec.prefill([[1, 2, 3], None, [4]])
+    dec.prefill_checked({1: np.arange(5, dtype=np.int32)}, {1: 0})
+    dec.prefill_slots([2], [np.arange(2, dtype=np.int32)], [0], options=[None])
+    device = ["admit_in_graph"] if graphs else ["prefill_models", "admit"]
+    assert called == 3 * (["prefill_slots", "stage"] + device + ["record"])
+
+
 def test_decoders_that_stay_eager(backend):
     target, draft = _models(backend, "stubs", 2, 64)
     assert SpecDecoder(target, draft, k=2, m_rounds=1, sampling=True).admission_graphs is None  # first-token sampling

@@ -157,6 +157,30 @@ def test_address_guard_fires_on_rebind_and_recapture_works(backend):
     g.guard.verify()
 
 
+def test_a_rebound_rollback_table_makes_the_graph_stale_and_the_rest_is_fixed(backend):
+    """The decoder tells its guards when its rollback table is rebound (refresh_tables does it);
+    the models, buffers and stream it baked cannot be rebound at all."""
+    from graphburst.buffers import kv_len_ptr_table
+
+    dec = make(backend, 2, 2, 2)
+    prompts = prompts_for(2)
+    dec.prefill(prompts)
+    g = BurstGraph(dec)
+    out = [t.tolist() for t in g.run()]
+    with dec.stream:
+        dec.table = kv_len_ptr_table([dec.target.cache, dec.draft.cache], pos_ctr=dec.bufs.pos_ctr)
+    with pytest.raises(StaleGraphError, match=r"SpecDecoder\.table"):
+        g.replay()
+    for name in ("bufs", "stream", "target", "draft"):
+        with pytest.raises(AttributeError):
+            setattr(dec, name, getattr(dec, name))
+    g.capture()
+    for b, t in enumerate(g.run()):
+        out[b] += t.tolist()
+    for b in range(2):
+        assert out[b] == greedy_reference(prompts[b], len(out[b]), VOCAB)
+
+
 def test_guard_verify_sees_in_place_moves_of_unwatched_holders(backend):
     dec = make(backend, 2, 2, 2)
     dec.prefill(prompts_for(2))
