@@ -15,7 +15,7 @@ import os
 
 from ..cli_args import FlagError, check_memory, int_in, real_in, writable_file
 from .common import float_list, int_list
-from .real_forward import SHARD, kv_row_bytes
+from .real_forward import SHARD, kv_row_bytes, param_bytes
 from .real_forward import shape as shape_config
 from .real_prefill import BATCH, CASES, MAX_PROMPT, MODES
 from .real_prefill import capacity as prefill_capacity
@@ -313,7 +313,8 @@ def _check_profile(args) -> None:
 
 
 def check_profile_memory(s, device_bytes: int | None = None) -> None:
-    """Refuse profile sizes whose KV caches and logits would pass the GPU's memory (the CPU: the flag limit)."""
+    """Refuse profile sizes whose weights, KV caches and logits would pass the GPU's memory (the CPU: the flag
+    limit). The weights count here: a view builds one model at a time, so they are most of what it holds."""
     from .real_models import MODELS, run_bytes
 
     item = 2 if s["dtype"] == "bfloat16" else 4
@@ -322,14 +323,17 @@ def check_profile_memory(s, device_bytes: int | None = None) -> None:
         t, b, cap = max(s["tokens"] or (s["k"] + 1,)), max(s["batches"]), max(s["capacities"])
         for name in s["models"]:
             cfg = shape_config(name)
-            need = b * (cap + s["k"] + 2) * kv_row_bytes(cfg, item) + 2 * b * t * cfg.vocab_size * 4
-            check_memory(need, f"the forward view's KV caches and logits of model {name} at batch {b} x {cap} rows",
-                         ("--capacities", "--batches"), limit=device_bytes, where=where)
+            need = param_bytes(cfg, item) + b * (cap + s["k"] + 2) * kv_row_bytes(cfg, item) \
+                + 2 * b * t * cfg.vocab_size * 4
+            check_memory(need, f"model {name}'s weights, KV caches and logits at batch {b} x {cap} rows",
+                         ("--capacities", "--batches", "--models"), limit=device_bytes, where=where)
     if "prefill" in s["views"]:
         for name in s["models"]:
-            need = run_bytes(MODELS[name], batch=BATCH, capacity=prefill_capacity(s), k=s["k"], prompt_len=MAX_PROMPT,
-                             item=item, engines=1)
-            check_memory(need, f"the prefill view's {BATCH} slots of model {name}", ("--models", "-m", "-k"),
+            spec = MODELS[name]
+            weights = param_bytes(spec.cfg, item) + (0 if spec.draft_cfg is None else param_bytes(spec.draft_cfg, item))
+            need = weights + run_bytes(spec, batch=BATCH, capacity=prefill_capacity(s), k=s["k"],
+                                       prompt_len=MAX_PROMPT, item=item, engines=1)
+            check_memory(need, f"model {name}'s weights and the prefill view's {BATCH} slots", ("--models", "-m", "-k"),
                          limit=device_bytes, where=where)
 
 

@@ -116,7 +116,9 @@ def test_the_summary_of_the_smoke_run(smoke, tmp_path):
                                         (["--profile", "prefill", "--models", "8b-tp2"], "--models"),
                                         (["--profile", "--kernels", "fast"], "--kernels"),
                                         (["--profile", "--capacities", "8"], "--capacities"),
-                                        (["--profile", "--valid", "60"], "--valid")])
+                                        (["--profile", "--valid", "60"], "--valid"),
+                                        (["--profile", "forward", "--models", "8b", "--capacities", "1024",
+                                          "--batches", "64"], "--capacities")])
 def test_bad_flags_are_one_line_exit_2(args, flag, tmp_path):
     proc = cli("--smoke", "--backend", "numpy", *args, tmp_path=tmp_path)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and flag in proc.stderr, proc.stderr
