@@ -5,12 +5,16 @@ history length, each config checked bit-exact against the numpy twin before it i
 (CUDA events around graph replays, medians).
 
 Part 2 (:mod:`.ngram_e2e`): acceptance and tokens/s of graphburst with ``NgramDraft``
-on a random-weight target (``--model``, default the 1b shape) against the same target's
-plain decoding and transformers' prompt lookup, per workload and batch. **Correctness
-first**: every engine's tokens are compared with graphburst's before any timing (identical,
-or up to a first divergence that is a near-tie of the target's own logits, the rule of
-``bench real``); a failure stops the run. Then ``--reps`` timed runs per engine
-(untimed prefill excluded, syncs included), medians.
+against the same target's plain graphed decoding, the same lookup synced every round, and
+transformers' ``generate`` plain and with prompt lookup, per workload, batch and k. The
+target is a random-weight shape (``--model tiny|small|1b``, default 1b: token-id workloads)
+or a trained checkpoint (``--model smollm2-135m``, a GGUF file or a directory with a
+tokenizer: the real-text classes of :mod:`.text_prompts`, chat requests through the model's
+own template). **Correctness first**: every engine's tokens are compared with graphburst's
+before any timing (identical, or up to a first divergence that is a near-tie of the target's
+own logits, the rule of ``bench real``); a failure stops the run. Then ``--reps`` timed runs
+per engine (untimed prefill excluded, syncs included), medians. A fixed number of tokens is
+generated (no stop at the end of turn), the same for every engine.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import statistics
 
 from rich.console import Console
 
-from ..cli_args import FlagError, int_in, real_in, writable_file
+from ..cli_args import FlagError, checkpoint, int_in, real_in, writable_file
 from ..constants import MAX_K, NGRAM_MAX
 from ..models.ngram import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN
 from .common import fmt, int_list, label, new_table, write_results
@@ -28,9 +32,12 @@ from .ngram_search import run_search_bench
 PARTS = ("search", "e2e")
 MODEL_NAMES = ("tiny", "small", "1b")
 SMOKE = dict(model="tiny", batches="1,2", histories="64,512", e2e_batches="1,2", prompt_len=32, new_tokens=24,
-             reps=1, m=2, workloads="random,repeat,echo")
+             reps=1, m=2, workloads="random,repeat,echo", k="4")
 FULL = dict(model="1b", batches="1,8,64,256", histories="512,2048,8192,32768", e2e_batches="1,16", prompt_len=512,
-            new_tokens=256, reps=3, m=8, workloads="random,repeat,echo")
+            new_tokens=256, reps=3, m=8, workloads="random,repeat,echo", k="4")
+#: the defaults a trained checkpoint changes (--model smollm2-135m): the text classes, three k, three batches
+CHECKPOINT = dict(e2e_batches="1,16,64", new_tokens=128, k="2,4,8", workloads="edit_code,rewrite_prose,"
+                  "quote_document,continue_list,open_questions")
 
 
 def add_parser(sub) -> None:
@@ -41,12 +48,17 @@ def add_parser(sub) -> None:
     p.add_argument("--parts", default="search,e2e", help="comma list of search,e2e")
     p.add_argument("--batches", default=None, help="search: comma list of B (default 1,8,64,256)")
     p.add_argument("--histories", default=None, help="search: comma list of history lengths (default 512..32768)")
-    p.add_argument("--model", choices=MODEL_NAMES, default=None, help="e2e target shape (default 1b)")
+    p.add_argument("--model", default=None,
+                   help=f"e2e target: a random-weight shape ({','.join(MODEL_NAMES)}; default 1b), or a checkpoint "
+                        "with a tokenizer (smollm2-135m, a .gguf file, a directory): its real-text workloads")
     p.add_argument("--e2e-batches", default=None, help="e2e: comma list of B (default 1,16; HF runs B=1 only)")
-    p.add_argument("--workloads", default=None, help="e2e: comma list of random,repeat,echo")
+    p.add_argument("--workloads", default=None,
+                   help="e2e: comma list of random,repeat,echo (token ids), or, with a checkpoint, of edit_code,"
+                        "rewrite_prose,quote_document,continue_list,open_questions (real text, the default there)")
     p.add_argument("--prompt-len", type=int_in(4, 16384), default=None, help="e2e: prompt tokens (default 512)")
     p.add_argument("--new-tokens", type=int_in(2, 16384), default=None, help="e2e: tokens generated (default 256)")
-    p.add_argument("-k", type=int_in(1, MAX_K), default=4, help="drafts per round")
+    p.add_argument("-k", default=None, help=f"drafts per round, a comma list in 1..{MAX_K} (default 4; 2,4,8 "
+                                             "with a checkpoint)")
     p.add_argument("-m", type=int_in(1, 64), default=None, help="rounds per burst (default 8)")
     p.add_argument("--ngram-min", type=int_in(1, NGRAM_MAX), default=DEFAULT_NGRAM_MIN,
                    help="shortest n-gram looked up")
@@ -61,12 +73,16 @@ def add_parser(sub) -> None:
 
 def settings(args) -> dict:
     d = dict(SMOKE if args.smoke else FULL)
+    if args.model is not None and args.model not in MODEL_NAMES:
+        d.update(model=args.model, **({} if args.smoke else CHECKPOINT))
+        if args.smoke:
+            d["workloads"] = CHECKPOINT["workloads"]
     for name in d:
         if getattr(args, name, None) is not None:
             d[name] = getattr(args, name)
     return dict(d, parts=args.parts.split(","), batches=int_list(d["batches"]),
                 histories=int_list(d["histories"]), e2e_batches=int_list(d["e2e_batches"]),
-                workloads=d["workloads"].split(","), k=args.k,
+                workloads=d["workloads"].split(","), ks=int_list(d["k"]),
                 n_min=args.ngram_min, n_max=args.ngram_max, tol=args.tol, seed=args.seed, dtype=args.dtype)
 
 
@@ -81,74 +97,125 @@ def check_args(args) -> None:
                 raise FlagError(flag, f"a comma list of positive ints is needed, got {text!r}") from None
             if not values or min(values) < 1:
                 raise FlagError(flag, f"needs positive values, got {text!r}")
+    if args.k is not None:
+        try:
+            ks = int_list(args.k)
+        except ValueError:
+            raise FlagError("-k", f"a comma list of ints in 1..{MAX_K} is needed, got {args.k!r}") from None
+        if not ks or not all(1 <= k <= MAX_K for k in ks):
+            raise FlagError("-k", f"needs values in 1..{MAX_K}, got {args.k!r}")
+    if args.model is not None and args.model not in MODEL_NAMES:
+        checkpoint(args.model, flag="--model")
     if args.ngram_min > args.ngram_max:
         raise FlagError("--ngram-min", f"{args.ngram_min} is above --ngram-max {args.ngram_max}")
     s = settings(args)
     bad = [p for p in s["parts"] if p not in PARTS]
     if bad or not s["parts"]:
         raise FlagError("--parts", f"choose from {','.join(PARTS)}, got {args.parts!r}")
-    from .ngram_e2e import WORKLOADS  # noqa: F401 (torch is needed by part 2 only)
+    from .ngram_e2e import TEXT_WORKLOADS, WORKLOADS  # torch is needed by part 2 only
 
-    bad = [w for w in s["workloads"] if w not in WORKLOADS]
+    allowed = WORKLOADS + (TEXT_WORKLOADS if s["model"] not in MODEL_NAMES else ())
+    bad = [w for w in s["workloads"] if w not in allowed]
     if bad:
-        raise FlagError("--workloads", f"unknown workload {bad[0]!r} (choose from {','.join(WORKLOADS)})")
+        why = " (the text workloads need a checkpoint with a tokenizer)" if bad[0] in TEXT_WORKLOADS else ""
+        raise FlagError("--workloads", f"unknown workload {bad[0]!r}{why} (choose from {','.join(allowed)})")
 
 
 def _search_part(console, backend, s) -> tuple:
     reps = 10 * s["reps"]
-    table = new_table(f"ngram_search, us per round (k={s['k']}, n={s['n_min']}..{s['n_max']}) - {label(backend)}",
-                      ["B", "history", "checked", "drafts", "us median", "us min", "host numpy twin us"])
-    rows = run_search_bench(backend, batches=s["batches"], histories=s["histories"], k=s["k"], n_min=s["n_min"],
-                            n_max=s["n_max"], reps=reps,
-                            progress=lambda r: console.print(f"search B={r['batch']} H={r['history']}: "
-                                                             f"{r['us_median']:.2f} us"))
-    for r in rows:
-        table.add_row(str(r["batch"]), str(r["history"]), "yes", str(r["drafts_proposed"]), fmt(r["us_median"]),
-                      fmt(r["us_min"]), fmt(r["host_twin_us"], 0))
+    ks = ",".join(map(str, s["ks"]))
+    table = new_table(f"ngram_search, us per round (k={ks}, n={s['n_min']}..{s['n_max']}) - {label(backend)}",
+                      ["k", "B", "history", "checked", "drafts", "us median", "us min", "host numpy twin us"])
+    rows = []
+    for k in s["ks"]:
+        part = run_search_bench(backend, batches=s["batches"], histories=s["histories"], k=k, n_min=s["n_min"],
+                                n_max=s["n_max"], reps=reps,
+                                progress=lambda r, k=k: console.print(f"search k={k} B={r['batch']} H={r['history']}: "
+                                                                      f"{r['us_median']:.2f} us"))
+        for r in part:
+            r["k"] = k
+            table.add_row(str(k), str(r["batch"]), str(r["history"]), "yes", str(r["drafts_proposed"]),
+                          fmt(r["us_median"]), fmt(r["us_min"]), fmt(r["host_twin_us"], 0))
+        rows += part
     return table, rows
+
+
+def _target(s, backend, dtype, device):
+    """(source model, tokenizer or None, description) of ``--model``: a random shape or a checkpoint."""
+    from .real_models import MODELS, random_target
+    from .text_prompts import CLASSES, load_prompts, render
+
+    kv_slack = max(s["ks"]) + 2
+    slack = s["new_tokens"] + s["m"] * (max(s["ks"]) + 1) + 8  # a prompt's rows beyond it
+    batch = max(s["e2e_batches"])
+    if s["model"] in MODEL_NAMES:
+        spec = MODELS[s["model"]]
+        src = random_target(spec, batch=batch, capacity=s["prompt_len"] + slack, kv_slack=kv_slack, dtype=dtype,
+                            device=device, seed=s["seed"])
+        return src, None, spec.note
+    from ..models.checkpoint import load_llama
+    from ..models.tokenizer import checkpoint_tokenizer
+
+    tokenizer = checkpoint_tokenizer(s["model"])
+    # the longest prompt sizes the KV capacity: a rendered text prompt, or prompt_len token ids
+    lengths = [len(render(tokenizer, text)) for wl in s["workloads"] if wl in CLASSES for text in load_prompts(wl)]
+    lengths += [s["prompt_len"]] if any(wl not in CLASSES for wl in s["workloads"]) else []
+    src = load_llama(s["model"], batch=batch, capacity=max(lengths) + slack, dtype=dtype, device=device,
+                     kv_slack=kv_slack)
+    return src, tokenizer, f"{s['model']} (trained checkpoint)"
 
 
 def _e2e_part(console, backend, s) -> tuple:
     import torch
 
+    from ..engine.mode import BurstMode
     from .ngram_e2e import HFGenerate, NgramBurst, PlainLoop, timed, workload
     from .real_checks import compare_other, reference_logits
-    from .real_models import MODELS, instance, random_target
+    from .real_models import instance
 
     device = "cuda" if backend.is_gpu else "cpu"
     dtype = getattr(torch, s["dtype"] or ("bfloat16" if backend.is_gpu else "float32"))
-    spec = MODELS[s["model"]]
-    capacity = s["prompt_len"] + s["new_tokens"] + s["m"] * (s["k"] + 1) + 8
-    src = random_target(spec, batch=max(s["e2e_batches"]), capacity=capacity, kv_slack=s["k"] + 2, dtype=dtype,
-                        device=device, seed=s["seed"])
+    src, tokenizer, note = _target(s, backend, dtype, device)
     ref_model = instance(src, batch=1)
     oracle = lambda prompt, prefix: reference_logits(ref_model, prompt, prefix)  # noqa: E731
-    table = new_table(f"prompt lookup, {s['model']} target ({str(dtype).split('.')[-1]}), k={s['k']}, M={s['m']}, "
+    ks = ",".join(map(str, s["ks"]))
+    table = new_table(f"prompt lookup, {s['model']} target ({str(dtype).split('.')[-1]}), k={ks}, M={s['m']}, "
                       f"n={s['n_min']}..{s['n_max']}, {s['new_tokens']} new tokens - {label(backend)}",
-                      ["workload", "B", "engine", "tokens/s", "tokens/forward", "accepted/round", "agreed",
-                       "vs plain"])
+                      ["workload", "B", "k", "engine", "tokens/s", "tokens/forward", "accepted/round",
+                       "rounds/sync", "agreed", "vs plain", "vs synced"])
     rows, failures = [], []  # failures: engines whose tokens diverged from graphburst's, not at a near-tie
     for batch in s["e2e_batches"]:
-        engines = {"graphburst-ngram": NgramBurst(src, batch=batch, k=s["k"], m=s["m"], n_min=s["n_min"],
-                                                  n_max=s["n_max"], backend=backend),
-                   "plain": PlainLoop(src, batch=batch, steps=s["m"] * (s["k"] + 1) // 2 or 1)}
+        # k-independent engines: plain graphed decoding (2M forwards per graph replay: a burst's most at k=1)
+        fixed = {"plain": PlainLoop(src, batch=batch, steps=2 * s["m"])}
         if batch == 1:
-            engines["hf-lookup"] = HFGenerate(src, lookup=s["k"], n_max=s["n_max"])
-            engines["hf-plain"] = HFGenerate(src, lookup=0, n_max=s["n_max"])
+            fixed["hf-plain"] = HFGenerate(src, lookup=0, n_max=s["n_max"])
+        by_k = {}
+        for k in s["ks"]:
+            by_k[k] = {"graphburst-ngram": NgramBurst(src, batch=batch, k=k, m=s["m"], n_min=s["n_min"],
+                                                      n_max=s["n_max"], backend=backend),
+                       "graphburst-ngram-sync": NgramBurst(src, batch=batch, k=k, m=s["m"], n_min=s["n_min"],
+                                                           n_max=s["n_max"], backend=backend,
+                                                           mode=BurstMode.PER_ROUND_SYNC)}
+            if batch == 1:
+                by_k[k]["hf-lookup"] = HFGenerate(src, lookup=k, n_max=s["n_max"])
         for wl in s["workloads"]:
-            prompts = workload(wl, src, batch=batch, prompt_len=s["prompt_len"], seed=s["seed"] + batch)
-            ref, info, _ = timed(engines["graphburst-ngram"], prompts, s["new_tokens"])  # checked run, untimed
+            prompts = workload(wl, src, batch=batch, prompt_len=s["prompt_len"], seed=s["seed"] + batch,
+                               tokenizer=tokenizer)
+            # the reference every engine is checked against: graphburst at the first k, untimed
+            ref, _, _ = timed(by_k[s["ks"][0]]["graphburst-ngram"], prompts, s["new_tokens"])
+            runs = [(None, name, eng) for name, eng in fixed.items()] + \
+                [(k, name, eng) for k in s["ks"] for name, eng in by_k[k].items()]
             results = {}
-            for name, eng in engines.items():
+            for k, name, eng in runs:
                 tokens, info, _ = timed(eng, prompts, s["new_tokens"])  # the check, and a warm-up
                 try:
-                    agreed = [compare_other(f"{name} ({wl}, B={batch}, seq {b})", tokens[b], ref[b],
+                    agreed = [compare_other(f"{name} ({wl}, B={batch}, k={k}, seq {b})", tokens[b], ref[b],
                                             list(prompts[b]), oracle, s["tol"])["agreed"] for b in range(batch)]
                 except AssertionError as exc:  # recorded, never timed; the exit status says so (as bench real)
                     failures.append(str(exc))
                     console.print(f"[red]FAILED correctness[/red]: {exc}")
-                    rows.append(dict(workload=wl, batch=batch, engine=name, failed=str(exc)[:300]))
-                    table.add_row(wl, str(batch), name, "FAILED", "-", "-", "-", "-")
+                    rows.append(dict(workload=wl, batch=batch, k=k, engine=name, failed=str(exc)[:300]))
+                    table.add_row(wl, str(batch), "-" if k is None else str(k), name, "FAILED", *["-"] * 6)
                     continue
                 secs = [timed(eng, prompts, s["new_tokens"])[2] for _ in range(s["reps"])]
                 tps = batch * s["new_tokens"] / statistics.median(secs)
@@ -156,20 +223,26 @@ def _e2e_part(console, backend, s) -> tuple:
                     (s["new_tokens"] / info["forwards"] if name.startswith("hf-lookup") else 1.0)
                 accepted = info["accepted"] / info["rounds"] if "rounds" in info else \
                     (per_forward - 1.0 if name == "hf-lookup" else None)
-                results[name] = dict(workload=wl, batch=batch, engine=name, tokens_per_s=tps,
-                                     tokens_per_forward=per_forward, accepted_per_round=accepted,
-                                     agreed_tokens=min(agreed), compared_tokens=s["new_tokens"],
-                                     seconds_median=statistics.median(secs), reps=s["reps"])
-            plain = results["plain"]["tokens_per_s"] if "plain" in results else None
-            for name, r in results.items():
+                results[(k, name)] = dict(workload=wl, batch=batch, k=k, engine=name, tokens_per_s=tps,
+                                          tokens_per_forward=per_forward, accepted_per_round=accepted,
+                                          rounds_per_sync=info.get("rounds_per_sync"),
+                                          agreed_tokens=min(agreed), compared_tokens=s["new_tokens"],
+                                          seconds_median=statistics.median(secs), reps=s["reps"])
+            plain = results.get((None, "plain"), {}).get("tokens_per_s")
+            for (k, name), r in results.items():
                 r["speedup_vs_plain"] = None if plain is None else r["tokens_per_s"] / plain
+                synced = results.get((k, "graphburst-ngram-sync"))
+                r["speedup_vs_synced"] = synced and r["tokens_per_s"] / synced["tokens_per_s"] \
+                    if name == "graphburst-ngram" else None
                 rows.append(r)
-                table.add_row(wl, str(batch), name, fmt(r["tokens_per_s"], 1), fmt(r["tokens_per_forward"]),
-                              fmt(r["accepted_per_round"]), f"{r['agreed_tokens']}/{r['compared_tokens']}",
-                              fmt(r["speedup_vs_plain"]))
-            console.print(f"e2e {wl} B={batch}: " + ", ".join(f"{n} {r['tokens_per_s']:.1f} tok/s"
-                                                              for n, r in results.items()))
-    return table, rows, dict(model=spec.note, dtype=str(dtype), capacity=capacity, failures=failures)
+                table.add_row(wl, str(batch), "-" if k is None else str(k), name, fmt(r["tokens_per_s"], 1),
+                              fmt(r["tokens_per_forward"]), fmt(r["accepted_per_round"]), fmt(r["rounds_per_sync"]),
+                              f"{r['agreed_tokens']}/{r['compared_tokens']}", fmt(r["speedup_vs_plain"]),
+                              fmt(r["speedup_vs_synced"]))
+            console.print(f"e2e {wl} B={batch}: " + ", ".join(f"{n}{'' if k is None else f' k={k}'} "
+                                                              f"{r['tokens_per_s']:.1f} tok/s"
+                                                              for (k, n), r in results.items()))
+    return table, rows, dict(model=note, dtype=str(dtype), capacity=src.capacity, failures=failures)
 
 
 def run(args, console: Console, backend) -> int:

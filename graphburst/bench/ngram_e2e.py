@@ -1,9 +1,12 @@
 """Prompt lookup end to end: acceptance and tokens/s against two baselines on the same weights.
 
-Engines (all greedy, one random-weight target, every forward over the same tensors):
+Engines (all greedy, one target, every forward over the same tensors):
 
 * ``graphburst-ngram``: ``SpecDecoder(TorchTarget, NgramDraft)`` in one ``BurstGraph``:
   M rounds of search + verify per replay, one host sync per burst.
+* ``graphburst-ngram-sync``: the same decoder run eagerly with a host sync after every round
+  (``BurstMode.PER_ROUND_SYNC``), as engines that read the accepted count each round do: what
+  one graph per burst buys on the same lookup.
 * ``plain``: the same target's plain greedy decoding, one token per forward; on the GPU
   ``steps`` forwards and their argmax are captured into one torch CUDA graph (one host
   sync per graph), so the baseline is as free of the host as a burst is.
@@ -11,8 +14,12 @@ Engines (all greedy, one random-weight target, every forward over the same tenso
   max_matching_ngram_size=n_max)`` over the same tensors (batch 1 only), and
   ``hf-plain`` (its plain ``generate``) for scale.
 
-Workloads, built so that outputs may repeat inputs; whether a random-weight model copies is
-measured, not assumed (they are close to bigram models):
+Workloads of a trained model with a tokenizer (``--model smollm2-135m``): the text classes of
+:mod:`.text_prompts` (editing code or prose, quoting a document, continuing a list; open
+questions as the control), each a chat request through the model's own template.
+
+Workloads of token ids, built so that outputs may repeat inputs; whether a random-weight model
+copies is measured, not assumed (they are close to bigram models):
 
 * ``random``: uniform random prompts (the control: only the model's own loops repeat);
 * ``repeat``: a random segment repeated four times (does the model continue the pattern?);
@@ -29,13 +36,16 @@ import numpy as np
 import torch
 
 from ..engine.decoder import SpecDecoder
+from ..engine.mode import BurstMode
 from ..capture import BurstGraph
 from ..models.ngram import NgramDraft
 from ..models.torch_adapter import TorchTarget
 from .real_engines import sync
 from .real_models import hf_twin, instance
+from .text_prompts import CLASSES, text_workload
 
-WORKLOADS = ("random", "repeat", "echo")
+WORKLOADS = ("random", "repeat", "echo")  # token-id workloads; a model with a tokenizer adds TEXT_WORKLOADS
+TEXT_WORKLOADS = tuple(CLASSES)
 
 
 class PlainLoop:
@@ -72,11 +82,19 @@ class PlainLoop:
 
     @torch.no_grad()
     def prefill(self, prompts: list) -> None:
-        ids = torch.tensor(prompts, dtype=torch.long, device=self.device)  # [B, P]
-        zero = torch.zeros(self.batch, dtype=torch.int32, device=self.device)
-        logits = self.model(ids, zero, [zero] * len(self.model.layers), None)
-        self.tok.copy_(logits[:, -1].argmax(-1, keepdim=True))
-        self.length.fill_(ids.shape[1])
+        if len({len(p) for p in prompts}) == 1:  # equal lengths: one forward
+            ids = torch.tensor(prompts, dtype=torch.long, device=self.device)  # [B, P]
+            zero = torch.zeros(self.batch, dtype=torch.int32, device=self.device)
+            logits = self.model(ids, zero, [zero] * len(self.model.layers), None)
+            self.tok.copy_(logits[:, -1].argmax(-1, keepdim=True))
+            self.length.fill_(ids.shape[1])
+            return
+        zero = torch.zeros(1, dtype=torch.int32, device=self.device)
+        for b, prompt in enumerate(prompts):  # ragged (text prompts): a row at a time, untimed
+            ids = torch.tensor([prompt], dtype=torch.long, device=self.device)  # [1, P_b]
+            logits = self.model(ids, zero, [zero] * len(self.model.layers), torch.tensor([b], device=self.device))
+            self.tok[b] = logits[0, -1].argmax(-1)
+            self.length[b] = len(prompt)
 
     def generate(self, prompts: list, n: int) -> tuple[list, dict]:
         """``n`` greedy tokens per prompt (the token after the prompt first, as a burst commits)."""
@@ -90,25 +108,32 @@ class PlainLoop:
 
 
 class NgramBurst:
-    """graphburst with the prompt-lookup draft over ``src``."""
+    """graphburst with the prompt-lookup draft over ``src``: one graph per burst, or ``mode`` an eager
+    mode (``PER_ROUND_SYNC``: a host sync after every round)."""
 
-    def __init__(self, src, *, batch: int, k: int, m: int, n_min: int, n_max: int, backend):
+    def __init__(self, src, *, batch: int, k: int, m: int, n_min: int, n_max: int, backend,
+                 mode: BurstMode = BurstMode.GRAPH):
         cap = src.capacity
         target = TorchTarget(instance(src, batch=batch), batch=batch, capacity=cap, backend=backend)
         self.draft = NgramDraft(batch, src.vocab, cap, n_min=n_min, n_max=n_max, backend=backend)
         self.dec = SpecDecoder(target, self.draft, k=k, m_rounds=m)
         self.device = next(src.parameters()).device
+        self.mode = mode
         self.dec.prefill([[0]] * batch)  # a live state to capture over
-        self.graph = BurstGraph(self.dec)
+        self.run = BurstGraph(self.dec).run if mode is BurstMode.GRAPH else lambda: self.dec.run_burst(mode=mode)
 
     def generate(self, prompts: list, n: int) -> tuple[list, dict]:
         self.dec.prefill([list(p) for p in prompts], max_new_tokens=n)
         out = [[] for _ in prompts]
+        bursts, syncs = self.dec.bursts, self.dec.host_syncs
         while self.dec.host_left.any():
-            for b, t in enumerate(self.graph.run()):
+            for b, t in enumerate(self.run()):
                 out[b] += t.tolist()
         acc = self.dec.accept_counters()
-        return out, dict(accepted=int(acc[:, 0].sum()), rounds=int(acc[:, 1].sum()))
+        # rounds the GPU ran per host sync: M per drained burst in a graph, M / (M + 1) synced each round
+        run = (self.dec.bursts - bursts) * self.dec.m_rounds
+        return out, dict(accepted=int(acc[:, 0].sum()), rounds=int(acc[:, 1].sum()),
+                         rounds_per_sync=run / max(1, self.dec.host_syncs - syncs))
 
 
 class HFGenerate:
@@ -136,8 +161,13 @@ class HFGenerate:
         return [out[0, ids.shape[1]:].tolist()], dict(forwards=self.calls - before)
 
 
-def workload(name: str, src, *, batch: int, prompt_len: int, seed: int) -> list:
-    """``batch`` prompts of ``prompt_len`` tokens (see the module docstring)."""
+def workload(name: str, src, *, batch: int, prompt_len: int, seed: int, tokenizer=None) -> list:
+    """``batch`` prompts (see the module docstring): ``prompt_len`` tokens each, or a text class's
+    rendered prompts (``tokenizer`` needed)."""
+    if name in TEXT_WORKLOADS:
+        if tokenizer is None:
+            raise ValueError(f"workload {name!r} is text: it needs a model with a tokenizer")
+        return text_workload(tokenizer, name, batch)
     rng = np.random.default_rng(seed)
     vocab = src.vocab
     if name == "random":
@@ -152,7 +182,7 @@ def workload(name: str, src, *, batch: int, prompt_len: int, seed: int) -> list:
         gen = PlainLoop(src, batch=batch, steps=max(1, g_len)).generate(seed_toks, g_len)[0] if g_len > 0 else \
             [[] for _ in range(batch)]
         return [(seed_toks[b] + gen[b] + seed_toks[b])[:prompt_len] for b in range(batch)]
-    raise ValueError(f"workload must be one of {WORKLOADS}, got {name!r}")
+    raise ValueError(f"workload must be one of {WORKLOADS + TEXT_WORKLOADS}, got {name!r}")
 
 
 def timed(engine, prompts: list, n: int) -> tuple[list, dict, float]:

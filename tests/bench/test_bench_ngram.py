@@ -24,7 +24,8 @@ def test_bench_ngram_smoke_on_numpy(tmp_path):
     assert all(r["checked"] and r["us_median"] > 0 for r in res["results"]["search"])
     e2e = res["results"]["e2e"]
     assert {(r["workload"], r["engine"]) for r in e2e} == {
-        (w, e) for w in ("repeat", "echo") for e in ("graphburst-ngram", "plain", "hf-lookup", "hf-plain")}
+        (w, e) for w in ("repeat", "echo")
+        for e in ("graphburst-ngram", "graphburst-ngram-sync", "plain", "hf-lookup", "hf-plain")}
     assert all(r["agreed_tokens"] == 10 for r in e2e)  # fp32 on the CPU: every engine's tokens agree
 
 
@@ -56,3 +57,39 @@ def test_an_engine_that_diverges_is_recorded_not_a_crash(tmp_path, monkeypatch):
     rows = {r["engine"]: r for r in json.loads(out.read_text())["results"]["e2e"]}
     assert "token 3 is 1" in rows["hf-lookup"]["failed"] and "tokens_per_s" not in rows["hf-lookup"]
     assert rows["plain"]["tokens_per_s"] > 0 and rows["graphburst-ngram"]["speedup_vs_plain"] > 0
+
+
+def test_text_prompt_classes():
+    from graphburst.bench.text_prompts import CLASSES, load_prompts, render
+
+    for name in CLASSES:
+        prompts = load_prompts(name)
+        assert len(prompts) >= 3, name
+        assert all(p and "---" not in p.splitlines() and not p.startswith("#") for p in prompts), name
+
+    class Plain:  # a tokenizer without a chat template: the text alone
+        chat_template = None
+
+        def __call__(self, text):
+            return {"input_ids": [ord(c) for c in text]}
+
+    assert render(Plain(), "hi") == [104, 105]
+
+
+def test_real_text_workload_on_a_trained_model(tmp_path):
+    """SmolLM2-135M-Instruct, fp32 on the CPU: lookup hits on the code-editing prompts and misses on the open
+    questions; every engine agrees with graphburst; a graph runs M rounds per host sync, synced rounds fewer."""
+    out = tmp_path / "out.json"
+    args = ["--smoke", "--backend", "numpy", "--parts", "e2e", "--model", "smollm2-135m", "--e2e-batches", "1",
+            "--workloads", "edit_code,open_questions", "-k", "4", "-m", "4", "--new-tokens", "20",
+            "--json", str(out)]
+    proc = subprocess.run([sys.executable, "-m", "graphburst.cli", "bench", "ngram", *args], capture_output=True,
+                          text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    rows = {(r["workload"], r["engine"]): r for r in json.loads(out.read_text())["results"]["e2e"]}
+    assert all(r["agreed_tokens"] == 20 for r in rows.values())
+    assert rows["edit_code", "graphburst-ngram"]["accepted_per_round"] > 1.0  # the answer repeats the code
+    assert rows["open_questions", "graphburst-ngram"]["accepted_per_round"] < 0.5
+    assert rows["edit_code", "graphburst-ngram"]["rounds_per_sync"] == 4.0  # M rounds, one drain
+    assert rows["edit_code", "graphburst-ngram-sync"]["rounds_per_sync"] == 4 / 5  # a sync a round and the drain
+    assert rows["edit_code", "graphburst-ngram"]["speedup_vs_synced"] is not None
