@@ -35,12 +35,21 @@ def ops(gpu_backend):
     return gpu_backend.ops
 
 
+def ordered_stream():
+    """A non-blocking stream for a kernel under test, made once the device has finished every upload issued
+    so far. The uploads (``cp.asarray``, pointer tables) run on the legacy default stream, which a
+    non-blocking stream does not wait for: on a shared GPU a copy could otherwise land after the kernel.
+    Every upload a kernel reads must come before this call."""
+    cp.cuda.Device().synchronize()
+    return cp.cuda.Stream(non_blocking=True)
+
+
 def run_pair(name, host: dict, scalars: dict, ops):
     """Run reference and CUDA kernel ``name`` on copies of ``host``; assert equal outputs."""
     dev = {n: cp.asarray(a) for n, a in host.items()}
     want = {n: a.copy() for n, a in host.items()}
     getattr(reference, name)(**want, **scalars)
-    stream = cp.cuda.Stream(non_blocking=True)
+    stream = ordered_stream()
     getattr(ops, name)(**dev, **scalars, stream=stream)
     stream.synchronize()
     for n in host:
@@ -175,9 +184,9 @@ def test_admit_slots_writes_option_columns(rng, ops, batch, n_cols):
         cols[0] = xp.asarray(start[0].view(np.uint32)).view(np.int32)  # the stub seed's kind of column
         bufs = dict(budget=xp.full(batch, P, np.int32), eos=xp.full(batch, P, np.int32),
                     acc=xp.asarray(rng.integers(1, 100, (batch, 2), dtype=np.int32)))
-        stream = cp.cuda.Stream(non_blocking=True) if xp is cp else None
-        (ops if xp is cp else reference).admit_slots(xp.asarray(table), **bufs, columns=PtrTable(cols, be),
-                                                     stream=stream)
+        table_x, columns = xp.asarray(table), PtrTable(cols, be)
+        stream = ordered_stream() if xp is cp else None
+        (ops if xp is cp else reference).admit_slots(table_x, **bufs, columns=columns, stream=stream)
         if stream is not None:
             stream.synchronize()
         outs.append([cp.asnumpy(c) if xp is cp else c for c in cols] + [cp.asnumpy(bufs["budget"]) if xp is cp
@@ -232,7 +241,7 @@ def run_stub_pair(name, rng, layout, storage, lengths, capacity, host, scalars, 
     want = {n: a.copy() for n, a in host.items()}
     dev = {n: cp.asarray(a) for n, a in host.items()}
     getattr(reference, name)(**want, kv_table=t_np.kv, len_table=t_np.len, **scalars)
-    stream = cp.cuda.Stream(non_blocking=True)
+    stream = ordered_stream()
     getattr(gpu_backend.ops, name)(**dev, kv_table=t_cp.kv, len_table=t_cp.len, **scalars, stream=stream)
     stream.synchronize()
     for n in host:
@@ -334,8 +343,9 @@ def test_rollback_stream(rng, gpu_backend, batch, n_layers):
     pos_start = rng.integers(0, 1000, batch).astype(np.int32)
     n_commit = rng.integers(0, 9, batch).astype(np.int32)
     reference.rollback_stream(tab_np, pos_start, n_commit)
-    stream = cp.cuda.Stream(non_blocking=True)
-    gpu_backend.ops.rollback_stream(tab_cp, cp.asarray(pos_start), cp.asarray(n_commit), stream=stream)
+    start_cp, commit_cp = cp.asarray(pos_start), cp.asarray(n_commit)
+    stream = ordered_stream()
+    gpu_backend.ops.rollback_stream(tab_cp, start_cp, commit_cp, stream=stream)
     stream.synchronize()
     for g, e in zip(t_cp.dump(), t_np.dump()):
         np.testing.assert_array_equal(g, e)
@@ -374,9 +384,9 @@ def test_epilogue_equals_accept_commit_rollback_seed(rng, gpu_backend, batch, k,
     t_np = _Tables(np_be, layout, storage, [x.copy() for x in lengths], 8)
     t_cp = _Tables(gpu_backend, layout, storage, lengths, 8)
     reference.epilogue(**want, table=kv_len_ptr_table_range(t_np.cache, range(n_layers), pos_ctr=want["pos_ctr"]))
-    stream = cp.cuda.Stream(non_blocking=True)
-    gpu_backend.ops.epilogue(**dev, table=kv_len_ptr_table_range(t_cp.cache, range(n_layers), pos_ctr=dev["pos_ctr"]),
-                             stream=stream)
+    table = kv_len_ptr_table_range(t_cp.cache, range(n_layers), pos_ctr=dev["pos_ctr"])
+    stream = ordered_stream()
+    gpu_backend.ops.epilogue(**dev, table=table, stream=stream)
     stream.synchronize()
     for n in host:
         np.testing.assert_array_equal(cp.asnumpy(dev[n]), want[n], err_msg=f"epilogue: {n}")
