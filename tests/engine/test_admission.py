@@ -8,6 +8,8 @@ the capacity counts.
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import pytest
 
@@ -129,12 +131,13 @@ def recording_loop(*a, **kw) -> ServeLoop:
     """A loop that records how many bursts were in flight at each boundary that admitted a request
     (its boundary's ``take_waiting``, wrapped on this loop only)."""
     loop = ServeLoop(*a, **kw)
-    loop.in_flight_at_admission = []
-    take = loop.boundary.take_waiting
+    seen = loop.in_flight_at_admission = []
+    pipeline = loop.pipeline
+    take = weakref.WeakMethod(loop.boundary.take_waiting)  # held strongly, it would tie the loop in a cycle
 
     def recording_take():
-        loop.in_flight_at_admission.append(len(loop.pipeline))
-        take()
+        seen.append(len(pipeline))
+        take()()
 
     loop.boundary.take_waiting = recording_take
     return loop
@@ -293,12 +296,13 @@ def chunk_logging_loop(*a, **kw) -> ServeLoop:
     """A loop that records, per prefill call, the prompt tokens prefilled and the bursts drained so
     far (its boundary's ``prefill_group``, wrapped on this loop only)."""
     loop = ServeLoop(*a, **kw)
-    loop.prefilled = []  # (bursts drained before it, tokens prefilled, final?) per prefill call
-    group_call = loop.boundary.prefill_group
+    prefilled = loop.prefilled = []  # (bursts drained before it, tokens prefilled, final?) per prefill call
+    record = loop.record  # the loop's counters (bursts)
+    group_call = weakref.WeakMethod(loop.boundary.prefill_group)  # held strongly, it would tie the loop in a cycle
 
     def logged(group, final):
-        loop.prefilled.append((loop.bursts, sum(e - s for _, _, s, e in group), final))
-        group_call(group, final)
+        prefilled.append((record.bursts, sum(e - s for _, _, s, e in group), final))
+        group_call()(group, final)
 
     loop.boundary.prefill_group = logged
     return loop

@@ -139,3 +139,25 @@ def test_a_failure_the_policy_will_not_recover_from_is_raised_after_freeing_its_
     plain.dec.prefill_slots = broken
     failed = plain.submit(Request([5], 6))
     assert plain.step() == 0 and failed.error == "RuntimeError: injected prefill failure"
+
+
+def test_a_loop_is_freed_by_reference_counting():
+    """No cycle among the loop and its parts: a dead loop's graphs must not wait for the cyclic
+    collector, which could free them inside a later loop's capture."""
+    import gc
+    import weakref
+
+    target, draft = stub_pair(2, VOCAB, 2, 1, 64, backend="numpy")
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        loop = ServeLoop(target, draft, k=3, m_rounds=2)
+        loop.log = []
+        loop.submit(Request([3, 1], 9))
+        loop.run_until_idle()
+        refs = [weakref.ref(obj) for obj in (loop, loop.dec, loop.graph, loop.boundary, loop.delivery)]
+        del loop
+        assert [r() is None for r in refs] == [True] * len(refs)
+    finally:
+        if enabled:
+            gc.enable()
