@@ -4,6 +4,8 @@ sync every round. A warm-up request through each loop is checked against the gre
 reference before the timed requests start; every timed request is checked after.
 ``--http`` adds the HTTP server under real concurrent streaming clients (.serve_http).
 ``--model ... --http`` runs the open-loop load benchmark over a real model instead (.load).
+``--profile`` shows where the host's time and the GPU's idle go in the refill workload
+instead (.serve_profile).
 
 Two GPU idle figures per row: **all** counts every gap between bursts while a request
 held a slot (the figure reported before; the short default workload is mostly ramp-up
@@ -26,13 +28,18 @@ from ..constants import MAX_DEPTH
 from ..serving.request import Request
 from ..serving.loop import ServeLoop
 from ..serving.timing import inter_token_latencies_us, percentiles
-from . import load
+from . import load, serve_profile
+from .real_args import MODEL_NAMES
 from .common import VOCAB, check_greedy, fmt, label, new_table, stub_models, write_results
 
 ENGINES = ((BurstMode.GRAPH, True), (BurstMode.GRAPH, False), (BurstMode.PER_ROUND_SYNC, False))
 COSTS_US = (0, 100)
 BATCH = 64
 STUB_LAYERS = 4  # common.stub_models' default target KV layers
+SERVE_JSON, PROFILE_JSON = "serve_bench.json", "serve_profile.json"  # --json's defaults
+PROFILE_REPEATS = 3
+#: open-loop flags --profile takes too (the rest are refused, as without --model)
+PROFILE_TAKES = ("--admission",)
 
 
 def _request(prompt, max_new_tokens, seed=None) -> Request:
@@ -93,7 +100,8 @@ def add_parser(sub) -> None:
                                      "models); --model ... --http: the real server under open-loop load")
     p.add_argument("--backend", choices=("auto", "cupy", "numpy"), default="auto",
                    help="cupy (GPU), numpy (CPU reference) or auto (cupy when a GPU is usable)")
-    p.add_argument("--json", type=writable_file, default="serve_bench.json", help="results file (JSON)")
+    p.add_argument("--json", type=writable_file, default=None,
+                   help=f"results file (JSON; default {SERVE_JSON}, with --profile {PROFILE_JSON})")
     p.add_argument("--new-tokens", type=int_in(1, 1_000_000), default=256, help="new tokens per request")
     # ``serve --requests`` is a file; here it is a count, hence --num-requests (the old spelling still works).
     p.add_argument("--num-requests", type=int_in(1, 1_000_000), default=64,
@@ -111,14 +119,27 @@ def add_parser(sub) -> None:
                         "open-loop benchmark instead (below)")
     p.add_argument("--http-timeout", type=int_in(1, 3600), default=120,
                    help="seconds the HTTP clients of one run may take in all (open loop: after the last arrival)")
+    p.add_argument("--profile", action="store_true",
+                   help="instead: where the host's time and the GPU's idle go in the zero-cost refill workload "
+                        "(a boundary's host time by phase, host µs per step by phase, GPU idle by what preceded "
+                        "each launch), one run per --pipeline-depth and --repeats; --model SHAPE: a random-weight "
+                        "shape of bench real instead of stubs")
+    p.add_argument("--repeats", type=int_in(1, 100), default=None,
+                   help=f"--profile: runs per view and depth (default {PROFILE_REPEATS})")
     load.add_flags(p)  # its --batch, -k and -m/--rounds also shape the stubs' loop here
 
 
 def check_args(args) -> None:
     """Sizes against the memory they take; ``--http`` needs the server's packages and httpx.
 
-    With ``--model`` the open-loop benchmark's checks (.load) instead.
+    With ``--model`` the open-loop benchmark's checks (.load) instead; with ``--profile``, its own.
     """
+    args.json = args.json or (PROFILE_JSON if args.profile else SERVE_JSON)
+    if args.profile:
+        _check_profile_args(args)
+        return
+    if args.repeats is not None:
+        raise FlagError("--repeats", "applies to --profile only")
     if args.model is not None:
         load.check_args(args)
         return
@@ -141,7 +162,32 @@ def check_args(args) -> None:
         raise FlagError("--http", f"needs {', '.join(missing)} (pip install \"graphburst[serve]\")")
 
 
+def _check_profile_args(args) -> None:
+    """``--profile``: the refill workload (or a shape's), no HTTP, no open-loop flag but :data:`PROFILE_TAKES`."""
+    if args.http:
+        raise FlagError("--http", "the profile runs the loop in process; drop --http or --profile")
+    if args.model is not None and args.model not in MODEL_NAMES:
+        raise FlagError("--model", f"--profile takes a random-weight shape ({', '.join(MODEL_NAMES)}), got "
+                                   f"{args.model!r}")
+    for flag in load.ONLY_WITH_MODEL:
+        if flag not in PROFILE_TAKES and getattr(args, flag[2:].replace("-", "_")) is not None:
+            raise FlagError(flag, "applies to the open-loop benchmark only (--model ... --http), not to --profile")
+    if args.refill_requests is None:
+        args.refill_requests = 4 * args.batch
+    if args.refill_requests == 0:
+        raise FlagError("--refill-requests", "--profile runs the refill workload: give it at least one request")
+    args.repeats = args.repeats or PROFILE_REPEATS
+    if args.model is None:
+        check_kv_memory(args.batch, _capacity(args.new_tokens, args.k, args.rounds), STUB_LAYERS + 1,
+                        flags=("--batch", "--new-tokens", "--rounds"))
+        check_memory(args.refill_requests * args.new_tokens * TOKEN_BYTES,
+                     f"{args.refill_requests} requests x {args.new_tokens} new tokens", ("--refill-requests",
+                                                                                        "--new-tokens"))
+
+
 def run(args, console: Console, backend) -> int:
+    if args.profile:
+        return serve_profile.run(args, console, backend)
     if args.model is not None:
         return load.run(args, console, backend)
     # The open-loop shape flags set the stubs' loop too (they were ignored here once: -m 16 ran M=8).
