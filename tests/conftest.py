@@ -7,7 +7,7 @@ import os
 # One CPU thread per process for torch's and numpy's BLAS/OpenMP pools, here and in every
 # subprocess a test starts (they copy os.environ): the tests' tensors are tiny, and on a small
 # CI machine shared with other work, idle pool threads spinning on every core made the suite
-# several times slower (issue 21). Set before anything imports torch; a value given outside wins.
+# several times slower. Set before anything imports torch; a value given outside wins.
 for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
     os.environ.setdefault(_var, "1")
 

@@ -43,7 +43,7 @@ from .real_args import MODEL_NAMES
 
 CHECK_REQUESTS = 2
 DEFAULT_RATES = "2,4,8,16"
-DEFAULT_EPS = 0.01  # bench real's 1b: acceptance about 0.86 at k=4 (docs/benchmarks.md)
+DEFAULT_EPS = 0.01  # the 1b pair accepts about 0.83 of its drafts at k=4 (docs/benchmarks.md, serving under load)
 DEFAULT_LENGTHS = {"prompt": (128.0, 16, 512), "output": (128.0, 16, 512)}  # mean, min, max
 AUTO_START, AUTO_STEPS = 1.0, 10  # --rates auto: 1, 2, 4, ... requests/s, at most this many rates
 AUTO_GROWTH = 1.05  # stop when output tokens/s grows by less than 5% ...

@@ -21,7 +21,7 @@ DEFAULT_MAX_TOKENS = 8192
 #: 600e12 / 4.8e12 = 125 tokens, whatever the model's size.
 CALL_COST_TOKENS = 128
 #: The extra cost of a call that runs eagerly (a bucket's first use): its launches cost the
-#: host ~10 ms on an H200 lease (1b shape), what the GPU spends on ~1000 prompt tokens.
+#: host ~10 ms on an H200 (1b shape), what the GPU spends on ~1000 prompt tokens.
 EAGER_CALL_COST_TOKENS = 1024
 #: A bucket is captured at its second call (its first runs eagerly and unpadded).
 CAPTURE_AT_USE = 2

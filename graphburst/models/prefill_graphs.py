@@ -1,8 +1,8 @@
 """CUDA graphs of a torch module's fresh prefill, one per (rows, length) bucket.
 
-Eager prefill is host-bound. On an H200 lease the 1b shape's prefill issued ~430 kernels
-and cost the host 8-10 ms whether it admitted 1 prompt of 128 tokens or 11 (torch.profiler,
-after the fresh-attention change; docs/serving.md), while the GPU finished 1 x 128 in about
+Eager prefill is host-bound. On an H200 the 1b shape's prefill issued ~430 kernels
+and cost the host 8-10 ms whether it admitted 1 prompt of 128 tokens or 11 (torch.profiler),
+while the GPU finished 1 x 128 in about
 a millisecond: the serving loop's idle under load is that host time. A captured forward is
 one launch.
 

@@ -1,8 +1,8 @@
 """Benchmark of parallel layouts: TP=1, TP=2 (replicated or sharded draft), PP=2 (docs/parallel.md).
 
 One process per layout run (``tp1`` alone, the others under ``torchrun --nproc_per_node 2``),
-each writing ``OUT/<layout>.json``; ``report OUT`` prints the table and writes
-``OUT/parallel_bench.json``. ``scripts/multigpu_check.sh`` runs the whole sequence.
+each writing ``OUT/<layout>.json``; ``report --out OUT`` prints the table and writes
+``OUT/parallel_bench_<shape>.json`` (docs/parallel.md gives the whole sequence).
 
 Every run first decodes a short ragged batch on **fp32** weights of the same shape and
 compares its tokens with ``tp1``'s (written by the ``tp1`` run, which goes first); a

@@ -1,4 +1,4 @@
-"""Issue 8: no valid request may crash the serving loop, cancel is final, the Python API names bad arguments."""
+"""No valid request may crash the serving loop, cancel is final, the Python API names bad arguments."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def prompt_of(p: int) -> list:
 @pytest.mark.parametrize("accept", [0.4, 1.0])
 @pytest.mark.parametrize("engine, pipelined", ENGINES)
 def test_every_request_validate_accepts_runs_to_completion_near_capacity(engine, pipelined, accept):
-    """The issue's sweep: capacity 96, k=4, M=8, every (prompt length, max_new_tokens) pair that fits."""
+    """A sweep: capacity 96, k=4, M=8, every (prompt length, max_new_tokens) pair that fits."""
     cap = 96
     loop = make_loop(batch=64, k=4, m=8, capacity=cap, accept=accept, engine=engine, pipelined=pipelined)
     refs = {p: greedy_reference(prompt_of(p), cap - p, VOCAB) for p in range(1, cap)}
@@ -192,7 +192,7 @@ def test_duplicate_ids_in_flight_are_refused_and_made_up_ids_never_collide():
         loop.submit(Request([2], 5, id="req-0"))
     auto = loop.submit(Request([3], 5))
     assert auto.request.id != "req-0"
-    with pytest.raises(ValueError, match="form of the ids made up"):  # issue 21 item 11: a form callers cannot use
+    with pytest.raises(ValueError, match="form of the ids made up"):  # a form callers cannot use
         loop.submit(Request([2], 5, id=auto.request.id))
     loop.run_until_idle()
     again = loop.submit(Request([2], 5, id="req-0"))  # the first one is done: its id is free again

@@ -103,7 +103,7 @@ def test_http_text_prompts_with_the_model_directorys_tokenizer(pairs, family, tm
         assert s.terminate() == 0, s.errors()
 
 
-# ---------------------------------------------------------------------- one line, exit 2 (issue 21, items 7 and 8)
+# ---------------------------------------------------------------------- one line, exit 2
 
 def bad_copy(pairs, tmp_path, family="qwen3"):
     """A writable copy of a family's target directory, and its draft."""

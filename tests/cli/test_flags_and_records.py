@@ -1,4 +1,4 @@
-"""Issue 21 ("Hardening, round 3"): flags bounded and refused, request ids, long integers, logs, --help, README.
+"""Flags bounded and refused, request ids, long integers, logs, --help, README.
 
 Flag checks run in-process through ``cli.main`` (one line on stderr, exit 2, no work done);
 what needs a real process (stderr that is not a terminal, the CPU notice) runs one.

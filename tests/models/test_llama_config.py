@@ -85,7 +85,7 @@ def test_loaders_check_batch_and_capacity(tmp_path, field, value, error):
         tiny_random_pair(backend="numpy", **sizes)
 
 
-# ---------------------------------------------------------------------- architectures (issue 21, item 4)
+# ---------------------------------------------------------------------- architectures
 
 from graphburst.models.llama_config import CheckpointError  # noqa: E402
 

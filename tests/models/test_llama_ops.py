@@ -1,8 +1,7 @@
 """How many ops a Llama layer issues, so the count cannot silently grow back.
 
 At batch 1 a captured forward is launch-bound: every op that launches a kernel is a graph
-node (the H200 profile before this work: 37.8 kernels per layer, see
-docs/results/profile_forward_before_h200.json). CPU torch stands in for the GPU here:
+node (the unfused SDPA forward issued 37.8 kernels per layer on the H200). CPU torch stands in for the GPU here:
 
 * **launching ops**: the top-level aten ops of a forward under ``torch.profiler``, less
   views (a top-level ``rms_norm``, ``linear`` or SDPA is one op, as it is one fused

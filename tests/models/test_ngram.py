@@ -47,7 +47,7 @@ def test_spec_hand_cases(history, n_min, n_max, k, want):
 
 
 def brute(history, n_min, n_max, k):
-    """A second, literal reading of the issue: every (n, start) pair, best by (n, start)."""
+    """A second, literal reading of the rule: every (n, start) pair, best by (n, start)."""
     h, length, best = list(history), len(history), None
     for n in range(n_min, n_max + 1):
         for i in range(0, length - n):

@@ -1,4 +1,4 @@
-"""Parallel bursts on 2 GPUs (nvidia-h200-x2): NCCL inside the torch-captured burst graphs.
+"""Parallel bursts on 2 GPUs of one host: NCCL inside the torch-captured burst graphs.
 
 The same worker as the CPU tests (tests/parallel/parallel_worker.py) with ``GB_TEST_GPU=1``:
 TP=2 (replicated and sharded draft) and PP=2 tokens equal TP=1 on the same fp32 weights
@@ -30,7 +30,7 @@ def _two_gpus() -> bool:
     return torch.cuda.is_available() and torch.cuda.device_count() >= 2
 
 
-needs_two = pytest.mark.skipif(not _two_gpus(), reason="needs 2 CUDA devices (nvidia-h200-x2)")
+needs_two = pytest.mark.skipif(not _two_gpus(), reason="needs 2 CUDA devices of one host")
 
 
 def launch(scenario: str, out: Path, bursts: int = 50, timeout: float = 150.0, **extra):

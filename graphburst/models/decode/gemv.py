@@ -2,8 +2,8 @@
 
 At decode shapes (M = B * T rows, 1 to 16) a projection is a read of its weight and
 little else: the 1b's GEMMs and head at B = 1 are 2.4 GB, 518 µs at 4.8 TB/s, and
-cuBLAS took 776 µs for them on the H200 (docs/benchmarks.md, "Forward follows the
-bytes"). Here the weight is streamed once, split over programs by output columns N:
+cuBLAS took 776 µs for them on the H200 (docs/benchmarks.md, "The decode forward against
+the bytes floor"). Here the weight is streamed once, split over programs by output columns N:
 
 * program ``(n, s, m)`` owns ``BLOCK_N`` rows of W and the ``s``-th of ``split_k`` equal
   runs of whole ``BLOCK_K`` tiles along K; it loads each ``[BLOCK_N, BLOCK_K]`` tile of
