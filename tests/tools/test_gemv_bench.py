@@ -3,17 +3,24 @@ CONFIGS literal it prints (pasted into models/decode/gemv.py), and the table."""
 
 from __future__ import annotations
 
+import importlib.util
 import io
+from pathlib import Path
 
 import pytest
 from rich.console import Console
-from scripts_import import import_script
+
+TOOL = Path(__file__).resolve().parents[2] / "tools" / "gemv_bench.py"
 
 
 @pytest.fixture(scope="module")
 def gb():
+    """tools/gemv_bench.py as a module (tools/ is a folder of scripts, not a package)."""
     pytest.importorskip("triton")
-    return import_script("gemv_bench", "tools")
+    spec = importlib.util.spec_from_file_location("gemv_bench", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_shapes_and_configs_cover_them(gb):
