@@ -59,10 +59,6 @@ def test_every_command_parses_with_the_real_command_line(tmp_path, monkeypatch, 
     from graphburst import bench, cli
 
     argv = dry_run(tmp_path / "out")[name]
-    if name == "serve_profile" and not _serve_has_profile() and (ROOT / "scripts" / "admit_profile.py").exists():
-        # bench serve --profile is the successor of scripts/admit_profile.py, built beside this script; until it
-        # lands (and the script goes) there is no flag to parse. Once either happens this step is checked.
-        pytest.skip("bench serve --profile is not in this tree yet (scripts/admit_profile.py still is)")
     (tmp_path / "out").mkdir()  # as the script makes it before its first step (--json wants its folder)
     seen = []
     monkeypatch.setattr(bench, "check_args", lambda args: seen.append(args))
@@ -73,16 +69,6 @@ def test_every_command_parses_with_the_real_command_line(tmp_path, monkeypatch, 
         pytest.fail(f"{name}: {shlex.join(argv)} does not parse (exit {exc.code})")
     (args,) = seen
     assert args.command == "bench" and args.benchmark == dict(STEPS)[name]
-
-
-def _serve_has_profile() -> bool:
-    import argparse
-
-    from graphburst.bench import serve
-
-    commands = argparse.ArgumentParser().add_subparsers()
-    serve.add_parser(commands)
-    return any("--profile" in a.option_strings for a in commands.choices["serve"]._actions)
 
 
 def test_a_failed_step_is_reported_and_the_next_runs(tmp_path):
