@@ -270,7 +270,7 @@ def _has(module: str) -> bool:
     (SMALL + ["--eps", "0.1"], "--eps: sets a random shape's acceptance"),
     (SMALL + ["--burst", "2", "--burst-at", "30"], "--burst-at: 30 s is past --duration 20 s"),
     (["--model", "1b", "--http", "--draft", "/tmp"], "--draft: a shape builds its own draft"),
-    (["--model", "/no/such/dir", "--http", "--draft", "ngram"], "--model: '/no/such/dir' is not a directory"),
+    (["--model", "/no/such/dir", "--http", "--draft", "ngram"], "--model: no such checkpoint: '/no/such/dir'"),
     (["--rates", "4"], "--rates: applies to the open-loop benchmark only"),
     (["--draft", "ngram"], "--draft: applies to the open-loop benchmark only"),
     (["--prefill-warmup", "2"], "--prefill-warmup: applies to the open-loop benchmark only"),
