@@ -24,6 +24,8 @@ tiny model, seconds), through the same engines, checks and writers.
 
 from __future__ import annotations
 
+import contextlib
+
 import statistics
 import time
 
@@ -194,9 +196,24 @@ def run(args, console: Console, backend) -> int:
         from .real_summary import run as summarize
 
         return summarize(args.summary, console)
-    if args.profile is not None:
-        return run_profile(args, console, backend)
-    return run_engines(args, console, backend)
+    with _torch_state_restored():
+        if args.profile is not None:
+            return run_profile(args, console, backend)
+        return run_engines(args, console, backend)
+
+
+@contextlib.contextmanager
+def _torch_state_restored():
+    """A CPU run tunes torch for itself (:func:`_cpu_torch`): a caller in the same process (the
+    command's tests, a program that embeds it) gets its own state back after the run."""
+    import torch
+
+    threads = torch.get_num_threads()
+    try:
+        yield
+    finally:
+        torch.set_flush_denormal(False)  # torch's default; it has no getter for the flag
+        torch.set_num_threads(threads)
 
 
 def _cpu_torch(torch) -> None:
@@ -209,8 +226,6 @@ def _cpu_torch(torch) -> None:
 
 def run_profile(args, console: Console, backend) -> int:
     """The profile views (``--profile``): each one checked then timed, one table each, one JSON."""
-    import contextlib
-
     import torch
 
     from . import real_forward, real_prefill

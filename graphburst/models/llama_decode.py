@@ -34,7 +34,7 @@ from torch import nn
 #: ``decode_kernels="auto"`` on CUDA: forwards of M = B * T <= GEMV_MAX_M rows run their
 #: projections and head on the weight-streaming GEMV instead of cuBLAS (cuBLAS's GEMMs and
 #: head took 776 µs for the 1b at B = 1 on the H200, 1.5x the 518 µs bytes floor). Set from
-#: the H200 sweep (``scripts/gemv_bench.py``): the largest M at which the GEMV still wins on
+#: the H200 sweep (``tools/gemv_bench.py``): the largest M at which the GEMV still wins on
 #: every shape; 0 keeps cuBLAS. At most ``gemv.MAX_M`` (one row tile).
 #: Measured on the H200 (2026-12-01, docs/results/gemv_1b_h200.json): it never wins on every
 #: shape. The 1b's small projections are latency-bound single kernels (qkv 6.5 µs under cuBLAS,

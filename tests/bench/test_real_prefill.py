@@ -97,3 +97,15 @@ def test_prefill_view_on_the_gpu(tmp_path):
         for r in entry["results"]:
             assert r["host_ms"] > 0 and r["gpu_ms"] > 0
             assert (r["captures"] is None) == (mode == "eager")
+
+
+def test_a_cpu_run_gives_the_process_its_torch_state_back(tmp_path, capsys, monkeypatch):
+    # a CPU run flushes subnormals to zero and uses one thread; a caller in the same process must not inherit
+    # that (hypothesis, for one, refuses to run with flush-to-zero on)
+    monkeypatch.chdir(tmp_path)
+    threads = torch.get_num_threads()
+    rc, _ = cli_here("--profile", "prefill", "--smoke", "--backend", "numpy", "--dtype", "float32",
+                     "--json", tmp_path / "out.json", capsys=capsys)
+    assert rc == 0
+    subnormal = torch.tensor([1e-40], dtype=torch.float32)
+    assert (subnormal * 1.0).item() != 0.0 and torch.get_num_threads() == threads

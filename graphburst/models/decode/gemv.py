@@ -16,7 +16,7 @@ the bytes floor"). Here the weight is streamed once, split over programs by outp
   order (no atomics: the same bits on every run), adds the bias and rounds once.
 
 Tile sizes come per weight shape from :data:`CONFIGS` (``(next_pow2(N), next_pow2(K))``
-buckets, set from ``scripts/gemv_bench.py``'s H200 sweep), else :func:`default_config`.
+buckets, set from ``tools/gemv_bench.py``'s H200 sweep), else :func:`default_config`.
 Offsets are int64 (a row index times K passes 2^31 for heads of 256k x 8192).
 :func:`graphburst.models.decode.reference.linear_ref` is the plain-torch reference.
 """
@@ -60,7 +60,7 @@ class GemvConfig(NamedTuple):
 
 #: Chosen tilings per ``(next_pow2(N), next_pow2(K))`` for the 1b and 8b shapes (bf16, H200, 132 SMs).
 #: Starting points from the reasoning in the module docstring (>= 2 programs per SM, 512-byte rows
-#: per tile); the lead replaces them with ``scripts/gemv_bench.py``'s best per shape. Other shapes
+#: per tile); a maintainer replaces them with ``tools/gemv_bench.py``'s best per shape. Other shapes
 #: take :func:`default_config`.
 CONFIGS: dict[tuple[int, int], GemvConfig] = {
     # 1b: hidden 2048, qkv 2048 + 2 x 512, gate_up 2 x 8192, vocab 128256
