@@ -2,7 +2,7 @@
  *
  * Between two bursts of ~0.1 ms (zero-cost stubs, M=8) the serving loop's host reads the
  * drained burst into its mirrors and hands 64 slots their tokens. In numpy that is ~25 calls
- * over B-element arrays, each about a microsecond of fixed overhead on an H200 lease's host:
+ * over B-element arrays, each about a microsecond of fixed overhead on an H200 host:
  * longer than the burst. These two functions do the same work in one call each. Their numpy
  * twins are the reference (tests/test_host_ops.py holds them equal) and the path taken without
  * a C compiler: gb_drain is BurstTokens + SpecDecoder.finish_burst (burst_tokens.py, burst.py),

@@ -2,7 +2,7 @@
 
 Between bursts the serving loop's host makes ~25 numpy calls over B-element arrays to read a
 drained burst into its mirrors and hand the slots their tokens; each costs about a microsecond
-of fixed overhead on an H200 lease's host, and at M=8 with zero-cost stubs a burst lasts
+of fixed overhead on an H200 host, and at M=8 with zero-cost stubs a burst lasts
 ~0.1 ms, so the GPU waits on them. ``gb_drain`` and ``gb_append`` do that work in one call
 each. The numpy code they replace stays: it is the reference the tests hold them to, and the
 path taken where no C compiler is found (:func:`library` returns None then, with one warning).

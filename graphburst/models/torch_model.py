@@ -70,7 +70,7 @@ class TorchBufs:
 class _TorchModel(Watched):
     """Shared part of both wrappers: the cache, the length views, streams and binding."""
 
-    capture_api = "torch"  # the burst graph must be captured by torch (see the lead's capture path)
+    capture_api = "torch"  # the burst graph must be captured by torch (graphburst.engine.torch_capture)
     supports_sampling = True  # writes logits when bound to sampling StreamBufs
     chunked_prefill = True  # the module writes at the lengths it is given and attends below them
     _watched = frozenset({"cache", "module"})

@@ -1,4 +1,4 @@
-"""Issue 8 item 2: decoder initialisation is stream-ordered (GPU only).
+"""Decoder initialisation is stream-ordered (GPU only).
 
 The caller's KV caches are made with ``cupy.zeros`` on the legacy null stream, which a
 non-blocking stream does not wait for. The test holds the legacy stream back on purpose
