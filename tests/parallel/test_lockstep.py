@@ -193,10 +193,10 @@ def _two_gpus() -> bool:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _two_gpus(), reason="needs 2 CUDA devices (nvidia-h200-x2)")
+@pytest.mark.skipif(not _two_gpus(), reason="needs 2 CUDA devices of one host")
 @pytest.mark.parametrize("stop", ["rank0", "torchrun"])
 def test_gpu_http_tp2_serves_with_nccl_in_the_graph(stop):
-    """nvidia-h200-x2: the same session on 2 GPUs (cupy backend, NCCL inside the captured bursts, fp32)."""
+    """The same HTTP run on 2 GPUs (cupy backend, NCCL inside the captured bursts, fp32)."""
     env = {**_env(), "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
     err = _http_session("--backend", "cupy", "--dist-timeout", "30", "--dtype", "float32", stop=stop, idle_s=3.0,
                         env=env, device="cuda:0")

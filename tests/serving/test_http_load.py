@@ -1,4 +1,4 @@
-"""Nothing is lost under load (issue 24, item 6): the real server in a subprocess, real clients.
+"""Nothing is lost under load: the real server in a subprocess, real clients.
 
 - A flood past ``--max-queue`` is shed with 429 + Retry-After, and every request the server
   accepted finishes with exactly the greedy oracle's tokens; clients that honour

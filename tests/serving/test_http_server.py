@@ -268,7 +268,7 @@ def test_bad_bodies_get_400_naming_the_field(server, body, param, named):
     assert err["param"] == param and named in err["message"], err
 
 
-# ---------------------------------------------------------------------- issue 21, item 10 (and 12)
+# ---------------------------------------------------------------------- bodies the server cannot read
 
 
 def test_bodies_json_cannot_take_get_a_400_naming_why(server):

@@ -56,7 +56,7 @@ def _wait_for_stderr(proc, text: bytes, timeout: float = 60) -> None:
 
 
 def test_first_signal_stops_reading_a_file_and_finishes_what_was_read(tmp_path):
-    """Issue 21.1: the reader queued the whole file at once, so a signal changed nothing and
+    """The reader once queued the whole file at once, so a signal changed nothing and
     every line still ran. Now no line is taken after the signal, every request taken runs to
     its end with its record, and the exit status is 0."""
     src = tmp_path / "long.jsonl"
@@ -85,7 +85,7 @@ def test_first_signal_stops_reading_a_file_and_finishes_what_was_read(tmp_path):
 
 
 def test_second_signal_cancels_quickly_writes_every_record_and_no_traceback(tmp_path):
-    """Issue 21.1: a second Ctrl-C raised KeyboardInterrupt inside a kernel twin and lost the
+    """A second Ctrl-C once raised KeyboardInterrupt inside a kernel twin and lost the
     records. Now it cancels what still runs, writes a record for every line taken, exits 130."""
     src = tmp_path / "long.jsonl"
     src.write_bytes(_lines(50, 4000))
@@ -117,7 +117,7 @@ def test_second_signal_cancels_quickly_writes_every_record_and_no_traceback(tmp_
 
 
 def test_reading_ahead_is_bounded_by_the_queue_limit(tmp_path):
-    """Issue 21.2: every line was submitted before the first step (memory grew with the file).
+    """Every line was once submitted before the first step (memory grew with the file).
     Now requests waiting for a slot never exceed max_queue, and the reader holds at most
     read_ahead lines beyond those taken, whatever the file's length."""
     n_lines, max_queue, read_ahead = 400, 3, 5
@@ -204,7 +204,7 @@ def _one_error_line(res, *words) -> str:
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
 def test_a_full_output_is_one_line_and_exit_2():
-    """Issue 21.9: --output /dev/full gave an OSError traceback, chained twice."""
+    """--output /dev/full once gave an OSError traceback, chained twice."""
     reqs = _lines(3, 5)
     res = subprocess.run([*CMD, *SMALL, "--output", "/dev/full"], input=reqs, capture_output=True, env=ENV,
                          timeout=120)
@@ -216,7 +216,7 @@ def test_a_full_output_is_one_line_and_exit_2():
 
 @pytest.mark.parametrize("redirect, flag", [("<&-", "--requests"), (">&-", "--output")])
 def test_closed_stdin_or_stdout_is_one_line_and_exit_2(redirect, flag):
-    """Issue 21.9: `graphburst serve <&-` and `... | graphburst serve >&-` gave AttributeError tracebacks."""
+    """`graphburst serve <&-` and `... | graphburst serve >&-` end in one line and exit 2, not a traceback."""
     cmd = " ".join([*CMD, *SMALL]) + f" {redirect}"
     res = subprocess.run(["bash", "-c", f"exec {cmd}"], input=_lines(1, 3), capture_output=True, env=ENV,
                          timeout=120)
