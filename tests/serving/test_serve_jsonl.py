@@ -56,9 +56,8 @@ def _wait_for_stderr(proc, text: bytes, timeout: float = 60) -> None:
 
 
 def test_first_signal_stops_reading_a_file_and_finishes_what_was_read(tmp_path):
-    """The reader once queued the whole file at once, so a signal changed nothing and
-    every line still ran. Now no line is taken after the signal, every request taken runs to
-    its end with its record, and the exit status is 0."""
+    """After a signal no line is taken (the reader does not queue the whole file), every request taken
+    runs to its end with its record, and the exit status is 0."""
     src = tmp_path / "long.jsonl"
     src.write_bytes(_lines(300, 100))
     proc = subprocess.Popen([*CMD, *SMALL, "--max-queue", "4", "--requests", str(src)], stdout=subprocess.PIPE,
@@ -85,8 +84,8 @@ def test_first_signal_stops_reading_a_file_and_finishes_what_was_read(tmp_path):
 
 
 def test_second_signal_cancels_quickly_writes_every_record_and_no_traceback(tmp_path):
-    """A second Ctrl-C once raised KeyboardInterrupt inside a kernel twin and lost the
-    records. Now it cancels what still runs, writes a record for every line taken, exits 130."""
+    """A second Ctrl-C cancels what still runs, writes a record for every line taken and exits 130 (no
+    KeyboardInterrupt inside a kernel twin, no lost records)."""
     src = tmp_path / "long.jsonl"
     src.write_bytes(_lines(50, 4000))
     proc = subprocess.Popen([*CMD, *SMALL, "--capacity", "4096", "--accept", "0", "--max-queue", "4",
@@ -117,9 +116,8 @@ def test_second_signal_cancels_quickly_writes_every_record_and_no_traceback(tmp_
 
 
 def test_reading_ahead_is_bounded_by_the_queue_limit(tmp_path):
-    """Every line was once submitted before the first step (memory grew with the file).
-    Now requests waiting for a slot never exceed max_queue, and the reader holds at most
-    read_ahead lines beyond those taken, whatever the file's length."""
+    """Requests waiting for a slot never exceed max_queue, and the reader holds at most read_ahead lines
+    beyond those taken, whatever the file's length (memory does not grow with the file)."""
     n_lines, max_queue, read_ahead = 400, 3, 5
     src = tmp_path / "many.jsonl"
     src.write_bytes(_lines(n_lines, 2))
@@ -204,7 +202,7 @@ def _one_error_line(res, *words) -> str:
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
 def test_a_full_output_is_one_line_and_exit_2():
-    """--output /dev/full once gave an OSError traceback, chained twice."""
+    """--output /dev/full (a write that fails) is one line and an exit status, not an OSError traceback."""
     reqs = _lines(3, 5)
     res = subprocess.run([*CMD, *SMALL, "--output", "/dev/full"], input=reqs, capture_output=True, env=ENV,
                          timeout=120)
