@@ -149,16 +149,10 @@ def _capacity(args) -> int:
 def _text_prompt(args):
     """(prompt ids, end-of-turn id, tokenizer) of ``--prompt``: the model's chat template over one user
     message when the tokenizer has one, else the plain text."""
-    from .models.tokenizer import checkpoint_tokenizer
+    from .models.tokenizer import checkpoint_tokenizer, render_user_message
 
     tok = checkpoint_tokenizer(args.model)
-    if tok.chat_template:
-        ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
-                                      tokenize=True)
-        ids = ids["input_ids"] if hasattr(ids, "keys") else ids  # transformers 5 returns a BatchEncoding
-    else:
-        ids = tok(args.prompt)["input_ids"]
-    ids = [int(t) for t in ids]
+    ids = render_user_message(tok, args.prompt)
     if len(ids) > PROMPT_ROWS:
         raise FlagError("--prompt", f"is {len(ids)} tokens, over the demo's {PROMPT_ROWS}")
     return ids, tok.eos_token_id, tok

@@ -143,7 +143,8 @@ def _search_part(console, backend, s) -> tuple:
 def _target(s, backend, dtype, device):
     """(source model, tokenizer or None, description) of ``--model``: a random shape or a checkpoint."""
     from .real_models import MODELS, random_target
-    from .text_prompts import CLASSES, load_prompts, render
+    from ..models.tokenizer import render_user_message
+    from .text_prompts import CLASSES, load_prompts
 
     kv_slack = max(s["ks"]) + 2
     slack = s["new_tokens"] + s["m"] * (max(s["ks"]) + 1) + 8  # a prompt's rows beyond it
@@ -158,7 +159,7 @@ def _target(s, backend, dtype, device):
 
     tokenizer = checkpoint_tokenizer(s["model"])
     # the longest prompt sizes the KV capacity: a rendered text prompt, or prompt_len token ids
-    lengths = [len(render(tokenizer, text)) for wl in s["workloads"] if wl in CLASSES for text in load_prompts(wl)]
+    lengths = [len(render_user_message(tokenizer, text)) for wl in s["workloads"] if wl in CLASSES for text in load_prompts(wl)]
     lengths += [s["prompt_len"]] if any(wl not in CLASSES for wl in s["workloads"]) else []
     src = load_llama(s["model"], batch=batch, capacity=max(lengths) + slack, dtype=dtype, device=device,
                      kv_slack=kv_slack)

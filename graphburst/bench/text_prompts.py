@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..models.tokenizer import render_user_message
+
 PROMPT_DIR = Path(__file__).with_name("prompts")
 SEPARATOR = "---"
 #: class -> whether the answer should copy from the prompt
@@ -37,17 +39,7 @@ def load_prompts(name: str) -> list[str]:
     return prompts
 
 
-def render(tokenizer, text: str) -> list[int]:
-    """``text`` as one user message through the tokenizer's chat template (the plain text without one)."""
-    if not tokenizer.chat_template:
-        return [int(t) for t in tokenizer(text)["input_ids"]]
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                        tokenize=True)
-    ids = ids["input_ids"] if hasattr(ids, "keys") else ids  # transformers 5 returns a BatchEncoding
-    return [int(t) for t in ids]
-
-
 def text_workload(tokenizer, name: str, batch: int) -> list[list[int]]:
     """``batch`` prompts of class ``name``, rendered, the class's prompts repeated in turn to fill the batch."""
-    rendered = [render(tokenizer, text) for text in load_prompts(name)]
+    rendered = [render_user_message(tokenizer, text) for text in load_prompts(name)]
     return [rendered[b % len(rendered)] for b in range(batch)]

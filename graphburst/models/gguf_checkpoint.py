@@ -77,10 +77,14 @@ def _architecture(reader, path) -> str:
 
 def read_gguf_config(path) -> LlamaConfig:
     """:class:`LlamaConfig` from a GGUF file's metadata (through transformers), checked as a ``config.json``."""
+    path = Path(path)
+    return _config(open_gguf(path), path)
+
+
+def _config(reader, path: Path) -> LlamaConfig:
+    """:func:`read_gguf_config` over a reader of ``path`` already open (a load maps the file once)."""
     from transformers import AutoConfig
 
-    path = Path(path)
-    reader = open_gguf(path)
     arch = _architecture(reader, path)
     try:
         hf = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
@@ -128,8 +132,8 @@ def load_gguf_llama(path, *, batch: int, capacity: int, dtype="float32", device=
 
     gguf = _gguf()
     path = Path(path)
-    cfg = read_gguf_config(path)
     reader = open_gguf(path)
+    cfg = _config(reader, path)
     arch_name = _architecture(reader, path)
     permuted = ARCHITECTURES[arch_name]
     arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == arch_name)

@@ -24,7 +24,7 @@ def _cached(path: str):
     try:
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as exc:  # noqa: BLE001 - transformers raises many types for a directory it cannot read
-        raise CheckpointError(f"{path}: transformers cannot load its tokenizer: {type(exc).__name__}: "
+        raise CheckpointError(f"{path}: transformers cannot load this tokenizer: {type(exc).__name__}: "
                               f"{' '.join(str(exc).split())}") from None
 
 
@@ -32,6 +32,17 @@ def checkpoint_tokenizer(model):
     """The transformers tokenizer of a checkpoint directory, GGUF file or named model (CheckpointError
     naming the path when there is none)."""
     return _cached(os.fspath(resolve_model(model)))
+
+
+def render_user_message(tokenizer, text: str) -> list[int]:
+    """``text`` as one user message through the tokenizer's chat template, as ``/v1/chat/completions``
+    renders it (the plain text's ids when the tokenizer has no template)."""
+    if not tokenizer.chat_template:
+        return [int(t) for t in tokenizer(text)["input_ids"]]
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                        tokenize=True)
+    ids = ids["input_ids"] if hasattr(ids, "keys") else ids  # transformers 5 returns a BatchEncoding
+    return [int(t) for t in ids]
 
 
 def has_tokenizer(model) -> bool:

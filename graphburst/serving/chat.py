@@ -56,22 +56,17 @@ def load_chat_tokenizer(model_dir: str) -> ChatTokenizer:
     """
     try:
         import jinja2  # noqa: F401 - transformers renders templates with it, and imports it only then
-        from transformers import AutoTokenizer, GenerationConfig
+        from transformers import GenerationConfig
     except ImportError as exc:
         return ChatTokenizer(None, [], missing=f"chat templates need transformers and jinja2, which this server "
                                               f"lacks (pip install 'graphburst[serve]'): {exc}")
-    if is_gguf(resolve_model(model_dir)):  # the file's metadata: tokenizer, template and eos id in one
-        try:
-            tok = checkpoint_tokenizer(model_dir)
-        except CheckpointError as exc:
-            raise ValueError(f"--tokenizer {model_dir!r}: {exc}") from None
-        return ChatTokenizer(tok, [] if tok.eos_token_id is None else [int(tok.eos_token_id)])
     try:
-        tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    except Exception as exc:  # noqa: BLE001 - transformers raises many types for a directory it cannot read
-        raise ValueError(f"--tokenizer {model_dir!r}: transformers cannot load this tokenizer: "
-                         f"{type(exc).__name__}: {exc}") from exc
+        tok = checkpoint_tokenizer(model_dir)
+    except CheckpointError as exc:
+        raise ValueError(f"--tokenizer {model_dir!r}: {exc}") from None
     stops = [] if tok.eos_token_id is None else [int(tok.eos_token_id)]
+    if is_gguf(resolve_model(model_dir)):  # the file's metadata holds its one end-of-turn id
+        return ChatTokenizer(tok, stops)
     if os.path.isfile(os.path.join(model_dir, "generation_config.json")):
         try:
             eos = GenerationConfig.from_pretrained(model_dir, local_files_only=True).eos_token_id

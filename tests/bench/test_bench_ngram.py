@@ -60,7 +60,8 @@ def test_an_engine_that_diverges_is_recorded_not_a_crash(tmp_path, monkeypatch):
 
 
 def test_text_prompt_classes():
-    from graphburst.bench.text_prompts import CLASSES, load_prompts, render
+    from graphburst.bench.text_prompts import CLASSES, load_prompts
+    from graphburst.models.tokenizer import render_user_message
 
     for name in CLASSES:
         prompts = load_prompts(name)
@@ -73,7 +74,7 @@ def test_text_prompt_classes():
         def __call__(self, text):
             return {"input_ids": [ord(c) for c in text]}
 
-    assert render(Plain(), "hi") == [104, 105]
+    assert render_user_message(Plain(), "hi") == [104, 105]
 
 
 def test_real_text_workload_on_a_trained_model(tmp_path):
