@@ -82,19 +82,19 @@ class PlainLoop:
 
     @torch.no_grad()
     def prefill(self, prompts: list) -> None:
-        if len({len(p) for p in prompts}) == 1:  # equal lengths: one forward
-            ids = torch.tensor(prompts, dtype=torch.long, device=self.device)  # [B, P]
-            zero = torch.zeros(self.batch, dtype=torch.int32, device=self.device)
-            logits = self.model(ids, zero, [zero] * len(self.model.layers), None)
-            self.tok.copy_(logits[:, -1].argmax(-1, keepdim=True))
-            self.length.fill_(ids.shape[1])
-            return
-        zero = torch.zeros(1, dtype=torch.int32, device=self.device)
-        for b, prompt in enumerate(prompts):  # ragged (text prompts): a row at a time, untimed
-            ids = torch.tensor([prompt], dtype=torch.long, device=self.device)  # [1, P_b]
-            logits = self.model(ids, zero, [zero] * len(self.model.layers), torch.tensor([b], device=self.device))
-            self.tok[b] = logits[0, -1].argmax(-1)
-            self.length[b] = len(prompt)
+        """Every prompt's KV and first token: one forward per distinct prompt length (its rows
+        together), so a batch of text prompts, which repeats a class's few prompts, costs a few
+        batched forwards, as a serving engine's prefill would, not one forward per row."""
+        by_len: dict = {}
+        for b, prompt in enumerate(prompts):
+            by_len.setdefault(len(prompt), []).append(b)
+        for length, rows in by_len.items():
+            ids = torch.tensor([prompts[b] for b in rows], dtype=torch.long, device=self.device)  # [R, P]
+            zero = torch.zeros(len(rows), dtype=torch.int32, device=self.device)  # [R]
+            idx = torch.tensor(rows, dtype=torch.long, device=self.device)  # [R]
+            logits = self.model(ids, zero, [zero] * len(self.model.layers), idx)
+            self.tok[idx] = logits[:, -1].argmax(-1, keepdim=True)
+            self.length[idx] = length
 
     def generate(self, prompts: list, n: int) -> tuple[list, dict]:
         """``n`` greedy tokens per prompt (the token after the prompt first, as a burst commits)."""

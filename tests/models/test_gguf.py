@@ -23,6 +23,7 @@ from graphburst.models.named import NAMED_MODELS, NamedModel, resolve_model
 from graphburst.models.ngram import ngram_for
 
 from gguf_files import F32, FAMILIES, Q4_1, Q8_0, llama_cpp_permute, write_gguf
+from marks import BACKENDS
 
 torch.set_num_threads(1)
 
@@ -151,20 +152,23 @@ def test_smollm2_is_the_model_it_claims(smol):
     assert tok.eos_token == "<|im_end|>" and tok.eos_token_id == 2 and "<|im_start|>" in tok.chat_template
 
 
-def test_smollm2_bursts_equal_transformers_greedy(smol):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_smollm2_bursts_equal_transformers_greedy(smol, backend):
+    # cupy: the fp32 model on the GPU, its bursts replayed as CUDA graphs, against transformers on the CPU
     path, tok, hf = smol
     prompts = [tok(text)["input_ids"] for text in SMOL_PROMPTS]
-    target = load_target(path, batch=len(prompts), capacity=128, backend="numpy")
+    target = load_target(path, batch=len(prompts), capacity=128, backend=backend)
     got = burst_tokens(target, ngram_for(target), prompts, SMOL_NEW, k=4, m=4)
     assert got == [hf_greedy(hf, p, SMOL_NEW) for p in prompts]
 
 
-def test_smollm2_answers_the_capital_of_france(smol):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_smollm2_answers_the_capital_of_france(smol, backend):
     path, tok, _ = smol
     ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                   add_generation_prompt=True, tokenize=True)
     ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-    target = load_target(path, batch=1, capacity=128, backend="numpy")
+    target = load_target(path, batch=1, capacity=128, backend=backend)
     dec = SpecDecoder(target, ngram_for(target), k=4, m_rounds=4)
     dec.prefill([ids], max_new_tokens=16, eos=tok.eos_token_id)
     got = []
