@@ -99,9 +99,11 @@ def stub_memory_spec(layers, name: str) -> MemorySpec:
                       max_capacity_why="stub limit")
 
 
-def storage_ptr_table(cache: KVCache) -> PtrTable:
-    """Storage-pointer table of a stub cache (what the stub kernels walk)."""
-    return PtrTable([None if layer is None else layer.storage for layer in cache.layers], cache.backend)
+def storage_ptr_table(cache: KVCache, stream=None) -> PtrTable:
+    """Storage-pointer table of a stub cache (what the stub kernels walk), copied on ``stream``
+    (:class:`PtrTable`; None: the current stream)."""
+    return PtrTable([None if layer is None else layer.storage for layer in cache.layers], cache.backend,
+                    stream=stream)
 
 
 class _StubModel(Watched):
