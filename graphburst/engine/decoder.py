@@ -105,8 +105,9 @@ class SpecDecoder:
             staging = StagingBlock(self.batch, self.capacity, option_columns.count if option_columns else 0,
                                    self.backend)
         self.k, self.m_rounds = bufs.k, bufs.m_rounds
-        for model in (target, draft):  # the buffers never move from here on: models may view them
-            hook(model, "bind")(bufs)
+        with self._stream:  # what a model allocates or fills in bind is then in order with the bursts
+            for model in (target, draft):  # the buffers never move from here on: models may view them
+                hook(model, "bind")(bufs)
         self._table = kv_len_ptr_table([target.cache, draft.cache], pos_ctr=bufs.pos_ctr, stream=self._stream)
         # Host mirror of what has been drained, slot generations, bursts in flight (ledger.py):
         # advanced here at each launch and drain, written by admission at each prefill and release.
