@@ -160,12 +160,11 @@ class Backend:
         host = np.array(host, dtype=dtype, copy=True, order="C")
         if not self.is_gpu:
             return host
-        stream = self._stream(stream, "to_device")
-        with self.device(), stream:
-            arr = self.xp.empty(host.shape, host.dtype)  # a pool block of ``stream``: reused in its order only
-        if host.size:
-            self.upload(arr, host, stream)
-        return arr
+        with self.device(), self._stream(stream, "to_device"):
+            # ``stream`` current: the pool block is one of its own (reused in its order only), and CuPy
+            # stages the bytes in pinned memory and copies them on it, never blocking the host on a
+            # stream that is still busy (a pageable copy may wait for the stream to stage it)
+            return self.xp.asarray(host)
 
     def address(self, arr) -> int:
         """Device (or host) address of an array's (or a torch tensor's) first element."""
