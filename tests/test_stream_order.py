@@ -15,6 +15,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -142,3 +143,20 @@ def test_the_check_passes_the_stream_ordered_forms(line):
 def test_the_allow_list_is_per_function():
     src = "def scatter():\n    xp.asarray(rows)\n\ndef other():\n    xp.asarray(rows)\n"
     assert [f.split(": ", 1)[0] for f in findings(src, "graphburst/backend.py")] == ["graphburst/backend.py:5"]
+
+
+def test_the_numpy_backend_copies_and_needs_no_stream():
+    """On numpy a stream is program order: any (or none) is accepted, and ``to_device`` copies, as a
+    device copy would, so writing the result never changes the caller's array."""
+    from graphburst.backend import Backend
+    from graphburst.buffers import PtrTable
+
+    be = Backend("numpy")
+    host = np.arange(3, dtype=np.int32)
+    dev = be.to_device(host, None)
+    dev[0] = 9
+    assert host.tolist() == [0, 1, 2] and be.to_host(dev, None).tolist() == [9, 1, 2]
+    assert be.to_device(host, be.current_stream(), dtype=np.int64).dtype == np.int64
+    table = PtrTable([dev, None], be)
+    first, second = table.resolve()
+    assert first is dev and second is None and table.ptrs.dtype == np.uint64
