@@ -6,7 +6,6 @@ the kernel namespace (``ops``) and stream handling differ.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import warnings
 
@@ -105,6 +104,26 @@ class Backend:
                 return self.xp.cuda.Stream(non_blocking=True)
         return HostStream()
 
+    def current_stream(self):
+        """The device's current stream: the legacy default stream unless a ``with stream:`` is open.
+
+        Pass it explicitly where work is meant for whatever stream is current (a model built before
+        any decoder: :meth:`order_after_current` then orders it before the decoder's stream).
+        """
+        if self.is_gpu:
+            with self.device():
+                return self.xp.cuda.get_current_stream()
+        return HostStream()
+
+    def _stream(self, stream, what: str):
+        # Every transfer names its stream: ``None`` meant "the current stream", the legacy default
+        # stream by default, which a non-blocking stream does not wait for. A kernel there read an
+        # upload before it landed, and a host read returned values older than the kernels before it.
+        if stream is None and self.is_gpu:
+            raise ValueError(f"{what} needs the stream that orders it: the stream whose kernels read or wrote the "
+                             f"array (backend.current_stream() for the current one)")
+        return stream
+
     def order_after_current(self, stream) -> None:
         """Make ``stream`` wait for the work already enqueued on the device's current stream.
 
@@ -131,9 +150,21 @@ class Backend:
         with self.device():
             return self.xp.full(shape, value, dtype=dtype)
 
-    def asarray(self, host, dtype=None):
-        with self.device():
-            return self.xp.asarray(host, dtype=dtype)
+    def to_device(self, host, stream, dtype=None):
+        """A new device array holding a copy of ``host``, allocated and copied on ``stream``.
+
+        ``stream`` is the stream whose kernels read the array (or one they are ordered after):
+        required on cupy, where a copy issued on another stream may land after those kernels
+        have run. A copy on numpy too, so the array never aliases the caller's.
+        """
+        host = np.array(host, dtype=dtype, copy=True, order="C")
+        if not self.is_gpu:
+            return host
+        with self.device(), self._stream(stream, "to_device"):
+            # ``stream`` current: the pool block is one of its own (reused in its order only), and CuPy
+            # stages the bytes in pinned memory and copies them on it, never blocking the host on a
+            # stream that is still busy (a pageable copy may wait for the stream to stage it)
+            return self.xp.asarray(host)
 
     def address(self, arr) -> int:
         """Device (or host) address of an array's (or a torch tensor's) first element."""
@@ -142,9 +173,10 @@ class Backend:
         return int(arr.data.ptr) if self.is_gpu else int(arr.ctypes.data)
 
     def to_host(self, arr, stream) -> np.ndarray:
-        """Copy to a numpy array, waiting on ``stream`` only (a host sync on cupy)."""
+        """Copy to a numpy array once the work on ``stream`` (required on cupy: the stream that wrote
+        ``arr``) has run; a host sync on that stream only."""
         if self.is_gpu:
-            return arr.get(stream=stream)
+            return arr.get(stream=self._stream(stream, "to_host"))
         return np.array(arr, copy=True)
 
     def host_buffer(self, shape) -> np.ndarray:
@@ -163,14 +195,17 @@ class Backend:
         copy on numpy."""
         if self.is_gpu:
             rt = self.xp.cuda.runtime
+            stream = self._stream(stream, "copy_to_host")
             rt.memcpyAsync(host_dst.ctypes.data, src.data.ptr, src.nbytes, rt.memcpyDeviceToHost, stream.ptr)
         else:
             np.copyto(host_dst, src)
 
     def upload(self, dst, host: np.ndarray, stream) -> None:
-        """Stream-ordered host-to-device copy into an existing array (no allocation)."""
+        """Stream-ordered host-to-device copy into an existing array (no allocation); ``stream``
+        (required on cupy) is the stream whose kernels read ``dst``."""
         host = np.ascontiguousarray(host, dtype=dst.dtype)
-        if self.is_gpu and stream is not None:
+        if self.is_gpu:
+            stream = self._stream(stream, "upload")
             if host.size != dst.size or not dst.flags.c_contiguous:
                 raise ValueError(f"upload of {host.shape} into a {'' if dst.flags.c_contiguous else 'strided '}"
                                  f"device array of {dst.shape}")
@@ -179,8 +214,6 @@ class Backend:
             # admission uploads while the GPU may be waiting on it.
             rt = self.xp.cuda.runtime
             rt.memcpyAsync(dst.data.ptr, host.ctypes.data, host.nbytes, rt.memcpyHostToDevice, stream.ptr)
-        elif self.is_gpu:
-            dst.set(host)  # no stream: a synchronous copy
         else:
             np.copyto(dst, host.reshape(dst.shape))
 
@@ -191,8 +224,8 @@ class Backend:
         never syncs and never overwrites rows the device changed since the host last
         looked, so it may be enqueued behind bursts still in flight. ``rows`` is a host
         int array; ``values`` a scalar or one entry (row) per element of ``rows``; ``stream``
-        None: the device's current stream. Allocates two small temporaries from the pool:
-        never inside a capture.
+        (required on cupy) the stream whose kernels read ``dst``. Allocates two small
+        temporaries from the pool: never inside a capture.
         """
         rows = np.asarray(rows, np.int64)
         if rows.size == 0:
@@ -200,7 +233,7 @@ class Backend:
         if not self.is_gpu:
             dst[rows] = values
             return
-        with self.device(), (stream if stream is not None else contextlib.nullcontext()):
+        with self.device(), self._stream(stream, "scatter"):
             idx = self.xp.asarray(rows)  # the H2D copies run on ``stream``, like the scatter
             dst[idx] = values if np.isscalar(values) else self.xp.asarray(np.asarray(values, dst.dtype))
 
@@ -212,7 +245,7 @@ class Backend:
         if not self.is_gpu:
             dst[rows] = src[rows]
             return
-        with self.device(), stream:
+        with self.device(), self._stream(stream, "copy_rows"):
             idx = self.xp.asarray(rows)
             dst[idx] = src[idx]
 

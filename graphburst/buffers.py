@@ -244,23 +244,35 @@ class KVCache(Watched):
 class PtrTable(Watched):
     """A device table of addresses; it holds every pointee so the pointers stay valid.
 
+    Parameters
+    ----------
+    targets : sequence of array or None
+    backend : Backend
+    stream : optional
+        The stream whose kernels read the table, or one they are ordered after: the
+        addresses are copied on it. None: the device's current stream, the one a model
+        built before its decoder uses (``SpecDecoder`` orders that stream's work before its
+        own at construction and in ``refresh_tables``).
+
     Attributes
     ----------
     ptrs : [n] uint64 array on the backend; ``ABSENT_LAYER`` (0) marks no pointee
     targets : tuple of array or None, the pointees in table order
+    stream : the stream the addresses were copied on (:meth:`resolve` reads on it)
     """
 
     _watched = frozenset({"ptrs", "targets"})
 
-    def __init__(self, targets: Sequence, backend: Backend):
+    def __init__(self, targets: Sequence, backend: Backend, *, stream=None):
         if len(targets) > MAX_TABLE_ENTRIES:
             raise ValueError(f"a pointer table holds at most {MAX_TABLE_ENTRIES} entries, got {len(targets)}")
         self.backend = backend
         self.targets = tuple(targets)
+        self.stream = backend.current_stream() if stream is None else stream
         host = np.array(
             [ABSENT_LAYER if t is None else backend.address(t) for t in self.targets], dtype=np.uint64
-        ).reshape(len(self.targets))
-        self.ptrs = backend.asarray(host, dtype=np.uint64)
+        ).reshape(len(self.targets))  # [n] uint64
+        self.ptrs = backend.to_device(host, self.stream)  # [n] uint64
 
     def __len__(self) -> int:
         return len(self.targets)
@@ -271,7 +283,7 @@ class PtrTable(Watched):
         Raises ``KeyError`` for an address the table does not hold (a dangling entry).
         """
         by_addr = {self.backend.address(t): t for t in self.targets if t is not None}
-        host = self.backend.to_host(self.ptrs, None) if self.backend.is_gpu else self.ptrs
+        host = self.backend.to_host(self.ptrs, self.stream)
         return [None if int(p) == ABSENT_LAYER else by_addr[int(p)] for p in host]
 
 
@@ -287,7 +299,7 @@ def _as_caches(caches) -> list[KVCache]:
     return caches
 
 
-def kv_len_ptr_table_range(caches, layers: range, pos_ctr=None) -> PtrTable:
+def kv_len_ptr_table_range(caches, layers: range, pos_ctr=None, *, stream=None) -> PtrTable:
     """Stage-local length-pointer table over a dense range of layers.
 
     Only the layers in ``layers`` (indices into the concatenated layer lists of
@@ -299,6 +311,8 @@ def kv_len_ptr_table_range(caches, layers: range, pos_ctr=None) -> PtrTable:
     caches : KVCache or sequence of KVCache
     layers : range with step 1 inside ``[0, total layers]``
     pos_ctr : [B] int32 array, optional
+    stream : optional
+        The stream the table is copied on (:class:`PtrTable`; None: the current stream).
 
     Returns
     -------
@@ -319,16 +333,18 @@ def kv_len_ptr_table_range(caches, layers: range, pos_ctr=None) -> PtrTable:
     if pos_ctr is not None:
         check_array("pos_ctr", pos_ctr, backend, (caches[0].batch,), np.int32)
         targets.append(pos_ctr)
-    return PtrTable(targets, backend)
+    return PtrTable(targets, backend, stream=stream)
 
 
-def kv_len_ptr_table(caches, pos_ctr=None) -> PtrTable:
+def kv_len_ptr_table(caches, pos_ctr=None, *, stream=None) -> PtrTable:
     """Length-pointer table over every layer of ``caches``, then ``pos_ctr`` if given.
 
     Parameters
     ----------
     caches : KVCache or sequence of KVCache
     pos_ctr : [B] int32 array, optional
+    stream : optional
+        As for :func:`kv_len_ptr_table_range`.
 
     Returns
     -------
@@ -336,5 +352,5 @@ def kv_len_ptr_table(caches, pos_ctr=None) -> PtrTable:
     """
     caches = _as_caches(caches)
     total = sum(c.n_layers for c in caches)
-    return kv_len_ptr_table_range(caches, range(total), pos_ctr)
+    return kv_len_ptr_table_range(caches, range(total), pos_ctr, stream=stream)
 

@@ -51,8 +51,8 @@ def _warm_up(device_id: int) -> None:
     cuda_ops.warm_up(device_id)
     backend = Backend("cupy", device_id)
     bufs = StreamBufs(1, 1, 1, backend)  # budget 0: the scratch round commits nothing
-    table = PtrTable([bufs.pos_ctr], backend)  # [1] uint64: rollback writes pos_ctr only
     stream = backend.new_stream()
+    table = PtrTable([bufs.pos_ctr], backend, stream=stream)  # [1] uint64: rollback writes pos_ctr only
     backend.order_after_current(stream)  # the scratch buffers were zero-filled on the current stream
     ops = backend.ops
     calls = [seed_call(ops, bufs, reset_ring=True), assemble_call(ops, bufs), *separate_tail_calls(ops, bufs, table),

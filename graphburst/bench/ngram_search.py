@@ -25,20 +25,22 @@ SEARCHES_PER_GRAPH = 50
 ALPHABET = 64  # tokens drawn from this many ids: many candidate ends, so the scan never gets an easy row
 
 
-def setup(backend, batch: int, history: int, *, k: int, n_min: int, n_max: int, seed: int = 0):
+def setup(backend, batch: int, history: int, stream, *, k: int, n_min: int, n_max: int, seed: int = 0):
     """A drafter and burst buffers holding ``batch`` random histories of ``history`` tokens
-    (positions ``[0, history - 1)`` in ``hist``, the pending token in ``vtok[:, 0]``)."""
+    (positions ``[0, history - 1)`` in ``hist``, the pending token in ``vtok[:, 0]``), uploaded
+    on ``stream``, the one the search runs on (after the buffers' fills on the current stream)."""
     rng = np.random.default_rng(seed)
     vocab = 128256
     draft = NgramDraft(batch, vocab, history + k + 1, n_min=n_min, n_max=n_max, backend=backend)
     bufs = StreamBufs(batch, k, 1, backend)
+    backend.order_after_current(stream)  # the fills above ran on the current stream
     hist = rng.integers(0, ALPHABET, (batch, draft.capacity)).astype(np.int32)
-    backend.upload(draft.hist, hist, None)
-    backend.upload(bufs.pos_ctr, np.full(batch, history - 1, np.int32), None)
-    backend.upload(bufs.budget, np.full(batch, UNBOUNDED_BUDGET, np.int32), None)
+    backend.upload(draft.hist, hist, stream)
+    backend.upload(bufs.pos_ctr, np.full(batch, history - 1, np.int32), stream)
+    backend.upload(bufs.budget, np.full(batch, UNBOUNDED_BUDGET, np.int32), stream)
     vtok = np.full((batch, k + 1), -1, np.int32)
     vtok[:, 0] = rng.integers(0, ALPHABET, batch)
-    backend.upload(bufs.vtok, vtok, None)
+    backend.upload(bufs.vtok, vtok, stream)
     draft.bind(bufs)
     return draft, bufs
 
@@ -100,9 +102,8 @@ def run_search_bench(backend, *, batches, histories, k: int, n_min: int, n_max: 
     rows = []
     for batch in batches:
         for history in histories:
-            draft, bufs = setup(backend, batch, history, k=k, n_min=n_min, n_max=n_max)
             stream = backend.new_stream()
-            backend.order_after_current(stream)
+            draft, bufs = setup(backend, batch, history, stream, k=k, n_min=n_min, n_max=n_max)
             drafts, twin_us = check(backend, draft, bufs, stream)
             times = time_search(backend, draft, bufs, stream, reps=reps)
             rows.append(dict(batch=batch, history=history, k=k, n_min=n_min, n_max=n_max, checked=True,

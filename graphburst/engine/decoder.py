@@ -105,10 +105,10 @@ class SpecDecoder:
             staging = StagingBlock(self.batch, self.capacity, option_columns.count if option_columns else 0,
                                    self.backend)
         self.k, self.m_rounds = bufs.k, bufs.m_rounds
-        for model in (target, draft):  # the buffers never move from here on: models may view them
-            hook(model, "bind")(bufs)
-        with self._stream:
-            self._table = kv_len_ptr_table([target.cache, draft.cache], pos_ctr=bufs.pos_ctr)
+        with self._stream:  # what a model allocates or fills in bind is then in order with the bursts
+            for model in (target, draft):  # the buffers never move from here on: models may view them
+                hook(model, "bind")(bufs)
+        self._table = kv_len_ptr_table([target.cache, draft.cache], pos_ctr=bufs.pos_ctr, stream=self._stream)
         # Host mirror of what has been drained, slot generations, bursts in flight (ledger.py):
         # advanced here at each launch and drain, written by admission at each prefill and release.
         ledger = self.ledger = SlotLedger(self.batch, self.capacity, bufs.ring_capacity)
@@ -341,8 +341,8 @@ class SpecDecoder:
         # a model may hand out new option arrays with its tables: the columns are read again, and
         # the admission graphs (which bake the models' tables) dropped
         self.admission.refresh("refresh_tables")
-        with self._stream:
-            self.table = kv_len_ptr_table([self.target.cache, self.draft.cache], pos_ctr=self._bufs.pos_ctr)
+        self.table = kv_len_ptr_table([self.target.cache, self.draft.cache], pos_ctr=self._bufs.pos_ctr,
+                                      stream=self._stream)
 
     def check_fits(self) -> None:
         """Raise CapacityError unless one more burst, after those in flight, fits every live slot.

@@ -97,8 +97,8 @@ class NgramDraft(Watched, DraftModel):
         self.cache = KVCache([KVLayer(self.hist, self.hist_len)], batch, capacity, self.backend)
         # Per-slot n-gram range, as two option columns: the decoder writes an admitted slot's
         # values in its admission launch (``option_columns``).
-        self.n_min = self.backend.asarray(np.full(batch, self.default_range[0], np.int32))  # [B] int32
-        self.n_max = self.backend.asarray(np.full(batch, self.default_range[1], np.int32))  # [B] int32
+        self.n_min = self.backend.full((batch,), self.default_range[0], np.int32)  # [B] int32
+        self.n_max = self.backend.full((batch,), self.default_range[1], np.int32)  # [B] int32
         self.prop = None  # [B, k] int32 sampling-mode proposals, from bind()
 
     @property

@@ -99,9 +99,11 @@ def stub_memory_spec(layers, name: str) -> MemorySpec:
                       max_capacity_why="stub limit")
 
 
-def storage_ptr_table(cache: KVCache) -> PtrTable:
-    """Storage-pointer table of a stub cache (what the stub kernels walk)."""
-    return PtrTable([None if layer is None else layer.storage for layer in cache.layers], cache.backend)
+def storage_ptr_table(cache: KVCache, stream=None) -> PtrTable:
+    """Storage-pointer table of a stub cache (what the stub kernels walk), copied on ``stream``
+    (:class:`PtrTable`; None: the current stream)."""
+    return PtrTable([None if layer is None else layer.storage for layer in cache.layers], cache.backend,
+                    stream=stream)
 
 
 class _StubModel(Watched):
@@ -234,7 +236,9 @@ class StubDraft(_StubModel, DraftModel):
         # The per-sequence settings are two int32 columns (``option_columns``): the decoder writes
         # an admitted slot's values in its admission launch, with no upload of its own.
         default = np.array(self._slot_values(self.default_seed, fixed24(self.default_accept_prob)), np.int32)
-        self._slot_block = self.backend.asarray(np.repeat(default[:, None], self.batch, axis=1))  # [2, B] int32
+        # on the current stream, like the cache: the decoder orders that stream's work before its own
+        self._slot_block = self.backend.to_device(np.repeat(default[:, None], self.batch, axis=1),
+                                                  self.backend.current_stream())  # [2, B] int32
         self.seed = self._slot_block[0].view(np.uint32)  # [B] uint32
         self.agree24 = self._slot_block[1]  # [B] int32, 24-bit fixed point
 
@@ -266,9 +270,13 @@ class StubDraft(_StubModel, DraftModel):
         ----------
         settings : dict
             ``slot -> (accept_prob or None, seed or None)``; None restores the default.
+        stream : optional
+            The stream whose kernels read the settings (a decoder's ``stream``); None: the
+            device's current stream.
         """
         self.set_slot_options({slot: self.slot_options({"accept_prob": accept_prob, "seed": seed})
-                               for slot, (accept_prob, seed) in settings.items()}, stream)
+                               for slot, (accept_prob, seed) in settings.items()},
+                              self.backend.current_stream() if stream is None else stream)
 
     def set_slot_options(self, settings: dict, stream) -> None:
         """Write :meth:`slot_options` results (None: the defaults) to the named slots' columns. A

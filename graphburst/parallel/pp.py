@@ -184,13 +184,14 @@ class StageTarget(TorchTarget):
             as_tensor(pend)[rows] = pred.to(torch.int32)
 
 
-def stage_table(target, draft, pos_ctr) -> PtrTable:
+def stage_table(target, draft, pos_ctr, stream) -> PtrTable:
     """The stage's rollback table: its own target layers, every draft layer, then ``pos_ctr``.
 
     Built from two ``kv_len_ptr_table_range`` tables so the stage never names a length
     another stage owns (those layers are absent here, so they would be 0 entries anyway;
-    the range keeps the table dense and the rollback launch small).
+    the range keeps the table dense and the rollback launch small). ``stream``: the decoder's,
+    which the rollback reads the table on.
     """
-    own = kv_len_ptr_table_range(target.cache, target.module.own)
-    rest = kv_len_ptr_table(draft.cache, pos_ctr=pos_ctr)
-    return PtrTable(own.targets + rest.targets, target.cache.backend)
+    own = kv_len_ptr_table_range(target.cache, target.module.own, stream=stream)
+    rest = kv_len_ptr_table(draft.cache, pos_ctr=pos_ctr, stream=stream)
+    return PtrTable(own.targets + rest.targets, target.cache.backend, stream=stream)

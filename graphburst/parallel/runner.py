@@ -40,8 +40,7 @@ class ParallelDecoder(SpecDecoder):
 
     def _use_stage_table(self) -> None:
         if isinstance(self.target, StageTarget):
-            with self.stream:
-                self.table = stage_table(self.target, self.draft, self.bufs.pos_ctr)
+            self.table = stage_table(self.target, self.draft, self.bufs.pos_ctr, self.stream)
 
     def refresh_tables(self) -> None:
         super().refresh_tables()

@@ -71,10 +71,12 @@ def poison_models(backend, models, seed: int) -> None:
     for model in models:
         for layer in model.cache.layers:
             if layer is not None:
-                layer.storage[...] = backend.asarray(rng.integers(-(2**31), 2**31 - 1, layer.storage.shape,
-                                                                  dtype=np.int64).astype(np.int32))
-                layer.length[...] = backend.asarray(rng.integers(-5, CAPACITY + 5, layer.length.shape,
-                                                                 dtype=np.int32))
+                # on the current stream, like the models' own fills: state() orders it first
+                current = backend.current_stream()
+                layer.storage[...] = backend.to_device(rng.integers(-(2**31), 2**31 - 1, layer.storage.shape,
+                                                                    dtype=np.int64).astype(np.int32), current)
+                layer.length[...] = backend.to_device(rng.integers(-5, CAPACITY + 5, layer.length.shape,
+                                                                   dtype=np.int32), current)
 
 
 def state(backend, models, counters, stream) -> list[np.ndarray]:
@@ -102,7 +104,7 @@ def run_whole(backend, models, prompts, stream):
     target, draft = models
     call = whole_call(prompts)
     pos, pend = counters(backend)
-    stage, lens = backend.asarray(call["stage"]), backend.asarray(call["lens"])
+    stage, lens = backend.to_device(call["stage"], stream), backend.to_device(call["lens"], stream)
     backend.order_after_current(stream)
     target.prefill(stage, lens, pos, pend, stream)
     draft.prefill(stage, lens, None, None, stream)
@@ -114,7 +116,7 @@ def run_chunked(backend, models, prompts, schedule, stream, seen=None):
     target, draft = models
     pos, pend = counters(backend)
     for call in chunk_calls(prompts, schedule):
-        stage, lens, start = (backend.asarray(call[n]) for n in ("stage", "lens", "start"))
+        stage, lens, start = (backend.to_device(call[n], stream) for n in ("stage", "lens", "start"))
         backend.order_after_current(stream)
         target.prefill(stage, lens, pos, pend if call["final"] else None, stream, start=start, rows=call["rows"])
         draft.prefill(stage, lens, None, None, stream, start=start, rows=call["rows"])
@@ -175,11 +177,11 @@ def test_ngram_chunks_equal_a_whole_prefill(rng, schedule, backend_name):
     whole, chunked = build(), build()
     before = state(backend, [chunked], [], stream)
     call = whole_call(prompts)
-    stage, lens = backend.asarray(call["stage"]), backend.asarray(call["lens"])
+    stage, lens = backend.to_device(call["stage"], stream), backend.to_device(call["lens"], stream)
     backend.order_after_current(stream)
     whole.prefill(stage, lens, None, None, stream)
     for call in chunk_calls(prompts, SCHEDULES[schedule]):
-        stage, lens, start = (backend.asarray(call[n]) for n in ("stage", "lens", "start"))
+        stage, lens, start = (backend.to_device(call[n], stream) for n in ("stage", "lens", "start"))
         backend.order_after_current(stream)
         chunked.prefill(stage, lens, None, None, stream, start=start, rows=call["rows"])
     (hist, hist_len), (want_hist, want_len) = state(backend, [chunked], [], stream), state(backend, [whole], [],

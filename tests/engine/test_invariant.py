@@ -92,7 +92,7 @@ def test_broken_rollback_is_detected(backend, rng, fused):
               dec.bufs.pos_ctr]
     from graphburst.buffers import PtrTable
 
-    dec.table = PtrTable(layers, dec.backend)
+    dec.table = PtrTable(layers, dec.backend, stream=dec.stream)  # copied in order with the bursts that read it
     prompts = [[1, 2, 3], [4]]
     dec.prefill(prompts)
     out = [[] for _ in prompts]

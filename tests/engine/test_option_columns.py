@@ -16,13 +16,10 @@ from graphburst.models.stubs import StubTarget, stub_pair
 VOCAB = 50
 
 
-def _host(backend, arr) -> list:
-    """A host copy of ``arr`` once every stream has finished (the decoder's writes included: a read on
-    another stream alone could see the values before them)."""
-    if not backend.is_gpu:
-        return arr.tolist()
-    backend.xp.cuda.Device().synchronize()
-    return backend.to_host(arr, None).tolist()
+def _host(backend, arr, stream) -> list:
+    """A host copy of ``arr`` read on ``stream``, the one that wrote it (a decoder's ``stream``):
+    a read on another stream could return the values from before those writes."""
+    return backend.to_host(arr, stream).tolist()
 
 
 def test_admit_slots_hand_case_with_columns():
@@ -49,14 +46,14 @@ def test_admission_writes_the_admitted_slots_options_only(backend):
     big = dec.slot_options({"seed": 3_000_000_000, "accept_prob": 1.0})
     dec.prefill_slots([1, 3], [np.array([1, 2], np.int32), np.array([3], np.int32)], [0, 0],
                       options=[big, dec.slot_options({"seed": 5})])
-    assert _host(backend, draft.seed) == [9, 3_000_000_000, 9, 5]
-    assert _host(backend, draft.agree24) == [1 << 22, 1 << 24, 1 << 22, 1 << 22]
+    assert _host(backend, draft.seed, dec.stream) == [9, 3_000_000_000, 9, 5]
+    assert _host(backend, draft.agree24, dec.stream) == [1 << 22, 1 << 24, 1 << 22, 1 << 22]
     # no options: the slots keep theirs; None: the defaults
     dec.prefill_slots([1], [np.array([4], np.int32)], [0])
-    assert _host(backend, draft.seed) == [9, 3_000_000_000, 9, 5]
+    assert _host(backend, draft.seed, dec.stream) == [9, 3_000_000_000, 9, 5]
     dec.prefill_slots([0, 1], [np.array([4], np.int32)] * 2, [0, 0], options=[None, None])
-    assert _host(backend, draft.seed) == [9, 9, 9, 5]
-    assert _host(backend, draft.agree24) == [fixed24(0.25)] * 4
+    assert _host(backend, draft.seed, dec.stream) == [9, 9, 9, 5]
+    assert _host(backend, draft.agree24, dec.stream) == [fixed24(0.25)] * 4
     assert dec.run_burst().counts.tolist() == [1, 1, 0, 1]  # a burst still runs on the admitted slots
 
 
@@ -66,9 +63,9 @@ def test_prefill_checked_applies_options_of_other_slots_apart(backend):
     # slot 2's options without a prompt: scattered, not carried by the admission table
     dec.prefill_checked({0: np.array([1, 2], np.int32)}, {0: 0},
                         options={0: dec.slot_options({"seed": 1}), 2: dec.slot_options({"seed": 2})})
-    assert _host(backend, draft.seed) == [1, 9, 2]
+    assert _host(backend, draft.seed, dec.stream) == [1, 9, 2]
     dec.set_slot_options({0: None, 1: dec.slot_options({"seed": 4})})
-    assert _host(backend, draft.seed) == [9, 4, 2]
+    assert _host(backend, draft.seed, dec.stream) == [9, 4, 2]
 
 
 def test_ngram_range_through_admission(backend):
@@ -77,7 +74,8 @@ def test_ngram_range_through_admission(backend):
     dec = SpecDecoder(target, draft, k=3, m_rounds=2)
     dec.prefill_checked({0: np.array([1, 2, 1, 2], np.int32), 2: np.array([5], np.int32)}, {0: 0, 2: 0},
                         options={0: dec.slot_options({"ngram_min": 2, "ngram_max": 2}), 2: None})
-    assert _host(backend, draft.n_min) == [2, 1, 1] and _host(backend, draft.n_max) == [2, 3, 3]
+    assert _host(backend, draft.n_min, dec.stream) == [2, 1, 1]
+    assert _host(backend, draft.n_max, dec.stream) == [2, 3, 3]
 
 
 class _RecordingTarget(StubTarget):
@@ -135,12 +133,14 @@ def test_bad_option_columns_fail_at_construction(columns, values, match):
 def test_a_models_own_set_slot_options_writes_its_columns(backend):
     """Called directly (not by a decoder), each drafter's set_slot_options still writes only the named slots."""
     _, draft = stub_pair(3, VOCAB, 1, 1, 32, accept_prob=0.25, seed=9, backend=backend)
-    draft.set_slot_options({2: draft.slot_options({"seed": 3_000_000_000}), 0: None}, None)
-    assert _host(backend, draft.seed) == [9, 9, 3_000_000_000]
     ngram = NgramDraft(3, VOCAB, 32, n_min=1, n_max=3, backend=backend)
-    ngram.set_slot_options({1: ngram.slot_options({"ngram_min": 2, "ngram_max": 5})}, None)
-    ngram.set_slot_options({1: None, 2: ngram.slot_options({"ngram_max": 4})}, None)
-    assert _host(backend, ngram.n_min) == [1, 1, 1] and _host(backend, ngram.n_max) == [3, 3, 4]
+    stream = backend.new_stream()  # what a decoder would pass: its own stream, after the models' fills
+    backend.order_after_current(stream)
+    draft.set_slot_options({2: draft.slot_options({"seed": 3_000_000_000}), 0: None}, stream)
+    assert _host(backend, draft.seed, stream) == [9, 9, 3_000_000_000]
+    ngram.set_slot_options({1: ngram.slot_options({"ngram_min": 2, "ngram_max": 5})}, stream)
+    ngram.set_slot_options({1: None, 2: ngram.slot_options({"ngram_max": 4})}, stream)
+    assert _host(backend, ngram.n_min, stream) == [1, 1, 1] and _host(backend, ngram.n_max, stream) == [3, 3, 4]
 
 
 def test_a_drafters_set_slot_options_names_a_bad_slot():
@@ -161,11 +161,12 @@ def test_rebound_option_arrays_are_the_ones_admission_writes(backend):
         draft = NgramDraft(3, VOCAB, 64, n_min=1, n_max=3, backend=backend)
         dec = SpecDecoder(target, draft, k=2, m_rounds=1, admission_graphs=graphs)
         dec.prefill_checked({0: np.arange(4, dtype=np.int32)}, {0: 0}, options={0: None})  # captures a graph
-        draft.n_min = backend.asarray(np.ones(3, np.int32))
-        draft.n_max = backend.asarray(np.full(3, 3, np.int32))
+        draft.n_min = backend.to_device(np.ones(3, np.int32), dec.stream)
+        draft.n_max = backend.to_device(np.full(3, 3, np.int32), dec.stream)
         dec.prefill_checked({1: np.arange(4, dtype=np.int32)}, {1: 0},
                             options={1: dec.slot_options({"ngram_min": 2, "ngram_max": 7})})
-        assert _host(backend, draft.n_min) == [1, 2, 1] and _host(backend, draft.n_max) == [3, 7, 3]
+        assert _host(backend, draft.n_min, dec.stream) == [1, 2, 1]
+        assert _host(backend, draft.n_max, dec.stream) == [3, 7, 3]
 
 
 def test_the_defaults_are_the_models_own_at_each_admission(backend):
@@ -176,4 +177,4 @@ def test_the_defaults_are_the_models_own_at_each_admission(backend):
     draft.default_seed = 99
     dec.prefill_checked({0: np.arange(3, dtype=np.int32)}, {0: 0}, options={0: None})
     dec.set_slot_options({1: None})
-    assert _host(backend, draft.seed) == [99, 99]
+    assert _host(backend, draft.seed, dec.stream) == [99, 99]

@@ -3,16 +3,24 @@
 Inputs use awkward batch sizes, everything past a valid length is poisoned with
 PLACEHOLDER_TOKEN (-1), and lengths/markers include out-of-range values so the clamps
 are exercised too.
+
+Each kernel runs on a fresh non-blocking stream, and everything it reads is uploaded on
+that stream (``Backend.to_device``, pointer tables built with ``stream=``) and read back
+on it (``Backend.to_host``): on a GPU shared with other processes a copy issued on the
+legacy default stream landed after the kernel, which then read the pool block's old
+contents (outputs equal to the inputs; a pointer table of garbage).
 """
 
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 import pytest
 
 from graphburst.kernels import reference
 from graphburst.backend import Backend
-from graphburst.buffers import KVCache, KVLayer, kv_len_ptr_table_range
+from graphburst.buffers import KVCache, KVLayer, PtrTable, kv_len_ptr_table_range
 from graphburst.constants import NO_EOS, NO_PREFILL, PLACEHOLDER_TOKEN, UNBOUNDED_BUDGET
 from graphburst.kernels.digest import fixed24
 from graphburst.models.stubs import storage_ptr_table
@@ -35,25 +43,31 @@ def ops(gpu_backend):
     return gpu_backend.ops
 
 
-def ordered_stream():
-    """A non-blocking stream for a kernel under test, made once the device has finished every upload issued
-    so far. The uploads (``cp.asarray``, pointer tables) run on the legacy default stream, which a
-    non-blocking stream does not wait for: on a shared GPU a copy could otherwise land after the kernel.
-    Every upload a kernel reads must come before this call."""
-    cp.cuda.Device().synchronize()
+@functools.cache
+def _gpu() -> Backend:
+    return Backend("cupy")
+
+
+def launch_stream():
+    """A fresh non-blocking stream for one kernel under test: its inputs are uploaded on it and its
+    outputs read back on it, so nothing else the GPU runs can come between."""
     return cp.cuda.Stream(non_blocking=True)
+
+
+def upload(host: dict, stream) -> dict:
+    """Device copies of ``host``'s arrays, copied on ``stream`` (the kernel's)."""
+    return {n: _gpu().to_device(a, stream) for n, a in host.items()}
 
 
 def run_pair(name, host: dict, scalars: dict, ops):
     """Run reference and CUDA kernel ``name`` on copies of ``host``; assert equal outputs."""
-    dev = {n: cp.asarray(a) for n, a in host.items()}
+    stream = launch_stream()
+    dev = upload(host, stream)
     want = {n: a.copy() for n, a in host.items()}
     getattr(reference, name)(**want, **scalars)
-    stream = ordered_stream()
     getattr(ops, name)(**dev, **scalars, stream=stream)
-    stream.synchronize()
     for n in host:
-        got = cp.asnumpy(dev[n])
+        got = _gpu().to_host(dev[n], stream)
         if got.dtype == np.float32:
             got, exp = got.view(np.int32), want[n].view(np.int32)
         else:
@@ -168,8 +182,6 @@ def test_admit_slots(rng, ops, batch):
 def test_admit_slots_writes_option_columns(rng, ops, batch, n_cols):
     """The option columns (a PtrTable of [B] int32 arrays, one a uint32 view): each admitted slot's
     values land in its column entry; slots outside the batch and the other slots keep theirs."""
-    from graphburst.buffers import PtrTable
-
     n = int(rng.integers(1, batch + 1))
     slots = rng.permutation(batch)[:n]
     outside = np.array([-1, batch, batch + 5])
@@ -179,18 +191,16 @@ def test_admit_slots_writes_option_columns(rng, ops, batch, n_cols):
     table = np.ascontiguousarray(table[:, rng.permutation(n + 3)])
     start = [rng.integers(-2**31, 2**31, batch).astype(np.int32) for _ in range(n_cols)]
     outs = []
-    for be, xp in ((Backend("numpy"), np), (Backend("cupy"), cp)):
-        cols = [xp.asarray(c) for c in start]
-        cols[0] = xp.asarray(start[0].view(np.uint32)).view(np.int32)  # the stub seed's kind of column
-        bufs = dict(budget=xp.full(batch, P, np.int32), eos=xp.full(batch, P, np.int32),
-                    acc=xp.asarray(rng.integers(1, 100, (batch, 2), dtype=np.int32)))
-        table_x, columns = xp.asarray(table), PtrTable(cols, be)
-        stream = ordered_stream() if xp is cp else None
-        (ops if xp is cp else reference).admit_slots(table_x, **bufs, columns=columns, stream=stream)
-        if stream is not None:
-            stream.synchronize()
-        outs.append([cp.asnumpy(c) if xp is cp else c for c in cols] + [cp.asnumpy(bufs["budget"]) if xp is cp
-                                                                         else bufs["budget"]])
+    acc = rng.integers(1, 100, (batch, 2), dtype=np.int32)
+    for be in (Backend("numpy"), _gpu()):
+        stream = launch_stream() if be.is_gpu else None  # every array below is copied on it
+        cols = [be.to_device(c, stream) for c in start]
+        cols[0] = be.to_device(start[0].view(np.uint32), stream).view(np.int32)  # the stub seed's kind of column
+        bufs = dict(budget=be.to_device(np.full(batch, P, np.int32), stream),
+                    eos=be.to_device(np.full(batch, P, np.int32), stream), acc=be.to_device(acc, stream))
+        table_x, columns = be.to_device(table, stream), PtrTable(cols, be, stream=stream)
+        (ops if be.is_gpu else reference).admit_slots(table_x, **bufs, columns=columns, stream=stream)
+        outs.append([be.to_host(c, stream) for c in cols] + [be.to_host(bufs["budget"], stream)])
     for want, got in zip(*outs):
         np.testing.assert_array_equal(got, want)
     want_cols = [c.copy() for c in start]
@@ -201,22 +211,24 @@ def test_admit_slots_writes_option_columns(rng, ops, batch, n_cols):
 
 
 class _Tables:
-    """A stub cache's layer arrays on one backend, with its two pointer tables."""
+    """A stub cache's layer arrays on one backend, with its two pointer tables, all copied on
+    ``stream`` (the kernel's; None on numpy)."""
 
-    def __init__(self, backend, layout, storage, lengths, capacity):
-        xp = backend.xp
-        layers = [KVLayer(xp.asarray(storage[i]), xp.asarray(lengths[i])) if has else None
-                  for i, has in enumerate(layout)]
+    def __init__(self, backend, layout, storage, lengths, capacity, stream=None):
+        self.backend, self.stream = backend, stream
+        layers = [KVLayer(backend.to_device(storage[i], stream), backend.to_device(lengths[i], stream)) if has
+                  else None for i, has in enumerate(layout)]
         self.cache = KVCache(layers, storage[0].shape[0], capacity, backend)
-        self.kv = storage_ptr_table(self.cache)
-        self.len = kv_len_ptr_table_range(self.cache, range(len(layout)))
+        self.kv = storage_ptr_table(self.cache, stream)
+        self.len = kv_len_ptr_table_range(self.cache, range(len(layout)), stream=stream)
 
     def dump(self):
+        """Every layer's storage and length, read back on the tables' stream."""
         out = []
         for layer in self.cache.layers:
             if layer is not None:
-                out += [np.asarray(layer.storage.get() if hasattr(layer.storage, "get") else layer.storage),
-                        np.asarray(layer.length.get() if hasattr(layer.length, "get") else layer.length)]
+                out += [self.backend.to_host(layer.storage, self.stream),
+                        self.backend.to_host(layer.length, self.stream)]
         return out
 
 
@@ -237,15 +249,14 @@ def stub_state(rng, batch, layout, capacity, poison_lengths=False):
 def run_stub_pair(name, rng, layout, storage, lengths, capacity, host, scalars, gpu_backend):
     np_be = Backend("numpy")
     t_np = _Tables(np_be, layout, [s.copy() for s in storage], [x.copy() for x in lengths], capacity)
-    t_cp = _Tables(gpu_backend, layout, storage, lengths, capacity)
+    stream = launch_stream()
+    t_cp = _Tables(gpu_backend, layout, storage, lengths, capacity, stream)
     want = {n: a.copy() for n, a in host.items()}
-    dev = {n: cp.asarray(a) for n, a in host.items()}
+    dev = upload(host, stream)
     getattr(reference, name)(**want, kv_table=t_np.kv, len_table=t_np.len, **scalars)
-    stream = ordered_stream()
     getattr(gpu_backend.ops, name)(**dev, kv_table=t_cp.kv, len_table=t_cp.len, **scalars, stream=stream)
-    stream.synchronize()
     for n in host:
-        got, exp = cp.asnumpy(dev[n]), want[n]
+        got, exp = gpu_backend.to_host(dev[n], stream), want[n]
         if got.dtype == np.float32:
             got, exp = got.view(np.int32), exp.view(np.int32)
         np.testing.assert_array_equal(got, exp, err_msg=f"{name}: {n}")
@@ -334,22 +345,21 @@ def test_rollback_stream(rng, gpu_backend, batch, n_layers):
     layout[0] = True
     storage, lengths = stub_state(rng, batch, layout, 8)
     np_be = Backend("numpy")
+    stream = launch_stream()
     pos_np = rng.integers(0, 100, batch).astype(np.int32)
-    pos_cp = cp.asarray(pos_np)
+    pos_cp = gpu_backend.to_device(pos_np, stream)
     t_np = _Tables(np_be, layout, storage, [x.copy() for x in lengths], 8)
-    t_cp = _Tables(gpu_backend, layout, storage, lengths, 8)
+    t_cp = _Tables(gpu_backend, layout, storage, lengths, 8, stream)
     tab_np = kv_len_ptr_table_range(t_np.cache, range(n_layers), pos_ctr=pos_np)
-    tab_cp = kv_len_ptr_table_range(t_cp.cache, range(n_layers), pos_ctr=pos_cp)
+    tab_cp = kv_len_ptr_table_range(t_cp.cache, range(n_layers), pos_ctr=pos_cp, stream=stream)
     pos_start = rng.integers(0, 1000, batch).astype(np.int32)
     n_commit = rng.integers(0, 9, batch).astype(np.int32)
     reference.rollback_stream(tab_np, pos_start, n_commit)
-    start_cp, commit_cp = cp.asarray(pos_start), cp.asarray(n_commit)
-    stream = ordered_stream()
+    start_cp, commit_cp = gpu_backend.to_device(pos_start, stream), gpu_backend.to_device(n_commit, stream)
     gpu_backend.ops.rollback_stream(tab_cp, start_cp, commit_cp, stream=stream)
-    stream.synchronize()
     for g, e in zip(t_cp.dump(), t_np.dump()):
         np.testing.assert_array_equal(g, e)
-    np.testing.assert_array_equal(pos_cp.get(), pos_np)
+    np.testing.assert_array_equal(gpu_backend.to_host(pos_cp, stream), pos_np)
     np.testing.assert_array_equal(pos_np, pos_start + n_commit)
 
 
@@ -379,16 +389,15 @@ def test_epilogue_equals_accept_commit_rollback_seed(rng, gpu_backend, batch, k,
         n_commit=np.full(batch, P, np.int32), pos_start=rng.integers(0, 500, batch).astype(np.int32),
         pos_ctr=rng.integers(0, 500, batch).astype(np.int32))
     np_be = Backend("numpy")
+    stream = launch_stream()
     want = {n: a.copy() for n, a in host.items()}
-    dev = {n: cp.asarray(a) for n, a in host.items()}
+    dev = upload(host, stream)
     t_np = _Tables(np_be, layout, storage, [x.copy() for x in lengths], 8)
-    t_cp = _Tables(gpu_backend, layout, storage, lengths, 8)
+    t_cp = _Tables(gpu_backend, layout, storage, lengths, 8, stream)
     reference.epilogue(**want, table=kv_len_ptr_table_range(t_np.cache, range(n_layers), pos_ctr=want["pos_ctr"]))
-    table = kv_len_ptr_table_range(t_cp.cache, range(n_layers), pos_ctr=dev["pos_ctr"])
-    stream = ordered_stream()
+    table = kv_len_ptr_table_range(t_cp.cache, range(n_layers), pos_ctr=dev["pos_ctr"], stream=stream)
     gpu_backend.ops.epilogue(**dev, table=table, stream=stream)
-    stream.synchronize()
     for n in host:
-        np.testing.assert_array_equal(cp.asnumpy(dev[n]), want[n], err_msg=f"epilogue: {n}")
+        np.testing.assert_array_equal(gpu_backend.to_host(dev[n], stream), want[n], err_msg=f"epilogue: {n}")
     for g, e in zip(t_cp.dump(), t_np.dump()):
         np.testing.assert_array_equal(g, e)

@@ -83,8 +83,8 @@ def snapshot(backend, target, draft, pos, pend, stream):
 
 
 def upload(backend, stream, call: dict, names):
-    out = [backend.asarray(call[n]) for n in names]
-    backend.order_after_current(stream)
+    out = [backend.to_device(call[n], stream) for n in names]
+    backend.order_after_current(stream)  # the counters' and models' fills ran on the current stream
     return out
 
 

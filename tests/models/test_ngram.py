@@ -121,11 +121,9 @@ def test_twin_equals_spec_and_writes_the_history(rng):
 
 
 def as_backend(backend, arrays):
-    """Device copies of ``arrays`` and a stream ordered after their upload."""
-    dev = {n: backend.asarray(a) for n, a in arrays.items()}
+    """Device copies of ``arrays``, uploaded on a new stream the kernel then runs on."""
     stream = backend.new_stream()
-    backend.order_after_current(stream)  # the copies ran on the current stream
-    return dev, stream
+    return {n: backend.to_device(a, stream) for n, a in arrays.items()}, stream
 
 
 def assert_same(backend, got, want, stream):
@@ -193,8 +191,8 @@ def test_prefill_chunk_kernel_equals_twin(backend, rng, batch, p_max):
     arrays = dict(prompt=prompt, prompt_len=lens, hist=rng.integers(-9, -1, (batch, cap)).astype(np.int32),
                   hist_len=np.full(batch, -5, np.int32))
     before = {n: a.copy() for n, a in arrays.items()}
-    dev_start = backend.asarray(start)
     dev, stream = as_backend(backend, arrays)
+    dev_start = backend.to_device(start, stream)
     reference.ngram_prefill(*arrays.values(), start=start)
     backend.ops.ngram_prefill(*dev.values(), start=dev_start, stream=stream)
     assert_same(backend, dev, arrays, stream)

@@ -100,8 +100,7 @@ class OptionColumns:
                             "staging is sized for the columns it was built with")
         self.count = len(columns)
         self.columns = tuple(columns)
-        with self._stream:
-            self._table = PtrTable(columns, self._backend) if columns else None
+        self._table = PtrTable(columns, self._backend, stream=self._stream) if columns else None
         self._stale = False
 
     def _check_defaults(self, role: str) -> tuple:
