@@ -19,7 +19,6 @@ import dataclasses
 import json
 import os
 
-from ..constants import SEED_LIMIT
 from ..models.gguf_checkpoint import is_gguf
 from ..models.llama_config import CheckpointError
 from ..models.named import resolve_model
@@ -84,16 +83,6 @@ class ChatRequest(api.Completion):
 
     role: str = "assistant"  # the reply's role: the last message's with add_generation_prompt=false, as vLLM
     echo_text: str = ""  # echo: the last message's content when its role is the reply's, else ""
-
-    @property
-    def prompt_tokens(self) -> int:
-        return len(self.prompts[0])  # OpenAI counts the one prompt once, whatever n is
-
-    def choice_sampling(self, index: int) -> dict:
-        fields = dict(self.sampling)
-        if "seed" in fields:
-            fields["seed"] = (fields["seed"] + index) % SEED_LIMIT
-        return fields
 
 
 def _content(i: int, value) -> str:
@@ -227,7 +216,7 @@ def parse_chat(body, *, model: str, vocab: int, capacity: int, chat: ChatTokeniz
     return ChatRequest([prompt] * int(n), max_tokens, stops, stream, api.check_sampling_fields(body, sampling),
                        include_usage=include_usage, continuous_usage=continuous,
                        skip_special_tokens=api.check_flag(body, "skip_special_tokens", True), device=device,
-                       role=role, echo_text=messages[-1]["content"] if echo else "")
+                       n=int(n), role=role, echo_text=messages[-1]["content"] if echo else "")
 
 
 # ---------------------------------------------------------------------- responses

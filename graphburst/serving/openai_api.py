@@ -22,6 +22,7 @@ import math
 import numbers
 import time
 
+from ..constants import SEED_LIMIT
 from ..sampling.params import check_sampling
 from ..validate import check_prompt
 
@@ -59,15 +60,20 @@ class Completion:
     echo: list | None = None  # [n] str: the text each choice's reply starts with (``echo``); None: no echo
     skip_special_tokens: bool = False  # special tokens left out of the text
     device: dict = dataclasses.field(default_factory=dict)  # check_device_fields' values, neutral for now
+    n: int = 1  # choices per prompt: prompts holds each prompt n times in a row (choice index = prompt * n + i)
 
     @property
     def prompt_tokens(self) -> int:
-        """The ``usage.prompt_tokens`` of the answer: every choice's prompt."""
-        return sum(map(len, self.prompts))
+        """The ``usage.prompt_tokens`` of the answer: each prompt once, whatever ``n`` is (as OpenAI counts)."""
+        return sum(map(len, self.prompts[::self.n]))
 
     def choice_sampling(self, index: int) -> dict:
-        """The sampling fields of choice ``index``'s Request."""
-        return self.sampling
+        """The sampling fields of choice ``index``'s Request: with a ``seed``, choice ``i`` of a prompt takes
+        ``seed + i``, so the n choices differ and each reproduces."""
+        fields = dict(self.sampling)
+        if "seed" in fields:
+            fields["seed"] = (fields["seed"] + index % self.n) % SEED_LIMIT
+        return fields
 
 
 # ---------------------------------------------------------------------- every request field
@@ -138,7 +144,7 @@ _SHARED = {
 
 COMPLETION_FIELDS = {
     **_SHARED, "prompt": _APPLIED, "max_tokens": _APPLIED, "add_special_tokens": _APPLIED,
-    "n": _refused(1, why="send the prompt several times in prompt for several choices"),
+    "n": _APPLIED,
     "best_of": _refused(1, why="the server generates one sequence per choice"),
     "logprobs": _refused(why=_NO_LOGPROBS),
     "suffix": _refused("", why="the server cannot insert text before a suffix"),
@@ -352,6 +358,11 @@ def parse_completion(body, *, model: str, vocab: int, capacity: int, tokenizer=N
         raise APIError(f"a prompt of {longest} tokens plus max_tokens={max_tokens} needs {longest + max_tokens} "
                        f"KV entries, but a slot holds {capacity}", param="max_tokens")
 
+    n = body.get("n", 1)
+    n = 1 if n is None else n
+    if not is_int(n) or n < 1 or n * len(prompts) > max_prompts:
+        raise APIError(f"n={shown(n)}: n must be an int >= 1 with n x {len(prompts)} prompts at most {max_prompts} "
+                       "(--max-queue)", param="n")
     stops = check_stop_ids(body, vocab)
     stream = check_stream(body)
     include_usage, continuous = check_stream_options(body, stream)
@@ -363,9 +374,11 @@ def parse_completion(body, *, model: str, vocab: int, capacity: int, tokenizer=N
                            "--tokenizer DIR)", param="echo")
         echo = [t if t is not None else tokenizer.decode(p, skip_special_tokens=skip) for p, t in zip(prompts, texts)]
     device = check_device_fields(body, vocab)
-    return Completion(prompts, int(max_tokens), stops, stream, check_sampling_fields(body, sampling),
-                      include_usage=include_usage, continuous_usage=continuous, echo=echo,
-                      skip_special_tokens=skip, device=device)
+    n = int(n)
+    return Completion([p for p in prompts for _ in range(n)], int(max_tokens), stops, stream,
+                      check_sampling_fields(body, sampling), include_usage=include_usage, continuous_usage=continuous,
+                      echo=None if echo is None else [e for e in echo for _ in range(n)], skip_special_tokens=skip,
+                      device=device, n=n)
 
 
 def check_model(body: dict, model: str) -> None:
