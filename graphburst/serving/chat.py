@@ -5,7 +5,8 @@ the messages. The template is the one in the tokenizer directory (``tokenizer_co
 ``chat_template`` or ``chat_template.jinja``) or in a GGUF file's metadata, rendered by transformers exactly as
 ``tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)`` renders
 it (jinja2 in transformers' sandbox), so the prompt ids are the ones the model was trained
-on. Generation then runs as for ``/v1/completions``; the model's end-of-turn ids (the
+on; a request's ``add_generation_prompt`` and ``continue_final_message`` (vLLM's) reach that
+call, and a request's own ``chat_template`` is refused, as vLLM refuses an untrusted one. Generation then runs as for ``/v1/completions``; the model's end-of-turn ids (the
 tokenizer's ``eos_token`` and ``generation_config.json``'s ``eos_token_id``) stop it, as
 vLLM does, and special tokens are left out of the text (``skip_special_tokens``).
 

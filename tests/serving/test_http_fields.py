@@ -387,3 +387,22 @@ def test_a_request_chat_template_is_refused_naming_it(server):
     r = post(server, CHAT, chat_template="{{ messages }}")
     err = r.json()["error"]
     assert r.status_code == 400 and err["param"] == "chat_template" and "template" in err["message"], err
+
+
+def test_the_openai_client_sees_the_refusals_and_the_applied_fields(server):
+    """As a user of the official client meets them: a 400 is a BadRequestError naming the field."""
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=30, max_retries=0)
+    model = "graphburst-stub"
+    for call, kw in ((client.completions.create, {"prompt": [7, 8], "presence_penalty": 0.5}),
+                     (client.completions.create, {"prompt": [7, 8], "suffix": "w9"}),
+                     (client.chat.completions.create, {"messages": USER_W7, "logit_bias": {"5": 10}}),
+                     (client.chat.completions.create, {"messages": USER_W7, "modalities": ["text", "audio"]})):
+        with pytest.raises(openai.BadRequestError) as exc:
+            call(model=model, max_tokens=4, **kw)
+        assert exc.value.body["param"] == next(k for k in kw if k not in ("prompt", "messages")), exc.value.body
+    r = client.completions.create(model=model, prompt="w7 w8", max_tokens=4, echo=True)
+    assert r.choices[0].text.startswith("w7 w8")
+    chunks = list(client.completions.create(model=model, prompt=[7, 8], max_tokens=4, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 4
+    assert all(ch.usage is None for ch in chunks[:-1])
