@@ -5,7 +5,8 @@ the messages. The template is the one in the tokenizer directory (``tokenizer_co
 ``chat_template`` or ``chat_template.jinja``) or in a GGUF file's metadata, rendered by transformers exactly as
 ``tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)`` renders
 it (jinja2 in transformers' sandbox), so the prompt ids are the ones the model was trained
-on. Generation then runs as for ``/v1/completions``; the model's end-of-turn ids (the
+on; a request's ``add_generation_prompt`` and ``continue_final_message`` (vLLM's) reach that
+call, and a request's own ``chat_template`` is refused, as vLLM refuses an untrusted one. Generation then runs as for ``/v1/completions``; the model's end-of-turn ids (the
 tokenizer's ``eos_token`` and ``generation_config.json``'s ``eos_token_id``) stop it, as
 vLLM does, and special tokens are left out of the text (``skip_special_tokens``).
 
@@ -19,7 +20,6 @@ import dataclasses
 import json
 import os
 
-from ..constants import SEED_LIMIT
 from ..models.gguf_checkpoint import is_gguf
 from ..models.llama_config import CheckpointError
 from ..models.named import resolve_model
@@ -82,17 +82,8 @@ def load_chat_tokenizer(model_dir: str) -> ChatTokenizer:
 class ChatRequest(api.Completion):
     """A validated chat request: ``n`` copies of the one rendered prompt."""
 
-    include_usage: bool = False  # stream_options.include_usage: a last chunk with usage and no choices
-
-    @property
-    def prompt_tokens(self) -> int:
-        return len(self.prompts[0])  # OpenAI counts the one prompt once, whatever n is
-
-    def choice_sampling(self, index: int) -> dict:
-        fields = dict(self.sampling)
-        if "seed" in fields:
-            fields["seed"] = (fields["seed"] + index) % SEED_LIMIT
-        return fields
+    role: str = "assistant"  # the reply's role: the last message's with add_generation_prompt=false, as vLLM
+    echo_text: str = ""  # echo: the last message's content when its role is the reply's, else ""
 
 
 def _content(i: int, value) -> str:
@@ -146,15 +137,23 @@ def check_messages(value, *, max_chars: int) -> list:
     return out
 
 
-def render(chat: ChatTokenizer, messages: list, *, vocab: int, capacity: int) -> list:
-    """The prompt ids: ``apply_chat_template(messages, add_generation_prompt=True, tokenize=True)``."""
+def render(chat: ChatTokenizer, messages: list, *, vocab: int, capacity: int, add_generation_prompt: bool = True,
+           continue_final_message: bool = False) -> list:
+    """The prompt ids: ``apply_chat_template(messages, add_generation_prompt=..., continue_final_message=...,
+    tokenize=True)``."""
     from jinja2 import TemplateError
 
     try:
-        ids = chat.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+        ids = chat.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                 continue_final_message=continue_final_message, tokenize=True,
                                                  return_dict=False)
     except TemplateError as exc:  # the template's own raise_exception(...), or a template bug
         raise _bad(f"the model's chat template refused these messages: {exc}") from None
+    except ValueError as exc:  # transformers: the final message cannot be continued (its text is not in the render)
+        if not continue_final_message:
+            raise
+        raise _bad(f"continue_final_message=true, but the chat template cannot leave the last message open: {exc}",
+                   "continue_final_message") from None
     return api.check_prompt_ids("messages (rendered by the chat template)", list(ids), vocab, capacity,
                                 param="messages")
 
@@ -175,24 +174,6 @@ def _max_tokens(body: dict, room: int) -> int:
     return room
 
 
-def _check_unsupported_chat(body: dict) -> None:
-    """Refuse what the chat route cannot do rather than ignore it."""
-    for field in ("tools", "functions"):
-        if body.get(field):
-            raise api.APIError(f"{field} are not supported", param=field)
-    for field in ("tool_choice", "function_call"):
-        if body.get(field) not in (None, "none"):
-            raise api.APIError(f"{field}={body[field]!r:.60} is not supported", param=field)
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise api.APIError(f"response_format={fmt!r:.60} is not supported (only {{\"type\": \"text\"}})",
-                           param="response_format")
-    if body.get("logprobs") or body.get("top_logprobs"):
-        raise api.APIError("logprobs are not supported", param="logprobs")
-    if body.get("stop"):
-        raise api.APIError("stop strings are not supported; use stop_token_ids", param="stop")
-
-
 def parse_chat(body, *, model: str, vocab: int, capacity: int, chat: ChatTokenizer | None, max_choices: int,
                sampling: bool = False) -> ChatRequest:
     """Validate a ``/v1/chat/completions`` body and render its prompt; raise :class:`api.APIError`.
@@ -211,27 +192,32 @@ def parse_chat(body, *, model: str, vocab: int, capacity: int, chat: ChatTokeniz
         raise api.APIError(f"model {model!r} has no chat template (its tokenizer_config.json has no chat_template "
                            "and there is no chat_template.jinja); send a prompt to /v1/completions",
                            param="messages")
+    api.check_fields(body, "/v1/chat/completions")
     if "messages" not in body:
         raise api.APIError("missing field messages", param="messages")
     messages = check_messages(body["messages"], max_chars=api.MAX_TEXT_CHARS_PER_TOKEN * capacity)
     n = body.get("n", 1)
     if not api.is_int(n) or not 1 <= n <= max_choices:
         raise api.APIError(f"n must be an int in [1, {max_choices}] (--max-queue), got {n!r:.60}", param="n")
-    _check_unsupported_chat(body)
     stream = api.check_stream(body)
-    options = body.get("stream_options")
-    if options is not None and not stream:
-        raise api.APIError("stream_options is only allowed with stream: true", param="stream_options")
-    options = options or {}
-    if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
-        raise api.APIError(f"stream_options must be {{\"include_usage\": true|false}}, got {options!r:.60}",
-                           param="stream_options")
-    prompt = render(chat, messages, vocab=vocab, capacity=capacity)
+    include_usage, continuous = api.check_stream_options(body, stream)
+    add_generation_prompt = api.check_flag(body, "add_generation_prompt", True)
+    continue_final = api.check_flag(body, "continue_final_message", False)
+    if continue_final and add_generation_prompt:  # vLLM refuses the pair too: one opens a new turn, one continues
+        raise api.APIError("continue_final_message=true needs add_generation_prompt=false (a new reply and a "
+                           "continued last message exclude each other)", param="continue_final_message")
+    prompt = render(chat, messages, vocab=vocab, capacity=capacity, add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final)
     max_tokens = _max_tokens(body, capacity - len(prompt))
     stops = api.check_stop_ids(body, vocab)
     stops += [t for t in chat.stop_ids if t not in stops and t < vocab]
+    role = "assistant" if add_generation_prompt else messages[-1]["role"]
+    echo = api.check_flag(body, "echo", False) and messages[-1]["role"] == role
+    device = api.check_device_fields(body, vocab)
     return ChatRequest([prompt] * int(n), max_tokens, stops, stream, api.check_sampling_fields(body, sampling),
-                       include_usage=options.get("include_usage", False))
+                       include_usage=include_usage, continuous_usage=continuous,
+                       skip_special_tokens=api.check_flag(body, "skip_special_tokens", True), device=device,
+                       n=int(n), role=role, echo_text=messages[-1]["content"] if echo else "")
 
 
 # ---------------------------------------------------------------------- responses
@@ -240,10 +226,12 @@ def parse_chat(body, *, model: str, vocab: int, capacity: int, chat: ChatTokeniz
 class ChatReply:
     """How ``/v1/chat/completions`` answers: a ``chat.completion`` body, or ``chat.completion.chunk`` events.
 
-    The stream opens with one chunk per choice carrying ``delta.role``; then ``delta.content``
-    chunks, the one that ends a choice carrying its ``finish_reason``; with
-    ``stream_options.include_usage`` a last chunk with ``usage`` and no choices (and ``usage:
-    null`` on every other chunk), as OpenAI sends it. Choices carry ``token_ids`` (vLLM's extension).
+    The stream opens with one chunk per choice carrying ``delta.role``; with ``echo`` (and the
+    last message in the reply's role) one chunk per choice with that message's content, as
+    vLLM sends it; then ``delta.content`` chunks, the one that ends a choice carrying its
+    ``finish_reason``; with ``stream_options.include_usage`` a last chunk with ``usage`` and no
+    choices (and ``usage: null`` on every other chunk, or with ``continuous_usage_stats`` that
+    choice's usage so far), as OpenAI sends it. Choices carry ``token_ids`` (vLLM's extension).
     """
 
     prefix = "chatcmpl"
@@ -251,19 +239,38 @@ class ChatReply:
 
     def __init__(self, cid: str, created: int, model: str, req: ChatRequest):
         self.cid, self.created, self.model, self.req = cid, created, model, req
-        use = ',"usage":null' if req.include_usage else ""
+        self.skip_special_tokens = req.skip_special_tokens
         self._head = ('data: {"id":' + json.dumps(cid) + ',"object":"chat.completion.chunk","created":'
-                      + str(int(created)) + ',"model":' + json.dumps(model) + use + ',"choices":[{"index":')
+                      + str(int(created)) + ',"model":' + json.dumps(model) + ',"choices":[{"index":')
+        self._generated = [0] * len(req.prompts)
+
+    def _usage(self, index: int) -> str:
+        """The chunk's ``usage`` member: none without include_usage, else null or this choice's so far."""
+        if not self.req.include_usage:
+            return ""
+        if not self.req.continuous_usage:
+            return ',"usage":null'
+        return ',"usage":' + json.dumps(api.usage(len(self.req.prompts[index]), self._generated[index]),
+                                        separators=(",", ":"))
+
+    def _event(self, index: int, delta: str, tail: str, finish: str) -> bytes:
+        return (f'{self._head}{int(index)},"delta":{delta}{tail},"logprobs":null,"finish_reason":{finish}}}]'
+                f'{self._usage(index)}}}\n\n').encode()
 
     def start(self) -> bytes:
-        return b"".join(f'{self._head}{i},"delta":{{"role":"assistant","content":""}},"logprobs":null,'
-                        f'"finish_reason":null}}]}}\n\n'.encode() for i in range(len(self.req.prompts)))
+        n = len(self.req.prompts)
+        role = '{"role":' + json.dumps(self.req.role) + ',"content":""}'
+        head = [self._event(i, role, "", "null") for i in range(n)]
+        if self.req.echo_text:
+            echo = '{"content":' + json.dumps(self.req.echo_text) + "}"
+            head += [self._event(i, echo, "", "null") for i in range(n)]
+        return b"".join(head)
 
     def chunk(self, index: int, text: str, token_ids: list, reason: str | None, usage_: dict | None) -> bytes:
+        self._generated[index] += len(token_ids)
         delta = "{}" if reason is not None and not text else '{"content":' + json.dumps(text) + "}"
         finish = "null" if reason is None else json.dumps(api.OPENAI_FINISH[reason])
-        return (f'{self._head}{int(index)},"delta":{delta},"token_ids":[{",".join(map(str, token_ids))}],'
-                f'"logprobs":null,"finish_reason":{finish}}}]}}\n\n').encode()
+        return self._event(index, delta, f',"token_ids":[{",".join(map(str, token_ids))}]', finish)
 
     def end(self, usage_: dict) -> bytes:
         if not self.req.include_usage:
@@ -273,8 +280,8 @@ class ChatReply:
         return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
     def body(self, texts: list, tokens: list, reasons: list, usage_: dict) -> dict:
-        choices = [{"index": i, "message": {"role": "assistant", "content": texts[i]}, "logprobs": None,
-                    "finish_reason": api.OPENAI_FINISH[reasons[i]], "token_ids": tokens[i]}
+        choices = [{"index": i, "message": {"role": self.req.role, "content": self.req.echo_text + texts[i]},
+                    "logprobs": None, "finish_reason": api.OPENAI_FINISH[reasons[i]], "token_ids": tokens[i]}
                    for i in range(len(texts))]
         return {"id": self.cid, "object": "chat.completion", "created": self.created, "model": self.model,
                 "choices": choices, "usage": usage_, "prompt_token_ids": self.req.prompts[0]}

@@ -1,20 +1,28 @@
 """The OpenAI completions subset: request validation and response shapes, no HTTP.
 
+Every request field of both routes is classified once, in :data:`FIELDS`: *applied* (the
+parser reads it and it changes the answer), *refused* (only its neutral values are taken;
+any other is a 400 naming it, because the server cannot do what it asks) or *ignored* (it
+cannot change the tokens, as vLLM ignores it). A field of no schema is ignored too, as
+OpenAI and vLLM accept unknown fields. docs/serving.md lists the same table, and
+tests/serving/test_http_fields.py holds both against the ``openai`` package's schemas.
+
 ``temperature``, ``top_p``, ``seed`` and vLLM's ``top_k`` (-1 = off) reach the device's
 speculative rejection sampler when the server runs with ``--sampling``; a greedy server
 refuses a field that would change its output (``temperature`` > 0, ``top_p`` < 1,
-``top_k`` > 0) with a 400 naming it rather than ignoring it. ``n`` > 1 and ``best_of`` > 1
-are refused too; fields that cannot change the tokens (``user``, ``presence_penalty`` of
-0, ...) are ignored, as vLLM does.
+``top_k`` > 0) with a 400 naming it rather than ignoring it. The seven sampling-shaping
+fields the device does not apply yet are :data:`DEVICE_FIELDS`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import numbers
 import time
 
+from ..constants import SEED_LIMIT
 from ..sampling.params import check_sampling
 from ..validate import check_prompt
 
@@ -30,7 +38,7 @@ class APIError(Exception):
     """An error response: HTTP status, OpenAI error ``type`` and the offending ``param``."""
 
     def __init__(self, message: str, *, param: str | None = None, status: int = 400,
-                 type: str = "invalid_request_error"):  # noqa: A002 - the OpenAI field name
+                 type: str = "invalid_request_error"):  # "type": the OpenAI field name
         super().__init__(message)
         self.message, self.param, self.status, self.type = message, param, status, type
 
@@ -47,15 +55,215 @@ class Completion:
     stop_token_ids: list  # [0] -> the device EOS, the rest checked on the host
     stream: bool
     sampling: dict = dataclasses.field(default_factory=dict)  # Request's temperature/top_k/top_p/seed as sent
+    include_usage: bool = False  # stream_options.include_usage: a last chunk with usage and no choices
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk too
+    echo: list | None = None  # [n] str: the text each choice's reply starts with (``echo``); None: no echo
+    skip_special_tokens: bool = False  # special tokens left out of the text
+    device: dict = dataclasses.field(default_factory=dict)  # check_device_fields' values, neutral for now
+    n: int = 1  # choices per prompt: prompts holds each prompt n times in a row (choice index = prompt * n + i)
 
     @property
     def prompt_tokens(self) -> int:
-        """The ``usage.prompt_tokens`` of the answer: every choice's prompt."""
-        return sum(map(len, self.prompts))
+        """The ``usage.prompt_tokens`` of the answer: each prompt once, whatever ``n`` is (as OpenAI counts)."""
+        return sum(map(len, self.prompts[::self.n]))
 
     def choice_sampling(self, index: int) -> dict:
-        """The sampling fields of choice ``index``'s Request."""
-        return self.sampling
+        """The sampling fields of choice ``index``'s Request: with a ``seed``, choice ``i`` of a prompt takes
+        ``seed + i``, so the n choices differ and each reproduces."""
+        fields = dict(self.sampling)
+        if "seed" in fields:
+            fields["seed"] = (fields["seed"] + index % self.n) % SEED_LIMIT
+        return fields
+
+
+# ---------------------------------------------------------------------- every request field
+
+APPLIED, REFUSED, IGNORED = "applied", "refused", "ignored"
+
+
+@dataclasses.dataclass(frozen=True)
+class Field:
+    """How a route treats one request field.
+
+    ``applied``: its parser reads it. ``refused``: null and the values in ``neutral`` ask for
+    nothing and are taken; any other value is a 400 ending with ``why``. ``ignored``: it
+    cannot change the tokens (bookkeeping, caching hints), so it is dropped, as vLLM drops it.
+    """
+
+    status: str
+    neutral: tuple = ()
+    why: str = ""
+
+
+def _refused(*neutral, why: str) -> Field:
+    return Field(REFUSED, neutral, why)
+
+
+_APPLIED, _IGNORED = Field(APPLIED), Field(IGNORED)
+
+# The seven sampling-shaping fields (OpenAI's and vLLM's) that need the device's sampler. Until
+# the device applies them each is taken at its neutral value, which changes nothing, and refused
+# otherwise; a change that applies them replaces this table and check_device_fields only.
+DEVICE_FIELDS = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": {}, "repetition_penalty": 1.0,
+                 "min_p": 0.0, "min_tokens": 0, "ignore_eos": False}
+DEVICE_FIELD_STATUS = REFUSED  # FIELDS' word for them while the device does not apply them
+
+_NO_LOGPROBS = "the server returns no log probabilities"
+_NO_GUIDE = "the server does not constrain the output"
+_NO_TOOLS = "the server cannot render tool definitions or parse tool calls"
+_TEXT_ONLY = "the server generates text only"
+
+# Fields both routes share (vLLM's extras included), then each route's own.
+_SHARED = {
+    "model": _APPLIED, "stream": _APPLIED, "stream_options": _APPLIED, "temperature": _APPLIED, "top_p": _APPLIED,
+    "top_k": _APPLIED, "seed": _APPLIED, "stop_token_ids": _APPLIED, "echo": _APPLIED,
+    "skip_special_tokens": _APPLIED,
+    **{name: Field(DEVICE_FIELD_STATUS) for name in DEVICE_FIELDS},
+    "stop": _refused("", [], why="stop strings are not matched; send stop_token_ids"),
+    "response_format": _refused({"type": "text"}, why=_NO_GUIDE),
+    "use_beam_search": _refused(False, why="the server has no beam search"),
+    "length_penalty": _refused(1, why="it scores beams, and the server has no beam search"),
+    "allowed_token_ids": _refused(why="the server does not restrict the vocabulary"),
+    "bad_words": _refused([], why="the server does not ban words"),
+    "prompt_logprobs": _refused(why=_NO_LOGPROBS),
+    "truncate_prompt_tokens": _refused(why="the server does not truncate prompts; a prompt that does not fit is a 400"),
+    **{name: _refused(why=_NO_GUIDE) for name in (
+        "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structural_tag", "structured_outputs",
+        "guided_decoding_backend", "guided_whitespace_pattern")},
+    "logits_processors": _refused([], why="the server runs no custom logits processors"),
+    "priority": _refused(0, why="the server admits requests in arrival order"),
+    "kv_transfer_params": _refused({}, why="the server does not transfer KV caches"),
+    "vllm_xargs": _refused({}, why="the server has no custom extensions"),
+    "spaces_between_special_tokens": _refused(True, why="the tokenizer's own decoder spaces the text"),
+    "user": _IGNORED, "request_id": _IGNORED,
+    "cache_salt": _IGNORED,  # salts a prefix cache, which the server does not have
+    "return_token_ids": _IGNORED,  # every choice carries token_ids anyway
+    "return_tokens_as_token_ids": _IGNORED,  # shapes logprobs, which are refused
+    "include_stop_str_in_output": _IGNORED,  # concerns stop strings, which are refused
+}
+
+COMPLETION_FIELDS = {
+    **_SHARED, "prompt": _APPLIED, "max_tokens": _APPLIED, "add_special_tokens": _APPLIED,
+    "n": _APPLIED,
+    "best_of": _refused(1, why="the server generates one sequence per choice"),
+    "logprobs": _refused(why=_NO_LOGPROBS),
+    "suffix": _refused("", why="the server cannot insert text before a suffix"),
+    "prompt_embeds": _refused(why="the server takes token ids or text, not embeddings"),
+}
+
+CHAT_FIELDS = {
+    **_SHARED, "messages": _APPLIED, "max_tokens": _APPLIED, "max_completion_tokens": _APPLIED, "n": _APPLIED,
+    "add_generation_prompt": _APPLIED, "continue_final_message": _APPLIED,
+    "chat_template": _refused(why="the server renders the model's own template and does not trust a request's"),
+    "chat_template_kwargs": _refused({}, why="the server passes no extra variables to the chat template"),
+    "documents": _refused([], why="the server passes no documents to the chat template"),
+    "add_special_tokens": _refused(False, why="the chat template places the special tokens itself"),
+    "best_of": _refused(1, why="the server generates one sequence per choice"),
+    "logprobs": _refused(False, why=_NO_LOGPROBS), "top_logprobs": _refused(0, why=_NO_LOGPROBS),
+    "tools": _refused([], why=_NO_TOOLS), "functions": _refused([], why=_NO_TOOLS),
+    "tool_choice": _refused("none", "auto", why=_NO_TOOLS), "function_call": _refused("none", "auto", why=_NO_TOOLS),
+    "parallel_tool_calls": _IGNORED,  # only matters with tools, which are refused
+    "audio": _refused(why=_TEXT_ONLY), "modalities": _refused(["text"], why=_TEXT_ONLY),
+    "prediction": _refused(why="the server does not take a predicted output"),
+    "reasoning_effort": _refused("none", why="the server sets no reasoning budget"),
+    "verbosity": _refused(why="the server cannot set how long a reply is by a level"),
+    "web_search_options": _refused(why="the server cannot search the web"),
+    "moderation": _refused(why="the server runs no moderation"),
+    "metadata": _IGNORED, "store": _IGNORED, "service_tier": _IGNORED, "safety_identifier": _IGNORED,
+    "prompt_cache_key": _IGNORED, "prompt_cache_retention": _IGNORED, "prompt_cache_options": _IGNORED,
+    "mm_processor_kwargs": _IGNORED,  # for images and audio, which messages cannot carry
+}
+
+FIELDS = {"/v1/completions": COMPLETION_FIELDS, "/v1/chat/completions": CHAT_FIELDS}
+
+
+def shown(value) -> str:
+    """A request value as JSON, cut to 60 characters, for an error message."""
+    try:
+        text = json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _same(a, b) -> bool:
+    """JSON equality that keeps true apart from 1 and "1" apart from 1."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return type(a) is type(b) and a == b
+    if isinstance(a, numbers.Real) and isinstance(b, numbers.Real):
+        return a == b
+    return type(a) is type(b) and a == b
+
+
+def check_fields(body: dict, route: str) -> None:
+    """Refuse each refused field of ``route`` sent with a value other than null or a neutral one.
+
+    Applied fields are their parsers'; device fields are :func:`check_device_fields`'; ignored
+    fields and fields of no schema pass.
+    """
+    table = FIELDS[route]
+    for name, value in body.items():
+        f = table.get(name)
+        if f is None or f.status != REFUSED or name in DEVICE_FIELDS or value is None:
+            continue
+        if not any(_same(value, v) for v in f.neutral):
+            raise APIError(f"{name}={shown(value)} is not supported: {f.why}", param=name)
+
+
+def check_device_fields(body: dict, vocab: int) -> dict:
+    """:data:`DEVICE_FIELDS` as sent (their neutral values when absent), each checked as OpenAI and
+    vLLM check it; a bad value, or a good one other than the neutral, is a 400 naming the field."""
+    out = {}
+    for name, neutral in DEVICE_FIELDS.items():
+        value = body.get(name)
+        if value is None:
+            out[name] = neutral
+            continue
+        if name == "ignore_eos":
+            if not isinstance(value, bool):
+                raise APIError(f"ignore_eos must be true or false, got {shown(value)}", param=name)
+        elif name == "min_tokens":
+            if not is_int(value) or value < 0:
+                raise APIError(f"min_tokens must be an int >= 0, got {shown(value)}", param=name)
+        elif name == "logit_bias":
+            value = _logit_bias(value, vocab)
+        else:  # a real number in the range OpenAI (the penalties) or vLLM (repetition_penalty, min_p) allows
+            rule, ok = {"presence_penalty": ("in [-2, 2]", lambda v: -2 <= v <= 2),
+                        "frequency_penalty": ("in [-2, 2]", lambda v: -2 <= v <= 2),
+                        "repetition_penalty": ("> 0", lambda v: v > 0), "min_p": ("in [0, 1]", lambda v: 0 <= v <= 1)}[name]
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or not ok(value):
+                raise APIError(f"{name} must be a number {rule}, got {shown(value)}", param=name)
+        if not _same(value, neutral):
+            raise APIError(f"{name}={shown(body[name])} is not applied by this server yet; leave it out or send "
+                           f"{shown(neutral)}", param=name)
+        out[name] = value
+    return out
+
+
+def _logit_bias(value, vocab: int) -> dict:
+    """OpenAI's ``logit_bias``: token-id strings to biases in [-100, 100]; a zero bias is dropped (it changes nothing)."""
+    if not isinstance(value, dict):
+        raise APIError(f"logit_bias must be an object of token ids to biases, got {shown(value)}", param="logit_bias")
+    out = {}
+    for key, bias in value.items():
+        if not (len(key) <= 10 and key.isascii() and key.isdigit() and int(key) < vocab):
+            raise APIError(f"logit_bias key {shown(key)} is not a token id in [0, {vocab})", param="logit_bias")
+        if isinstance(bias, bool) or not isinstance(bias, numbers.Real) or not -100 <= bias <= 100:
+            raise APIError(f"logit_bias[{shown(key)}] = {shown(bias)} is not a number in [-100, 100]",
+                           param="logit_bias")
+        if bias:
+            out[int(key)] = float(bias)
+    return out
+
+
+def check_flag(body: dict, name: str, default: bool) -> bool:
+    """A true/false field; null is its default."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise APIError(f"{name} must be true or false, got {shown(value)}", param=name)
+    return value
 
 
 def is_int(x) -> bool:
@@ -73,8 +281,10 @@ def check_prompt_ids(name: str, value, vocab: int, capacity: int, *, param: str 
         raise APIError(str(exc), param=param) from exc
 
 
-def _prompts(value, vocab: int, tokenizer, *, max_prompts: int, capacity: int) -> list:
-    """``prompt`` as a list of token-id lists; text needs a tokenizer.
+def _prompts(value, vocab: int, tokenizer, *, max_prompts: int, capacity: int,
+             add_special_tokens: bool = True) -> tuple[list, list]:
+    """``prompt`` as a list of token-id lists, and each one's text as sent (None for token ids);
+    text needs a tokenizer.
 
     Counts and lengths are checked before any per-token work, so an oversized body that
     will be refused costs the event loop almost nothing.
@@ -86,26 +296,29 @@ def _prompts(value, vocab: int, tokenizer, *, max_prompts: int, capacity: int) -
         if len(s) > MAX_TEXT_CHARS_PER_TOKEN * capacity:  # a token is rarely longer than this many characters
             raise APIError(f"prompt{i} holds {len(s)} characters, more than a slot of {capacity} tokens could take",
                            param="prompt")
-        return check_prompt_ids(f"prompt{i} (tokenized)", tokenizer.encode(s).ids, vocab, capacity)
+        ids = tokenizer.encode(s, add_special_tokens=add_special_tokens).ids
+        return check_prompt_ids(f"prompt{i} (tokenized)", ids, vocab, capacity)
 
     if isinstance(value, str):
-        return [text("", value)]
+        return [text("", value)], [value]
     if not isinstance(value, list) or not value:
         raise APIError(f"prompt must be a token-id list, a list of them, or text; got {value!r:.60}", param="prompt")
     if not any(isinstance(t, (list, str)) for t in value):  # one prompt of token ids
-        return [check_prompt_ids("prompt", value, vocab, capacity)]
+        return [check_prompt_ids("prompt", value, vocab, capacity)], [None]
     if len(value) > max_prompts:
         raise APIError(f"prompt holds {len(value)} prompts; at most {max_prompts} per request", param="prompt")
-    out = []
+    out, texts = [], []
     for i, p in enumerate(value):
         if isinstance(p, str):
             out.append(text(f"[{i}]", p))
+            texts.append(p)
         elif isinstance(p, list):
             out.append(check_prompt_ids(f"prompt[{i}]", p, vocab, capacity))
+            texts.append(None)
         else:
             raise APIError(f"prompt[{i}] must be an int token id, a token-id list or text, got {p!r:.60}",
                            param="prompt")
-    return out
+    return out, texts
 
 
 def parse_completion(body, *, model: str, vocab: int, capacity: int, tokenizer=None,
@@ -121,7 +334,7 @@ def parse_completion(body, *, model: str, vocab: int, capacity: int, tokenizer=N
     vocab, capacity : int
         Token ids must be in ``[0, vocab)``; prompt plus ``max_tokens`` must fit ``capacity``.
     tokenizer : tokenizers.Tokenizer, optional
-        Needed for text prompts.
+        Needed for text prompts and ``echo``.
     max_prompts : int
         More prompts than this in one request could never be queued at once.
     sampling : bool
@@ -130,9 +343,11 @@ def parse_completion(body, *, model: str, vocab: int, capacity: int, tokenizer=N
     if not isinstance(body, dict):
         raise APIError(f"the body must be a JSON object, got {type(body).__name__}", param="body")
     check_model(body, model)
+    check_fields(body, "/v1/completions")
     if "prompt" not in body:
         raise APIError("missing field prompt", param="prompt")
-    prompts = _prompts(body["prompt"], vocab, tokenizer, max_prompts=max_prompts, capacity=capacity)
+    prompts, texts = _prompts(body["prompt"], vocab, tokenizer, max_prompts=max_prompts, capacity=capacity,
+                              add_special_tokens=check_flag(body, "add_special_tokens", True))
 
     max_tokens = body.get("max_tokens")
     max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
@@ -143,10 +358,27 @@ def parse_completion(body, *, model: str, vocab: int, capacity: int, tokenizer=N
         raise APIError(f"a prompt of {longest} tokens plus max_tokens={max_tokens} needs {longest + max_tokens} "
                        f"KV entries, but a slot holds {capacity}", param="max_tokens")
 
+    n = body.get("n", 1)
+    n = 1 if n is None else n
+    if not is_int(n) or n < 1 or n * len(prompts) > max_prompts:
+        raise APIError(f"n={shown(n)}: n must be an int >= 1 with n x {len(prompts)} prompts at most {max_prompts} "
+                       "(--max-queue)", param="n")
     stops = check_stop_ids(body, vocab)
     stream = check_stream(body)
-    _check_unsupported(body)
-    return Completion(prompts, int(max_tokens), stops, stream, check_sampling_fields(body, sampling))
+    include_usage, continuous = check_stream_options(body, stream)
+    skip = check_flag(body, "skip_special_tokens", False)
+    echo = None
+    if check_flag(body, "echo", False):  # as vLLM: the prompt's text as sent, or its ids decoded
+        if tokenizer is None:
+            raise APIError("echo=true needs the prompt's text, but the server has no tokenizer (start it with "
+                           "--tokenizer DIR)", param="echo")
+        echo = [t if t is not None else tokenizer.decode(p, skip_special_tokens=skip) for p, t in zip(prompts, texts)]
+    device = check_device_fields(body, vocab)
+    n = int(n)
+    return Completion([p for p in prompts for _ in range(n)], int(max_tokens), stops, stream,
+                      check_sampling_fields(body, sampling), include_usage=include_usage, continuous_usage=continuous,
+                      echo=None if echo is None else [e for e in echo for _ in range(n)], skip_special_tokens=skip,
+                      device=device, n=n)
 
 
 def check_model(body: dict, model: str) -> None:
@@ -192,19 +424,28 @@ def check_sampling_fields(body: dict, sampling: bool) -> dict:
     return fields
 
 
-def _check_unsupported(body: dict) -> None:
-    """Refuse what the server cannot do rather than ignore it."""
-    n, best_of = body.get("n", 1), body.get("best_of")
-    if n != 1:
-        raise APIError(f"n={n!r}: only n=1 is supported (send several prompts for several choices)", param="n")
-    if best_of not in (None, 1):
-        raise APIError(f"best_of={best_of!r}: only 1 is supported", param="best_of")
-    if body.get("echo"):
-        raise APIError("echo is not supported", param="echo")
-    if body.get("logprobs") is not None:
-        raise APIError("logprobs are not supported", param="logprobs")
-    if body.get("stop"):
-        raise APIError("stop strings are not supported; use stop_token_ids", param="stop")
+def check_stream_options(body: dict, stream: bool) -> tuple[bool, bool]:
+    """``stream_options`` as (include_usage, continuous_usage_stats); only with ``stream: true``.
+
+    ``continuous_usage_stats`` (vLLM's) puts usage on every chunk; like vLLM it needs
+    ``include_usage``, and without it is refused rather than left to do nothing.
+    """
+    options = body.get("stream_options")
+    if options is None:
+        return False, False
+    if not stream:
+        raise APIError("stream_options is only allowed with stream: true", param="stream_options")
+    if not isinstance(options, dict):
+        raise APIError(f"stream_options must be an object such as {{\"include_usage\": true}}, got {shown(options)}",
+                       param="stream_options")
+    for key in ("include_usage", "continuous_usage_stats"):
+        if options.get(key) is not None and not isinstance(options[key], bool):
+            raise APIError(f"stream_options.{key} must be true or false, got {shown(options[key])}",
+                           param="stream_options")
+    include, continuous = bool(options.get("include_usage")), bool(options.get("continuous_usage_stats"))
+    if continuous and not include:
+        raise APIError("stream_options.continuous_usage_stats=true needs include_usage: true", param="stream_options")
+    return include, continuous
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -253,25 +494,45 @@ class StreamChunks:
 
 
 class CompletionReply:
-    """How ``/v1/completions`` answers: a :func:`completion` body, or :class:`StreamChunks` events with
-    ``usage`` on the last one. :class:`graphburst.serving.chat.ChatReply` is the chat route's."""
+    """How ``/v1/completions`` answers: a :func:`completion` body, or :class:`StreamChunks` events.
+
+    Streamed, ``usage`` rides on the last choice's chunk; with ``stream_options.include_usage``
+    it is OpenAI's shape instead: ``usage: null`` on every choice chunk (with
+    ``continuous_usage_stats``, that choice's usage so far, as vLLM sends it) and one last
+    chunk with ``choices: []`` and the usage. With ``echo`` a choice's text starts with its
+    prompt's text (the first chunk carries it). :class:`graphburst.serving.chat.ChatReply` is
+    the chat route's.
+    """
 
     prefix = "cmpl"
     skip_special_tokens = False
 
     def __init__(self, cid: str, created: int, model: str, comp: Completion):
-        self.cid, self.created, self.model = cid, created, model
+        self.cid, self.created, self.model, self.comp = cid, created, model, comp
         self.chunks = StreamChunks(cid, created, model)
+        self.skip_special_tokens = comp.skip_special_tokens
+        self._unechoed = list(comp.echo) if comp.echo is not None else None  # per choice: None once sent
+        self._generated = [0] * len(comp.prompts)
 
     def start(self) -> bytes:
         return b""
 
     def chunk(self, index: int, text: str, token_ids: list, reason: str | None, usage_: dict | None) -> bytes:
+        if self._unechoed is not None and self._unechoed[index] is not None:
+            text, self._unechoed[index] = self._unechoed[index] + text, None
+        if self.comp.include_usage:
+            self._generated[index] += len(token_ids)
+            usage_ = usage(len(self.comp.prompts[index]), self._generated[index]) if self.comp.continuous_usage \
+                else None
         return self.chunks.chunk(index, text, token_ids, reason, usage_)
 
     def end(self, usage_: dict) -> bytes:
-        return b""
+        if not self.comp.include_usage:
+            return b""
+        obj = completion(self.cid, self.created, self.model, [], usage_)
+        return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
     def body(self, texts: list, tokens: list, reasons: list, usage_: dict) -> dict:
-        choices = [choice(i, texts[i], tokens[i], reasons[i]) for i in range(len(texts))]
+        echo = self.comp.echo or [""] * len(texts)
+        choices = [choice(i, echo[i] + texts[i], tokens[i], reasons[i]) for i in range(len(texts))]
         return completion(self.cid, self.created, self.model, choices, usage_)

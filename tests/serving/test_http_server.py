@@ -249,7 +249,8 @@ def test_overload_gets_429_with_retry_after():
     ({"prompt": [1, True]}, "prompt", "prompt[1]"),
     ({"prompt": []}, "prompt", "prompt"),
     ({"prompt": "hello"}, "prompt", "tokenizer"),
-    ({"prompt": [1], "n": 2}, "n", "n=2"),
+    ({"prompt": [1], "n": 0}, "n", "n=0"),
+    ({"prompt": [[1], [2]], "n": 200}, "n", "max-queue"),
     ({"prompt": [1], "temperature": 0.7}, "temperature", "--sampling"),
     ({"prompt": [1], "top_k": 3}, "top_k", "--sampling"),
     ({"prompt": [1], "top_p": 0.5}, "top_p", "0.5"),
@@ -357,7 +358,7 @@ def test_metrics_parse_as_prometheus_text(server):
     for n in (3, 9):
         assert httpx.post(server.url + "/v1/completions", json={"prompt": [2, 2], "max_tokens": n},
                           timeout=10).status_code == 200
-    httpx.post(server.url + "/v1/completions", json={"prompt": [1], "n": 3}, timeout=10)
+    httpx.post(server.url + "/v1/completions", json={"prompt": [1], "suffix": "x"}, timeout=10)  # a 400
     after = metric_values(httpx.get(server.url + "/metrics", timeout=10).text)
 
     def delta(name, **labels):
