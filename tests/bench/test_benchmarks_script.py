@@ -17,7 +17,7 @@ SCRIPT = ROOT / "scripts" / "benchmarks.sh"
 #: the steps behind docs/benchmarks.md's tables, in order, with the bench command each runs
 STEPS = [("latency_quick", "latency"), ("capture", "capture"), ("serve", "serve"), ("serve_profile", "serve"),
          ("serve_1b_http", "serve"), ("real", "real"), ("real_summary", "real"), ("real_profile", "real"),
-         ("ngram", "ngram")]
+         ("ngram", "ngram"), ("ngram_text_b1", "ngram"), ("ngram_text_b16_64", "ngram")]
 
 
 def run_script(out, *args, **env):
