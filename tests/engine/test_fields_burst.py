@@ -1,0 +1,181 @@
+"""The logits processing fields through whole bursts (``SpecDecoder(..., sampling=True, fields=True)``).
+
+At temperature 0 the speculative tokens must equal a plain host loop that applies transformers'
+logits processors (and the plain presence/frequency rule) to the same stub target's logits one
+token at a time and takes the argmax; the device counts must equal the committed tokens' counts;
+a reused slot starts clean. Numpy here; the same tests on cupy are gpu-marked (``backend``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from graphburst.capture import BurstGraph
+from graphburst.constants import NO_EOS
+from graphburst.engine.decoder import SpecDecoder
+from graphburst.kernels import reference
+from graphburst.kernels.digest import greedy_reference
+from graphburst.models.stubs import LOGIT_SPREAD, TARGET_SALT, stub_pair
+
+torch = pytest.importorskip("torch")
+lp = pytest.importorskip("transformers.generation.logits_process")
+
+F32 = np.float32
+VOCAB = 64
+PEAK = 1.0  # a low peak: the fields change the argmax often
+
+
+def stub_target_logits(prefix, vocab=VOCAB, peak=PEAK):
+    """The stub target's logits after ``prefix``, from its definition (greedy oracle -> stub_logits)."""
+    g = np.array([[greedy_reference(prefix, 1, vocab)[0]]], np.int32)
+    logits = np.zeros((1, 1, vocab), F32)
+    reference.stub_logits(g, np.array([len(prefix)], np.int32), logits, pos_offset=0, salt=TARGET_SALT,
+                          spread=LOGIT_SPREAD, peak=peak)
+    return logits[0, 0]
+
+
+def host_decode(prompt, n, fields, eos=None):
+    """One token at a time: transformers' processors in vLLM's order, presence/frequency, argmax."""
+    fields = fields or {}
+    stop = NO_EOS if eos is None or fields.get("ignore_eos") else eos
+    toks = []
+    while len(toks) < n:
+        ids = torch.tensor([list(prompt) + toks], dtype=torch.long)
+        s = torch.tensor(stub_target_logits(list(prompt) + toks))[None]
+        if fields.get("min_tokens", 0) and stop != NO_EOS:
+            s = lp.MinNewTokensLengthLogitsProcessor(len(prompt), fields["min_tokens"], stop)(ids, s)
+        if fields.get("logit_bias"):
+            s = lp.SequenceBiasLogitsProcessor([[[int(t)], float(v)] for t, v in fields["logit_bias"].items()])(ids, s)
+        if fields.get("repetition_penalty", 1.0) != 1.0:
+            s = lp.RepetitionPenaltyLogitsProcessor(float(F32(fields["repetition_penalty"])))(ids, s)
+        x = s[0].numpy().astype(F32)
+        counts = np.bincount(np.asarray(toks, np.int64), minlength=VOCAB) if toks else np.zeros(VOCAB, np.int64)
+        fr, pr = F32(fields.get("frequency_penalty", 0.0)), F32(fields.get("presence_penalty", 0.0))
+        if fr:
+            x = (x - fr * counts.astype(F32)).astype(F32)
+        if pr:
+            x = np.where(counts > 0, x - pr, x).astype(F32)
+        t = int(np.argmax(x))
+        toks.append(t)
+        if t == stop:
+            break
+    return toks
+
+
+FIELDS = [
+    {"repetition_penalty": 1.8},
+    {"frequency_penalty": 0.7, "presence_penalty": 0.4},
+    {"logit_bias": {3: 2.5, 17: -100.0, 40: 1.0}, "presence_penalty": -0.3},
+    {"min_tokens": 6, "repetition_penalty": 1.2},
+    {"ignore_eos": True, "frequency_penalty": 0.2},
+    None,
+]
+PROMPTS = [[1, 2, 3, 4], [9], [5, 5, 5, 6, 7], [11, 12], [8, 8], [30, 31, 32]]
+
+
+def build(backend, batch, *, k=3, m=3, engine_graph=False):
+    target, draft = stub_pair(batch, VOCAB, [True, False, True], [True], 128, accept_prob=0.6, p_min=0.2, seed=4,
+                              backend=backend, logit_peak=PEAK)
+    return SpecDecoder(target, draft, k=k, m_rounds=m, sampling=True, fields=True)
+
+
+def run(dec, bursts, graph=False):
+    """Each slot's tokens over ``bursts`` bursts (None: until every slot is done, at most 40)."""
+    out = [[] for _ in range(dec.batch)]
+    g = BurstGraph(dec) if graph else None
+    for _ in range(40 if bursts is None else bursts):
+        if bursts is None and not (dec.host_left > 0).any():
+            break
+        tokens = g.run() if graph else dec.run_burst()
+        for b in range(dec.batch):
+            out[b] += [int(t) for t in tokens[b]]
+    return out
+
+
+def eos_of(prompt):
+    return int(host_decode(prompt, 4, None)[3])  # a token greedy decoding emits: it matters
+
+
+@pytest.mark.parametrize("graph", [False, True])
+def test_greedy_fields_equal_a_host_loop_of_transformers_processors(backend, graph):
+    """Temperature 0, every field, speculation on: the tokens are the one-token-at-a-time loop's."""
+    if graph and not backend.is_gpu:
+        pytest.skip("graph replay is the cupy path; the numpy backend replays the same calls")
+    n = 24
+    dec = build(backend, len(PROMPTS))
+    eos = [eos_of(p) for p in PROMPTS]
+    dec.prefill(PROMPTS, max_new_tokens=n, eos=eos, fields=FIELDS)
+    got = run(dec, None, graph)
+    changed = 0
+    for b, (prompt, f) in enumerate(zip(PROMPTS, FIELDS)):
+        want = host_decode(prompt, n, f, eos[b])
+        assert got[b] == want, f"slot {b} {f}"
+        changed += want != host_decode(prompt, n, None, eos[b])
+    assert changed >= 4, "the fields changed too few sequences: the test would not see them ignored"
+    acc = dec.accept_counters()
+    assert acc[:, 0].sum() > 0  # drafts were accepted: speculation ran
+
+
+def test_counts_are_the_committed_tokens(backend):
+    """After several bursts: counts = the committed tokens, plus the pending token of a live slot."""
+    dec = build(backend, len(PROMPTS))
+    dec.prefill(PROMPTS, max_new_tokens=[10, 40, 40, 7, 40, 40], fields=FIELDS)
+    got = run(dec, 3)
+    counts = backend.to_host(dec.fields.counts, dec.stream)
+    pend = backend.to_host(dec.bufs.pend, dec.stream)
+    for b, toks in enumerate(got):
+        want = np.bincount(np.asarray(toks, np.int64), minlength=VOCAB)
+        if dec.host_left[b] > 0:
+            want[pend[b]] += 1
+        np.testing.assert_array_equal(counts[b], want, err_msg=f"slot {b}")
+    assert (dec.host_left == 0).sum() == 2 and (dec.host_left > 0).sum() == 4
+
+
+def test_reused_slot_starts_clean(backend):
+    """A slot refilled while others run: its counts and prompt marks are its new request's only."""
+    dec = build(backend, 3)
+    first = [[1, 2, 3, 4], [9, 9, 9], [20, 21]]
+    f = {"repetition_penalty": 2.0, "frequency_penalty": 0.5}
+    dec.prefill(first, max_new_tokens=[6, 30, 30], fields=[f, f, f])
+    run(dec, 2)
+    assert dec.host_left[0] == 0
+    new = [40, 41, 1]
+    dec.prefill([new, None, None], max_new_tokens=12, fields={"presence_penalty": 1.0})
+    got = run(dec, 5)
+    assert got[0] == host_decode(new, 12, {"presence_penalty": 1.0})
+    seen = backend.to_host(dec.fields.prompt_seen, dec.stream)
+    assert np.flatnonzero(seen[0]).tolist() == sorted(set(new))
+    counts = backend.to_host(dec.fields.counts, dec.stream)
+    np.testing.assert_array_equal(counts[0], np.bincount(got[0], minlength=VOCAB))
+
+
+def test_chunked_prompt_marks_every_chunk(backend):
+    """A prompt prefilled in two chunks penalizes the tokens of both (repetition), like a whole one."""
+    dec = build(backend, 2)
+    prompt = [3, 4, 5, 6, 7, 8, 9]
+    f = {"repetition_penalty": 3.0}
+    dec.prefill([prompt[:4], None], final=False)
+    dec.prefill([prompt[4:], prompt], start=[4, 0], max_new_tokens=10, fields=[f, f])
+    got = run(dec, None)
+    want = host_decode(prompt, 10, f)
+    assert got[0] == want and got[1] == want
+
+
+def test_fields_need_the_flag_and_sampling():
+    target, draft = stub_pair(2, VOCAB, [True], [True], 64, backend="numpy")
+    with pytest.raises(ValueError, match="sampling=True"):
+        SpecDecoder(target, draft, k=2, m_rounds=2, fields=True)
+    dec = SpecDecoder(target, draft, k=2, m_rounds=2, sampling=True)
+    assert dec.fields is None
+    with pytest.raises(ValueError, match=r"min_p\[0\] = 0.1 needs logits processing"):
+        dec.prefill([[1], None], fields={"min_p": 0.1})
+    dec = SpecDecoder(target, draft, k=2, m_rounds=2, sampling=True, fields=True)
+    with pytest.raises(ValueError, match="logit_bias"):
+        dec.prefill([[1], None], fields={"logit_bias": {VOCAB: 1.0}})
+    with pytest.raises(ValueError, match="presence_penalty"):
+        dec.prefill([[1], [2]], fields=[None, {"presence_penalty": 3}])
+    with pytest.raises(TypeError, match="non-final chunk"):
+        dec.prefill([[1], None], final=False, fields={"min_p": 0.1})
+    with pytest.raises(TypeError, match="fields must be a bool"):
+        SpecDecoder(target, draft, k=2, m_rounds=2, sampling=True, fields="yes")
