@@ -764,13 +764,12 @@ extern "C" __global__ void spec_probs_select(int n_rows, int vocab, int step, in
     for (int c = t; c < n_chunks; c += GB_SEL_THREADS) m = gb_max_u64(m, __ldcg(sel_part + cell * nt + c));
     u64 max_key = gb_sel_max(m, sm);
     float l_max = gb_key_logit(max_key);
-    // Min-p: its threshold (the smallest key kept) and how many keys it keeps, in one pass.
+    // Min-p: its threshold, the smallest key it keeps (e = exp((l - max) / T) >= min_p); with
+    // top-k, a second pass counts the keys >= it: top-k matters only when k is fewer.
     u64 thr_m = 0ull;
     bool k_run = k_on;
     if (m_on) {
-        if (t == 0) sm.n = 0u;
         u64 low = 0ull;  // max of ~key over the kept keys: ~ the smallest of them
-        u32 kept = 0u;
         for (int base = 0; base < vocab; base += GB_SEL_SPAN) {  // trip count uniform over the block
             float x[GB_SEL_V4][GB_SAMPLE_VEC];
             gb_sel_load(row, base, vocab, aligned, x);
@@ -779,20 +778,35 @@ extern "C" __global__ void spec_probs_select(int n_rows, int vocab, int step, in
 #pragma unroll
                 for (int c = 0; c < GB_SAMPLE_VEC; ++c) {
                     int i = gb_sel_index(base, v, c);
-                    if (i < vocab && !(gb_scaled_exp(x[v][c], l_max, temp) < mp)) {
+                    if (i < vocab && !(gb_scaled_exp(x[v][c], l_max, temp) < mp))
                         low = gb_max_u64(low, ~gb_order_key(x[v][c], i));
-                        ++kept;
-                    }
                 }
             }
         }
-        for (int o = 16; o > 0; o >>= 1) kept += __shfl_xor_sync(0xffffffffu, kept, o);
-        __syncthreads();  // sm.n is zero before any warp adds
-        if ((t & 31) == 0) atomicAdd(&sm.n, kept);
-        thr_m = ~gb_sel_max(low, sm);  // its barriers end the atomics
-        u32 n_m = sm.n;
-        __syncthreads();
-        k_run = k_on && (u64)kk < (u64)n_m;  // top-k keeps more than min-p: min-p alone decides
+        thr_m = ~gb_sel_max(low, sm);  // the top key is always kept (e = 1 >= min_p)
+        if (k_on) {
+            if (t == 0) sm.n = 0u;
+            u32 above = 0u;
+            for (int base = 0; base < vocab; base += GB_SEL_SPAN) {
+                float x[GB_SEL_V4][GB_SAMPLE_VEC];
+                gb_sel_load(row, base, vocab, aligned, x);
+#pragma unroll
+                for (int v = 0; v < GB_SEL_V4; ++v) {
+#pragma unroll
+                    for (int c = 0; c < GB_SAMPLE_VEC; ++c) {
+                        int i = gb_sel_index(base, v, c);
+                        if (i < vocab && gb_order_key(x[v][c], i) >= thr_m) ++above;
+                    }
+                }
+            }
+            for (int o = 16; o > 0; o >>= 1) above += __shfl_xor_sync(0xffffffffu, above, o);
+            __syncthreads();  // sm.n is zero before any warp adds
+            if ((t & 31) == 0) atomicAdd(&sm.n, above);
+            __syncthreads();
+            u32 n_m = sm.n;
+            __syncthreads();
+            k_run = (u64)kk < (u64)n_m;  // else top-k keeps every key min-p keeps: min-p alone decides
+        }
     }
     GbSelState s;
     s.prefix = 0ull;
