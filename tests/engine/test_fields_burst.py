@@ -179,3 +179,80 @@ def test_fields_need_the_flag_and_sampling():
         dec.prefill([[1], None], final=False, fields={"min_p": 0.1})
     with pytest.raises(TypeError, match="fields must be a bool"):
         SpecDecoder(target, draft, k=2, m_rounds=2, sampling=True, fields="yes")
+
+
+STAT_FIELDS = {"repetition_penalty": 1.6, "presence_penalty": 0.4, "frequency_penalty": 0.3,
+               "logit_bias": {1: 0.5}, "min_p": 0.12}
+
+
+def fields_probs(prompt, generated, fields, *, vocab, peak, temperature):
+    """The distribution of the token after ``prompt + generated`` with ``fields``, from the
+    definitions: the stub's logits, the fields' twin over that history, the probability twin."""
+    from graphburst.kernels import fields_ref
+    from graphburst.kernels import sampling_ref as sr
+    from graphburst.sampling.params import check_fields
+
+    f = check_fields(**fields, vocab=vocab)
+    logits = stub_target_logits(list(prompt) + list(generated), vocab, peak)[None, None].copy()
+    counts = np.bincount(np.asarray(generated, np.int64), minlength=vocab).astype(np.int32)[None]
+    seen = np.zeros((1, vocab), np.uint8)
+    seen[0, prompt] = 1
+    nb = len(f["logit_bias"])
+    ids = np.array([[t for t, _ in f["logit_bias"]]], np.int32).reshape(1, nb)
+    val = np.array([[v for _, v in f["logit_bias"]]], F32).reshape(1, nb)
+
+    def one(v, dt):
+        return np.array([v], dt)
+
+    fields_ref.apply_fields(logits, np.zeros((1, 1), np.int32), one(len(prompt) + len(generated) - 1, np.int32),
+                            counts, seen, one(len(prompt), np.int32), one(NO_EOS, np.int32), one(0, np.int32),
+                            one(f["presence_penalty"], F32), one(f["frequency_penalty"], F32),
+                            one(f["repetition_penalty"], F32), ids, val, one(nb, np.int32), step=0)
+    out = np.zeros_like(logits)
+    sr.probs_from_logits(logits, one(temperature, F32), one(0, np.int32), one(1.0, F32), out,
+                         min_p=one(f["min_p"], F32))
+    return out[0, 0].astype(np.float64)
+
+
+def test_whole_burst_with_fields_is_lossless(backend):
+    """Temperature 1 with every field of STAT_FIELDS: the first three tokens (prefill draw, drafts
+    accepted or replaced) follow the processed p exactly; the same counts fail against p without the fields."""
+    import itertools
+
+    import sampling_stats as st
+    from test_sampling_burst import pooled_chi2
+
+    vocab, peak, temperature, prompt = 4, 0.7, 1.0, [1, 2, 3]
+    n = 12_000 if not backend.is_gpu else 200_000
+    target, draft = stub_pair(n, vocab, [True, False, True], [True], 32, accept_prob=0.6, p_min=0.3, seed=5,
+                              backend=backend, logit_peak=peak)
+    dec = SpecDecoder(target, draft, k=2, m_rounds=3, sampling=True, fields=True)
+    seeds = (np.arange(n, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)) ^ np.uint64(0x5DEECE66D)
+    dec.prefill([prompt] * n, max_new_tokens=3, temperature=temperature, seed=[int(s) for s in seeds],
+                fields=STAT_FIELDS)
+    tokens = (BurstGraph(dec).run if backend.is_gpu else dec.run_burst)()
+    seqs = [tuple(t.tolist()) for t in tokens]
+    assert all(len(s) == 3 for s in seqs)
+    acc = dec.accept_counters()
+    assert 0 < acc[:, 0].sum() < acc[:, 1].sum() * dec.k  # accepts and rejections both happened
+    observed = {}
+    for s in seqs:
+        observed[s] = observed.get(s, 0) + 1
+
+    def joint(fields):
+        cells = {}
+        for toks in itertools.product(range(vocab), repeat=3):
+            prob = 1.0
+            for i in range(3):
+                prob *= fields_probs(prompt, toks[:i], fields, vocab=vocab, peak=peak,
+                                     temperature=temperature)[toks[i]]
+            cells[toks] = prob
+        return cells
+
+    pval, info = pooled_chi2(observed, joint(STAT_FIELDS), n)
+    print(f"{backend.name}: p = {pval:.3g}, {info}")
+    assert pval > st.ALPHA, info
+    wrong, info = pooled_chi2(observed, joint({}), n)
+    assert wrong < st.ALPHA, f"the distribution without the fields passed: {info}"
+    wrong, info = pooled_chi2(observed, joint({**STAT_FIELDS, "min_p": 0.0}), n)
+    assert wrong < st.ALPHA, f"the distribution without min_p passed: {info}"
