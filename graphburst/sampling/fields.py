@@ -72,6 +72,12 @@ class SlotFields:
             if name in SETTINGS:
                 self.host[name] = np.full(shape(batch, vocab), fill, dtype)
 
+    @staticmethod
+    def layout_nbytes(batch: int, vocab: int) -> int:
+        """Device bytes of :data:`LAYOUT` for ``batch`` slots of ``vocab`` tokens."""
+        return sum(int(np.prod(shape(batch, vocab))) * np.dtype(dtype).itemsize
+                   for shape, dtype, _ in LAYOUT.values())
+
     def graph_buffers(self) -> dict:
         """name -> device buffer, for the address guard."""
         return {name: getattr(self, name) for name in LAYOUT}
