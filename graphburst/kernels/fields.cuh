@@ -65,7 +65,7 @@ extern "C" __global__ void spec_apply_fields(int n_rows, int vocab, int k1, int 
         float x = row[i];
         int c = cnt[i];
         for (int d = 0; d < n_draft; ++d) c += s_draft[d] == i;
-        if (mask_stop && i == stop) x = -INFINITY;
+        if (mask_stop && i == stop) x = __int_as_float(0xff800000);  // -inf
         if (nb > 0) x = __fadd_rn(x, s_bias[i - base]);
         if (rep != 1.0f && (seen[i] != 0 || c > 0)) x = x > 0.0f ? __fdiv_rn(x, rep) : __fmul_rn(x, rep);
         if (fr != 0.0f) x = __fsub_rn(x, __fmul_rn(fr, (float)c));
