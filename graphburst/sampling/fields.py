@@ -118,18 +118,26 @@ class SlotFields:
             h["n_bias"][b] = len(p.logit_bias)
 
     def upload(self, backend, settings: dict, stream) -> None:
-        """The [B] settings whole, and the logit_bias rows of the slots in ``settings`` that have one."""
+        """The [B] settings whole, and the logit_bias rows of the slots in ``settings`` that have
+        one: one copy per run of consecutive such slots (the rows of a run are contiguous)."""
         for name in SETTINGS:
             backend.upload(getattr(self, name), self.host[name], stream)
-        for b, p in settings.items():
-            n = len(p.logit_bias)
-            if n:
-                ids = np.zeros(MAX_LOGIT_BIAS, np.int32)
-                val = np.zeros(MAX_LOGIT_BIAS, np.float32)
-                ids[:n] = [t for t, _ in p.logit_bias]
-                val[:n] = [v for _, v in p.logit_bias]
-                backend.upload(self.bias_ids[b], ids, stream)
-                backend.upload(self.bias_val[b], val, stream)
+        biased = sorted(b for b, p in settings.items() if p.logit_bias)
+        i = 0
+        while i < len(biased):
+            j = i + 1
+            while j < len(biased) and biased[j] == biased[j - 1] + 1:
+                j += 1
+            b0, b1 = biased[i], biased[j - 1] + 1
+            ids = np.zeros((b1 - b0, MAX_LOGIT_BIAS), np.int32)
+            val = np.zeros((b1 - b0, MAX_LOGIT_BIAS), np.float32)
+            for r, b in enumerate(range(b0, b1)):
+                pairs = settings[b].logit_bias
+                ids[r, :len(pairs)] = [t for t, _ in pairs]
+                val[r, :len(pairs)] = [v for _, v in pairs]
+            backend.upload(self.bias_ids[b0:b1], ids, stream)
+            backend.upload(self.bias_val[b0:b1], val, stream)
+            i = j
 
     def first_token(self, ops, bufs, stream) -> None:
         """Process the prefill's first-token logits (``tgt_logits[:, 0]``; ``pos_start = P - 1``
