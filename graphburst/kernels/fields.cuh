@@ -21,8 +21,9 @@ __device__ __forceinline__ bool gb_fields_active(int b, const int* eos, const in
            (min_tokens[b] > 0 && eos[b] >= 0);
 }
 
-// Threads: GB_FIELDS_THREADS per (span of GB_FIELDS_SPAN tokens, row r, slot b): blockIdx.x =
-// span, y = row (r = step, or y when step < 0), z = b. Returns at once for a slot no field changes.
+// Threads: GB_FIELDS_THREADS per (span of GB_FIELDS_SPAN tokens, slot b, row r): blockIdx.x =
+// b * n_spans + span, y = row (r = step, or y when step < 0). Returns at once for a slot no
+// field changes.
 extern "C" __global__ void spec_apply_fields(int n_rows, int vocab, int k1, int step,
                                              float* __restrict__ logits,            // [B, T, V] in place
                                              const int* __restrict__ vtok,          // [B, K1]
@@ -41,9 +42,11 @@ extern "C" __global__ void spec_apply_fields(int n_rows, int vocab, int k1, int 
                                              int nb_cap) {
     __shared__ float s_bias[GB_FIELDS_SPAN];
     __shared__ int s_draft[GB_FIELDS_MAX_K1];
-    int b = blockIdx.z, r = step >= 0 ? step : (int)blockIdx.y, t = threadIdx.x;
+    int n_spans = (vocab + GB_FIELDS_SPAN - 1) / GB_FIELDS_SPAN;
+    int b = blockIdx.x / n_spans, span = blockIdx.x % n_spans;
+    int r = step >= 0 ? step : (int)blockIdx.y, t = threadIdx.x;
     if (!gb_fields_active(b, eos, min_tokens, presence, frequency, repetition, n_bias)) return;  // uniform
-    int base = blockIdx.x * GB_FIELDS_SPAN, end = min(vocab, base + GB_FIELDS_SPAN);
+    int base = span * GB_FIELDS_SPAN, end = min(vocab, base + GB_FIELDS_SPAN);
     int nb = min(n_bias[b], nb_cap);
     for (int i = t; i < GB_FIELDS_SPAN; i += GB_FIELDS_THREADS) s_bias[i] = 0.0f;
     int n_draft = min(r, k1 - 1);
@@ -96,29 +99,31 @@ extern "C" __global__ void spec_fields_commit(int batch, int k1, int vocab,
     if (c == n + 1 && budget[b] > 0 && tok >= 0 && tok < vocab) row[tok] += 1;
 }
 
-// Threads: GB_FIELDS_THREADS per (span, slot b) on (x, y): zero counts[b] and prompt_seen[b] of a
-// slot whose staged chunk starts a prompt (lengths[b] != NO_PREFILL, starts[b] == 0).
+// Threads: GB_FIELDS_THREADS per (span, slot b) on x = b * n_spans + span: zero counts[b] and
+// prompt_seen[b] of a slot whose staged chunk starts a prompt (lengths[b] != NO_PREFILL, starts[b] == 0).
 extern "C" __global__ void spec_fields_reset(int vocab, const int* __restrict__ lengths,  // [B]
                                              const int* __restrict__ starts,             // [B]
                                              int* __restrict__ counts,                   // [B, V]
                                              unsigned char* __restrict__ prompt_seen) {  // [B, V]
-    int b = blockIdx.y;
+    int n_spans = (vocab + GB_FIELDS_SPAN - 1) / GB_FIELDS_SPAN;
+    int b = blockIdx.x / n_spans;
     if (lengths[b] == GB_NO_PREFILL || starts[b] != 0) return;
-    int base = blockIdx.x * GB_FIELDS_SPAN, end = min(vocab, base + GB_FIELDS_SPAN);
+    int base = (blockIdx.x % n_spans) * GB_FIELDS_SPAN, end = min(vocab, base + GB_FIELDS_SPAN);
     for (int i = base + threadIdx.x; i < end; i += GB_FIELDS_THREADS) {
         counts[(long long)b * vocab + i] = 0;
         prompt_seen[(long long)b * vocab + i] = 0;
     }
 }
 
-// Threads: GB_FIELDS_THREADS per (span of chunk tokens, slot b) on (x, y): prompt_seen[b, tok] = 1
-// for the staged chunk's tokens (i < lengths[b]; ids outside [0, V) skipped).
+// Threads: GB_FIELDS_THREADS per (span of chunk tokens, slot b) on x = b * n_parts + part:
+// prompt_seen[b, tok] = 1 for the staged chunk's tokens (i < lengths[b]; ids outside [0, V) skipped).
 extern "C" __global__ void spec_fields_prompt(int p_max, int vocab, const int* __restrict__ lengths,  // [B]
                                               const int* __restrict__ chunks,             // [B, P_max]
                                               unsigned char* __restrict__ prompt_seen) {  // [B, V]
-    int b = blockIdx.y, n = lengths[b];
+    int n_parts = (p_max + GB_FIELDS_THREADS - 1) / GB_FIELDS_THREADS;
+    int b = blockIdx.x / n_parts, n = lengths[b];
     if (n == GB_NO_PREFILL) return;
-    int i = blockIdx.x * GB_FIELDS_THREADS + threadIdx.x;
+    int i = (blockIdx.x % n_parts) * GB_FIELDS_THREADS + threadIdx.x;
     if (i >= min(n, p_max)) return;
     int tok = chunks[(long long)b * p_max + i];
     if (tok >= 0 && tok < vocab) prompt_seen[(long long)b * vocab + tok] = 1;

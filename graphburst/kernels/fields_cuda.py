@@ -14,7 +14,7 @@ def apply_fields(logits, vtok, pos, counts, prompt_seen, prompt_len, eos, min_to
                  bias_ids, bias_val, n_bias, *, step=None, stream):
     """``spec_apply_fields``: the fields applied to ``logits`` in place (``fields_ref.apply_fields``).
 
-    Grid (ceil(V / FIELDS_SPAN), rows, B), FIELDS_THREADS threads; a block of a slot no field
+    Grid (B * ceil(V / FIELDS_SPAN), rows), FIELDS_THREADS threads; a block of a slot no field
     changes returns at once.
 
     Parameters
@@ -32,7 +32,7 @@ def apply_fields(logits, vtok, pos, counts, prompt_seen, prompt_len, eos, min_to
     k1 = vtok.shape[1]
     assert k1 <= MAX_K + 1 and counts.shape == (batch, vocab) and prompt_seen.shape == (batch, vocab)
     step_arg, grid_y = _step_arg(step, n_rows)
-    grid = (_blocks(vocab, FIELDS_SPAN), grid_y, batch)
+    grid = (batch * _blocks(vocab, FIELDS_SPAN), grid_y)
     args = (_i32(n_rows), _i32(vocab), _i32(k1), step_arg, logits, vtok, pos, counts, prompt_seen, prompt_len, eos,
             min_tokens, presence, frequency, repetition, bias_ids, bias_val, n_bias, _i32(bias_ids.shape[1]))
     _launch("spec_apply_fields", grid, (FIELDS_THREADS,), args, stream)
@@ -54,7 +54,7 @@ def fields_commit(vtok, n_acc, n_commit, budget, pend, counts, *, stream):
 
 def fields_reset(lengths, starts, counts, prompt_seen, *, stream):
     """``spec_fields_reset``: zero the rows of slots whose chunk starts a prompt. Grid
-    (ceil(V / FIELDS_SPAN), B), FIELDS_THREADS threads.
+    (B * ceil(V / FIELDS_SPAN),), FIELDS_THREADS threads.
 
     Parameters
     ----------
@@ -62,13 +62,13 @@ def fields_reset(lengths, starts, counts, prompt_seen, *, stream):
     counts : [B, V] int32, prompt_seen : [B, V] uint8
     """
     batch, vocab = counts.shape
-    _launch("spec_fields_reset", (_blocks(vocab, FIELDS_SPAN), batch), (FIELDS_THREADS,),
+    _launch("spec_fields_reset", (batch * _blocks(vocab, FIELDS_SPAN),), (FIELDS_THREADS,),
             (_i32(vocab), lengths, starts, counts, prompt_seen), stream)
 
 
 def fields_prompt(lengths, chunks, prompt_seen, *, stream):
     """``spec_fields_prompt``: mark the staged chunks' tokens in ``prompt_seen``. Grid
-    (ceil(P_max / FIELDS_THREADS), B), FIELDS_THREADS threads.
+    (B * ceil(P_max / FIELDS_THREADS),), FIELDS_THREADS threads.
 
     Parameters
     ----------
@@ -77,7 +77,7 @@ def fields_prompt(lengths, chunks, prompt_seen, *, stream):
     prompt_seen : [B, V] uint8, updated
     """
     batch, p_max = chunks.shape
-    _launch("spec_fields_prompt", (_blocks(p_max, FIELDS_THREADS), batch), (FIELDS_THREADS,),
+    _launch("spec_fields_prompt", (batch * _blocks(p_max, FIELDS_THREADS),), (FIELDS_THREADS,),
             (_i32(p_max), _i32(prompt_seen.shape[1]), lengths, chunks, prompt_seen), stream)
 
 
