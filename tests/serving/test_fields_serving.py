@@ -27,19 +27,19 @@ REQUESTS = [
 ]
 
 
-def test_served_tokens_follow_the_fields_across_reused_slots():
-    loop = make_loop(2)
+def test_served_tokens_follow_the_fields_across_reused_slots(backend):
+    loop = make_loop(2, backend=backend)
     states = [loop.submit(Request(p, n, eos=e, **f)) for p, n, e, f in REQUESTS]  # 4 requests, 2 slots
     loop.run_until_idle()
     for s, (p, n, e, f) in zip(states, REQUESTS):
         assert s.tokens == host_decode(p, n, f, e), f
 
 
-def test_min_tokens_and_ignore_eos():
+def test_min_tokens_and_ignore_eos(backend):
     prompt = [2, 4, 6]
     plain = host_decode(prompt, 12, None)
     eos = plain[2]  # greedy decoding would stop at its third token
-    loop = make_loop(3)
+    loop = make_loop(3, backend=backend)
     stop = loop.submit(Request(prompt, 12, eos=eos))
     late = loop.submit(Request(prompt, 12, eos=eos, min_tokens=6))
     never = loop.submit(Request(prompt, 12, eos=eos, ignore_eos=True))
