@@ -37,3 +37,10 @@ SEED_LIMIT = 2**64  # seeds are uint64: [0, SEED_LIMIT)
 # Prompt-lookup drafting (kernels/ngram.cuh; ngram_ref.py is its numpy twin)
 NGRAM_MAX = 16  # longest n-gram the search tries (GB_NGRAM_MAX)
 NGRAM_THREADS = 512  # threads per sequence of the search (GB_NGRAM_THREADS)
+
+# Logits processing fields (kernels/fields.cuh; fields_ref.py is its numpy twin)
+MAX_LOGIT_BIAS = 300  # logit_bias entries per request (the OpenAI API's limit); the device table's width
+LOGIT_BIAS_LIMIT = 100.0  # |bias| <= this (the OpenAI API's range)
+PENALTY_LIMIT = 2.0  # |presence_penalty|, |frequency_penalty| <= this (the OpenAI API's range)
+FIELDS_THREADS = 256  # threads per block of the fields kernel (GB_FIELDS_THREADS)
+FIELDS_SPAN = 1024  # vocabulary elements per block of the fields kernel (GB_FIELDS_SPAN)

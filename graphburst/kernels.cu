@@ -9,3 +9,4 @@
 #include "kernels/stubs.cuh"
 #include "kernels/sampling.cuh"
 #include "kernels/ngram.cuh"
+#include "kernels/fields.cuh"

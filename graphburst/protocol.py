@@ -88,6 +88,10 @@ float32``, ``seed [B] uint64`` (read-only to models). Then:
   the KV entry of ``draft_tok[b, k-1]`` at position ``pos_ctr + k``, so rule 2 (the
   draft covers ``[anchor, anchor + n_valid]``) holds as in greedy mode.
 
+A decoder built with ``fields=True`` also processes ``tgt_logits`` per slot (logit_bias,
+penalties, min_p, min_tokens; :mod:`graphburst.sampling.fields`) between ``verify`` and the
+probabilities, and after ``prefill``; models see nothing of it.
+
 Optional hooks (defaults in brackets)
 -------------------------------------
 ``writes_verify_tokens`` [False]

@@ -28,7 +28,7 @@ from .serving.jsonl import error_text, stderr_console
 from .serving.loop import ENGINE_MODES, ServeLoop
 
 # ServeConfig fields whose flag is not "--" + the field's name with dashes
-FIELD_FLAGS = {"k": "-k", "rounds": "--rounds", "pipelined": "--no-pipeline"}
+FIELD_FLAGS = {"k": "-k", "rounds": "--rounds", "pipelined": "--no-pipeline", "logits_fields": "--fields"}
 
 
 def add_parser(sub) -> None:
@@ -78,6 +78,10 @@ def add_parser(sub) -> None:
                         "run: a GPU and Llama models; 0: off)")
     p.add_argument("--sampling", action="store_true",
                    help="decode with speculative rejection sampling, so requests may set temperature > 0")
+    p.add_argument("--fields", dest="logits_fields", action="store_true",
+                   help="with --sampling: apply the logits processing fields on the device, so requests may set "
+                        "logit_bias, presence_penalty, frequency_penalty, repetition_penalty, min_p, min_tokens "
+                        "and ignore_eos")
     p.add_argument("--no-pipeline", action="store_true",
                    help="graph engine: drain each burst before enqueueing the next")
     p.add_argument("--pipeline-depth", type=int_in(2, MAX_DEPTH), default=2, metavar="N",

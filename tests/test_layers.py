@@ -7,7 +7,7 @@ modules together. The layers, lowest first:
 1. kernels/: the CUDA wrappers, their numpy twins and the module loader
 2. ground: backend, buffers, burst_tokens, protocol, sampling.params
 3. engine: engine/ (the burst program, the decoder, its admission, capture helpers, the host's
-   bookkeeping in C), capture (``BurstGraph``), sampling.mode
+   bookkeeping in C), capture (``BurstGraph``), sampling.mode, sampling.fields
 4. models/ (models/decode/: the Triton decode kernels and their torch oracle)
 5. serving/ and the parallel runners
 6. commands: the package facade, cli, cli_args, demo, serve_cli, bench/, and the parallel commands
@@ -26,7 +26,7 @@ LAYERS = {
     0: {"constants", "validate", "guard"},
     1: {"kernels"},
     2: {"backend", "buffers", "burst_tokens", "protocol", "sampling", "sampling.params"},
-    3: {"engine", "capture", "sampling.mode"},
+    3: {"engine", "capture", "sampling.mode", "sampling.fields"},
     4: {"models"},
     5: {"serving", "parallel", "parallel.dist", "parallel.check", "parallel.models", "parallel.tp", "parallel.pp",
         "parallel.runner", "parallel.lockstep"},

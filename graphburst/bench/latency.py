@@ -209,6 +209,9 @@ def add_parser(sub) -> None:
     p.add_argument("--sampling-model", choices=("stub", "tiny", "small", "1b", "kernels"), default="stub",
                    help="with --sampling: the stub pair, a random-weight Llama pair of bench real's shapes, or "
                         "'kernels': each sampling op alone at vocab 32000 and 128256, B=1 and 16")
+    p.add_argument("--fields", action="store_true",
+                   help="with --sampling (stub pair): the cost per round of the logits processing fields "
+                        "(logit_bias, penalties, min_p) in the sampling burst, after a token-for-token check")
 
 
 def check_args(args) -> None:
@@ -232,6 +235,10 @@ def run_sampling(args, console: Console, backend) -> int:
     if args.sampling_model == "kernels":
         results, table = sampling.run_kernels(backend, reps=reps if backend.is_gpu else 1, label=label(backend),
                                               console=console)
+    elif args.fields:
+        if args.sampling_model != "stub":
+            raise FlagError("--fields", "needs --sampling-model stub (the check decodes the stub target on the host)")
+        results, table = sampling.run_fields(backend, reps=reps, bursts=bursts, label=label(backend))
     elif args.sampling_model == "stub":
         results, table = sampling.run_stub(backend, reps=reps, bursts=bursts, label=label(backend))
     else:
@@ -243,6 +250,8 @@ def run_sampling(args, console: Console, backend) -> int:
 
 
 def run(args, console: Console, backend) -> int:
+    if args.fields and not args.sampling:
+        raise FlagError("--fields", "needs --sampling")
     if args.sampling:
         return run_sampling(args, console, backend)
     gpu = backend.is_gpu

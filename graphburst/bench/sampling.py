@@ -6,6 +6,10 @@ shape, replays them in rotation and reports median µs per round of each and the
 overhead. ``graphburst bench latency --sampling`` runs it on the stub pair at k=4, M=8,
 B=1 and 16; the real-model bench can call it with its Llama factory.
 :func:`run_kernels` times each sampling op alone (``--sampling-model kernels``).
+:func:`fields_cost` (``--sampling --fields``) adds the logits processing fields
+(:data:`BENCH_FIELDS`, ``SpecDecoder(..., fields=True)``) to the sampling burst and reports
+their cost per round, after checking a greedy fields burst token for token against a host
+loop of the fields' numpy twin over the stub target's logits.
 """
 
 from __future__ import annotations
@@ -13,9 +17,11 @@ from __future__ import annotations
 import statistics
 import time
 
+import numpy as np
+
 from ..engine.decoder import SpecDecoder
 from ..capture import BurstGraph
-from .common import check_greedy, fmt, new_table, random_prompts, stub_models
+from .common import VOCAB, check_greedy, fmt, new_table, random_prompts, stub_models
 
 SHAPES = [dict(k=4, m=8, batch=1), dict(k=4, m=8, batch=16)]
 WARM_BURSTS = 2
@@ -87,6 +93,134 @@ def sampling_cost(make_pair, prompts, *, k: int, m: int, bursts: int, reps: int 
     g, s = (statistics.median(times[n]) / m for n in ("greedy", "sampling"))
     return dict(greedy_round_us=g, sampling_round_us=s, overhead=s / g - 1,
                 greedy_tokens_per_round=tokens["greedy"], sampling_tokens_per_round=tokens["sampling"])
+
+
+#: The fields the ``--fields`` benchmark turns on for every slot (min_tokens and ignore_eos act only
+#: around a stop token, which the benchmark's requests have none of).
+BENCH_FIELDS = {"logit_bias": {t: (-1.0) ** t * (1 + t % 7) for t in range(3, VOCAB, VOCAB // 20)},
+                "presence_penalty": 0.5, "frequency_penalty": 0.3, "repetition_penalty": 1.2, "min_p": 0.05}
+#: The correctness check's fields: BENCH_FIELDS with five tokens biased past the stub's greedy peak,
+#: so the penalties decide among them and the fields change every sequence (a check that fields
+#: ignored would pass could not fail).
+CHECK_FIELDS = {**BENCH_FIELDS, "logit_bias": {**BENCH_FIELDS["logit_bias"], **{t: 14.0 for t in (5, 6, 7, 8, 9)}}}
+
+
+def check_fields_greedy(what: str, prompts, outs, fields: dict, vocab: int = VOCAB) -> None:
+    """Raise AssertionError unless each sequence's tokens are the stub target's greedy tokens with
+    ``fields`` applied one token at a time on the host (``fields_ref.apply_fields``, the device
+    kernel's twin, on the stub's own logits; min_p does nothing at temperature 0)."""
+    from ..kernels import fields_ref, reference
+    from ..kernels.digest import greedy_reference
+    from ..models.stubs import LOGIT_SPREAD, TARGET_SALT, default_peak
+    from ..sampling.params import check_fields as validate
+
+    f = validate(**{n: v for n, v in fields.items() if n != "min_p"}, vocab=vocab)
+    bias = f["logit_bias"]
+
+    def one(v, dt):  # a [1] per-slot array
+        return np.array([v], dt)
+
+    ids = np.zeros((1, max(1, len(bias))), np.int32)
+    val = np.zeros((1, max(1, len(bias))), np.float32)
+    ids[0, :len(bias)] = [t for t, _ in bias]
+    val[0, :len(bias)] = [v for _, v in bias]
+    for b, (prompt, out) in enumerate(zip(prompts, outs)):
+        counts = np.zeros((1, vocab), np.int32)
+        seen = np.zeros((1, vocab), np.uint8)
+        seen[0, prompt] = 1
+        toks: list = []
+        while len(toks) < len(out):
+            prefix = list(prompt) + toks
+            logits = np.zeros((1, 1, vocab), np.float32)
+            g = np.array([[greedy_reference(prefix, 1, vocab)[0]]], np.int32)
+            reference.stub_logits(g, one(len(prefix), np.int32), logits, pos_offset=0, salt=TARGET_SALT,
+                                  spread=LOGIT_SPREAD, peak=default_peak(vocab))
+            fields_ref.apply_fields(logits, np.zeros((1, 1), np.int32), one(len(prefix) - 1, np.int32), counts, seen,
+                                    one(len(prompt), np.int32), one(-1, np.int32), one(f["min_tokens"], np.int32),
+                                    one(f["presence_penalty"], np.float32), one(f["frequency_penalty"], np.float32),
+                                    one(f["repetition_penalty"], np.float32), ids, val, one(len(bias), np.int32),
+                                    step=0)
+            t = int(np.argmax(logits[0, 0]))
+            toks.append(t)
+            counts[0, t] += 1
+        if toks != list(out):
+            raise AssertionError(f"{what}: sequence {b} differs from the host loop of the fields' twin")
+        if toks == greedy_reference(list(prompt), len(toks), vocab):
+            raise AssertionError(f"{what}: the fields changed nothing in sequence {b}: the check cannot tell")
+
+
+def fields_cost(make_pair, prompts, *, k: int, m: int, bursts: int, reps: int = 3, fields: dict | None = None,
+                check=None, check_fields: dict | None = None) -> dict:
+    """Median µs per round of a sampling burst graph without and with the logits processing fields.
+
+    Before timing, a fields decoder at temperature 0 with ``check_fields`` (default
+    :data:`CHECK_FIELDS`) runs ``WARM_BURSTS`` graph bursts and ``check(prompts, outs,
+    check_fields)`` must accept its tokens.
+    Then a sampling decoder (T = 1) and a fields decoder (T = 1, ``fields``) are timed in
+    rotation, as :func:`sampling_cost` does.
+
+    Returns
+    -------
+    dict
+        ``sampling_round_us``, ``fields_round_us``, ``fields_overhead`` (fields / sampling - 1),
+        ``sampling_tokens_per_round``, ``fields_tokens_per_round`` (per sequence).
+    """
+    fields = BENCH_FIELDS if fields is None else fields
+    check_fields = CHECK_FIELDS if check_fields is None else check_fields
+    seeds = [b + 1 for b in range(len(prompts))]
+    target, draft = make_pair()
+    dec = SpecDecoder(target, draft, k=k, m_rounds=m, sampling=True, fields=True)
+    dec.prefill(prompts, fields=check_fields)
+    graph = BurstGraph(dec)
+    outs = [[] for _ in prompts]
+    for _ in range(WARM_BURSTS):
+        for b, t in enumerate(graph.run()):
+            outs[b] += t.tolist()
+    if check is not None:
+        check(prompts, outs, check_fields)
+    del graph, dec
+    graphs, tokens = {}, {}
+    for name, with_fields in (("sampling", False), ("fields", True)):
+        target, draft = make_pair()
+        dec = SpecDecoder(target, draft, k=k, m_rounds=m, sampling=True, fields=with_fields)
+        dec.prefill(prompts, temperature=1.0, seed=seeds, **({"fields": fields} if with_fields else {}))
+        graphs[name] = BurstGraph(dec)
+        n = 0
+        for _ in range(WARM_BURSTS):
+            n += sum(len(t) for t in graphs[name].run())
+        tokens[name] = n / (len(prompts) * WARM_BURSTS * m)
+    backend = graphs["sampling"].backend
+    times = {name: [] for name in graphs}
+    for _ in range(reps):
+        for name, graph in graphs.items():
+            times[name] += _time_bursts(graph, bursts, backend)
+    s, f = (statistics.median(times[n]) / m for n in ("sampling", "fields"))
+    return dict(sampling_round_us=s, fields_round_us=f, fields_overhead=f / s - 1,
+                sampling_tokens_per_round=tokens["sampling"], fields_tokens_per_round=tokens["fields"])
+
+
+def run_fields(backend, *, reps: int, bursts: int, label: str):
+    """:func:`fields_cost` on the stub pair at SHAPES (numpy: B = 1 only): (results, rich table)."""
+    shapes = SHAPES if backend.is_gpu else SHAPES[:1]
+    results = []
+    for shape in shapes:
+        prompts = random_prompts(shape["batch"])
+        capacity = capacity_needed(len(prompts[0]), shape["k"], shape["m"], reps * bursts + WARM_BURSTS)
+        res = fields_cost(lambda n=shape["batch"], c=capacity: stub_models(backend, batch=n, capacity=c), prompts,
+                          k=shape["k"], m=shape["m"], bursts=bursts, reps=reps,
+                          check=lambda p, o, f: check_fields_greedy("fields graph (T=0)", p, o, f))
+        results.append({"config": {**shape, "fields": sorted(BENCH_FIELDS)}, "result": res})
+    table = new_table(f"logits processing fields in the sampling burst (T=1; {len(BENCH_FIELDS['logit_bias'])} "
+                      f"logit_bias entries, presence, frequency, repetition, min_p), stub pair, graph replay; "
+                      f"µs per round, medians. {label}",
+                      ["k", "M", "B", "sampling µs/round", "with fields µs/round", "overhead",
+                       "sampling tokens/round", "with fields tokens/round"])
+    for r in results:
+        c, x = r["config"], r["result"]
+        table.add_row(str(c["k"]), str(c["m"]), str(c["batch"]), fmt(x["sampling_round_us"]),
+                      fmt(x["fields_round_us"]), f"{x['fields_overhead']:+.1%}", fmt(x["sampling_tokens_per_round"]),
+                      fmt(x["fields_tokens_per_round"]))
+    return results, table
 
 
 def run_stub(backend, *, reps: int, bursts: int, label: str):

@@ -34,6 +34,7 @@ from ..constants import NO_EOS, UNBOUNDED_BUDGET
 from .ledger import ANY_NUMBER, SlotLedger
 from .torch_capture import capture_api, stream_pair
 from ..protocol import DraftModel, TargetModel, check_pair, hook
+from ..sampling.fields import SlotFields
 from .program import Call, CallCache, round_calls, seed_call
 
 
@@ -67,11 +68,21 @@ class SpecDecoder:
         Admit through one captured graph per prompt width when both models declare
         ``prefill_in_graph`` (greedy decoders; :mod:`graphburst.engine.admission.graphs`). False:
         always the eager calls.
+    fields : bool
+        Per-request logits processing on the device (``logit_bias``, presence / frequency /
+        repetition penalties, ``min_p``, ``min_tokens``, ``ignore_eos``; :mod:`graphburst.sampling.fields`):
+        needs ``sampling=True``. Allocates ``[B, V]`` counts and prompt marks (``self.fields``); off
+        by default, so a decoder without it runs no extra kernel.
     """
 
     def __init__(self, target: TargetModel, draft: DraftModel, *, k: int, m_rounds: int, stream=None,
                  fused: bool = True, assemble: bool | None = None, sampling: bool = False,
-                 admission_graphs: bool = True):
+                 admission_graphs: bool = True, fields: bool = False):
+        if not isinstance(fields, (bool, np.bool_)):
+            raise TypeError(f"fields must be a bool, got {type(fields).__name__} {fields!r}")
+        if fields and not sampling:
+            raise ValueError("fields=True processes logits, which only a sampling decoder has: build it with "
+                             "sampling=True (temperature 0 still decodes greedily)")
         check_pair(target, draft, sampling=sampling)
         # Told when ``table`` is rebound: the eager program's calls and every captured burst graph bake it.
         self._watcher = Watcher(type(self).__name__)
@@ -101,6 +112,8 @@ class SpecDecoder:
             # The models' per-slot int32 options, written by admission's one launch (admission/options.py)
             option_columns = OptionColumns.of({"target": target, "draft": draft}, self.batch, self.backend,
                                               self._stream)
+            # The logits processing fields' buffers (sampling/fields.py), or None
+            self.fields = SlotFields(self.batch, target.vocab, self.backend) if fields else None
             # Prefill staging, allocated once so admitting a request never allocates (admission/slots.py)
             staging = StagingBlock(self.batch, self.capacity, option_columns.count if option_columns else 0,
                                    self.backend)
@@ -141,7 +154,7 @@ class SpecDecoder:
         # freed by reference counting, its graphs and streams with it).
         self.admission = Admission(target=target, draft=draft, bufs=bufs, stream=self._stream, backend=self.backend,
                                    staging=staging, option_columns=option_columns, graphs=graphs, ledger=ledger,
-                                   sampling=self.sampling)
+                                   sampling=self.sampling, fields=self.fields)
         # Built: the buffers now belong to a live decoder (an adapter refuses to rebind them).
         bufs.decoder = weakref.ref(self)
 
@@ -209,11 +222,12 @@ class SpecDecoder:
     # ------------------------------------------------------------------ admission (``self.admission``'s)
 
     def prefill(self, prompts: Sequence[Sequence[int] | None], *, start=None, final: bool = True,
-                max_new_tokens=None, eos=None, temperature=None, top_k=None, top_p=None, seed=None) -> None:
+                max_new_tokens=None, eos=None, temperature=None, top_k=None, top_p=None, seed=None,
+                fields=None) -> None:
         """Write prompts (or chunks of them) into the caches, validated first: see
         :meth:`Admission.prefill <graphburst.engine.admission.slots.Admission.prefill>`."""
         self.admission.prefill(prompts, start=start, final=final, max_new_tokens=max_new_tokens, eos=eos,
-                               temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+                               temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, fields=fields)
 
     def prefill_slots(self, slots: list, rows: list, starts: list, *, final: bool = True, limits: list | None = None,
                       stops: list | None = None, sampling: list | None = None, options: list | None = None) -> None:
@@ -323,7 +337,8 @@ class SpecDecoder:
     def round_calls(self, first_round: bool) -> list[Call]:
         """The bound kernel calls of one round, in stream order (see :func:`program.round_calls`)."""
         return round_calls(self.backend.ops, self.bufs, self.table, self.target, self.draft, k=self.k,
-                           fused=self.fused, assemble=self.assemble, sampling=self.sampling, first_round=first_round)
+                           fused=self.fused, assemble=self.assemble, sampling=self.sampling, first_round=first_round,
+                           fields=self.fields)
 
     def burst_calls(self) -> list[Call]:
         """The bound calls of a whole M-round burst (fused bursts start with a head seed)."""

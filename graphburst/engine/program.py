@@ -28,15 +28,16 @@ class Call:
 
 
 def round_calls(ops, bufs: StreamBufs, table, target, draft, *, k: int, fused: bool, assemble: bool, sampling: bool,
-                first_round: bool) -> list[Call]:
+                first_round: bool, fields=None) -> list[Call]:
     """The bound kernel calls of one round, in stream order.
 
     Fused rounds are seeded by the previous round's epilogue (or the burst's head
-    seed), so they start at the draft chain.
+    seed), so they start at the draft chain. ``fields``: a sampling decoder's
+    :class:`~graphburst.sampling.fields.SlotFields`, or None.
     """
     calls = [] if fused else [seed_call(ops, bufs, reset_ring=first_round)]
     if sampling:
-        return calls + sampling_round_calls(ops, bufs, table, target, draft, k=k)
+        return calls + sampling_round_calls(ops, bufs, table, target, draft, k=k, fields=fields)
     calls += [Call(f"draft_step[{j}]", functools.partial(draft.draft_step, bufs, j)) for j in range(k)]
     if assemble:
         calls.append(assemble_call(ops, bufs))
@@ -46,16 +47,19 @@ def round_calls(ops, bufs: StreamBufs, table, target, draft, *, k: int, fused: b
     return calls + separate_tail_calls(ops, bufs, table)
 
 
-def sampling_round_calls(ops, bufs: StreamBufs, table, target, draft, *, k: int) -> list[Call]:
-    """A sampling round after its seed (the program is in :mod:`graphburst.sampling.mode`)."""
+def sampling_round_calls(ops, bufs: StreamBufs, table, target, draft, *, k: int, fields=None) -> list[Call]:
+    """A sampling round after its seed (the program is in :mod:`graphburst.sampling.mode`; with
+    ``fields``, :mod:`graphburst.sampling.fields`)."""
     calls = []
     for j in range(k):
         calls.append(Call(f"draft_step[{j}]", functools.partial(draft.draft_step, bufs, j)))
         calls += [Call(name, fn) for name, fn in draft_sample_calls(ops, bufs, j)]
     calls.append(Call("draft_append_last", functools.partial(draft.draft_append_last, bufs)))
     calls += [assemble_call(ops, bufs), Call("verify", functools.partial(target.verify, bufs))]
-    calls += [Call(name, fn) for name, fn in verify_sample_calls(ops, bufs)]
-    return calls + separate_tail_calls(ops, bufs, table)[1:]  # accept_sample replaced accept_greedy
+    calls += [Call(name, fn) for name, fn in verify_sample_calls(ops, bufs, fields)]
+    commit, rollback = separate_tail_calls(ops, bufs, table)[1:]  # accept_sample replaced accept_greedy
+    counted = [] if fields is None else [Call("fields_commit", fields.commit_call(ops, bufs))]
+    return calls + [commit] + counted + [rollback]
 
 
 # The generic bookkeeping calls, shared by the decoder's program and the capture warm-up.

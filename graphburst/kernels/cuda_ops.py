@@ -17,6 +17,7 @@ from .burst_cuda import (
     epilogue,
     empty_node,
 )
+from .fields_cuda import apply_fields, fields_commit, fields_first, fields_prompt, fields_reset
 from .launch import KERNEL_NAMES, kernel, warm_up
 from .ngram_cuda import ngram_append, ngram_onehot_logits, ngram_prefill, ngram_search
 from .sampling_cuda import (
@@ -41,6 +42,11 @@ from .stubs_cuda import (
 )
 
 __all__ = [
+    "apply_fields",
+    "fields_commit",
+    "fields_first",
+    "fields_prompt",
+    "fields_reset",
     "admit_slots",
     "KERNEL_NAMES",
     "accept_greedy",

@@ -41,6 +41,11 @@ KERNEL_NAMES = (
     "ngram_search",
     "ngram_onehot_logits",
     "ngram_append",
+    "spec_apply_fields",
+    "spec_fields_commit",
+    "spec_fields_reset",
+    "spec_fields_prompt",
+    "spec_fields_first",
 )
 _i32 = np.int32
 _i64 = np.int64

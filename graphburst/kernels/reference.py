@@ -8,12 +8,18 @@ output arrays in place, and ``stream`` is accepted and ignored.
 from __future__ import annotations
 
 from .burst_ref import admit_slots, seed_gather, assemble_verify, accept_greedy, ring_commit, rollback_stream, epilogue
+from .fields_ref import apply_fields, fields_commit, fields_first, fields_prompt, fields_reset
 from .ngram_ref import ngram_append, ngram_onehot_logits, ngram_prefill, ngram_search
 from .sampling_ref import accept_sample, draft_probs_sample, probs_from_logits, sample_draft
 from .sampling_prims import ftz
 from .stubs_ref import stub_prefill, stub_draft_step, stub_verify, stub_draft_append, stub_logits
 
 __all__ = [
+    "apply_fields",
+    "fields_commit",
+    "fields_first",
+    "fields_prompt",
+    "fields_reset",
     "admit_slots",
     "accept_greedy",
     "accept_sample",

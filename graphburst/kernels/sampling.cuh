@@ -687,18 +687,23 @@ __device__ __forceinline__ bool gb_sel_last(u32* tick, int n_chunks, GbSelectSme
 extern "C" __global__ __launch_bounds__(GB_SEL_THREADS, 2) void spec_probs_select(
     int n_rows, int vocab, int step, int s_rows, int n_chunks, const float* __restrict__ logits,
     const float* __restrict__ temperature, const int* __restrict__ top_k, const float* __restrict__ top_p,
-    u64* __restrict__ sel_thr, u64* __restrict__ sel_part, u32* __restrict__ sel_tick, u32* __restrict__ sel_hist);
+    const float* __restrict__ min_p, u64* __restrict__ sel_thr, u64* __restrict__ sel_part, u32* __restrict__ sel_tick,
+    u32* __restrict__ sel_hist);
 
 // Threads: GB_SEL_THREADS per (chunk, sequence b) on blockIdx.x = b * n_chunks + chunk
 // (chunks of ceil(V / n_chunks) tokens rounded up to whole float4s, n_chunks <= n_tiles),
 // row r on y (r = step, or every row when step < 0). sel_thr[b, r] <- the smallest order
-// key kept by top-k (0 or >= V = off) then top-p (>= 1 or NaN = off); 0 (keep all) for a
-// row without filters or at temperature <= 0, without reading the row.
+// key kept by min-p (min_p null, <= 0 or NaN = off) and top-k (0 or >= V = off), then
+// top-p (>= 1 or NaN = off); 0 (keep all) for a row without filters or at temperature <= 0,
+// without reading the row. Min-p keeps e = exp((l - max) / T) >= min_p: a run of the largest
+// keys, like top-k, so the two meet in the larger threshold; top-p then runs over both's
+// survivors (sampling_ref.select_thr).
 extern "C" __global__ void spec_probs_select(int n_rows, int vocab, int step, int s_rows, int n_chunks,
                                              const float* __restrict__ logits,       // [B, T, V]
                                              const float* __restrict__ temperature,  // [B]
                                              const int* __restrict__ top_k,          // [B]
                                              const float* __restrict__ top_p,        // [B]
+                                             const float* __restrict__ min_p,        // [B] or null
                                              u64* __restrict__ sel_thr,              // [B, S]
                                              u64* __restrict__ sel_part,             // [B, S, n_tiles] chunk maxima
                                              u32* __restrict__ sel_tick,             // [B, S] zero between calls
@@ -711,8 +716,9 @@ extern "C" __global__ void spec_probs_select(int n_rows, int vocab, int step, in
     float temp = temperature[b];
     int kk = top_k[b];
     float tp = top_p[b];
-    bool k_on = kk > 0 && kk < vocab, p_on = tp < 1.0f;
-    if (!(temp > 0.0f) || !(k_on || p_on)) {  // uniform per row: no barrier is skipped by part of it
+    float mp = min_p != nullptr ? min_p[b] : 0.0f;
+    bool k_on = kk > 0 && kk < vocab, p_on = tp < 1.0f, m_on = mp > 0.0f;
+    if (!(temp > 0.0f) || !(k_on || p_on || m_on)) {  // uniform per row: no barrier is skipped by part of it
         if (chunk == 0 && t == 0) sel_thr[cell] = 0ull;
         return;
     }
@@ -758,14 +764,58 @@ extern "C" __global__ void spec_probs_select(int n_rows, int vocab, int step, in
     for (int c = t; c < n_chunks; c += GB_SEL_THREADS) m = gb_max_u64(m, __ldcg(sel_part + cell * nt + c));
     u64 max_key = gb_sel_max(m, sm);
     float l_max = gb_key_logit(max_key);
+    // Min-p: its threshold, the smallest key it keeps (e = exp((l - max) / T) >= min_p); with
+    // top-k, a second pass counts the keys >= it: top-k matters only when k is fewer.
+    u64 thr_m = 0ull;
+    bool k_run = k_on;
+    if (m_on) {
+        u64 low = 0ull;  // max of ~key over the kept keys: ~ the smallest of them
+        for (int base = 0; base < vocab; base += GB_SEL_SPAN) {  // trip count uniform over the block
+            float x[GB_SEL_V4][GB_SAMPLE_VEC];
+            gb_sel_load(row, base, vocab, aligned, x);
+#pragma unroll
+            for (int v = 0; v < GB_SEL_V4; ++v) {
+#pragma unroll
+                for (int c = 0; c < GB_SAMPLE_VEC; ++c) {
+                    int i = gb_sel_index(base, v, c);
+                    if (i < vocab && !(gb_scaled_exp(x[v][c], l_max, temp) < mp))
+                        low = gb_max_u64(low, ~gb_order_key(x[v][c], i));
+                }
+            }
+        }
+        thr_m = ~gb_sel_max(low, sm);  // the top key is always kept (e = 1 >= min_p)
+        if (k_on) {
+            if (t == 0) sm.n = 0u;
+            u32 above = 0u;
+            for (int base = 0; base < vocab; base += GB_SEL_SPAN) {
+                float x[GB_SEL_V4][GB_SAMPLE_VEC];
+                gb_sel_load(row, base, vocab, aligned, x);
+#pragma unroll
+                for (int v = 0; v < GB_SEL_V4; ++v) {
+#pragma unroll
+                    for (int c = 0; c < GB_SAMPLE_VEC; ++c) {
+                        int i = gb_sel_index(base, v, c);
+                        if (i < vocab && gb_order_key(x[v][c], i) >= thr_m) ++above;
+                    }
+                }
+            }
+            for (int o = 16; o > 0; o >>= 1) above += __shfl_xor_sync(0xffffffffu, above, o);
+            __syncthreads();  // sm.n is zero before any warp adds
+            if ((t & 31) == 0) atomicAdd(&sm.n, above);
+            __syncthreads();
+            u32 n_m = sm.n;
+            __syncthreads();
+            k_run = (u64)kk < (u64)n_m;  // else top-k keeps every key min-p keeps: min-p alone decides
+        }
+    }
     GbSelState s;
     s.prefix = 0ull;
-    s.rem = k_on ? (u64)kk : 0ull;
-    s.floor_key = 0ull;
+    s.rem = k_run ? (u64)kk : 0ull;
+    s.floor_key = k_run ? 0ull : thr_m;
     s.above = 0ull;
-    s.result = 0ull;
-    s.op = GB_SEL_HIST;
-    s.phase = k_on ? 0u : 1u;
+    s.result = thr_m;
+    s.op = k_run || p_on ? GB_SEL_HIST : GB_SEL_DONE;
+    s.phase = k_run ? 0u : 1u;
     s.H = L;
     if (t == 0) sm.st = s;
     if (k_on) {  // the first top-k pass is done: take the row's histogram (and re-zero it)
@@ -775,7 +825,7 @@ extern "C" __global__ void spec_probs_select(int n_rows, int vocab, int step, in
             hist[d] = 0u;
         }
         __syncthreads();
-        gb_sel_pick(s, L, p_on, tp, max_key, sm);
+        if (k_run) gb_sel_pick(s, L, p_on, tp, max_key, sm);
     }
     __syncthreads();
     for (int it = 0; it < GB_SEL_MAX_STEPS; ++it) {

@@ -48,9 +48,9 @@ def _select_grid(batch, vocab, step, n_rows):
     return step_arg, n_chunks, (batch * n_chunks, grid_y)
 
 
-def probs_select(logits, temperature, top_k, top_p, scratch, *, step=None, stream):
-    """``spec_probs_select``: ``scratch.sel_thr[b, r]`` <- the smallest order key top-k/top-p keep
-    (``sampling_ref.select_thr``, bit for bit).
+def probs_select(logits, temperature, top_k, top_p, scratch, *, step=None, min_p=None, stream):
+    """``spec_probs_select``: ``scratch.sel_thr[b, r]`` <- the smallest order key min-p/top-k/top-p
+    keep (``sampling_ref.select_thr``, bit for bit).
 
     One launch, grid (B * n_chunks, rows), SELECT_THREADS threads: the chunks find the row
     max and top-k's first radix digit; the row's last block finishes the select alone.
@@ -64,12 +64,13 @@ def probs_select(logits, temperature, top_k, top_p, scratch, *, step=None, strea
     top_k : [B] int32
     scratch : StreamBufs or SampleScratch
     step : int or None
+    min_p : [B] float32 or None (off)
     """
     batch, n_rows, vocab = logits.shape
     step_arg, n_chunks, grid = _select_grid(batch, vocab, step, n_rows)
     s_rows = _scratch_rows(scratch, batch, n_rows, vocab)
     args = (_i32(n_rows), _i32(vocab), step_arg, _i32(s_rows), _i32(n_chunks), logits, temperature, top_k, top_p,
-            scratch.sel_thr, scratch.sel_part, scratch.sel_tick, scratch.sel_hist)
+            np.uint64(0) if min_p is None else min_p, scratch.sel_thr, scratch.sel_part, scratch.sel_tick, scratch.sel_hist)
     _launch("spec_probs_select", grid, (SELECT_THREADS,), args, stream)
 
 
@@ -211,8 +212,8 @@ def accept_pick(vtok, p, q, brk, seed, pos, n_acc, last_pred, scratch, *, stream
 # Ops: the kernels composed, with the numpy twins' signatures.
 
 
-def probs_from_logits(logits, temperature, top_k, top_p, probs, scratch=None, *, step=None, stream):
-    """Temperature, top-k and top-p: logits -> normalized probabilities (see sampling_ref).
+def probs_from_logits(logits, temperature, top_k, top_p, probs, scratch=None, *, step=None, min_p=None, stream):
+    """Temperature, min-p, top-k and top-p: logits -> normalized probabilities (see sampling_ref).
 
     Three launches: ``spec_probs_select`` (grid (B * n_chunks, rows), returns at once
     without filters), ``spec_probs_tiles`` and ``spec_probs_normalize`` (grid (B * n_tiles, rows)).
@@ -227,8 +228,10 @@ def probs_from_logits(logits, temperature, top_k, top_p, probs, scratch=None, *,
     scratch : StreamBufs or SampleScratch with at least T rows
     step : int or None
         Only row ``step`` of each sequence; None: all T rows.
+    min_p : [B] float32 or None
+        Per-row min-p (0: off); None: off everywhere.
     """
-    probs_select(logits, temperature, top_k, top_p, scratch, step=step, stream=stream)
+    probs_select(logits, temperature, top_k, top_p, scratch, step=step, min_p=min_p, stream=stream)
     probs_tiles(logits, temperature, probs, scratch, step=step, stream=stream)
     probs_normalize(temperature, probs, scratch, step=step, stream=stream)
 

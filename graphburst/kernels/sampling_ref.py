@@ -93,10 +93,31 @@ def race(w, seed, pos, draw):
     return np.where(k != 0, key_index(k), -1), np.where(k != 0, wt[ar, best], _F32(0))
 
 
-def select_thr(logits, temperature, top_k, top_p):
-    """``spec_probs_select``: the smallest order key kept by top-k then top-p, per row.
+def minp_thr(logits, temperature, min_p):
+    """The smallest order key min-p keeps, per row (0 where min_p is off: <= 0 or NaN, or at
+    temperature <= 0): min-p keeps ``e = exp_neg((l - max) / T) >= min_p`` (the probability
+    relative to the top one; the top token has e = 1, so at least it)."""
+    rows = logits.shape[0]
+    thr = np.zeros(rows, np.uint64)
+    min_p = ftz(min_p)
+    on = _gt(temperature, 0) & _gt(min_p, 0)
+    if not on.any():
+        return thr
+    sel = np.nonzero(on)[0]
+    key = order_key(logits[sel])
+    l_max = key_logit(key.max(axis=1))
+    e = exp_neg(_div(_sub(logits[sel], l_max[:, None]), temperature[sel, None]))
+    kept = ~(e < min_p[sel, None])
+    thr[sel] = np.where(kept, key, np.uint64(2**64 - 1)).min(axis=1)
+    return thr
 
-    Top-k (0 or >= V: off) keeps the k largest :func:`order_key`; top-p (>= 1 or NaN: off)
+
+def select_thr(logits, temperature, top_k, top_p, min_p=None):
+    """``spec_probs_select``: the smallest order key kept by min-p and top-k, then top-p, per row.
+
+    Min-p (``min_p``, None: off; :func:`minp_thr`) and top-k (0 or >= V: off) each keep a run
+    of the largest keys, and their intersection goes on to top-p: top-k keeps the k largest
+    :func:`order_key`; top-p (>= 1 or NaN: off)
     then keeps the shortest run of those, in key order, whose integer mass
     ``floor(e * 2**32)`` reaches ``max(1, ceil(top_p * total mass))`` (float64), with
     ``e = exp_neg((l - max) / T)``. 0 (keep all) without filters or at temperature <= 0.
@@ -114,7 +135,7 @@ def select_thr(logits, temperature, top_k, top_p):
     rows, vocab = logits.shape
     greedy = ~_gt(temperature, 0)
     top_p = ftz(top_p)
-    thr = np.zeros(rows, np.uint64)
+    thr = np.zeros(rows, np.uint64) if min_p is None else minp_thr(logits, temperature, min_p)
     k_on = ~greedy & (top_k > 0) & (top_k < vocab)
     p_on = ~greedy & (top_p < 1)
     if not (k_on | p_on).any():
@@ -122,7 +143,7 @@ def select_thr(logits, temperature, top_k, top_p):
     key = order_key(logits)
     if k_on.any():
         srt = np.sort(key[k_on], axis=1)
-        thr[k_on] = srt[np.arange(k_on.sum()), vocab - top_k[k_on]]
+        thr[k_on] = np.maximum(thr[k_on], srt[np.arange(k_on.sum()), vocab - top_k[k_on]])
     if p_on.any():
         sel = np.nonzero(p_on)[0]
         k_sel = key[sel]
@@ -140,7 +161,7 @@ def select_thr(logits, temperature, top_k, top_p):
     return thr
 
 
-def _probs_rows(logits, temperature, top_k, top_p, seed=None, pos=None):
+def _probs_rows(logits, temperature, top_k, top_p, seed=None, pos=None, min_p=None):
     """``spec_probs_select`` + ``spec_probs_tiles`` + ``spec_probs_normalize`` on [R, V].
 
     With ``seed``/``pos`` (a draft row, position of the token decided) also the draft race.
@@ -153,7 +174,7 @@ def _probs_rows(logits, temperature, top_k, top_p, seed=None, pos=None):
     ar = np.arange(rows)
     greedy = ~_gt(temperature, 0)
     temp = np.where(greedy, _F32(1.0), temperature).astype(_F32)[:, None]
-    thr = select_thr(logits, temperature, top_k, top_p)
+    thr = select_thr(logits, temperature, top_k, top_p, min_p)
     key = order_key(logits)
     t_key = _tile_max(key, np.uint64(0))  # [R, n_t] tile max order keys
     m_t = key_logit(t_key)  # [R, n_t] tile max logits
@@ -186,8 +207,8 @@ def _rows(n, step):
     return range(n) if step is None else [step]
 
 
-def probs_from_logits(logits, temperature, top_k, top_p, probs, scratch=None, *, step=None, stream=None):
-    """Temperature, top-k and top-p: float32 logits -> normalized float32 probabilities.
+def probs_from_logits(logits, temperature, top_k, top_p, probs, scratch=None, *, step=None, min_p=None, stream=None):
+    """Temperature, min-p, top-k and top-p: float32 logits -> normalized float32 probabilities.
 
     Per row: temperature <= 0 (or NaN) gives a one-hot at the argmax (lowest index on
     ties). Otherwise :func:`select_thr` picks the kept tokens (top-k = 1 therefore equals
@@ -206,11 +227,14 @@ def probs_from_logits(logits, temperature, top_k, top_p, probs, scratch=None, *,
     scratch : ignored (the device's per-tile partials)
     step : int or None
         Only row ``step`` of every sequence; None: all T rows.
+    min_p : [B] float32 or None
+        Per-row min-p (0: off; :func:`select_thr`); None: off everywhere.
     """
     for t in _rows(logits.shape[1], step):
         row = np.array(logits[:, t], _F32)
         for s in _blocks(len(row)):
-            probs[s, t] = _probs_rows(row[s], temperature[s], top_k[s], top_p[s])[0]
+            probs[s, t] = _probs_rows(row[s], temperature[s], top_k[s], top_p[s],
+                                      min_p=None if min_p is None else min_p[s])[0]
 
 
 def draft_probs_sample(logits, temperature, top_k, top_p, seed, pos, probs, draft_tok, draft_prob, scratch=None, *,

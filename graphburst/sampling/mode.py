@@ -48,19 +48,28 @@ def draft_sample_calls(ops, bufs: StreamBufs, j: int) -> list:
     ]
 
 
-def verify_sample_calls(ops, bufs: StreamBufs) -> list:
-    """The target's distributions and the lossless accept (after ``verify``)."""
-    return [
+def verify_sample_calls(ops, bufs: StreamBufs, fields=None) -> list:
+    """The target's distributions and the lossless accept (after ``verify``); with ``fields`` (a
+    :class:`~graphburst.sampling.fields.SlotFields`) the logits are processed first and min-p
+    joins the filters."""
+    head = [] if fields is None else [("apply_fields", fields.apply_call(ops, bufs))]
+    return head + [
         ("target_probs", functools.partial(ops.probs_from_logits, bufs.tgt_logits, bufs.temperature, bufs.top_k,
-                                           bufs.top_p, bufs.tgt_logits, bufs)),
+                                           bufs.top_p, bufs.tgt_logits, bufs,
+                                           min_p=None if fields is None else fields.min_p)),
         ("accept_sample", functools.partial(ops.accept_sample, bufs.vtok, bufs.tgt_logits, bufs.draft_logits,
                                             bufs.brk, bufs.seed, bufs.pos_start, bufs.n_acc, bufs.last_pred, bufs)),
     ]
 
 
 def check_slot(temperature=None, top_k=None, top_p=None, seed=None, *, sampling: bool,
-               index: int | None = None) -> SamplingParams:
+               index: int | None = None, fields: dict | None = None, with_fields: bool = False,
+               vocab: int | None = None) -> SamplingParams:
     """One slot's settings (None: the greedy defaults), validated; ``index`` names the slot.
+
+    ``fields``: the logits processing fields (``params.check_fields``' names), or None; any
+    field that is not at its default needs ``with_fields`` (a decoder built with ``fields=True``).
+    ``vocab`` bounds ``logit_bias``'s ids.
 
     Raises
     ------
@@ -70,8 +79,10 @@ def check_slot(temperature=None, top_k=None, top_p=None, seed=None, *, sampling:
     at = "" if index is None else f"[{index}]"
     kw = {name: value for name, value in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p),
                                           ("seed", seed)) if value is not None}
+    if fields is not None and not isinstance(fields, dict):
+        raise TypeError(f"fields{at} must be a dict of logits processing fields or None, got {type(fields).__name__}")
     try:
-        params = check_sampling(**kw)
+        params = check_sampling(**kw, **(fields or {}), vocab=vocab)
     except (TypeError, ValueError) as exc:
         if not at:
             raise
@@ -79,7 +90,17 @@ def check_slot(temperature=None, top_k=None, top_p=None, seed=None, *, sampling:
     if params.temperature > 0 and not sampling:
         raise ValueError(f"temperature{at} = {params.temperature} needs sampling: build the decoder with "
                          f"sampling=True (temperature 0 is greedy decoding)")
+    check_fields_enabled(params, with_fields, at)
     return params
+
+
+def check_fields_enabled(params: SamplingParams, with_fields: bool, at: str = "") -> None:
+    """ValueError naming the first logits processing field set on a decoder (or loop) without fields."""
+    used = params.fields
+    if used and not with_fields:
+        name = next(iter(used))
+        raise ValueError(f"{name}{at} = {used[name]!r} needs logits processing on the device: build the decoder "
+                         f"with SpecDecoder(..., sampling=True, fields=True)")
 
 
 class SlotSampling:
@@ -108,7 +129,8 @@ class SlotSampling:
             backend.upload(getattr(bufs, name), getattr(self, name), stream)
 
 
-def sample_first_tokens(ops, backend, bufs: StreamBufs, prompt_end: np.ndarray, stream) -> None:
+def sample_first_tokens(ops, backend, bufs: StreamBufs, prompt_end: np.ndarray, stream, fields=None,
+                        lengths=None) -> None:
     """``pend[b]`` <- a draw from the target's distribution after the prompt, for prefilled slots.
 
     The target's prefill wrote that row's logits to ``tgt_logits[:, 0]``. The draw is
@@ -123,15 +145,23 @@ def sample_first_tokens(ops, backend, bufs: StreamBufs, prompt_end: np.ndarray, 
     ----------
     prompt_end : [B] int32 host array: P, the whole prompt's length (a chunked prompt's
         end, not its last chunk's), ``NO_PREFILL`` for slots left alone
+    fields : SlotFields or None
+        The decoder's logits processing: row 0 is processed (empty history) before its
+        distribution, with min-p, and each drawn first token is counted.
+    lengths : [B] int32 device array, ``NO_PREFILL`` for slots left alone (the staging's; with ``fields``)
     """
     slots = np.flatnonzero(prompt_end != NO_PREFILL)
     if len(slots) == 0:
         return
-    ops.probs_from_logits(bufs.tgt_logits, bufs.temperature, bufs.top_k, bufs.top_p, bufs.tgt_logits, bufs, step=0,
-                          stream=stream)
     pos = np.where(prompt_end != NO_PREFILL, prompt_end.astype(np.int64) - 1, 0).astype(np.int32)
     backend.upload(bufs.brk, np.zeros((bufs.batch, 2), np.int32), stream)
     backend.upload(bufs.pos_start, pos, stream)
+    if fields is not None:
+        fields.first_token(ops, bufs, stream)
+    ops.probs_from_logits(bufs.tgt_logits, bufs.temperature, bufs.top_k, bufs.top_p, bufs.tgt_logits, bufs, step=0,
+                          min_p=None if fields is None else fields.min_p, stream=stream)
     ops.accept_sample(bufs.vtok, bufs.tgt_logits, bufs.draft_logits, bufs.brk, bufs.seed, bufs.pos_start, bufs.n_acc,
                       bufs.last_pred, bufs, stream=stream)
     backend.copy_rows(bufs.pend, bufs.last_pred, slots, stream)
+    if fields is not None:
+        fields.count_first(ops, bufs, lengths, stream)

@@ -24,6 +24,7 @@ from ..models.ngram import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, NGRAM_DRAFT, Ng
 from ..models.stubs import stub_memory_spec, stub_pair
 from ..models.tokenizer import has_tokenizer
 from ..protocol import hook
+from ..sampling.fields import SlotFields
 from .admit import ADMISSION_MODES
 from .loop import ENGINE_MODES, ServeLoop
 
@@ -85,6 +86,7 @@ class ServeConfig:
     capacity: int | str = 4096  # KV entries per slot, or AUTO_CAPACITY: from the GPU's memory
     gpu_memory_fraction: float | None = None  # capacity="auto": share of the GPU (None: DEFAULT_GPU_MEMORY_FRACTION)
     sampling: bool = False
+    logits_fields: bool = False  # the logits processing fields on the device (needs sampling)
     pipelined: bool = True  # graph engine: keep a second burst in flight while the host hands out tokens
     pipeline_depth: int = 2  # pipelined: bursts kept in flight (ServeLoop's depth)
     prefill_chunk: int | None = None  # prompt tokens prefilled per burst boundary (None: whole prompts)
@@ -136,10 +138,14 @@ class ServeConfig:
                 raise ConfigError(name, f"must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ConfigError("dtype", f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        for name in ("sampling", "pipelined", "live"):
+        for name in ("sampling", "logits_fields", "pipelined", "live"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(name, f"must be a bool, got {getattr(self, name)!r}")
         self._check_capacity()
+        if self.logits_fields and not self.sampling:
+            raise ConfigError("logits_fields", "processes the logits of sampling mode: give sampling too")
+        if self.logits_fields and self.tp > 1:
+            raise ConfigError("logits_fields", "is not wired into tensor-parallel serving (--tp > 1); leave it unset")
         if self.pipeline_depth > TP_MAX_DEPTH and self.tp > 1:
             raise ConfigError("pipeline_depth", f"tensor-parallel serving (--tp > 1) keeps at most {TP_MAX_DEPTH} bursts "
                                                 f"in flight, got {self.pipeline_depth}")
@@ -313,6 +319,8 @@ def memory_specs(config: ServeConfig, prefill_tokens: int | None = None) -> list
     if config.lookup:
         draft = NgramDraft.memory_spec()
     bufs = StreamBufs.layout_nbytes(config.batch, config.k, config.rounds, vocab if config.sampling else None)
+    if config.logits_fields:  # counts and prompt marks, [B, V] each
+        bufs += SlotFields.layout_nbytes(config.batch, vocab)
     return [target, draft, MemorySpec("decoder", slot_row_bytes=PROMPT_STAGING_BYTES, fixed_bytes=bufs)]
 
 
@@ -404,4 +412,4 @@ def build_loop(config: ServeConfig, backend=None, *, log=None) -> ServeLoop:
         log(describe_warmup(done))
     return ServeLoop(target, draft, k=config.k, m_rounds=config.rounds, engine=config.engine,
                      pipelined=config.pipelined, depth=config.pipeline_depth, sampling=config.sampling,
-                     prefill_chunk=config.prefill_chunk, admission=config.admission)
+                     prefill_chunk=config.prefill_chunk, admission=config.admission, fields=config.logits_fields)

@@ -51,9 +51,10 @@ class RequestIntake:
         id -> RequestState, for every request queued or running.
     """
 
-    def __init__(self, *, vocab: int, capacity: int, sampling: bool, slot_options: Callable,
+    def __init__(self, *, vocab: int, capacity: int, sampling: bool, slot_options: Callable, fields: bool = False,
                  replays_ids: bool = False):
         self.vocab, self.capacity, self.sampling = vocab, capacity, bool(sampling)
+        self.fields = bool(fields)  # the decoder applies the logits processing fields
         # True where ids come from a loop that made them up already (the followers of a lockstep group).
         self.replays_ids = bool(replays_ids)
         self._slot_options = slot_options
@@ -93,7 +94,7 @@ class RequestIntake:
 
     def check_sampling(self, req: Request) -> SamplingParams:
         """A request's sampling settings, validated at submission (``request.check_request_sampling``)."""
-        return check_request_sampling(req, sampling=self.sampling)
+        return check_request_sampling(req, sampling=self.sampling, fields=self.fields, vocab=self.vocab)
 
     def _new_id(self) -> str:
         return f"auto-{next(self._ids)}"  # no caller's id has this form (MADE_UP_ID)

@@ -18,7 +18,9 @@ import threading
 from .request import MAX_REQUEST_BYTES, Request
 from ..validate import parse_json
 
-SAMPLING_FIELDS = {"temperature", "top_k", "top_p", "seed"}  # Request's sampling settings, not model options
+# Request's sampling settings and logits processing fields, not model options
+SAMPLING_FIELDS = {"temperature", "top_k", "top_p", "seed", "logit_bias", "presence_penalty", "frequency_penalty",
+                   "repetition_penalty", "min_p", "min_tokens", "ignore_eos"}
 FIELDS = {"prompt", "max_new_tokens", "eos", "id"} | SAMPLING_FIELDS  # every other key is a model option
 READ_CHUNK = 1 << 16  # bytes per read of the requests
 READ_AHEAD = 64  # lines the reader thread holds that the loop has not taken yet

@@ -85,6 +85,10 @@ class ServeLoop:
         Decode with speculative rejection sampling, so requests may ask for temperature
         > 0 (the models must support it; see ``SpecDecoder``). Without it such a request
         is refused at submission.
+    fields : bool
+        The logits processing fields on the device (``SpecDecoder(..., fields=True)``: needs
+        ``sampling``), so requests may set ``logit_bias``, the penalties, ``min_p``,
+        ``min_tokens`` and ``ignore_eos``; without it such a request is refused at submission.
     prefill_chunk : int, optional
         At most this many prompt tokens are prefilled per burst boundary; a longer prompt
         is prefilled in chunks over several boundaries while the other slots keep decoding
@@ -123,7 +127,7 @@ class ServeLoop:
 
     def __init__(self, target, draft, *, k: int, m_rounds: int, engine: str = "graph", pipelined: bool = True,
                  depth: int = 2, sampling: bool = False, prefill_chunk: int | None = None, admission: str = "auto",
-                 policy: LoopPolicy | None = None):
+                 policy: LoopPolicy | None = None, fields: bool = False):
         self.policy = policy = check_policy(policy)
         engine = BurstMode.parse(engine, SERVE_MODES, name="engine")
         depth = check_int("depth", depth, minimum=2, maximum=MAX_DEPTH)
@@ -131,7 +135,9 @@ class ServeLoop:
         self.heartbeat_s = policy.heartbeat_s
         self.sampling = bool(sampling)
         self.prefill_chunk = check_prefill_chunk(prefill_chunk, target, draft)
-        self.dec = dec = policy.make_decoder(target, draft, k=k, m_rounds=m_rounds, sampling=self.sampling)
+        self.fields = bool(fields)
+        self.dec = dec = policy.make_decoder(target, draft, k=k, m_rounds=m_rounds, sampling=self.sampling,
+                                             **({"fields": True} if self.fields else {}))
         self.engine = engine
         self.pipeline = BurstPipeline(dec, engine, pipelined, make_graph=functools.partial(policy.make_graph, dec),
                                       depth=depth)
@@ -143,7 +149,7 @@ class ServeLoop:
         self.graph = self.pipeline.graph
         self.vocab = target.vocab
         self.intake = RequestIntake(vocab=self.vocab, capacity=dec.capacity, sampling=self.sampling,
-                                    slot_options=dec.slot_options, replays_ids=policy.replays_ids)
+                                    slot_options=dec.slot_options, replays_ids=policy.replays_ids, fields=self.fields)
         # The parts, each handed what it uses
         self.table = SlotTable(dec.batch, dec.capacity, dec.bufs.ring_capacity)
         self.record = LoopRecord()

@@ -20,7 +20,7 @@ import time
 import numpy as np
 
 from ..constants import UNBOUNDED_BUDGET
-from ..sampling.params import SamplingParams, check_sampling
+from ..sampling.params import FIELD_DEFAULTS, SamplingParams, check_sampling
 from .slot_tokens import SlotTokens
 from ..validate import check_int, check_prompt
 
@@ -51,6 +51,9 @@ class Request:
         Sampling settings (``sampling_params.check_sampling``); None: greedy (temperature
         0), filters off. Temperature > 0 needs ``ServeLoop(..., sampling=True)``; a
         sampled request without a seed gets a random one (``RequestState.sampling``).
+    logit_bias, presence_penalty, frequency_penalty, repetition_penalty, min_p, min_tokens, ignore_eos : optional
+        The logits processing fields (``sampling.params.check_fields``), applied on the device
+        inside the burst; None: off. They need ``ServeLoop(..., sampling=True, fields=True)``.
     """
 
     prompt: list
@@ -62,6 +65,13 @@ class Request:
     top_k: int | None = None
     top_p: float | None = None
     seed: int | None = None
+    logit_bias: dict | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
 
 
 def check_whole_request_fits(req: Request, *, vocab: int, capacity: int) -> tuple[np.ndarray, int, int | None]:
@@ -90,14 +100,24 @@ def check_whole_request_fits(req: Request, *, vocab: int, capacity: int) -> tupl
     return row, limit, eos
 
 
-def check_request_sampling(req: Request, *, sampling: bool) -> SamplingParams:
+def check_request_sampling(req: Request, *, sampling: bool, fields: bool = False,
+                           vocab: int | None = None) -> SamplingParams:
     """A request's sampling settings, validated (ValueError/TypeError naming the field and value).
 
     ``sampling`` says whether the loop decodes with rejection sampling; without it a
     request with temperature > 0 is refused. A sampled request with no seed gets a random one.
+    ``fields``: the loop's decoder applies the logits processing fields (else a request that
+    sets one is refused); ``vocab`` bounds ``logit_bias``'s token ids.
     """
-    fields = {f: getattr(req, f) for f in ("temperature", "top_k", "top_p", "seed") if getattr(req, f) is not None}
-    params = check_sampling(**fields)
+    names = ("temperature", "top_k", "top_p", "seed") + tuple(FIELD_DEFAULTS)
+    given = {f: getattr(req, f) for f in names if getattr(req, f) is not None}
+    params = check_sampling(**given, vocab=vocab)
+    used = params.fields
+    if used and not fields:
+        name = next(iter(used))
+        raise ValueError(f"{name} = {used[name]!r} needs logits processing on the device, which this loop does not "
+                         f"run (build it with ServeLoop(..., sampling=True, fields=True), or run graphburst serve "
+                         f"--sampling --fields)")
     if params.temperature > 0 and not sampling:
         raise ValueError(f"temperature {params.temperature} needs sampling, but this loop decodes greedily "
                          f"(build it with ServeLoop(..., sampling=True), or run graphburst serve --sampling)")

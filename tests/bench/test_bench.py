@@ -124,3 +124,25 @@ def test_sampling_cost_on_a_llama_pair_runs_on_cpu(tmp_path):
     assert res.returncode == 0, res.stderr
     rows = json.loads(out.read_text())["results"]
     assert rows[0]["config"]["model"] == "tiny" and rows[0]["result"]["greedy_round_us"] > 0
+
+
+def test_bench_latency_sampling_fields_on_numpy(tmp_path):
+    """``--sampling --fields``: the fields' cost per round, after the greedy check passed."""
+    res = bench("latency", "--sampling", "--fields", tmp_path=tmp_path)
+    (row,) = res["results"]  # numpy: B = 1 only
+    assert row["config"]["batch"] == 1 and "repetition_penalty" in row["config"]["fields"]
+    r = row["result"]
+    assert r["sampling_round_us"] > 0 and r["fields_round_us"] > 0
+    assert r["fields_overhead"] == pytest.approx(r["fields_round_us"] / r["sampling_round_us"] - 1)
+    assert 1 <= r["fields_tokens_per_round"] <= 5
+
+
+def test_fields_check_fails_when_fields_are_ignored():
+    """The bench's check refuses plain greedy tokens (fields ignored) and tokens off its host loop."""
+    from graphburst.bench import sampling as bs
+    from graphburst.bench.common import VOCAB, random_prompts
+    from graphburst.kernels.digest import greedy_reference
+
+    prompts = random_prompts(1)
+    with pytest.raises(AssertionError, match="differs from the host loop"):
+        bs.check_fields_greedy("x", prompts, [greedy_reference(prompts[0], 6, VOCAB)], bs.CHECK_FIELDS)

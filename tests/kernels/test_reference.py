@@ -39,6 +39,9 @@ CU = kernel_source()  # kernels.cu with its sections inlined
         ("GB_RACES_PER_ROW", constants.RACES_PER_ROW),
         ("GB_NGRAM_MAX", constants.NGRAM_MAX),
         ("GB_NGRAM_THREADS", constants.NGRAM_THREADS),
+        ("GB_FIELDS_THREADS", constants.FIELDS_THREADS),
+        ("GB_FIELDS_SPAN", constants.FIELDS_SPAN),
+        ("GB_FIELDS_MAX_K1", constants.MAX_K + 1),
     ],
 )
 def test_cuda_macros_match_python_constants(macro, value):

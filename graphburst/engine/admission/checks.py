@@ -40,12 +40,15 @@ def chunked_prefill(model) -> bool:
 
 
 def check_prefill(prompts, start, final, max_new_tokens, eos, temperature, top_k, top_p, seed, *, batch: int,
-                  capacity: int, ring_capacity: int, target, draft, sampling: bool) -> tuple:
+                  capacity: int, ring_capacity: int, target, draft, sampling: bool, fields=None,
+                  with_fields: bool = False) -> tuple:
     """Parse a prefill's arguments (``Admission.prefill``'s) into ``prefill_slots``' lists, sentinels
     filled in: ``(slots ascending, chunks [n] int32, starts, budgets, stop tokens, SamplingParams)``,
     one entry per slot; the last three None for a non-final chunk. ``target``, ``draft``: the
     models (a chunk past position 0 or not final needs both to declare ``chunked_prefill``);
-    ``sampling``: the decoder samples (else a temperature > 0 is refused)."""
+    ``sampling``: the decoder samples (else a temperature > 0 is refused); ``fields``: the logits
+    processing fields (a dict for every slot, or one dict or None per slot), which need
+    ``with_fields`` (a decoder built with ``fields=True``)."""
     if not isinstance(final, bool):
         raise TypeError(f"final must be a bool, got {type(final).__name__}")
     if isinstance(prompts, np.ndarray) and prompts.ndim == 2:
@@ -66,7 +69,7 @@ def check_prefill(prompts, start, final, max_new_tokens, eos, temperature, top_k
             if not chunked_prefill(model):
                 raise ValueError(f"the {role} model ({type(model).__name__}) cannot continue a cached prompt "
                                  "(no chunked_prefill): prefill whole prompts (start 0, final=True)")
-    if not final and any(v is not None for v in (max_new_tokens, eos, temperature, top_k, top_p, seed)):
+    if not final and any(v is not None for v in (max_new_tokens, eos, temperature, top_k, top_p, seed, fields)):
         raise TypeError("a non-final chunk takes no limit, stop token or sampling settings: "
                         "pass them with the prompt's final chunk")
     limits = per_slot("max_new_tokens", max_new_tokens, batch)
@@ -82,7 +85,8 @@ def check_prefill(prompts, start, final, max_new_tokens, eos, temperature, top_k
         rows.append(row)
     if not final:
         return slots, rows, [int(starts[b]) for b in slots], None, None, None
-    settings = check_sampling_args(slots, temperature, top_k, top_p, seed, batch=batch, sampling=sampling)
+    settings = check_sampling_args(slots, temperature, top_k, top_p, seed, batch=batch, sampling=sampling,
+                                   fields=fields, with_fields=with_fields, vocab=target.vocab)
     return (slots, rows, [int(starts[b]) for b in slots], [limits[b] for b in slots], [stops[b] for b in slots],
             [settings[b] for b in slots])
 
@@ -130,9 +134,16 @@ def check_first_burst_fits(prompt, max_new_tokens=None, eos=None, *, vocab: int,
     return row, limit, stop
 
 
-def check_sampling_args(slots, temperature, top_k, top_p, seed, *, batch: int, sampling: bool) -> dict:
+def check_sampling_args(slots, temperature, top_k, top_p, seed, *, batch: int, sampling: bool, fields=None,
+                        with_fields: bool = False, vocab: int | None = None) -> dict:
     """Per-slot sampling settings of a prefill: ``slot -> SamplingParams``, validated
-    (``sampling``: the decoder samples, else only greedy settings pass)."""
+    (``sampling``: the decoder samples, else only greedy settings pass; ``fields``: None, a dict
+    for every slot or a sequence of one dict or None per slot, allowed only ``with_fields``)."""
     per = [per_slot(name, v, batch) for name, v in
            (("temperature", temperature), ("top_k", top_k), ("top_p", top_p), ("seed", seed))]
-    return {b: check_slot(*(p[b] for p in per), sampling=sampling, index=b) for b in slots}
+    if fields is None or isinstance(fields, dict):
+        per_fields = [fields] * batch
+    else:
+        per_fields = per_slot("fields", fields, batch)
+    return {b: check_slot(*(p[b] for p in per), sampling=sampling, index=b, fields=per_fields[b],
+                          with_fields=with_fields, vocab=vocab) for b in slots}

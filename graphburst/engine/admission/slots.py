@@ -135,22 +135,28 @@ class Admission:
         The host's per-slot record, shared with the decoder's bursts.
     sampling : bool
         The decoder samples: final chunks carry sampling settings and draw the first token.
+    fields : SlotFields or None
+        The decoder's logits processing buffers (``SpecDecoder(..., fields=True)``): every chunk
+        resets (at a prompt's start) and marks its slot's prompt tokens, a final chunk uploads its
+        settings and counts its first token; ``ignore_eos`` makes the slot's stop token ``NO_EOS``.
     """
 
     def __init__(self, *, target, draft, bufs, stream, backend, staging: StagingBlock, option_columns, graphs,
-                 ledger, sampling: bool):
+                 ledger, sampling: bool, fields=None):
         self.target, self.draft, self.bufs = target, draft, bufs
         self.stream, self.backend = stream, backend
         self.staging, self.option_columns, self.graphs, self.ledger = staging, option_columns, graphs, ledger
         self.sampling = bool(sampling)
         self.batch, self.capacity = staging.batch, staging.capacity  # the staging is sized by the decoder's
         self.host_sampling = SlotSampling(self.batch) if self.sampling else None
+        self.fields = fields  # SlotFields (sampling/fields.py) or None: the logits processing fields
         self._option_appliers = self._models_applying_options()  # the models that apply their own options
 
     # ------------------------------------------------------------------ validated entry point
 
     def prefill(self, prompts: Sequence[Sequence[int] | None], *, start=None, final: bool = True,
-                max_new_tokens=None, eos=None, temperature=None, top_k=None, top_p=None, seed=None) -> None:
+                max_new_tokens=None, eos=None, temperature=None, top_k=None, top_p=None, seed=None,
+                fields=None) -> None:
         """Write prompts (or chunks of them) into the caches and reset those slots' bookkeeping.
 
         May be called with bursts in flight: it is ordered behind them on the stream, and
@@ -175,6 +181,9 @@ class Admission:
             Per-slot sampling settings (``sampling_params.check_sampling``); None means
             greedy (temperature 0, filters off, seed 0). Temperature > 0 needs a decoder
             built with ``sampling=True``; the first token is then sampled too. Final chunks only.
+        fields : dict, or sequence of dict or None, optional
+            The logits processing fields (``sampling.params.check_fields``), for every slot
+            or per slot; they need a decoder built with ``fields=True``. Final chunks only.
 
         Raises
         ------
@@ -186,7 +195,7 @@ class Admission:
         slots, rows, starts, limits, stops, sampling = checks.check_prefill(
             prompts, start, final, max_new_tokens, eos, temperature, top_k, top_p, seed, batch=self.batch,
             capacity=self.capacity, ring_capacity=self.bufs.ring_capacity, target=self.target, draft=self.draft,
-            sampling=self.sampling)
+            sampling=self.sampling, fields=fields, with_fields=self.fields is not None)
         if slots:  # validated now: on through the unchecked entry point
             self.prefill_slots(slots, rows, starts, final=final, limits=limits, stops=stops, sampling=sampling)
 
@@ -246,6 +255,8 @@ class Admission:
         # only a sampling decoder reads the settings (greedy decoders sample nothing)
         settings = {b: p or GREEDY for b, p in zip(slots, sampling or [None] * len(slots))} \
             if final and self.sampling else {}
+        if self.fields is not None and final and any(p.ignore_eos for p in settings.values()):
+            stops = [NO_EOS if settings[b].ignore_eos else stop for b, stop in zip(slots, stops)]
         # Stage (one upload), then the models' prefill and the slot writes: one admission graph
         # launch (graphs.py) or, eagerly, each model's calls and one admit_slots launch.
         index = np.asarray(slots, np.int64)  # [n] int64: the slots, ascending
@@ -260,7 +271,7 @@ class Admission:
         if graphs is None:
             batch = self.batch
             stage = self.staging.view("chunks", (host.size - self.staging.head * batch) // batch)
-            self.prefill_models(stage, ends, slots, index, lengths, starts, settings, final)
+            self.prefill_models(stage, ends, slots, index, lengths, starts, settings, final, stops)
             self.admit(table)
         self.record(index, ends, limits, host[2 * self.batch: 2 * self.batch + table.size].reshape(n_rows, -1)[:, :n])
 
@@ -323,7 +334,7 @@ class Admission:
         self.graphs = None
 
     def prefill_models(self, stage, ends: list, slots: list, index: np.ndarray, lengths: list, starts: list,
-                       settings: dict, final: bool) -> None:
+                       settings: dict, final: bool, stops: list | None = None) -> None:
         """Run: the models' prefill (the target sets ``pos_ctr`` and, when final, ``pend``), in
         the calls each model asks for (``prefill_groups``), then a sampled first token.
         ``slots`` ascending, ``index`` the same as ``[n]`` int64; ``ends``, ``lengths``, ``starts``:
@@ -338,6 +349,12 @@ class Admission:
         if sampling:
             self.host_sampling.set(settings)
             self.host_sampling.upload(self.backend, bufs, s)
+        fields = self.fields
+        if fields is not None:  # the prompt's tokens (a fresh prompt's rows reset first), the final's settings
+            fields.admit_chunks(self.backend.ops, self.staging, stage, s)
+            if sampling:
+                fields.set(settings, dict(zip(slots, ends)), dict(zip(slots, stops or [NO_EOS] * len(slots))))
+                fields.upload(self.backend, settings, s)
         pend = bufs.pend if final else None
         lens = None
         for model, pos_ctr, out in ((self.target, bufs.pos_ctr, pend), (self.draft, None, None)):
@@ -366,7 +383,7 @@ class Admission:
         if sampling:
             prompt_end = np.full(self.batch, NO_PREFILL, np.int32)  # [B] int32
             prompt_end[index] = ends
-            sample_first_tokens(self.backend.ops, self.backend, bufs, prompt_end, s)
+            sample_first_tokens(self.backend.ops, self.backend, bufs, prompt_end, s, fields, prompt_len)
 
     def admit(self, table) -> None:
         """The one ``admit_slots`` launch of an eager admission: each slot of ``table`` (the staged
