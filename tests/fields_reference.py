@@ -29,14 +29,15 @@ def stub_target_logits(prefix, vocab=VOCAB, peak=PEAK):
     return logits[0, 0]
 
 
-def host_decode(prompt, n, fields, eos=None):
-    """One token at a time: transformers' processors in vLLM's order, presence/frequency, argmax."""
+def host_decode(prompt, n, fields, eos=None, *, vocab=VOCAB, peak=PEAK):
+    """One token at a time: transformers' processors in vLLM's order, presence/frequency, argmax
+    (the stub target of ``vocab`` tokens and logit peak ``peak``)."""
     fields = fields or {}
     stop = NO_EOS if eos is None or fields.get("ignore_eos") else eos
     toks = []
     while len(toks) < n:
         ids = torch.tensor([list(prompt) + toks], dtype=torch.long)
-        s = torch.tensor(stub_target_logits(list(prompt) + toks))[None]
+        s = torch.tensor(stub_target_logits(list(prompt) + toks, vocab, peak))[None]
         if fields.get("min_tokens", 0) and stop != NO_EOS:
             s = lp.MinNewTokensLengthLogitsProcessor(len(prompt), fields["min_tokens"], stop)(ids, s)
         if fields.get("logit_bias"):
@@ -44,7 +45,7 @@ def host_decode(prompt, n, fields, eos=None):
         if fields.get("repetition_penalty", 1.0) != 1.0:
             s = lp.RepetitionPenaltyLogitsProcessor(float(F32(fields["repetition_penalty"])))(ids, s)
         x = s[0].numpy().astype(F32)
-        counts = np.bincount(np.asarray(toks, np.int64), minlength=VOCAB) if toks else np.zeros(VOCAB, np.int64)
+        counts = np.bincount(np.asarray(toks, np.int64), minlength=vocab) if toks else np.zeros(vocab, np.int64)
         fr, pr = F32(fields.get("frequency_penalty", 0.0)), F32(fields.get("presence_penalty", 0.0))
         if fr:
             x = (x - fr * counts.astype(F32)).astype(F32)
