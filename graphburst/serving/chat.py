@@ -175,10 +175,13 @@ def _max_tokens(body: dict, room: int) -> int:
 
 
 def parse_chat(body, *, model: str, vocab: int, capacity: int, chat: ChatTokenizer | None, max_choices: int,
-               sampling: bool = False) -> ChatRequest:
+               sampling: bool = False, fields: bool = False) -> ChatRequest:
     """Validate a ``/v1/chat/completions`` body and render its prompt; raise :class:`api.APIError`.
 
     ``chat`` is None when the server has no tokenizer (token-id mode): chat needs text, a 400.
+    ``sampling`` and ``fields`` as for :func:`api.parse_completion`; the model's end-of-turn ids
+    stop a reply after the request's ``stop_token_ids``, unless ``ignore_eos``
+    (:func:`api.stops_in_force`).
     """
     if not isinstance(body, dict):
         raise api.APIError(f"the body must be a JSON object, got {type(body).__name__}", param="body")
@@ -209,11 +212,11 @@ def parse_chat(body, *, model: str, vocab: int, capacity: int, chat: ChatTokeniz
     prompt = render(chat, messages, vocab=vocab, capacity=capacity, add_generation_prompt=add_generation_prompt,
                     continue_final_message=continue_final)
     max_tokens = _max_tokens(body, capacity - len(prompt))
-    stops = api.check_stop_ids(body, vocab)
-    stops += [t for t in chat.stop_ids if t not in stops and t < vocab]
+    device = api.check_device_fields(body, vocab, fields=fields)
+    stops = api.stops_in_force(device, api.check_stop_ids(body, vocab), [t for t in chat.stop_ids if t < vocab],
+                               max_tokens=max_tokens)
     role = "assistant" if add_generation_prompt else messages[-1]["role"]
     echo = api.check_flag(body, "echo", False) and messages[-1]["role"] == role
-    device = api.check_device_fields(body, vocab)
     return ChatRequest([prompt] * int(n), max_tokens, stops, stream, api.check_sampling_fields(body, sampling),
                        include_usage=include_usage, continuous_usage=continuous,
                        skip_special_tokens=api.check_flag(body, "skip_special_tokens", True), device=device,

@@ -116,12 +116,13 @@ class Server:
 
     def __init__(self, engine: EngineThread, metrics: Metrics, *, model: str, vocab: int, capacity: int,
                  max_queue: int, tokenizer=None, chat: chat_api.ChatTokenizer | None = None, sampling: bool = False,
-                 body_timeout: float = BODY_TIMEOUT_S, write_timeout: float = WRITE_TIMEOUT_S):
+                 fields: bool = False, body_timeout: float = BODY_TIMEOUT_S, write_timeout: float = WRITE_TIMEOUT_S):
         self.engine, self.metrics = engine, metrics
         self.write_timeout = write_timeout
         self.chat = chat  # the transformers tokenizer with the chat template; None without --tokenizer
         self.body_timeout = body_timeout
         self.sampling = sampling
+        self.fields = fields  # the loop applies the logits processing fields (--sampling --fields)
         self.model, self.vocab, self.capacity = model, vocab, capacity
         self.max_queue, self.tokenizer = max_queue, tokenizer
         self.created = api.now()
@@ -212,12 +213,12 @@ class Server:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, lambda body: api.parse_completion(
             body, model=self.model, vocab=self.vocab, capacity=self.capacity, tokenizer=self.tokenizer,
-            max_prompts=self.max_queue, sampling=self.sampling), api.CompletionReply)
+            max_prompts=self.max_queue, sampling=self.sampling, fields=self.fields), api.CompletionReply)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, lambda body: chat_api.parse_chat(
             body, model=self.model, vocab=self.vocab, capacity=self.capacity, chat=self.chat,
-            max_choices=self.max_queue, sampling=self.sampling), chat_api.ChatReply)
+            max_choices=self.max_queue, sampling=self.sampling, fields=self.fields), chat_api.ChatReply)
 
     async def _generate(self, request: web.Request, parse, reply_type) -> web.StreamResponse:
         """One generation request of either route: ``parse(body)`` validates it into an
@@ -339,6 +340,7 @@ async def _serve(args, loop: ServeLoop, host: str, port: int, tokenizer, chat) -
     metrics = Metrics(engine)
     server = Server(engine, metrics, model=model_name(args), vocab=loop.vocab, capacity=loop.dec.capacity,
                     max_queue=args.max_queue, tokenizer=tokenizer, chat=chat, sampling=loop.sampling,
+                    fields=loop.fields,
                     body_timeout=args.body_timeout, write_timeout=args.write_timeout)
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

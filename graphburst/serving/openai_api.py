@@ -11,19 +11,22 @@ tests/serving/test_http_fields.py holds both against the ``openai`` package's sc
 speculative rejection sampler when the server runs with ``--sampling``; a greedy server
 refuses a field that would change its output (``temperature`` > 0, ``top_p`` < 1,
 ``top_k`` > 0) with a 400 naming it rather than ignoring it. The seven sampling-shaping
-fields the device does not apply yet are :data:`DEVICE_FIELDS`.
+fields of :data:`DEVICE_FIELDS` (``logit_bias``, the penalties, ``min_p``, ``min_tokens``,
+``ignore_eos``) reach the device's logits processing when the server runs with ``--sampling
+--fields`` (:func:`check_device_fields`, through the library's ``sampling.params.check_fields``);
+any other server refuses a non-neutral value, naming the flags.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import numbers
 import time
 
 from ..constants import SEED_LIMIT
-from ..sampling.params import check_sampling
+from ..sampling.params import FIELD_DEFAULTS, check_sampling
+from ..sampling.params import check_fields as check_logits_fields
 from ..validate import check_prompt
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -59,7 +62,7 @@ class Completion:
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk too
     echo: list | None = None  # [n] str: the text each choice's reply starts with (``echo``); None: no echo
     skip_special_tokens: bool = False  # special tokens left out of the text
-    device: dict = dataclasses.field(default_factory=dict)  # check_device_fields' values, neutral for now
+    device: dict = dataclasses.field(default_factory=dict)  # Request's logits processing fields (non-neutral ones)
     n: int = 1  # choices per prompt: prompts holds each prompt n times in a row (choice index = prompt * n + i)
 
     @property
@@ -68,12 +71,12 @@ class Completion:
         return sum(map(len, self.prompts[::self.n]))
 
     def choice_sampling(self, index: int) -> dict:
-        """The sampling fields of choice ``index``'s Request: with a ``seed``, choice ``i`` of a prompt takes
-        ``seed + i``, so the n choices differ and each reproduces."""
+        """The sampling settings and logits processing fields of choice ``index``'s Request: with a ``seed``,
+        choice ``i`` of a prompt takes ``seed + i``, so the n choices differ and each reproduces."""
         fields = dict(self.sampling)
         if "seed" in fields:
             fields["seed"] = (fields["seed"] + index % self.n) % SEED_LIMIT
-        return fields
+        return {**fields, **self.device}
 
 
 # ---------------------------------------------------------------------- every request field
@@ -93,6 +96,7 @@ class Field:
     status: str
     neutral: tuple = ()
     why: str = ""
+    needs: str = ""  # applied only by a server started with these flags (the docs' status: "applied with ...")
 
 
 def _refused(*neutral, why: str) -> Field:
@@ -101,12 +105,13 @@ def _refused(*neutral, why: str) -> Field:
 
 _APPLIED, _IGNORED = Field(APPLIED), Field(IGNORED)
 
-# The seven sampling-shaping fields (OpenAI's and vLLM's) that need the device's sampler. Until
-# the device applies them each is taken at its neutral value, which changes nothing, and refused
-# otherwise; a change that applies them replaces this table and check_device_fields only.
+# The seven sampling-shaping fields (OpenAI's and vLLM's), applied on the device inside the burst
+# by a server started with FIELDS_FLAGS, with the values that ask for nothing: any server takes
+# those, and a server without the flags refuses any other (check_device_fields).
 DEVICE_FIELDS = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": {}, "repetition_penalty": 1.0,
                  "min_p": 0.0, "min_tokens": 0, "ignore_eos": False}
-DEVICE_FIELD_STATUS = REFUSED  # FIELDS' word for them while the device does not apply them
+DEVICE_FIELD_STATUS = APPLIED
+FIELDS_FLAGS = "--sampling --fields"
 
 _NO_LOGPROBS = "the server returns no log probabilities"
 _NO_GUIDE = "the server does not constrain the output"
@@ -118,7 +123,7 @@ _SHARED = {
     "model": _APPLIED, "stream": _APPLIED, "stream_options": _APPLIED, "temperature": _APPLIED, "top_p": _APPLIED,
     "top_k": _APPLIED, "seed": _APPLIED, "stop_token_ids": _APPLIED, "echo": _APPLIED,
     "skip_special_tokens": _APPLIED,
-    **{name: Field(DEVICE_FIELD_STATUS) for name in DEVICE_FIELDS},
+    **{name: Field(DEVICE_FIELD_STATUS, needs=FIELDS_FLAGS) for name in DEVICE_FIELDS},
     "stop": _refused("", [], why="stop strings are not matched; send stop_token_ids"),
     "response_format": _refused({"type": "text"}, why=_NO_GUIDE),
     "use_beam_search": _refused(False, why="the server has no beam search"),
@@ -204,56 +209,87 @@ def check_fields(body: dict, route: str) -> None:
     table = FIELDS[route]
     for name, value in body.items():
         f = table.get(name)
-        if f is None or f.status != REFUSED or name in DEVICE_FIELDS or value is None:
+        if f is None or f.status != REFUSED or value is None:
             continue
         if not any(_same(value, v) for v in f.neutral):
             raise APIError(f"{name}={shown(value)} is not supported: {f.why}", param=name)
 
 
-def check_device_fields(body: dict, vocab: int) -> dict:
-    """:data:`DEVICE_FIELDS` as sent (their neutral values when absent), each checked as OpenAI and
-    vLLM check it; a bad value, or a good one other than the neutral, is a 400 naming the field."""
+def check_device_fields(body: dict, vocab: int, *, fields: bool = False) -> dict:
+    """:data:`DEVICE_FIELDS` as ``Request`` takes them: the ones sent with a value that asks for something.
+
+    Each value is checked by the library's own validator (``sampling.params.check_fields``; a bad
+    one is a 400 naming the field and value); a neutral one (null, the value of
+    :data:`DEVICE_FIELDS`, zero biases) is left out, so it changes nothing on any server. Any
+    other value needs ``fields`` (the server applies the fields: ``--sampling --fields``), else
+    it is a 400 naming the field and the flags. ``ignore_eos`` is returned for
+    :func:`stops_in_force`, which applies it on the host.
+    """
     out = {}
-    for name, neutral in DEVICE_FIELDS.items():
+    for name in DEVICE_FIELDS:
         value = body.get(name)
         if value is None:
-            out[name] = neutral
             continue
-        if name == "ignore_eos":
-            if not isinstance(value, bool):
-                raise APIError(f"ignore_eos must be true or false, got {shown(value)}", param=name)
-        elif name == "min_tokens":
-            if not is_int(value) or value < 0:
-                raise APIError(f"min_tokens must be an int >= 0, got {shown(value)}", param=name)
-        elif name == "logit_bias":
-            value = _logit_bias(value, vocab)
-        else:  # a real number in the range OpenAI (the penalties) or vLLM (repetition_penalty, min_p) allows
-            rule, ok = {"presence_penalty": ("in [-2, 2]", lambda v: -2 <= v <= 2),
-                        "frequency_penalty": ("in [-2, 2]", lambda v: -2 <= v <= 2),
-                        "repetition_penalty": ("> 0", lambda v: v > 0), "min_p": ("in [0, 1]", lambda v: 0 <= v <= 1)}[name]
-            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or not ok(value):
-                raise APIError(f"{name} must be a number {rule}, got {shown(value)}", param=name)
-        if not _same(value, neutral):
-            raise APIError(f"{name}={shown(body[name])} is not applied by this server yet; leave it out or send "
-                           f"{shown(neutral)}", param=name)
-        out[name] = value
+        if name == "logit_bias":
+            _logit_bias_shape(value)
+        try:
+            checked = check_logits_fields(**{name: value}, vocab=vocab)[name]
+        except (TypeError, ValueError) as exc:
+            raise APIError(f"{name}={shown(value)}: {exc}", param=name) from None
+        if name == "logit_bias":
+            checked = {tok: bias for tok, bias in checked if bias}  # a zero bias changes nothing
+            if not checked:
+                continue
+        elif _same(checked, FIELD_DEFAULTS[name]):
+            continue
+        if not fields:
+            raise APIError(f"{name}={shown(value)} needs the logits processing fields on the device, which this "
+                           f"server does not run (start it with {FIELDS_FLAGS}, or leave {name} out)", param=name)
+        out[name] = checked
     return out
 
 
-def _logit_bias(value, vocab: int) -> dict:
-    """OpenAI's ``logit_bias``: token-id strings to biases in [-100, 100]; a zero bias is dropped (it changes nothing)."""
+def _logit_bias_shape(value) -> None:
+    """OpenAI's ``logit_bias`` is a JSON object whose keys are token ids in decimal (the values are
+    ``check_fields``'); the library also takes pairs and other spellings of a key, which JSON never means."""
     if not isinstance(value, dict):
         raise APIError(f"logit_bias must be an object of token ids to biases, got {shown(value)}", param="logit_bias")
-    out = {}
-    for key, bias in value.items():
-        if not (len(key) <= 10 and key.isascii() and key.isdigit() and int(key) < vocab):
-            raise APIError(f"logit_bias key {shown(key)} is not a token id in [0, {vocab})", param="logit_bias")
-        if isinstance(bias, bool) or not isinstance(bias, numbers.Real) or not -100 <= bias <= 100:
-            raise APIError(f"logit_bias[{shown(key)}] = {shown(bias)} is not a number in [-100, 100]",
+    for key in value:
+        if not (len(key) <= 10 and key.isascii() and key.isdigit()):
+            raise APIError(f"logit_bias key {shown(key)} is not a token id (a decimal string such as \"42\")",
                            param="logit_bias")
-        if bias:
-            out[int(key)] = float(bias)
-    return out
+
+
+def stops_in_force(device: dict, request_stops: list, model_stops=(), *, max_tokens: int) -> list:
+    """The stop ids a request stops at, the first of them the device's EOS, with ``ignore_eos``
+    and ``min_tokens`` of ``device`` (:func:`check_device_fields`; ``ignore_eos`` is taken out).
+
+    As vLLM: ``ignore_eos`` drops the model's end-of-turn ids (``model_stops``: the chat route's
+    tokenizer EOS and ``generation_config.json`` ids; the completions route stops at no id of its
+    own) and leaves the request's ``stop_token_ids`` in force; ``min_tokens`` holds back every
+    stop id, the model's too, until that many tokens are out, and must not exceed ``max_tokens``.
+    The device holds back one stop token (the first in force), so ``min_tokens`` with any other
+    stop id to hold back is a 400 naming it rather than a reply vLLM would not give.
+    """
+    ignore = device.pop("ignore_eos", False)
+    stops = list(request_stops) + [t for t in model_stops if not ignore and t not in request_stops]
+    least = device.get("min_tokens", 0)
+    if least:
+        if least > max_tokens:
+            raise APIError(f"min_tokens={least} must be at most max_tokens={max_tokens}", param="min_tokens")
+        held = list(dict.fromkeys([*request_stops, *model_stops]))
+        if [t for t in held if t not in stops[:1]]:
+            device_held = f"only token {stops[0]}, the first stop id in force" if stops else "none (ignore_eos)"
+            if not model_stops:
+                fix = "send at most one stop id"
+            elif len(model_stops) == 1:
+                fix = f"send no stop_token_ids and no ignore_eos (the model ends a turn at {model_stops[0]})"
+            else:
+                fix = f"this model ends a turn at {len(model_stops)} ids, so it cannot be held to min_tokens here"
+            raise APIError(f"min_tokens={least} holds back every stop id ({', '.join(map(str, held))}) until "
+                           f"{least} tokens are out, but the server holds back {device_held}; {fix}",
+                           param="min_tokens")
+    return stops
 
 
 def check_flag(body: dict, name: str, default: bool) -> bool:
@@ -322,7 +358,7 @@ def _prompts(value, vocab: int, tokenizer, *, max_prompts: int, capacity: int,
 
 
 def parse_completion(body, *, model: str, vocab: int, capacity: int, tokenizer=None,
-                     max_prompts: int, sampling: bool = False) -> Completion:
+                     max_prompts: int, sampling: bool = False, fields: bool = False) -> Completion:
     """Validate a ``/v1/completions`` body; raise :class:`APIError` naming the field.
 
     Parameters
@@ -339,6 +375,9 @@ def parse_completion(body, *, model: str, vocab: int, capacity: int, tokenizer=N
         More prompts than this in one request could never be queued at once.
     sampling : bool
         The server samples (``--sampling``); otherwise fields that change greedy output are refused.
+    fields : bool
+        The server applies the logits processing fields (``--sampling --fields``); otherwise
+        :data:`DEVICE_FIELDS` other than neutral are refused.
     """
     if not isinstance(body, dict):
         raise APIError(f"the body must be a JSON object, got {type(body).__name__}", param="body")
@@ -373,7 +412,8 @@ def parse_completion(body, *, model: str, vocab: int, capacity: int, tokenizer=N
             raise APIError("echo=true needs the prompt's text, but the server has no tokenizer (start it with "
                            "--tokenizer DIR)", param="echo")
         echo = [t if t is not None else tokenizer.decode(p, skip_special_tokens=skip) for p, t in zip(prompts, texts)]
-    device = check_device_fields(body, vocab)
+    device = check_device_fields(body, vocab, fields=fields)
+    stops = stops_in_force(device, stops, max_tokens=int(max_tokens))
     n = int(n)
     return Completion([p for p in prompts for _ in range(n)], int(max_tokens), stops, stream,
                       check_sampling_fields(body, sampling), include_usage=include_usage, continuous_usage=continuous,

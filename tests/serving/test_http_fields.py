@@ -4,10 +4,12 @@
 schema test walks the request types of the installed ``openai`` package (and the vLLM
 extensions the server knows) so that a field a new client version adds fails here until it
 is classified and documented. Over the real server (numpy backend, stub models, a tiny
-WordLevel tokenizer with a BOS post-processor and a chat template), each refused field with
-a non-neutral value is a 400 naming it, its neutral values change nothing, and each applied
-field changes the answer as vLLM's does; every expected token comes from the CPU greedy
-oracle.
+WordLevel tokenizer with a BOS post-processor and a chat template; ``--sampling --fields``),
+each refused field with a non-neutral value is a 400 naming it, its neutral values change
+nothing, and each applied field changes the answer as vLLM's does; every expected token comes
+from the CPU greedy oracle, or for the logits processing fields from the library's host
+reference (``fields_reference.host_decode``: transformers' processors over the stub target's
+logits). A server without ``--fields`` refuses those with a 400 naming the field and the flags.
 """
 
 from __future__ import annotations
@@ -19,10 +21,12 @@ from pathlib import Path
 
 import httpx
 import pytest
+from fields_reference import host_decode
 from test_http_chat import CHAT_FLAGS, EOS, TEMPLATE, VOCAB, WORDS, until_stop
 from test_http_server import ServerProcess, sse_events
 
 from graphburst import greedy_reference
+from graphburst.models.stubs import default_peak
 from graphburst.serving import openai_api as api
 
 pytest.importorskip("aiohttp")
@@ -50,11 +54,13 @@ VLLM = {COMPLETIONS: VLLM_SHARED | {"prompt_embeds"},
         CHAT: VLLM_SHARED | {"best_of", "echo", "add_generation_prompt", "continue_final_message", "documents",
                              "chat_template", "chat_template_kwargs", "mm_processor_kwargs"}}
 
+# One value per logits processing field that asks for something: a server without --fields refuses each.
+DEVICE_SAMPLES = {"presence_penalty": 0.5, "frequency_penalty": -1.0, "logit_bias": {"5": 10},
+                  "repetition_penalty": 1.2, "min_p": 0.1, "min_tokens": 2, "ignore_eos": True}
+
 # One value per refused field that asks for something the server cannot do. A refused field
 # without one fails test_every_refused_field_has_a_non_neutral_sample, so none goes untested.
 NON_NEUTRAL = {
-    "presence_penalty": 0.5, "frequency_penalty": -1.0, "logit_bias": {"5": 10}, "repetition_penalty": 1.2,
-    "min_p": 0.1, "min_tokens": 2, "ignore_eos": True,
     "stop": ["w5"], "response_format": {"type": "json_object"}, "use_beam_search": True, "length_penalty": 0.5,
     "allowed_token_ids": [5, 6], "bad_words": ["w5"], "prompt_logprobs": 1, "truncate_prompt_tokens": 2,
     "guided_json": {"type": "object"}, "guided_regex": "w[0-9]", "guided_choice": ["w5", "w6"],
@@ -112,16 +118,20 @@ def test_every_schema_field_is_classified_and_documented(route):
     assert not VLLM[route] - table.keys(), f"{route}: vLLM fields with no status: {sorted(VLLM[route] - table.keys())}"
     assert {f.status for f in table.values()} <= {api.APPLIED, api.REFUSED, api.IGNORED}
     docs = docs_table(route)
-    assert docs == {name: f.status for name, f in table.items()}, {
+    status = {name: f.status + (f" with `{f.needs}`" if f.needs else "") for name, f in table.items()}
+    assert docs == status, {
         "missing from the docs": sorted(table.keys() - docs.keys()), "not in FIELDS": sorted(docs.keys() - table.keys()),
-        "other status": sorted(n for n in docs.keys() & table.keys() if docs[n] != table[n].status)}
+        "other status": sorted(n for n in docs.keys() & table.keys() if docs[n] != status[n])}
 
 
-def test_the_device_fields_are_one_table_refused_until_applied():
+def test_the_device_fields_are_one_table_applied_with_the_flags():
     assert api.DEVICE_FIELDS == {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {},
                                  "repetition_penalty": 1, "min_p": 0, "min_tokens": 0, "ignore_eos": False}
+    assert api.DEVICE_FIELDS.keys() == DEVICE_SAMPLES.keys()
     for table in api.FIELDS.values():
-        assert all(table[name].status == api.DEVICE_FIELD_STATUS == api.REFUSED for name in api.DEVICE_FIELDS)
+        assert all(table[name].status == api.DEVICE_FIELD_STATUS == api.APPLIED for name in api.DEVICE_FIELDS)
+        assert {name for name, f in table.items() if f.needs} == set(api.DEVICE_FIELDS)
+        assert all(table[name].needs == api.FIELDS_FLAGS == "--sampling --fields" for name in api.DEVICE_FIELDS)
 
 
 def refused(route: str) -> list:
@@ -166,7 +176,7 @@ def hf(tok_dir):
 
 @pytest.fixture(scope="module")
 def server(tok_dir):
-    s = ServerProcess(*CHAT_FLAGS, "--tokenizer", str(tok_dir))
+    s = ServerProcess(*CHAT_FLAGS, "--fields", "--tokenizer", str(tok_dir))
     yield s
     assert s.terminate() == 0, s.errors()
 
@@ -249,12 +259,21 @@ def test_bad_values_of_checked_fields_are_400s_naming_them(server, route, body, 
     assert err["param"] == param and named in err["message"], err
 
 
-def test_echo_without_a_tokenizer_is_a_400():
+def test_a_greedy_server_refuses_echo_without_a_tokenizer_and_the_fields_without_the_flags():
     s = ServerProcess("--batch", "1", "--vocab", str(VOCAB), "--capacity", "64")
     try:
         r = httpx.post(s.url + COMPLETIONS, json={"prompt": [7, 8], "max_tokens": 2, "echo": True}, timeout=10)
         assert r.status_code == 400 and r.json()["error"]["param"] == "echo", r.text
         assert "tokenizer" in r.json()["error"]["message"]
+        for name, value in DEVICE_SAMPLES.items():
+            r = httpx.post(s.url + COMPLETIONS, json={"prompt": [7, 8], "max_tokens": 2, name: value}, timeout=10)
+            err = r.json()["error"]
+            assert r.status_code == 400 and err["param"] == name, r.text
+            assert f"{name}={api.shown(value)}" in err["message"] and "--sampling --fields" in err["message"], err
+        # Their neutral values are taken, and change nothing.
+        neutral = dict(api.DEVICE_FIELDS, logit_bias={"5": 0, "6": -0.0}, min_p=0, repetition_penalty=1)
+        r = httpx.post(s.url + COMPLETIONS, json={"prompt": [7, 8], "max_tokens": 6, **neutral}, timeout=10)
+        assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == greedy_reference([7, 8], 6, VOCAB)
     finally:
         assert s.terminate() == 0, s.errors()
 
@@ -393,9 +412,10 @@ def test_the_openai_client_sees_the_refusals_and_the_applied_fields(server):
     """As a user of the official client meets them: a 400 is a BadRequestError naming the field."""
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=30, max_retries=0)
     model = "graphburst-stub"
-    for call, kw in ((client.completions.create, {"prompt": [7, 8], "presence_penalty": 0.5}),
+    for call, kw in ((client.completions.create, {"prompt": [7, 8], "best_of": 2}),
                      (client.completions.create, {"prompt": [7, 8], "suffix": "w9"}),
-                     (client.chat.completions.create, {"messages": USER_W7, "logit_bias": {"5": 10}}),
+                     (client.completions.create, {"prompt": [7, 8], "presence_penalty": 2.5}),
+                     (client.chat.completions.create, {"messages": USER_W7, "logit_bias": {"5": 101}}),
                      (client.chat.completions.create, {"messages": USER_W7, "modalities": ["text", "audio"]})):
         with pytest.raises(openai.BadRequestError) as exc:
             call(model=model, max_tokens=4, **kw)
@@ -406,3 +426,109 @@ def test_the_openai_client_sees_the_refusals_and_the_applied_fields(server):
                                             stream_options={"include_usage": True}))
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 4
     assert all(ch.usage is None for ch in chunks[:-1])
+    # The logits processing fields, as the client sends them (vLLM's as extra_body).
+    r = client.completions.create(model=model, prompt=[7, 8], max_tokens=4, logit_bias={"9": 100})
+    assert r.choices[0].token_ids == [9] * 4
+    r = client.chat.completions.create(model=model, messages=USER_W7, max_tokens=3, logit_bias={"9": 100},
+                                       extra_body={"min_tokens": 2})
+    assert r.choices[0].token_ids == [9] * 3 and "w9" in r.choices[0].message.content
+    assert r.choices[0].finish_reason == "length"
+
+
+# ---------------------------------------------------------------------- the logits processing fields
+
+
+def fields_ref(prompt, n, fields, eos=None) -> list:
+    """The library's host reference for the server's stub target (its vocabulary and logit peak)."""
+    return host_decode(prompt, n, fields, eos, vocab=VOCAB, peak=default_peak(VOCAB))
+
+
+def reply(server, route, stream, **fields) -> tuple[list, str]:
+    """A choice's token ids and finish reason, from one body or from the stream's chunks."""
+    if not stream:
+        c = ok(server, route, **fields)["choices"][0]
+        return c["token_ids"], c["finish_reason"]
+    chunks = events(server, route, **fields)
+    return ([t for ch in chunks for t in ch["choices"][0].get("token_ids", [])],
+            next(ch["choices"][0]["finish_reason"] for ch in chunks if ch["choices"][0]["finish_reason"]))
+
+
+def chat_ids(hf, word: int) -> list:
+    return render(hf, [{"role": "user", "content": f"w{word}"}])
+
+
+def completion_cases() -> list:
+    """(body, expected ids, expected finish reason, why): each field as the reference says it acts."""
+    p, n = [7, 8], 10
+    plain = greedy_reference(p, n, VOCAB)
+    absent = next(t for t in range(7, VOCAB) if t not in plain)
+    forced = fields_ref(p, n, {"logit_bias": {str(absent): 10}, "presence_penalty": 2, "frequency_penalty": 2})
+    assert forced[0] == absent and forced.count(absent) == 1, forced  # the penalties take the bias back
+    freq = fields_ref(p, n, {"logit_bias": {str(absent): 10}, "frequency_penalty": 1.5})
+    assert freq != [absent] * n, freq
+    # A prompt whose greedy reply repeats a token of its own or of the prompt: a strong repetition penalty acts.
+    rp = next([w] for w in range(7, VOCAB) if len(set(greedy_reference([w], n, VOCAB) + [w])) < n + 1)
+    rep = fields_ref(rp, n, {"repetition_penalty": 8})
+    assert rep != greedy_reference(rp, n, VOCAB), rp
+    ban = fields_ref(p, n, {"logit_bias": {str(plain[0]): -100}})
+    assert ban[0] != plain[0], ban
+    eos = plain[2]
+    late = fields_ref(p, n, {"min_tokens": 6}, eos)
+    assert eos not in late[:6] and late != plain[:3], late
+    return [
+        ({"logit_bias": {str(absent): 100}}, [absent] * n, "length", "a +100 bias forces its token"),
+        ({"logit_bias": {str(plain[0]): -100}}, ban, "length", "a -100 bias bans its token"),
+        ({"logit_bias": {str(absent): 10}, "presence_penalty": 2, "frequency_penalty": 2}, forced, "length",
+         "presence and frequency penalties"),
+        ({"logit_bias": {str(absent): 10}, "frequency_penalty": 1.5}, freq, "length", "a frequency penalty"),
+        ({"prompt": rp, "repetition_penalty": 8}, rep, "length", "a repetition penalty over prompt and reply"),
+        ({"stop_token_ids": [eos], "min_tokens": 6}, late, "stop" if late[-1] == eos else "length",
+         "min_tokens holds the stop token back"),
+        ({"stop_token_ids": [eos], "ignore_eos": True}, plain[:3], "stop",
+         "ignore_eos leaves stop_token_ids in force, as vLLM"),
+        ({"temperature": 1.5, "seed": 3, "min_p": 1.0}, plain, "length", "min_p 1 keeps the top token only"),
+    ]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["body", "stream"])
+def test_the_logits_processing_fields_reach_the_device_on_completions(server, stream):
+    sampled, _ = reply(server, COMPLETIONS, stream, max_tokens=10, temperature=1.5, seed=3)
+    assert sampled != greedy_reference([7, 8], 10, VOCAB)  # so min_p = 1 below is what makes it greedy
+    for body, want, reason, why in completion_cases():
+        got = reply(server, COMPLETIONS, stream, max_tokens=10, **body)
+        assert got == (want, reason), (why, body, got, want)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["body", "stream"])
+def test_the_logits_processing_fields_reach_the_device_on_chat(server, hf, stream):
+    n = 30
+    word = next(w for w in range(7, VOCAB) if EOS in greedy_reference(chat_ids(hf, w), n, VOCAB)[1:n - 8])
+    ids, messages = chat_ids(hf, word), [{"role": "user", "content": f"w{word}"}]
+    plain = greedy_reference(ids, n, VOCAB)
+    stop_at = plain.index(EOS)
+    assert reply(server, CHAT, stream, messages=messages, max_tokens=n) == (plain[:stop_at + 1], "stop")
+    # ignore_eos: the tokenizer's EOS no longer ends the reply.
+    assert reply(server, CHAT, stream, messages=messages, max_tokens=n, ignore_eos=True) == (plain, "length")
+    # min_tokens: the EOS is held back, so the reply runs past it.
+    late = fields_ref(ids, n, {"min_tokens": stop_at + 3}, EOS)
+    assert len(late) > stop_at + 3 and EOS not in late[:stop_at + 3], late
+    got = reply(server, CHAT, stream, messages=messages, max_tokens=n, min_tokens=stop_at + 3)
+    assert got == (late, "stop" if late[-1] == EOS else "length"), (got, late)
+    # logit_bias and a penalty together.
+    fields = {"logit_bias": {"9": 10}, "presence_penalty": 2}
+    want = fields_ref(ids, 12, fields, EOS)
+    assert want[0] == 9 and want != [9] * len(want)
+    assert reply(server, CHAT, stream, messages=messages, max_tokens=12, **fields)[0] == want
+
+
+@pytest.mark.parametrize("body, named", [
+    ({"min_tokens": 3, "stop_token_ids": [3, 4]}, "(3, 4)"),
+    ({"min_tokens": 11}, "max_tokens=10"),
+])
+def test_min_tokens_that_the_device_cannot_hold_to_is_a_400(server, body, named):
+    r = post(server, COMPLETIONS, **{"max_tokens": 10, **body})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "min_tokens" and named in err["message"], r.text
+    # On chat the tokenizer's EOS is a stop id too: with ignore_eos it would be held back but never stop.
+    r = post(server, CHAT, min_tokens=2, ignore_eos=True)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens", r.text
