@@ -89,7 +89,8 @@ def check_logit_bias(logit_bias, vocab: int | None = None) -> tuple:
     out = {}
     for key, bias in logit_bias.items():
         tok = key
-        if isinstance(key, str) and key.strip().isdigit():
+        # ASCII digits only: str.isdigit() also admits digits int() refuses (superscripts, "²")
+        if isinstance(key, str) and key.strip().isascii() and key.strip().isdigit():
             tok = int(key)
         if isinstance(tok, bool) or not isinstance(tok, numbers.Integral):
             raise TypeError(f"logit_bias keys must be token ids (int), got {key!r}")

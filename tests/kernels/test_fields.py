@@ -249,6 +249,7 @@ def test_fields_validation_names_the_field():
            ({"logit_bias": {5: 101}}, ValueError, "logit_bias"),
            ({"logit_bias": {10: 1}}, ValueError, "logit_bias"),
            ({"logit_bias": {"x": 1}}, TypeError, "logit_bias"),
+           ({"logit_bias": {"\u00b2": 1}}, TypeError, "logit_bias"),  # a digit to str.isdigit, not to int()
            ({"logit_bias": [1, 2]}, TypeError, "logit_bias"),
            ({"logit_bias": {i: 1 for i in range(MAX_LOGIT_BIAS + 1)}}, ValueError, "logit_bias"),
            ({"logit_bias": {1: float("nan")}}, ValueError, "logit_bias")]
