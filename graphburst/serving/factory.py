@@ -211,7 +211,7 @@ class ServeConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(name, f"must be a bool, got {getattr(self, name)!r}")
         if self.no_access_log and self.access_log is not None:
-            raise ConfigError("no_access_log", f"turns off the access log that access_log {self.access_log!r} asks for")
+            raise ConfigError("no_access_log", f"access_log {self.access_log!r} is given too; give one of the two")
         if self.http is None:
             for name in ("api_key", "api_key_file", "metrics_need_key", "ssl_certfile", "ssl_keyfile",
                          "allowed_origins", "access_log", "no_access_log"):
