@@ -156,7 +156,7 @@ def ssl_context(certfile: str | None, keyfile: str | None) -> ssl.SSLContext | N
     return ctx
 
 
-def options(config, environ=os.environ, stderr=sys.stderr) -> NetworkOptions:
+def options(config, environ=os.environ, stderr=None) -> NetworkOptions:
     """The :class:`NetworkOptions` of ``config`` (ValueError of one line naming the flag or file)."""
     keys = load_keys(config.api_key, config.api_key_file, environ)
     if config.metrics_need_key and not keys:
@@ -166,7 +166,7 @@ def options(config, environ=os.environ, stderr=sys.stderr) -> NetworkOptions:
     log = None
     if not config.no_access_log:
         if config.access_log in (None, "-"):
-            log = stderr
+            log = sys.stderr if stderr is None else stderr
         else:
             try:
                 log = open(config.access_log, "a", encoding="utf-8", buffering=1)  # noqa: SIM115 - open for the server's life
