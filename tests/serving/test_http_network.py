@@ -39,9 +39,9 @@ TEXT = "THE-PROMPT-TEXT-NO-LOG-MAY-HOLD"
 class NetServer:
     """``graphburst serve --http HOST:0 FLAGS`` in a subprocess; ``url`` (http or https) from its stdout line."""
 
-    def __init__(self, *flags, host="127.0.0.1", env=None):
+    def __init__(self, *flags, host="127.0.0.1", env=None, base=SMALL):
         self.stderr = tempfile.TemporaryFile()  # noqa: SIM115 - the server's stderr, read by errors()
-        cmd = [sys.executable, "-m", "graphburst.cli", "serve", "--http", f"{host}:0", "--backend", "numpy", *SMALL,
+        cmd = [sys.executable, "-m", "graphburst.cli", "serve", "--http", f"{host}:0", "--backend", "numpy", *base,
                *flags]
         env = {**{k: v for k, v in os.environ.items() if k != network.KEY_ENV}, "PYTHONPATH": str(ROOT), **(env or {})}
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.stderr, env=env, text=True)
@@ -254,6 +254,38 @@ def test_access_log_on_stderr_and_generated_ids(open_server):
     assert records[err.headers["X-Request-Id"]]["status"] == 404
 
 
+def test_chat_ids_and_no_text_in_the_log(tmp_path):
+    pytest.importorskip("transformers")
+    from test_http_chat import CHAT_FLAGS, TEMPLATE, save_tokenizer
+
+    save_tokenizer(tmp_path / "tok", template=TEMPLATE)
+    log = tmp_path / "access.log"
+    s = NetServer("--tokenizer", str(tmp_path / "tok"), "--api-key", KEY, "--access-log", str(log), base=CHAT_FLAGS)
+    try:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key=KEY, timeout=30, max_retries=0)
+        words = "w17 w42 w99 w123 w250"
+        raw = client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=[{"role": "user", "content": words}], max_tokens=8,
+            extra_headers={"X-Request-Id": "chat-7"})
+        assert raw.headers["X-Request-Id"] == "chat-7"
+        chat = raw.parse()
+        assert chat.id == "chatcmpl-chat-7" and chat.choices[0].message.content
+        done = client.completions.create(model=MODEL, prompt="w31 w32 w33 w34", max_tokens=8,
+                                         extra_headers={"X-Request-Id": "text-8"})
+        assert done.id == "cmpl-text-8" and done.choices[0].text
+        stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": words}],
+                                                max_tokens=8, stream=True, extra_headers={"X-Request-Id": "chat-9"})
+        assert {c.id for c in stream} == {"chatcmpl-chat-9"}
+        records = {r["request_id"]: r for r in log_lines(log, 3)}
+        assert records["chat-7"]["route"] == "/v1/chat/completions" and records["chat-7"]["completion_tokens"] == 8
+        assert records["chat-9"]["finish_reasons"] == ["length"]
+        text = log.read_text()
+        for secret in (words, "w31 w32", chat.choices[0].message.content.strip(), done.choices[0].text.strip(), KEY):
+            assert secret not in text, secret
+    finally:
+        s.stop()
+
+
 # ---------------------------------------------------------------------- /metrics, CORS, the warning
 
 
@@ -373,6 +405,11 @@ def test_tls_bad_files(tls_files):
         (["--ssl-certfile", str(d / "junk.pem"), "--ssl-keyfile", key], str(d / "junk.pem")),
         (["--ssl-certfile", cert, "--ssl-keyfile", cert], cert),  # a certificate given as the key
     ]
+    if os.geteuid() != 0:  # root reads a file of mode 000 anyway
+        locked = d / "locked.pem"
+        locked.write_bytes((d / "key.pem").read_bytes())
+        locked.chmod(0)
+        cases.append((["--ssl-certfile", cert, "--ssl-keyfile", str(locked)], str(locked)))
     for flags, named in cases:
         line = refused(*flags)
         assert line.startswith("graphburst serve: ") and named in line, (flags, line)
