@@ -19,6 +19,9 @@ handler when the connection drops (``handler_cancellation=True``), and a failed 
 the same, and either way the handler's ``finally`` cancels its tickets. SIGINT/SIGTERM stop
 admissions (503), let requests in flight finish for ``--drain-timeout`` seconds, cancel the
 rest, and exit 0.
+
+API keys, TLS, request ids, the access log and CORS are :mod:`graphburst.serving.network`'s,
+as middlewares around the handlers; its options are read and checked before any model loads.
 """
 
 from __future__ import annotations
