@@ -112,6 +112,22 @@ def add_parser(sub) -> None:
                    help="text I/O: a directory with tokenizer.json, or a .gguf file (default: the --model's own)")
     h.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default graphburst-stub, or the --model directory's name)")
+    # --- HTTP serving on a network (graphburst/serving/network.py; docs/serving.md, "Serving on a network") ---
+    n = p.add_argument_group("HTTP server on a network (--http)")
+    n.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on every /v1 route (repeatable; other processes can read "
+                        "a command line: prefer --api-key-file or the GRAPHBURST_API_KEY environment variable)")
+    n.add_argument("--api-key-file", default=None, metavar="FILE",
+                   help="API keys, one a line (blank lines and # comments skipped)")
+    n.add_argument("--metrics-need-key", action="store_true", help="/metrics needs a key too (default: open)")
+    n.add_argument("--ssl-certfile", default=None, metavar="FILE", help="PEM certificate chain: serve HTTPS")
+    n.add_argument("--ssl-keyfile", default=None, metavar="FILE", help="the certificate's PEM private key")
+    n.add_argument("--allowed-origins", action="append", default=None, metavar="ORIGIN",
+                   help="CORS: a browser origin (https://app.example.com) that may call the API (repeatable; "
+                        "default none)")
+    n.add_argument("--access-log", default=None, metavar="FILE",
+                   help="append the access log (one JSON line per request) to FILE (default stderr)")
+    n.add_argument("--no-access-log", action="store_true", help="write no access log")
     # --- tensor-parallel serving (graphburst/parallel/serve_tp.py, docs/parallel.md) ---
     t = p.add_argument_group("tensor-parallel serving (torchrun --nproc_per_node N -m graphburst serve --tp N)")
     t.add_argument("--tp", type=int_in(1, 64), default=1,

@@ -118,6 +118,15 @@ class ServeConfig:
     write_timeout: float = 300.0  # seconds a stream may wait for its client to take one chunk
     tokenizer: str | None = None
     served_model_name: str | None = None
+    # HTTP serving on a network (serving/network.py): API keys (never in the repr), TLS, access log, CORS
+    api_key: tuple = dataclasses.field(default=(), repr=False)  # keys besides api_key_file and GRAPHBURST_API_KEY
+    api_key_file: str | None = None  # one key a line; blank lines and '#' comments skipped
+    metrics_need_key: bool = False  # /metrics needs a key too (it is open by default, like /health)
+    ssl_certfile: str | None = None  # PEM certificate (chain); with ssl_keyfile: serve HTTPS
+    ssl_keyfile: str | None = None
+    allowed_origins: tuple = ()  # CORS: origins whose browsers may call the API ("*": any)
+    access_log: str | None = None  # a file the access log is appended to (None: stderr)
+    no_access_log: bool = False
     # tensor-parallel serving (parallel/serve_tp)
     tp: int = 1
     draft_mode: str = "sharded"
@@ -153,6 +162,7 @@ class ServeConfig:
             if getattr(self, name) is not None and self.tp > 1:
                 raise ConfigError(name, "is not wired into tensor-parallel serving (--tp > 1); leave it unset")
         self._check_mode()
+        self._check_network()
         self._check_ngram()
         if self.model is None:
             self._check_stubs()
@@ -189,6 +199,25 @@ class ServeConfig:
             for name, unset in (("requests", "-"), ("output", "-"), ("live", False)):
                 if getattr(self, name) != unset:
                     raise ConfigError(name, f"applies to JSONL serving only (no http), got {getattr(self, name)!r}")
+
+    def _check_network(self) -> None:
+        """The network fields: tuples of strings, HTTP only. A key is never quoted in an error."""
+        for name in ("api_key", "allowed_origins"):
+            value = () if getattr(self, name) is None else getattr(self, name)
+            if isinstance(value, str) or not all(isinstance(v, str) for v in value):
+                raise ConfigError(name, "must be a list of strings" + ("" if name == "api_key" else f", got {value!r}"))
+            self._set(name, tuple(value))
+        for name in ("metrics_need_key", "no_access_log"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(name, f"must be a bool, got {getattr(self, name)!r}")
+        if self.no_access_log and self.access_log is not None:
+            raise ConfigError("no_access_log", f"access_log {self.access_log!r} is given too; give one of the two")
+        if self.http is None:
+            for name in ("api_key", "api_key_file", "metrics_need_key", "ssl_certfile", "ssl_keyfile",
+                         "allowed_origins", "access_log", "no_access_log"):
+                if getattr(self, name) not in (None, (), False):
+                    shown = "" if name == "api_key" else f", got {getattr(self, name)!r}"
+                    raise ConfigError(name, f"applies to HTTP serving only (http){shown}")
 
     def _check_ngram(self) -> None:
         if self.lookup:

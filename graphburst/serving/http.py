@@ -19,6 +19,9 @@ handler when the connection drops (``handler_cancellation=True``), and a failed 
 the same, and either way the handler's ``finally`` cancels its tickets. SIGINT/SIGTERM stop
 admissions (503), let requests in flight finish for ``--drain-timeout`` seconds, cancel the
 rest, and exit 0.
+
+API keys, TLS, request ids, the access log and CORS are :mod:`graphburst.serving.network`'s,
+as middlewares around the handlers; its options are read and checked before any model loads.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import uuid
 from aiohttp import web
 
 from . import chat as chat_api
+from . import network
 from . import openai_api as api
 from ..backend import get_backend
 from ..models.gguf_checkpoint import is_gguf
@@ -116,8 +120,10 @@ class Server:
 
     def __init__(self, engine: EngineThread, metrics: Metrics, *, model: str, vocab: int, capacity: int,
                  max_queue: int, tokenizer=None, chat: chat_api.ChatTokenizer | None = None, sampling: bool = False,
-                 fields: bool = False, body_timeout: float = BODY_TIMEOUT_S, write_timeout: float = WRITE_TIMEOUT_S):
+                 fields: bool = False, body_timeout: float = BODY_TIMEOUT_S, write_timeout: float = WRITE_TIMEOUT_S,
+                 net: network.NetworkOptions | None = None):
         self.engine, self.metrics = engine, metrics
+        self.net = net or network.NetworkOptions()  # API keys, access log, CORS (serving/network.py)
         self.write_timeout = write_timeout
         self.chat = chat  # the transformers tokenizer with the chat template; None without --tokenizer
         self.body_timeout = body_timeout
@@ -131,7 +137,9 @@ class Server:
         self.drained = asyncio.Event()
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._json_errors])
+        app = web.Application(client_max_size=MAX_BODY_BYTES,
+                              middlewares=[*network.middlewares(self.net, self.metrics, self._error), self._json_errors])
+        app.on_response_prepare.append(network.on_response_prepare(self.net))
         app.add_routes([web.post("/v1/completions", self.completions),
                         web.post("/v1/chat/completions", self.chat_completions), web.get("/v1/models", self.models),
                         web.get("/health", self.health), web.get("/metrics", self.metrics_text)])
@@ -195,19 +203,25 @@ class Server:
 
     # ------------------------------------------------------------------ completions
 
-    def _on_update(self, ticket: Ticket, up, queue: asyncio.Queue) -> None:
-        """Every engine update passes here first, so metrics count even after a client left."""
+    def _on_update(self, ticket: Ticket, up, queue: asyncio.Queue, log: dict) -> None:
+        """Every engine update passes here first, so metrics count even after a client left;
+        ``log``: the request's access-log figures (serving/network.py)."""
         m = self.metrics
         if up.tokens:
             m.generation_tokens.inc(len(up.tokens))
+            log["completion_tokens"] = log.get("completion_tokens", 0) + len(up.tokens)
             if ticket.last is None:
                 m.ttft.observe(up.time - ticket.arrived)
+                if log.get("ttft_s") is None:
+                    log["ttft_s"] = up.time - ticket.arrived
             else:
                 m.itl.observe((up.time - ticket.last) / len(up.tokens))
             ticket.last = up.time
         if up.reason is not None:
             ticket.final = up.reason
             m.finished(up.reason, up.accepted, up.rounds)
+            if "finish_reasons" in log:
+                log["finish_reasons"][ticket.index] = up.reason
         queue.put_nowait(up)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -238,13 +252,18 @@ class Server:
             return self._error(api.APIError(f"{self.engine.waiting} requests are waiting (--max-queue "
                                             f"{self.max_queue}); retry later", status=429,
                                             type="rate_limit_error"), headers={"Retry-After": str(RETRY_AFTER_S)})
-        cid = f"{reply_type.prefix}-{uuid.uuid4().hex}"
+        rid = request.get("request_id") or uuid.uuid4().hex  # X-Request-Id (serving/network.py)
+        cid = f"{reply_type.prefix}-{rid}"
         reply = reply_type(cid, api.now(), self.model, comp)
         queue: asyncio.Queue = asyncio.Queue()  # this request's updates: a stalled client stalls only its own
         stops = comp.stop_token_ids
+        log = request.get("log", {})
+        log.update(prompt_tokens=comp.prompt_tokens, completion_tokens=0, finish_reasons=[None] * n)
+        # the loop's ids are unique in flight; a client's request id need not be
+        uid = f"{reply_type.prefix}-{uuid.uuid4().hex}"
         tickets = [Ticket(Request(prompt=p, max_new_tokens=comp.max_tokens, eos=stops[0] if stops else None,
-                                  id=f"{cid}-{i}", **comp.choice_sampling(i)), i,
-                          lambda t, u: self._on_update(t, u, queue), frozenset(stops[1:]), arrived=arrived)
+                                  id=f"{uid}-{i}", **comp.choice_sampling(i)), i,
+                          lambda t, u: self._on_update(t, u, queue, log), frozenset(stops[1:]), arrived=arrived)
                    for i, p in enumerate(comp.prompts)]
         if self.draining:  # SIGTERM arrived while the body was being read: refuse, never cut it off
             return self._error(api.APIError("the server is shutting down", status=503, type="service_unavailable"))
@@ -334,14 +353,16 @@ def _http_error(request: web.Request, exc: web.HTTPException) -> api.APIError:
                         type="server_error" if exc.status >= 500 else "invalid_request_error")
 
 
-async def _serve(args, loop: ServeLoop, host: str, port: int, tokenizer, chat) -> int:
+async def _serve(args, loop: ServeLoop, host: str, port: int, tokenizer, chat,
+                 net: network.NetworkOptions | None = None) -> int:
+    net = net or network.NetworkOptions()
     aloop = asyncio.get_running_loop()
     engine = EngineThread(loop, aloop)
     metrics = Metrics(engine)
     server = Server(engine, metrics, model=model_name(args), vocab=loop.vocab, capacity=loop.dec.capacity,
                     max_queue=args.max_queue, tokenizer=tokenizer, chat=chat, sampling=loop.sampling,
                     fields=loop.fields,
-                    body_timeout=args.body_timeout, write_timeout=args.write_timeout)
+                    body_timeout=args.body_timeout, write_timeout=args.write_timeout, net=net)
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         aloop.add_signal_handler(sig, stop.set)
@@ -356,13 +377,14 @@ async def _serve(args, loop: ServeLoop, host: str, port: int, tokenizer, chat) -
     await runner.setup()
     try:
         try:
-            await web.TCPSite(runner, host, port).start()
+            await web.TCPSite(runner, host, port, ssl_context=net.ssl).start()
         except OSError as exc:
             print(f"graphburst serve: cannot listen on {host}:{port}: {exc.strerror or exc}", file=sys.stderr)
             return 2
         bound_host, bound_port = runner.addresses[0][:2]
         shown = f"[{bound_host}]" if ":" in bound_host else bound_host
-        print(f"graphburst serve: listening on http://{shown}:{bound_port}", flush=True)
+        scheme = "https" if net.ssl is not None else "http"
+        print(f"graphburst serve: listening on {scheme}://{shown}:{bound_port}", flush=True)
         await stop.wait()
         server.draining = True
         print(f"graphburst serve: draining {server.live} requests (up to {args.drain_timeout:g} s)",
@@ -396,6 +418,9 @@ def run(args, console, loop: ServeLoop | None = None) -> int:
     """
     try:
         host, port = parse_address(args.http)
+        net = network.options(args)  # keys, TLS files, the access log: refused here, before any model loads
+        if warning := network.exposure_warning(host, net):
+            print(f"graphburst serve: {warning}", file=sys.stderr, flush=True)
         tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
         chat = chat_api.load_chat_tokenizer(args.tokenizer) if args.tokenizer else None
         if chat is not None and chat.missing:
@@ -412,4 +437,4 @@ def run(args, console, loop: ServeLoop | None = None) -> int:
     if not backend.is_gpu:
         print("graphburst serve: no GPU in use; running the numpy reference backend", file=sys.stderr)
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # this process is the server: see GIL_SWITCH_INTERVAL_S
-    return asyncio.run(_serve(args, loop, host, port, tokenizer, chat))
+    return asyncio.run(_serve(args, loop, host, port, tokenizer, chat, net))

@@ -91,6 +91,11 @@ class Metrics:
                                 ["finish_reason"], registry=r)
         self.rejected = Counter("graphburst_http_rejected", "HTTP requests refused by status code",
                                 ["code"], registry=r)
+        # 401s by why the API key was refused: missing, malformed (not "Bearer KEY") or wrong
+        self.auth_rejected = Counter("graphburst_http_auth_rejected", "Requests refused for their API key, by reason",
+                                     ["reason"], registry=r)
+        for reason in ("missing", "malformed", "wrong"):  # exported at 0 from the start
+            self.auth_rejected.labels(reason)
         self.prompt_tokens = Counter("graphburst_prompt_tokens", "Prompt tokens admitted", registry=r)
         self.generation_tokens = Counter("graphburst_generation_tokens", "Tokens generated and sent", registry=r)
         self.ttft = Histogram("graphburst_time_to_first_token_seconds",
