@@ -22,7 +22,7 @@ from ..models.llama_config import CheckpointError
 from ..models.named import check_checkpoint
 from ..models.ngram import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, NGRAM_DRAFT, NgramDraft, check_ngram_range, ngram_for
 from ..models.stubs import stub_memory_spec, stub_pair
-from ..models.tokenizer import has_tokenizer
+from ..models.tokenizer import has_tokenizer, tokenizer_size
 from ..protocol import hook
 from .admit import ADMISSION_MODES
 from .loop import ENGINE_MODES, ServeLoop
@@ -34,6 +34,13 @@ DRAFT_MODES = ("sharded", "replicated")
 STUB_MODEL_NAME = "graphburst-stub"
 AUTO_CAPACITY = "auto"  # capacity value: size the KV cache from the GPU's memory (resolve_capacity)
 PROMPT_STAGING_BYTES = 4  # the decoder's prefill staging, [B * capacity] int32: per slot per row
+#: The smallest KV capacity that serves any request: one prompt token plus one new token (a request's
+#: prompt plus its whole max_new_tokens must fit a slot, serving.request.check_whole_request_fits). A
+#: burst's draft rows add nothing to it: a slot writes at most its budget's tokens (engine.ledger), and
+#: the rows drafted past the capacity are dropped (stubs) or land in the KV slack rows (models.llama).
+MIN_CAPACITY = 2
+#: Bursts in flight of the pipelined graph engine when ``pipeline_depth`` is not given.
+DEFAULT_PIPELINE_DEPTH = 2
 #: Rows of the largest admission whose prefill buckets are made before serving (the
 #: models' ``warm_prefill`` hook): under load an admission carries a few prompts, and each
 #: bucket's first calls otherwise stall the decoding slots (models.prefill_graphs).
@@ -86,7 +93,7 @@ class ServeConfig:
     gpu_memory_fraction: float | None = None  # capacity="auto": share of the GPU (None: DEFAULT_GPU_MEMORY_FRACTION)
     sampling: bool = False
     pipelined: bool = True  # graph engine: keep a second burst in flight while the host hands out tokens
-    pipeline_depth: int = 2  # pipelined: bursts kept in flight (ServeLoop's depth)
+    pipeline_depth: int | None = None  # pipelined graph engine: bursts in flight (None: DEFAULT_PIPELINE_DEPTH)
     prefill_chunk: int | None = None  # prompt tokens prefilled per burst boundary (None: whole prompts)
     prefill_warmup: int | None = None  # rows warmed before serving (None: DEFAULT_PREFILL_WARMUP; 0: off)
     admission: str = "auto"  # pipelined: admit before ("early") or after ("late") refilling; ServeLoop's admission
@@ -140,6 +147,7 @@ class ServeConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(name, f"must be a bool, got {getattr(self, name)!r}")
         self._check_capacity()
+        self._check_depth()
         if self.pipeline_depth > TP_MAX_DEPTH and self.tp > 1:
             raise ConfigError("pipeline_depth", f"tensor-parallel serving (--tp > 1) keeps at most {TP_MAX_DEPTH} bursts "
                                                 f"in flight, got {self.pipeline_depth}")
@@ -153,8 +161,20 @@ class ServeConfig:
         else:
             self._check_model()
 
+    def _check_depth(self) -> None:
+        """``pipeline_depth`` sets the pipelined graph engine only: refused with another, then filled in."""
+        if self.pipeline_depth is not None and (self.engine != "graph" or not self.pipelined):
+            running = f"engine={self.engine!r}" if self.engine != "graph" else "pipelined=False"
+            raise ConfigError("pipeline_depth", f"sets the pipelined graph engine only, and this loop runs {running}; "
+                                                f"got {self.pipeline_depth}")
+        if self.pipeline_depth is None:
+            self._set("pipeline_depth", DEFAULT_PIPELINE_DEPTH)
+
     def _check_capacity(self) -> None:
         if self.capacity != AUTO_CAPACITY:
+            if self.capacity < MIN_CAPACITY:
+                raise ConfigError("capacity", f"{self.capacity} KV entries per slot hold no request; the smallest "
+                                              f"capacity is {MIN_CAPACITY} (one prompt token plus one new token)")
             if self.gpu_memory_fraction is not None:
                 raise ConfigError("gpu_memory_fraction", f"applies to capacity={AUTO_CAPACITY!r} only (capacity is "
                                                          f"{self.capacity}), got {self.gpu_memory_fraction!r}")
@@ -280,6 +300,40 @@ def model_name(config: ServeConfig) -> str:
     if config.model is None:
         return STUB_MODEL_NAME
     return TINY_RANDOM if config.model == TINY_RANDOM else os.path.basename(os.path.normpath(config.model))
+
+
+def model_vocab(config: ServeConfig) -> int:
+    """The vocabulary of the target ``config`` describes, read from its config (no tensor is loaded)."""
+    if config.stubs:
+        return config.vocab
+    from ..models import checkpoint  # torch: only when a model is asked for
+
+    if config.model == TINY_RANDOM:
+        return checkpoint.tiny_random_configs()[0].vocab_size
+    return checkpoint.read_config(config.model).vocab_size
+
+
+def check_tokenizer_vocab(config: ServeConfig) -> None:
+    """Refuse a ``tokenizer`` with text for fewer ids than the model's vocabulary (ConfigError naming both
+    sizes): the ids it lacks would come back with no text. The model's own tokenizer is not checked (a
+    checkpoint's vocabulary is often padded past its tokenizer's); a larger tokenizer is fine."""
+    if config.tokenizer is None or (config.model is not None and config.model != TINY_RANDOM and
+                                    _same_path(config.tokenizer, config.model)):
+        return
+    size = tokenizer_size(config.tokenizer)
+    try:
+        vocab = model_vocab(config)
+    except CheckpointError:  # the model's loader says what is wrong with its config, naming the file
+        return
+    if size is not None and size < vocab:
+        raise ConfigError("tokenizer", f"{config.tokenizer!r} has text for {size} token ids, fewer than the model's "
+                                       f"vocabulary of {vocab}: ids {size} and up would come back with no text")
+
+
+def _same_path(a: str, b: str) -> bool:
+    from ..models.named import resolve_model
+
+    return os.path.realpath(os.fspath(resolve_model(a))) == os.path.realpath(os.fspath(resolve_model(b)))
 
 
 def memory_specs(config: ServeConfig, prefill_tokens: int | None = None) -> list[MemorySpec]:
