@@ -23,7 +23,7 @@ from .models.capacity import DEFAULT_GPU_MEMORY_FRACTION
 from .serving.admit import ADMISSION_MODES
 from .models.named import NAMED_MODELS
 from .serving.factory import DEFAULT_PIPELINE_DEPTH, DEFAULT_PREFILL_WARMUP, MIN_CAPACITY, STUB_DEFAULTS, TINY_RANDOM, \
-    ConfigError, ServeConfig, build_loop, check_tokenizer_vocab, resolve_capacity
+    ConfigError, ServeConfig, build_loop, check_tokenizer_vocab, resolve_capacity, startup_notes
 from .serving.jsonl import error_text, stderr_console
 from .serving.loop import ENGINE_MODES, ServeLoop
 
@@ -182,6 +182,8 @@ def build(config: ServeConfig, err: Console) -> ServeLoop | None:
         return None
     if not loop.dec.backend.is_gpu:
         err.print("graphburst serve: no GPU in use; running the numpy reference backend")
+    for line in startup_notes(config, loop):
+        log_line(line)
     return loop
 
 

@@ -41,6 +41,13 @@ PROMPT_STAGING_BYTES = 4  # the decoder's prefill staging, [B * capacity] int32:
 MIN_CAPACITY = 2
 #: Bursts in flight of the pipelined graph engine when ``pipeline_depth`` is not given.
 DEFAULT_PIPELINE_DEPTH = 2
+#: Measured with the stub models sampling on the numpy backend at batch 64, vocab 32000, k 4, M 8 (the
+#: serve defaults) on 2 shared CPU cores, 2026-12-03: seconds to a request's first tokens, then per burst.
+#: Every burst samples each slot over the whole vocabulary, so the cost grows with batch x vocab (at
+#: batch 8: about 7 s, then 1.5 s a burst).
+CPU_STUB_SAMPLING_FIRST_S, CPU_STUB_SAMPLING_BURST_S = 50, 12
+#: A burst this long (estimated from the figures above) is worth a start-up line saying so.
+SLOW_BURST_S = 1.0
 #: Rows of the largest admission whose prefill buckets are made before serving (the
 #: models' ``warm_prefill`` hook): under load an admission carries a few prompts, and each
 #: bucket's first calls otherwise stall the decoding slots (models.prefill_graphs).
@@ -334,6 +341,27 @@ def _same_path(a: str, b: str) -> bool:
     from ..models.named import resolve_model
 
     return os.path.realpath(os.fspath(resolve_model(a))) == os.path.realpath(os.fspath(resolve_model(b)))
+
+
+def startup_notes(config: ServeConfig, loop: ServeLoop, *, chat: bool = False) -> list[str]:
+    """Start-up lines on what a request will cost that nothing else says: the length of a chat request
+    without ``max_tokens`` (``chat``: the chat route is on), and, for the stub models sampling on the CPU,
+    how slow that is."""
+    lines = []
+    if chat:
+        lines.append(f"a chat request without max_tokens runs until a stop token or a full slot: up to "
+                     f"{loop.dec.capacity} tokens minus its prompt; send max_tokens to bound it")
+    if config.sampling and config.stubs and not loop.dec.backend.is_gpu:
+        # a burst's cost, scaled from the measured one by slots x vocabulary x verified rows
+        burst_s = CPU_STUB_SAMPLING_BURST_S * (config.batch * config.vocab * config.rounds * (config.k + 1)) / \
+            (64 * 32000 * 8 * 5)
+        if burst_s >= SLOW_BURST_S:
+            lines.append(f"stub sampling on the CPU is slow: each burst samples every slot over the whole vocabulary, "
+                         f"about {burst_s:.0f} s a burst at --batch {config.batch} --vocab {config.vocab} (measured "
+                         f"at --batch 64 --vocab 32000 on 2 CPU cores: {CPU_STUB_SAMPLING_FIRST_S} s to a request's "
+                         f"first tokens, then {CPU_STUB_SAMPLING_BURST_S} s a burst); lower --batch or --vocab for a "
+                         f"quicker run")
+    return lines
 
 
 def memory_specs(config: ServeConfig, prefill_tokens: int | None = None) -> list[MemorySpec]:
