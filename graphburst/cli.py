@@ -11,15 +11,35 @@ import sys
 
 from rich.console import Console
 
-from . import bench
-from . import demo
-from . import serve_cli
+from . import bench, demo, serve_cli
 from .backend import cuda_available
 from .cli_args import FlagError, Parser
 from .models.llama_config import CheckpointError
 
 
+def cover_closed_streams() -> None:
+    """Point each standard stream the process was started without (``<&-``, ``>&-``, ``2>&-``) at
+    ``os.devnull``, so that no file opened later takes its number (a library writing to fd 2 would
+    write into ``--output``'s records) and nothing fails writing to it.
+
+    ``sys.stdin`` and ``sys.stdout`` stay None, so a command that needs one (``serve --requests -``,
+    ``--output -``) can refuse in one line; ``sys.stderr`` becomes the null device, so start-up lines
+    and errors go nowhere instead of failing (or landing on stdout, where ``print(file=None)`` writes).
+    """
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_RDWR)
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+    if sys.stderr is None:
+        sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - the process's stderr until it exits
+
+
 def main(argv=None) -> int:
+    cover_closed_streams()
     parser = Parser(prog="graphburst", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     demo.add_parser(sub)
@@ -41,7 +61,10 @@ def main(argv=None) -> int:
         # fallback RuntimeWarning (for Python callers) would say it a second time.
         args.backend = "cupy" if cuda_available() else "numpy"
     # Wide tables stay readable when the output is a log file rather than a terminal.
-    console = Console() if sys.stdout.isatty() else Console(width=220)
+    if sys.stdout is None:  # started with >&-: what the command shows goes nowhere, its work still runs
+        console = Console(file=open(os.devnull, "w"), width=220)  # noqa: SIM115 - lives as long as the command
+    else:
+        console = Console() if sys.stdout.isatty() else Console(width=220)
     try:
         return run(args, console)
     except CheckpointError as exc:  # a checkpoint that cannot be loaded: one line naming the file and key
@@ -51,7 +74,8 @@ def main(argv=None) -> int:
         # The reader went away (``| head -1``): stop quietly. Point stdout at devnull so
         # the interpreter's final flush does not raise again.
         devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
+        os.dup2(devnull, 1)
+        os.close(devnull)
         return 1
 
 

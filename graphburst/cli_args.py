@@ -151,8 +151,9 @@ def real_in(lo: float, hi: float = math.inf):
     return parse
 
 
-def int_or_auto(lo: int, hi: int):
-    """``type=`` for ``auto`` or an integer in ``[lo, hi]`` (``--capacity``)."""
+def int_or_auto(lo: int, hi: int, why: str = ""):
+    """``type=`` for ``auto`` or an integer in ``[lo, hi]`` (``--capacity``); ``why``, when given, follows
+    the range in the error (what the minimum is for)."""
     whole = int_in(lo, hi)
 
     def parse(text: str):
@@ -161,7 +162,8 @@ def int_or_auto(lo: int, hi: int):
         try:
             return whole(text)
         except argparse.ArgumentTypeError:
-            raise argparse.ArgumentTypeError(f"must be {AUTO!r} or an integer in [{lo}, {hi}], got {text!r}") from None
+            raise argparse.ArgumentTypeError(f"must be {AUTO!r} or an integer in [{lo}, {hi}]{why}, "
+                                             f"got {text!r}") from None
     parse.__name__ = "int or auto"
     return parse
 

@@ -22,13 +22,15 @@ from .constants import MAX_DEPTH, MAX_K
 from .models.capacity import DEFAULT_GPU_MEMORY_FRACTION
 from .serving.admit import ADMISSION_MODES
 from .models.named import NAMED_MODELS
-from .serving.factory import DEFAULT_PREFILL_WARMUP, STUB_DEFAULTS, TINY_RANDOM, ConfigError, ServeConfig, build_loop, \
-    resolve_capacity
+from .serving.factory import DEFAULT_PIPELINE_DEPTH, DEFAULT_PREFILL_WARMUP, MIN_CAPACITY, STUB_DEFAULTS, TINY_RANDOM, \
+    ConfigError, ServeConfig, build_loop, check_tokenizer_vocab, resolve_capacity, startup_notes
 from .serving.jsonl import error_text, stderr_console
 from .serving.loop import ENGINE_MODES, ServeLoop
 
 # ServeConfig fields whose flag is not "--" + the field's name with dashes
 FIELD_FLAGS = {"k": "-k", "rounds": "--rounds", "pipelined": "--no-pipeline", "logits_fields": "--fields"}
+#: What the smallest --capacity holds, said with its range.
+CAPACITY_WHY = " (the smallest request: one prompt token plus one new token)"
 
 
 def add_parser(sub) -> None:
@@ -43,8 +45,8 @@ def add_parser(sub) -> None:
     p.add_argument("--batch", type=int_in(1, 65536), default=64, help="batch slots")
     p.add_argument("-k", type=int_in(1, MAX_K), default=4, help="drafts per round")
     p.add_argument("-m", "--rounds", type=int_in(1, 1024), default=8, help="rounds per burst")
-    p.add_argument("--capacity", type=int_or_auto(1, 2**31 - 1), default=4096,
-                   help=f"KV entries per slot, or {AUTO!r}: as many as fit the GPU's memory (--gpu-memory-fraction; "
+    p.add_argument("--capacity", type=int_or_auto(MIN_CAPACITY, 2**31 - 1, CAPACITY_WHY), default=4096,
+                   help=f"KV entries per slot, at least {MIN_CAPACITY}, or {AUTO!r}: as many as fit the GPU's memory (--gpu-memory-fraction; "
                         "capped by the model's max_position_embeddings)")
     p.add_argument("--gpu-memory-fraction", type=fraction, default=None,
                    help=f"with --capacity {AUTO}: the share of the GPU's total memory this server may hold, in (0, 1] "
@@ -84,8 +86,8 @@ def add_parser(sub) -> None:
                         "and ignore_eos")
     p.add_argument("--no-pipeline", action="store_true",
                    help="graph engine: drain each burst before enqueueing the next")
-    p.add_argument("--pipeline-depth", type=int_in(2, MAX_DEPTH), default=2, metavar="N",
-                   help="graph engine: bursts kept in flight (default 2); more gives the host longer to admit requests "
+    p.add_argument("--pipeline-depth", type=int_in(2, MAX_DEPTH), default=None, metavar="N",
+                   help=f"graph engine: bursts kept in flight (default {DEFAULT_PIPELINE_DEPTH}); more gives the host longer to admit requests "
                         "between drains when bursts are short, and makes a new request wait for more queued bursts")
     p.add_argument("--admission", choices=ADMISSION_MODES, default="auto",
                    help="graph engine, pipelined: admit waiting requests before refilling the queue of bursts "
@@ -158,6 +160,10 @@ def check_args(args) -> None:
             if getattr(args, flag[2:]) == "-" and stream is None:
                 raise FlagError(flag, f"'-' is the standard {name}, which is closed; give {flag} FILE")
     check_ngram_flags(args, parallel=args.tp > 1)
+    if args.pipeline_depth is not None and (args.no_pipeline or args.engine != "graph"):
+        other = "--no-pipeline" if args.no_pipeline else f"--engine {args.engine}"
+        raise FlagError("--pipeline-depth", f"sets the bursts in flight of the pipelined graph engine, which "
+                                            f"{other} turns off; leave one of them out")
     config = parse(args)
     if config.capacity == AUTO:
         from .backend import cuda_available
@@ -167,6 +173,10 @@ def check_args(args) -> None:
                                           f"(--backend {args.backend}); give --capacity N")
     elif config.stubs:
         check_kv_memory(config.batch, config.capacity, config.layers + 1)
+    try:
+        check_tokenizer_vocab(config)
+    except ConfigError as exc:
+        raise FlagError("--tokenizer", exc.why) from None
 
 
 def parse(args) -> ServeConfig:
@@ -192,6 +202,8 @@ def build(config: ServeConfig, err: Console) -> ServeLoop | None:
         return None
     if not loop.dec.backend.is_gpu:
         err.print("graphburst serve: no GPU in use; running the numpy reference backend")
+    for line in startup_notes(config, loop):
+        log_line(line)
     return loop
 
 

@@ -277,8 +277,9 @@ def _check_comparison(args) -> None:
         if flag == "--accepts" and bad:
             raise FlagError(flag, f"acceptance levels are in (0, 1], got {bad[0]} in {text!r}")
         if flag == "--eps" and bad:
-            raise FlagError(flag, f"each ε must be a finite number in (0, 1] (0: the target is the draft, "
-                                  f"1: the random model as drawn), got {bad[0]} in {text!r}")
+            raise FlagError(flag, f"each ε must be a finite number in (0, 1], got {bad[0]} in {text!r}: ε scales "
+                                  "the target's blocks past the draft, 1 leaving them as drawn; at 0 they vanish and "
+                                  "the target computes the draft itself (every draft accepted, nothing to compare)")
     s = settings(args)
     _names("--models", s["models"], MODEL_NAMES)
     _names("--engines", s["engines"], ENGINES)
@@ -347,10 +348,12 @@ def check_run_memory(s, device_bytes: int | None = None) -> None:
     CPU (rather than a 24 GB surprise)."""
     from .real_models import MODELS, run_bytes
 
-    batch, engines = max(s["batches"]), len(s["engines"]) + 1  # + the source model they share weights with
+    batch, engines = max(s["batches"]), len(s["engines"])
     for name in s["models"]:
+        # each engine's caches and logits, and those of the source model the engines share weights with
         need = run_bytes(MODELS[name], batch=batch, capacity=_capacity(s), k=s["k"], prompt_len=s["prompt_len"],
-                         item=2 if s["dtype"] == "bfloat16" else 4, engines=engines)
-        check_memory(need, f"{engines} engines x batch {batch} of model {name} ({_capacity(s)} positions)",
+                         item=2 if s["dtype"] == "bfloat16" else 4, engines=engines + 1)
+        check_memory(need, f"{engines} engines and their source model x batch {batch} of model {name} "
+                           f"({_capacity(s)} positions)",
                      ("--batches", "--rounds", "--prompt-len", "--engines"), limit=device_bytes,
                      where="limit" if device_bytes is None else "of the GPU")

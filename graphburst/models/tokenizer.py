@@ -49,3 +49,19 @@ def has_tokenizer(model) -> bool:
     """Whether ``model`` carries a tokenizer: a GGUF file always does, a directory when it has ``tokenizer.json``."""
     path = os.fspath(resolve_model(model))
     return is_gguf(path) or os.path.isfile(os.path.join(path, "tokenizer.json"))
+
+
+def tokenizer_size(model) -> int | None:
+    """How many token ids the tokenizer of a directory (its ``tokenizer.json``, added tokens included) or
+    GGUF file (or named model) has text for: its highest id + 1. None when it cannot be read here (the
+    loader that serves it then says why)."""
+    path = os.fspath(resolve_model(model))
+    try:
+        if is_gguf(path):
+            return len(checkpoint_tokenizer(path))
+        from tokenizers import Tokenizer
+
+        ids = Tokenizer.from_file(os.path.join(path, "tokenizer.json")).get_vocab(with_added_tokens=True).values()
+    except Exception:  # noqa: BLE001 - tokenizers and transformers raise many types for a file they cannot read
+        return None
+    return max(ids, default=-1) + 1

@@ -22,7 +22,7 @@ from ..models.llama_config import CheckpointError
 from ..models.named import check_checkpoint
 from ..models.ngram import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, NGRAM_DRAFT, NgramDraft, check_ngram_range, ngram_for
 from ..models.stubs import stub_memory_spec, stub_pair
-from ..models.tokenizer import has_tokenizer
+from ..models.tokenizer import has_tokenizer, tokenizer_size
 from ..protocol import hook
 from ..sampling.fields import SlotFields
 from .admit import ADMISSION_MODES
@@ -35,6 +35,20 @@ DRAFT_MODES = ("sharded", "replicated")
 STUB_MODEL_NAME = "graphburst-stub"
 AUTO_CAPACITY = "auto"  # capacity value: size the KV cache from the GPU's memory (resolve_capacity)
 PROMPT_STAGING_BYTES = 4  # the decoder's prefill staging, [B * capacity] int32: per slot per row
+#: The smallest KV capacity that serves any request: one prompt token plus one new token (a request's
+#: prompt plus its whole max_new_tokens must fit a slot, serving.request.check_whole_request_fits). A
+#: burst's draft rows add nothing to it: a slot writes at most its budget's tokens (engine.ledger), and
+#: the rows drafted past the capacity are dropped (stubs) or land in the KV slack rows (models.llama).
+MIN_CAPACITY = 2
+#: Bursts in flight of the pipelined graph engine when ``pipeline_depth`` is not given.
+DEFAULT_PIPELINE_DEPTH = 2
+#: Measured with the stub models sampling on the numpy backend at batch 64, vocab 32000, k 4, M 8 (the
+#: serve defaults) on 2 shared CPU cores, 2026-12-03: seconds to a request's first tokens, then per burst.
+#: Every burst samples each slot over the whole vocabulary, so the cost grows with batch x vocab (at
+#: batch 8: about 7 s, then 1.5 s a burst).
+CPU_STUB_SAMPLING_FIRST_S, CPU_STUB_SAMPLING_BURST_S = 50, 12
+#: A burst this long (estimated from the figures above) is worth a start-up line saying so.
+SLOW_BURST_S = 1.0
 #: Rows of the largest admission whose prefill buckets are made before serving (the
 #: models' ``warm_prefill`` hook): under load an admission carries a few prompts, and each
 #: bucket's first calls otherwise stall the decoding slots (models.prefill_graphs).
@@ -88,7 +102,7 @@ class ServeConfig:
     sampling: bool = False
     logits_fields: bool = False  # the logits processing fields on the device (needs sampling)
     pipelined: bool = True  # graph engine: keep a second burst in flight while the host hands out tokens
-    pipeline_depth: int = 2  # pipelined: bursts kept in flight (ServeLoop's depth)
+    pipeline_depth: int | None = None  # pipelined graph engine: bursts in flight (None: DEFAULT_PIPELINE_DEPTH)
     prefill_chunk: int | None = None  # prompt tokens prefilled per burst boundary (None: whole prompts)
     prefill_warmup: int | None = None  # rows warmed before serving (None: DEFAULT_PREFILL_WARMUP; 0: off)
     admission: str = "auto"  # pipelined: admit before ("early") or after ("late") refilling; ServeLoop's admission
@@ -155,6 +169,7 @@ class ServeConfig:
             raise ConfigError("logits_fields", "processes the logits of sampling mode: give sampling too")
         if self.logits_fields and self.tp > 1:
             raise ConfigError("logits_fields", "is not wired into tensor-parallel serving (--tp > 1); leave it unset")
+        self._check_depth()
         if self.pipeline_depth > TP_MAX_DEPTH and self.tp > 1:
             raise ConfigError("pipeline_depth", f"tensor-parallel serving (--tp > 1) keeps at most {TP_MAX_DEPTH} bursts "
                                                 f"in flight, got {self.pipeline_depth}")
@@ -169,8 +184,20 @@ class ServeConfig:
         else:
             self._check_model()
 
+    def _check_depth(self) -> None:
+        """``pipeline_depth`` sets the pipelined graph engine only: refused with another, then filled in."""
+        if self.pipeline_depth is not None and (self.engine != "graph" or not self.pipelined):
+            running = f"engine={self.engine!r}" if self.engine != "graph" else "pipelined=False"
+            raise ConfigError("pipeline_depth", f"sets the pipelined graph engine only, and this loop runs {running}; "
+                                                f"got {self.pipeline_depth}")
+        if self.pipeline_depth is None:
+            self._set("pipeline_depth", DEFAULT_PIPELINE_DEPTH)
+
     def _check_capacity(self) -> None:
         if self.capacity != AUTO_CAPACITY:
+            if self.capacity < MIN_CAPACITY:
+                raise ConfigError("capacity", f"{self.capacity} KV entries per slot hold no request; the smallest "
+                                              f"capacity is {MIN_CAPACITY} (one prompt token plus one new token)")
             if self.gpu_memory_fraction is not None:
                 raise ConfigError("gpu_memory_fraction", f"applies to capacity={AUTO_CAPACITY!r} only (capacity is "
                                                          f"{self.capacity}), got {self.gpu_memory_fraction!r}")
@@ -315,6 +342,61 @@ def model_name(config: ServeConfig) -> str:
     if config.model is None:
         return STUB_MODEL_NAME
     return TINY_RANDOM if config.model == TINY_RANDOM else os.path.basename(os.path.normpath(config.model))
+
+
+def model_vocab(config: ServeConfig) -> int:
+    """The vocabulary of the target ``config`` describes, read from its config (no tensor is loaded)."""
+    if config.stubs:
+        return config.vocab
+    from ..models import checkpoint  # torch: only when a model is asked for
+
+    if config.model == TINY_RANDOM:
+        return checkpoint.tiny_random_configs()[0].vocab_size
+    return checkpoint.read_config(config.model).vocab_size
+
+
+def check_tokenizer_vocab(config: ServeConfig) -> None:
+    """Refuse a ``tokenizer`` with text for fewer ids than the model's vocabulary (ConfigError naming both
+    sizes): the ids it lacks would come back with no text. The model's own tokenizer is not checked (a
+    checkpoint's vocabulary is often padded past its tokenizer's); a larger tokenizer is fine."""
+    if config.tokenizer is None or (config.model is not None and config.model != TINY_RANDOM and
+                                    _same_path(config.tokenizer, config.model)):
+        return
+    size = tokenizer_size(config.tokenizer)
+    try:
+        vocab = model_vocab(config)
+    except CheckpointError:  # the model's loader says what is wrong with its config, naming the file
+        return
+    if size is not None and size < vocab:
+        raise ConfigError("tokenizer", f"{config.tokenizer!r} has text for {size} token ids, fewer than the model's "
+                                       f"vocabulary of {vocab}: ids {size} and up would come back with no text")
+
+
+def _same_path(a: str, b: str) -> bool:
+    from ..models.named import resolve_model
+
+    return os.path.realpath(os.fspath(resolve_model(a))) == os.path.realpath(os.fspath(resolve_model(b)))
+
+
+def startup_notes(config: ServeConfig, loop: ServeLoop, *, chat: bool = False) -> list[str]:
+    """Start-up lines on what a request will cost that nothing else says: the length of a chat request
+    without ``max_tokens`` (``chat``: the chat route is on), and, for the stub models sampling on the CPU,
+    how slow that is."""
+    lines = []
+    if chat:
+        lines.append(f"a chat request without max_tokens runs until a stop token or a full slot: up to "
+                     f"{loop.dec.capacity} tokens minus its prompt; send max_tokens to bound it")
+    if config.sampling and config.stubs and not loop.dec.backend.is_gpu:
+        # a burst's cost, scaled from the measured one by slots x vocabulary x verified rows
+        burst_s = CPU_STUB_SAMPLING_BURST_S * (config.batch * config.vocab * config.rounds * (config.k + 1)) / \
+            (64 * 32000 * 8 * 5)
+        if burst_s >= SLOW_BURST_S:
+            lines.append(f"stub sampling on the CPU is slow: each burst samples every slot over the whole vocabulary, "
+                         f"about {burst_s:.0f} s a burst at --batch {config.batch} --vocab {config.vocab} (measured "
+                         f"at --batch 64 --vocab 32000 on 2 CPU cores: {CPU_STUB_SAMPLING_FIRST_S} s to a request's "
+                         f"first tokens, then {CPU_STUB_SAMPLING_BURST_S} s a burst); lower --batch or --vocab for a "
+                         f"quicker run")
+    return lines
 
 
 def memory_specs(config: ServeConfig, prefill_tokens: int | None = None) -> list[MemorySpec]:

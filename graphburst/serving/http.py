@@ -47,7 +47,7 @@ from ..models.tokenizer import checkpoint_tokenizer
 from ..validate import parse_json
 from .engine_thread import EngineThread, Ticket
 from .metrics import CONTENT_TYPE, Metrics
-from .factory import build_loop, model_name, resolve_capacity
+from .factory import build_loop, model_name, resolve_capacity, startup_notes
 from .request import Request
 from .loop import ServeLoop
 from .request import MAX_REQUEST_BYTES
@@ -436,5 +436,7 @@ def run(args, console, loop: ServeLoop | None = None) -> int:
         return 2
     if not backend.is_gpu:
         print("graphburst serve: no GPU in use; running the numpy reference backend", file=sys.stderr)
+    for line in startup_notes(args, loop, chat=chat is not None and not chat.missing and bool(chat.template)):
+        _log_line(line)
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # this process is the server: see GIL_SWITCH_INTERVAL_S
     return asyncio.run(_serve(args, loop, host, port, tokenizer, chat, net))

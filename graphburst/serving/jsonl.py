@@ -37,7 +37,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from .request import RequestState
+from .request import RequestState, SamplingOff
 from .loop import ServeLoop
 from .jsonl_input import _EOF, MAX_LINE_BYTES, READ_AHEAD, STOP_POLL_S, LineReader, LineTooLong, parse_line
 from .events import Retired
@@ -193,6 +193,10 @@ class JsonlServer:
         self.counts["lines"] += 1
         try:
             self.pending.append(self.loop.submit(parse_line(raw.decode("utf-8")), line=n))
+        except SamplingOff as exc:  # the remedy is the command's flag, not the library's argument
+            self._emit({"error": f"temperature {exc.temperature} needs sampling, but this loop decodes greedily: "
+                                 "start graphburst serve with --sampling", "line": n})
+            self.counts["rejected"] += 1
         except Exception as exc:  # noqa: BLE001 - a bad line costs only itself
             self._emit({"error": error_text(exc), "line": n})
             self.counts["rejected"] += 1

@@ -100,6 +100,18 @@ def check_whole_request_fits(req: Request, *, vocab: int, capacity: int) -> tupl
     return row, limit, eos
 
 
+class SamplingOff(ValueError):
+    """A request with temperature > 0 for a loop that decodes greedily; ``temperature`` is the request's.
+
+    The message advises the Python remedy; a command (``graphburst serve``'s JSONL records) words its own.
+    """
+
+    def __init__(self, temperature: float):
+        super().__init__(f"temperature {temperature} needs sampling, but this loop decodes greedily "
+                         f"(build it with ServeLoop(..., sampling=True))")
+        self.temperature = temperature
+
+
 def check_request_sampling(req: Request, *, sampling: bool, fields: bool = False,
                            vocab: int | None = None) -> SamplingParams:
     """A request's sampling settings, validated (ValueError/TypeError naming the field and value).
@@ -119,8 +131,7 @@ def check_request_sampling(req: Request, *, sampling: bool, fields: bool = False
                          f"run (build it with ServeLoop(..., sampling=True, fields=True), or run graphburst serve "
                          f"--sampling --fields)")
     if params.temperature > 0 and not sampling:
-        raise ValueError(f"temperature {params.temperature} needs sampling, but this loop decodes greedily "
-                         f"(build it with ServeLoop(..., sampling=True), or run graphburst serve --sampling)")
+        raise SamplingOff(params.temperature)
     if params.temperature > 0 and req.seed is None:
         params = dataclasses.replace(params, seed=secrets.randbits(64))
     return params

@@ -1,0 +1,79 @@
+"""The serve start-up lines say what a request will cost where nothing else does: how long a chat request
+without max_tokens runs, and that the stub models sample slowly on the CPU; docs/serving.md says both."""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from graphburst.serving.factory import CPU_STUB_SAMPLING_BURST_S, ServeConfig, build_loop, startup_notes
+
+ROOT = Path(__file__).resolve().parents[2]
+ENV = dict(os.environ, PYTHONPATH=str(ROOT))
+VOCAB = 300
+CAPACITY = 64
+
+
+def chat_tokenizer(path: Path) -> Path:
+    """A WordLevel tokenizer of VOCAB words with a chat template and no end-of-turn id the stubs would hit."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("jinja2")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    template = "{% for m in messages %}w1 {{ m['content'] }} w2 {% endfor %}w3"
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=template).save_pretrained(str(path))
+    return path
+
+
+def test_the_http_start_up_states_a_chat_requests_default_length_and_it_holds(tmp_path):
+    pytest.importorskip("aiohttp")
+    tok = chat_tokenizer(tmp_path / "tok")
+    proc = subprocess.Popen([sys.executable, "-m", "graphburst.cli", "serve", "--http", "127.0.0.1:0", "--backend",
+                             "numpy", "--batch", "2", "--vocab", str(VOCAB), "--capacity", str(CAPACITY),
+                             "--tokenizer", str(tok)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV)
+    try:
+        sel = selectors.DefaultSelector()
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        assert sel.select(timeout=60), "the server did not start"
+        url = proc.stdout.readline().decode().rsplit(" ", 1)[1].strip()
+        body = json.dumps({"messages": [{"role": "user", "content": "w5 w6"}]}).encode()
+        req = urllib.request.Request(url + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            answer = json.load(resp)
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+    err = err.decode()
+    line = next((x for x in err.splitlines() if "chat request without max_tokens" in x), None)
+    assert line is not None and f"up to {CAPACITY} tokens minus its prompt" in line, err
+    usage = answer["usage"]  # what the line said: the whole slot after the prompt
+    assert usage["prompt_tokens"] + usage["completion_tokens"] == CAPACITY, answer
+    assert answer["choices"][0]["finish_reason"] == "length"
+
+
+def test_the_chat_line_only_with_chat_and_the_slow_line_only_for_a_slow_cpu_sampler():
+    loop = build_loop(ServeConfig(backend="numpy", batch=2, vocab=VOCAB, capacity=CAPACITY, sampling=True))
+    small = ServeConfig(backend="numpy", batch=2, vocab=VOCAB, capacity=CAPACITY, sampling=True)
+    assert startup_notes(small, loop) == []  # a burst of 2 slots x 300 tokens is quick
+    (chat,) = startup_notes(small, loop, chat=True)
+    assert f"up to {CAPACITY} tokens" in chat
+    defaults = ServeConfig(backend="numpy", sampling=True)  # what `graphburst serve --sampling` gets on a CPU
+    (slow,) = startup_notes(defaults, loop)
+    assert "slow" in slow and f"about {CPU_STUB_SAMPLING_BURST_S} s a burst at --batch 64 --vocab 32000" in slow
+    assert startup_notes(ServeConfig(backend="numpy"), loop) == []  # greedy: no line
+
+
+def test_serving_doc_says_both_in_a_sentence():
+    text = (ROOT / "docs" / "serving.md").read_text()
+    assert "A chat request without `max_tokens`" in text and "up to `--capacity` tokens minus the rendered prompt" in text
+    assert "With `--sampling` on the CPU the stub models are slow" in text
+    assert f"about {CPU_STUB_SAMPLING_BURST_S} s a burst" in text
