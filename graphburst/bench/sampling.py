@@ -345,7 +345,8 @@ def _kernel_ops(backend, batch: int, vocab: int, k: int) -> dict:
 
     ops, xp = backend.ops, backend.xp
     rng = np.random.default_rng(batch * 7 + vocab)
-    put = backend.asarray
+    current = backend.current_stream()  # every buffer is filled there; the timed stream is ordered after it
+    put = lambda host: backend.to_device(host, current)  # noqa: E731
     tgt_logits = put((rng.normal(size=(batch, k + 1, vocab)) * 3).astype(np.float32))  # [B, k+1, V]
     drf_logits = put((rng.normal(size=(batch, k, vocab)) * 3).astype(np.float32))  # [B, k, V]
     p, q = xp.zeros_like(tgt_logits), xp.zeros_like(drf_logits)  # [B, k+1, V], [B, k, V] probabilities

@@ -237,6 +237,10 @@ class LockstepLoop:
         return self.loop.sampling
 
     @property
+    def fields(self) -> bool:
+        return self.loop.fields
+
+    @property
     def active(self) -> int:
         return self.loop.active
 
