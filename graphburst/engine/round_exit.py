@@ -27,7 +27,6 @@ import numpy as np
 
 from ..buffers import StreamBufs
 from ..constants import (
-    EXIT_ACK,
     EXIT_GO,
     EXIT_REASON,
     EXIT_ROUNDS,
@@ -61,10 +60,14 @@ class StopFlag:
             self.word = np.zeros(1, np.int32)  # [1] int32
             self.device_address = 0
             return
-        from cuda.bindings import runtime as cudart
-
+        try:
+            from cuda.bindings import runtime as cudart
+        except ImportError as exc:
+            raise RuntimeError(f"a device-exit burst's stop flag is mapped host memory, made through cuda-python "
+                               f"(cuda.bindings), which is not installed: {exc}") from exc
+        mapped = getattr(cudart, "cudaHostAllocMapped", 2)  # cudaHostAllocMapped is 2 in every CUDA release
         with backend.device():
-            host = _checked(cudart.cudaHostAlloc(4, cudart.cudaHostAllocMapped), "cudaHostAlloc")
+            host = _checked(cudart.cudaHostAlloc(4, mapped), "cudaHostAlloc")
             weakref.finalize(self, cudart.cudaFreeHost, host)
             self.word = np.frombuffer((ctypes.c_int32 * 1).from_address(int(host)), np.int32)  # [1] int32
             self.word[0] = 0
@@ -139,4 +142,4 @@ def rounds_and_reason(state_host: np.ndarray) -> tuple[int, str]:
     return int(state_host[EXIT_ROUNDS]), EXIT_REASONS.get(int(state_host[EXIT_REASON]), "unknown")
 
 
-__all__ = ["EXIT_ACK", "EXIT_REASONS", "RoundExit", "StopFlag", "rounds_and_reason"]
+__all__ = ["EXIT_REASONS", "RoundExit", "StopFlag", "rounds_and_reason"]
