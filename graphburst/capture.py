@@ -265,31 +265,35 @@ class BurstGraph:
         return HostEvent()
 
     def _program(self, graph_index: int) -> list[Call]:
+        return self.dec.burst_calls() + [self._outputs_call(graph_index)]
+
+    def _outputs_call(self, graph_index: int) -> Call:
         copy = functools.partial(self.backend.copy_to_host, self._host_blocks[graph_index], self.dec.bufs.out_block)
-        return self.dec.burst_calls() + [Call("outputs_to_host", copy)]
+        return Call("outputs_to_host", copy)
 
     def _tail(self, graph_index: int) -> list[Call]:
         """A device-exit graph's copies to the host: the output block, then the loop state."""
-        rx = self.round_exit
-        return self._program(graph_index)[-1:] + [Call("exit_state_to_host", functools.partial(
-            self.backend.copy_to_host, self._host_exit[graph_index], rx.state))]
+        copy = functools.partial(self.backend.copy_to_host, self._host_exit[graph_index], self.round_exit.state)
+        return [self._outputs_call(graph_index), Call("exit_state_to_host", copy)]
 
     def _while_capture(self, graph_index: int):
         """Capture a device-exit burst: head, a WHILE node over one round, tail (conditional.py)."""
         rt = self.backend.xp.cuda.runtime
         mode = rt.streamCaptureModeGlobal if self.capture_mode == "global" else rt.streamCaptureModeThreadLocal
-        stream = self.dec.stream
+        stream, tail = self.dec.stream, self._tail(graph_index)
         with self.backend.device():
             stream.begin_capture(mode=mode)
             call = None
             try:
+                # The handle belongs to the graph being captured, so the calls that name it are bound
+                # here; binding them is Python work only (partials over fixed buffers).
                 handle = conditional.create_handle(stream)
                 head, body = self.dec.device_exit_calls(handle=int(handle))
                 for call in head:
                     call(stream)
                 call = None
                 conditional.capture_while(stream, self._body_stream, handle, body, on_error=_capture_failed)
-                for call in self._tail(graph_index):
+                for call in tail:
                     call(stream)
             except CaptureError:
                 _abort_capture(stream)
