@@ -156,17 +156,18 @@ def probe(device_id: int) -> tuple[bool, str]:
         for name, v in found.items():
             if v < MIN_CUDA_VERSION:
                 return False, f"{name} CUDA version {v} is older than {MIN_CUDA_VERSION} (conditional WHILE nodes)"
-        rounds = _trial(device_id)
+        rounds, variant = _trial(device_id)
     except ConditionalUnavailable as exc:
         return False, str(exc)
     except Exception as exc:  # noqa: BLE001 - any failure of the trial is a reason to refuse, reported whole
         return False, f"{type(exc).__name__}: {exc}"
     if rounds != (3, 0):
         return False, f"the trial WHILE graph ran {rounds} rounds, expected (3, 0)"
-    return True, f"driver {found['driver']}, cuda.bindings {found['bindings_runtime']}, trial WHILE graph ran 3 rounds"
+    return True, (f"driver {found['driver']}, cuda.bindings {found['bindings_runtime']}, condition kernel compiled "
+                  f"({variant}), trial WHILE graph ran 3 rounds, then 0 with a stop pending")
 
 
-def _trial(device_id: int) -> tuple[int, int]:
+def _trial(device_id: int) -> tuple[tuple[int, int], str]:
     """Build, launch and read a WHILE graph of the condition kernel alone (see :func:`probe`)."""
     import cupy
 
@@ -177,7 +178,7 @@ def _trial(device_id: int) -> tuple[int, int]:
     from .round_exit import RoundExit
 
     backend = Backend("cupy", device_id)
-    round_exit_cuda.warm_up(device_id)
+    variant = round_exit_cuda.warm_up(device_id)
     stream, body_stream = backend.new_stream(), backend.new_stream()
     bufs = StreamBufs(1, 1, 3, backend)  # M_max = 3
     backend.order_after_current(stream)  # the buffers were zeroed on the current stream
@@ -205,4 +206,4 @@ def _trial(device_id: int) -> tuple[int, int]:
         rx.request_stop()
         graph.launch(stream)
         second = int(rx.read(stream)[EXIT_ROUNDS])
-    return first, second
+    return (first, second), variant

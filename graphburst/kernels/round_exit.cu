@@ -17,7 +17,10 @@
 #define GB_EXIT_BY_FLAG 3
 #define GB_EXIT_THREADS 256
 
-#if defined(__CUDACC_RTC__)
+#if defined(__CUDACC_RTC__) && defined(GB_EXIT_RUNTIME_HEADER)
+// The second way round_exit_cuda.py compiles this file: the toolkit's own declaration.
+#include <cuda_device_runtime_api.h>
+#elif defined(__CUDACC_RTC__)
 // NVRTC has no declaration of the device runtime's builtin (nvcc gets it from
 // cuda_device_runtime_api.h); the handle is a cudaGraphConditionalHandle.
 extern "C" __device__ __cudart_builtin__ void cudaGraphSetConditional(unsigned long long handle, unsigned int value);

@@ -21,16 +21,34 @@ from .source import kernel_source
 ROUND_EXIT_SOURCE = Path(__file__).with_name("round_exit.cu")
 
 
+#: the ways the module is compiled, in order: its own declaration of ``cudaGraphSetConditional``
+#: (what ran on the H200), then the toolkit's ``cuda_device_runtime_api.h`` (needs its headers)
+VARIANTS = (("declared", ("-std=c++17",)), ("runtime header", ("-std=c++17", "-DGB_EXIT_RUNTIME_HEADER")))
+#: device id -> the variant that compiled (for the probe's report)
+compiled_with: dict[int, str] = {}
+
+
 @functools.cache
 def _function(device_id: int) -> cupy.cuda.function.Function:
+    errors = []
     with cupy.cuda.Device(device_id):
-        module = cupy.RawModule(code=kernel_source(ROUND_EXIT_SOURCE), options=("-std=c++17",))
-        return module.get_function("spec_round_exit").kernel
+        for name, options in VARIANTS:
+            try:
+                module = cupy.RawModule(code=kernel_source(ROUND_EXIT_SOURCE), options=options)
+                function = module.get_function("spec_round_exit").kernel
+            except Exception as exc:  # noqa: BLE001 - a compile or load error: try the next way, report all
+                errors.append(f"{name}: {type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc) else ''}")
+                continue
+            compiled_with[device_id] = name
+            return function
+    raise RuntimeError("round_exit.cu did not compile or load: " + "; ".join(errors))
 
 
-def warm_up(device_id: int) -> None:
-    """Compile and load the kernel (outside any capture); raises what the compiler or loader raised."""
+def warm_up(device_id: int) -> str:
+    """Compile and load the kernel (outside any capture); the variant that compiled. Raises
+    RuntimeError naming every variant's error when none does."""
     _function(device_id)
+    return compiled_with[device_id]
 
 
 def round_exit(budget, state, stop_count, *, m_max, begin, handle=0, stream):
