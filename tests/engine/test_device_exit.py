@@ -251,3 +251,21 @@ def test_the_probe_reports_what_is_missing_instead_of_raising():
         assert not ok and "cuda-python (cuda.bindings) is not installed" in why
     else:
         pytest.skip("cuda.bindings is installed here: test_device_exit_gpu.py reports the probe")
+
+
+def test_a_device_exit_graph_goes_stale_on_a_rebind_and_recaptures():
+    from graphburst.guard import StaleGraphError
+
+    case = CASES["ragged_budgets"]
+    dec, twin = build("numpy", case, M_MAX), build("numpy", case, M_MAX)
+    graph, twin_graph = BurstGraph(dec, device_exit=True), BurstGraph(twin, device_exit=True)
+    assert drained(graph.run()) == drained(twin_graph.run())
+    layer = dec.target.cache.layers[0]
+    layer.length = layer.length.copy()
+    with pytest.raises(StaleGraphError, match=r"KVLayer\.length"):
+        graph.replay()
+    graph.recapture()
+    assert graph.device_exit and graph.captures == 2
+    for _ in range(2):
+        assert drained(graph.run()) == drained(twin_graph.run())
+        assert graph.last_rounds == twin_graph.last_rounds

@@ -113,10 +113,11 @@ def test_graph_info_counts_the_while_node(cupy_backend):
     assert info["nodes_per_round"] == dec.k + 3  # k drafts, verify, epilogue, the condition
 
 
-def test_a_stop_before_launch_gives_a_zero_round_burst_on_the_gpu(cupy_backend):
+@pytest.mark.parametrize("mode", ["global", "thread_local"])
+def test_a_stop_before_launch_gives_a_zero_round_burst_on_the_gpu(cupy_backend, mode):
     case = CASES["ragged_budgets"]
     dec = build(cupy_backend, case, M_MAX)
-    graph = BurstGraph(dec, device_exit=True)
+    graph = BurstGraph(dec, device_exit=True, capture_mode=mode)
     before = state(dec)
     graph.request_stop()
     assert graph.run().total == 0 and graph.last_rounds == 0 and graph.last_exit_reason == "flag"
@@ -213,3 +214,92 @@ def test_torch_models_are_refused_with_the_reason_and_auto_falls_back(cupy_backe
     assert not graph.device_exit and graph.device_exit_probe == TORCH_REFUSAL
     graph.run()
     assert graph.last_rounds == 2
+
+
+class _SyncingTarget:
+    """A target whose verify allocates or syncs on its n-th call: the WHILE body's capture must fail."""
+
+    def __init__(self, inner, action):
+        self.inner, self.cache, self.vocab, self.action = inner, inner.cache, inner.vocab, action
+
+    def prefill(self, *a):
+        self.inner.prefill(*a)
+
+    def verify(self, bufs, stream):
+        self.inner.verify(bufs, stream)
+        self.action(bufs)
+
+
+@pytest.mark.parametrize("mode", ["global", "thread_local"])
+@pytest.mark.parametrize("what", ["allocate", "host_sync"])
+def test_a_failed_body_capture_names_the_node_and_leaves_both_streams_usable(cupy_backend, mode, what):
+    import cupy
+
+    from graphburst.capture import CaptureError
+
+    case = CASES["ragged_budgets"]
+    good = build(cupy_backend, case, M_MAX)
+    calls = {"n": 0}
+
+    def action(bufs):
+        calls["n"] += 1
+        if what == "allocate":
+            cupy.empty(1 << 28 + calls["n"], np.uint8)  # a new size: forces pool growth
+        else:
+            bufs.n_acc.get()
+
+    bad = SpecDecoder(_SyncingTarget(good.target, action), good.draft, k=good.k, m_rounds=M_MAX, stream=good.stream)
+    with pytest.raises(CaptureError, match="verify"):
+        BurstGraph(bad, device_exit=True, capture_mode=mode)
+    assert cupy.cuda.runtime.streamIsCapturing(good.stream.ptr) == 0
+    ref = build("numpy", case, M_MAX)
+    graph, ref_graph = BurstGraph(good, device_exit=True, capture_mode=mode), BurstGraph(ref, device_exit=True)
+    assert cupy.cuda.runtime.streamIsCapturing(graph._body_stream.ptr) == 0
+    for _ in range(2):
+        assert drained(graph.run()) == drained(ref_graph.run())
+        assert graph.last_rounds == ref_graph.last_rounds
+
+
+def test_a_device_exit_graph_recaptures_after_a_rebind(cupy_backend):
+    from graphburst.guard import StaleGraphError
+
+    case = CASES["eos_mid_round"]
+    dec, ref = build(cupy_backend, case, M_MAX), build("numpy", case, M_MAX)
+    graph, ref_graph = BurstGraph(dec, device_exit=True), BurstGraph(ref, device_exit=True)
+    assert drained(graph.run()) == drained(ref_graph.run())
+    layer = dec.target.cache.layers[0]
+    layer.length = layer.length.copy()
+    with pytest.raises(StaleGraphError, match=r"KVLayer\.length"):
+        graph.replay()
+    graph.recapture()
+    for _ in range(3):
+        assert drained(graph.run()) == drained(ref_graph.run())
+        assert graph.last_rounds == ref_graph.last_rounds
+
+
+def test_five_thousand_device_exit_bursts_do_not_grow_device_memory(cupy_backend):
+    from device_memory import own_device_bytes
+
+    bursts, k, m = 5000, 2, 2
+    target, draft = stub_pair(2, VOCAB, [True, False, True], [True], 40 + bursts * m * (k + 1), accept_prob=0.7,
+                              seed=1, backend=cupy_backend)
+    dec = SpecDecoder(target, draft, k=k, m_rounds=m)
+    prompts = [[1, 2, 3], [4, 5]]
+    dec.prefill(prompts)
+    graph = BurstGraph(dec, device_exit=True, gapless=True)
+    out = [t.tolist() for t in graph.run()]
+    dec.stream.synchronize()
+    before = own_device_bytes()
+    graph.replay()
+    for _ in range(bursts - 2):
+        graph.replay()
+        for b, t in enumerate(graph.drain()):
+            out[b] += t.tolist()
+        assert graph.last_rounds == m
+    for b, t in enumerate(graph.drain()):
+        out[b] += t.tolist()
+    dec.stream.synchronize()
+    after = own_device_bytes()
+    assert all(after[key] <= before[key] for key in before), (before, after)
+    for b in range(2):
+        assert out[b] == greedy_reference(prompts[b], len(out[b]), VOCAB)
