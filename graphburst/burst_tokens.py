@@ -28,6 +28,8 @@ class BurstTokens(Sequence):
 
     #: The address of the host block the views lie in (:meth:`of_block`), else None.
     addr = None
+    #: Rounds the burst ran, for a device-exit burst (which may end before M); else None.
+    rounds = None
 
     def __init__(self, ring_host: np.ndarray):
         self.data = ring_host

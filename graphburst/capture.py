@@ -23,7 +23,9 @@ from .buffers import PtrTable, StreamBufs, split_out_block
 from .burst_tokens import BurstTokens, split_ring
 from .engine.program import Call, assemble_call, epilogue_call, seed_call, separate_tail_calls
 from .engine.decoder import SpecDecoder
-from .constants import MAX_DEPTH
+from .constants import EXIT_WORDS, MAX_DEPTH
+from .engine import conditional
+from .engine.round_exit import rounds_and_reason
 from .guard import AddressGuard, StaleGraphError
 from .protocol import hook
 from .engine.torch_capture import TorchCapturer, capture_api, graph_node_count
@@ -81,6 +83,46 @@ class RecordedProgram:
     def launch(self, stream) -> None:
         for call in self.calls:
             call(stream)
+
+
+class LoopProgram:
+    """A device-exit burst recorded on the numpy backend: the head, then the body while the
+    condition it ends with holds (the WHILE node's semantics), then the tail."""
+
+    def __init__(self, head: list[Call], body: list[Call], tail: list[Call], round_exit):
+        self.head, self.body, self.tail, self.round_exit = list(head), list(body), list(tail), round_exit
+
+    def upload(self, stream) -> None:
+        """Nothing to upload: the calls run on the host."""
+
+    def launch(self, stream) -> None:
+        for call in self.head:
+            call(stream)
+        while self.round_exit.go(stream):
+            for call in self.body:
+                call(stream)
+        for call in self.tail:
+            call(stream)
+
+    def __len__(self) -> int:
+        return len(self.head) + 1 + len(self.tail)
+
+
+DEVICE_EXIT_CHOICES = (False, True, "auto")
+
+
+def device_exit_refusal(decoder: SpecDecoder) -> tuple[str | None, str]:
+    """(why a device-exit burst graph cannot be built for ``decoder``, or None; what the probe found).
+
+    The numpy backend always can (its loop runs on the host). On cupy: torch models are refused
+    (:data:`conditional.TORCH_REFUSAL`), then :func:`conditional.probe` decides.
+    """
+    if not decoder.backend.is_gpu:
+        return None, "numpy backend: the loop runs on the host"
+    if capture_api(decoder.target, decoder.draft) == "torch":
+        return conditional.TORCH_REFUSAL, conditional.TORCH_REFUSAL
+    ok, found = conditional.probe(decoder.backend.device_id)
+    return (None if ok else found), found
 
 
 class HostEvent:
@@ -151,10 +193,19 @@ class BurstGraph:
         GPU runs out of work.
     capture_mode : {"global", "thread_local"}
         Strict capture modes: an allocation or host sync in the region fails capture.
+    device_exit : {False, True, "auto"}
+        Run the rounds in a conditional WHILE node that goes on only while fewer than
+        ``m_rounds`` (``M_max``) have run, some slot has budget left and no stop was requested
+        (:meth:`request_stop`; :mod:`graphburst.engine.round_exit`), so a burst may end after
+        r < M rounds, leaving exactly an r-round burst's state; ``drain`` reports r
+        (:attr:`last_rounds`, ``tokens.rounds``). True raises ValueError where that graph
+        cannot be built (torch models; no cuda-python, an old driver, a failed probe); "auto"
+        captures the fixed-M graph there instead. :attr:`device_exit` says which was captured,
+        :attr:`device_exit_probe` what the probe found.
     """
 
     def __init__(self, decoder: SpecDecoder, *, gapless: bool = False, depth: int | None = None,
-                 capture_mode: str = "global"):
+                 capture_mode: str = "global", device_exit: bool | str = False):
         if not isinstance(decoder, SpecDecoder):
             raise TypeError(f"decoder must be a SpecDecoder, got {type(decoder).__name__}")
         if depth is not None:
@@ -176,6 +227,16 @@ class BurstGraph:
             if decoder.torch_stream is None:
                 raise ValueError("torch models need the decoder's torch stream; build the SpecDecoder with them")
             self._torch = TorchCapturer(decoder.torch_stream)  # one graph pool for both gapless graphs
+        if not any(device_exit is c for c in DEVICE_EXIT_CHOICES):
+            raise ValueError(f"device_exit must be one of {DEVICE_EXIT_CHOICES}, got {device_exit!r}")
+        self.device_exit, self.device_exit_probe = False, None
+        if device_exit is not False:
+            refusal, self.device_exit_probe = device_exit_refusal(decoder)
+            if refusal is not None and device_exit is True:
+                raise ValueError(f"device_exit=True is not available here: {refusal}")
+            self.device_exit = refusal is None
+        self.last_rounds = None  # rounds the last drained burst ran
+        self.last_exit_reason = None  # why a device-exit burst ended: "m_max", "idle" or "flag"
         bufs = decoder.bufs
         # Pinned copies of bufs.out_block ([B*R + 4B] int32), one per graph, viewed as
         # (ring, acc, pos_ctr, budget).
@@ -184,6 +245,12 @@ class BurstGraph:
         self._host_addrs = [h.ctypes.data for h in self._host_blocks]  # for the decoder's C drain (host_ops.c)
         self.last_acc = np.zeros((decoder.batch, 2), np.int32)  # accept counters as of the last drained burst
         self._events = [self._new_event() for _ in range(self.n_graphs)]
+        if self.device_exit:
+            self.round_exit = decoder.round_exit
+            # Pinned copies of the loop state ([EXIT_WORDS] int32: rounds, go, ack, reason), one per graph
+            self._host_exit = [self.backend.host_buffer((EXIT_WORDS,)) for _ in range(self.n_graphs)]
+            # The stream the WHILE body is captured on (capture only: the body runs in the graph)
+            self._body_stream = self.backend.new_stream()
         self._pending: deque[int] = deque()
         self._next_graph = 0
         self.captures = 0
@@ -198,11 +265,55 @@ class BurstGraph:
         return HostEvent()
 
     def _program(self, graph_index: int) -> list[Call]:
+        return self.dec.burst_calls() + [self._outputs_call(graph_index)]
+
+    def _outputs_call(self, graph_index: int) -> Call:
         copy = functools.partial(self.backend.copy_to_host, self._host_blocks[graph_index], self.dec.bufs.out_block)
-        return self.dec.burst_calls() + [Call("outputs_to_host", copy)]
+        return Call("outputs_to_host", copy)
+
+    def _tail(self, graph_index: int) -> list[Call]:
+        """A device-exit graph's copies to the host: the output block, then the loop state."""
+        copy = functools.partial(self.backend.copy_to_host, self._host_exit[graph_index], self.round_exit.state)
+        return [self._outputs_call(graph_index), Call("exit_state_to_host", copy)]
+
+    def _while_capture(self, graph_index: int):
+        """Capture a device-exit burst: head, a WHILE node over one round, tail (conditional.py)."""
+        rt = self.backend.xp.cuda.runtime
+        mode = rt.streamCaptureModeGlobal if self.capture_mode == "global" else rt.streamCaptureModeThreadLocal
+        stream, tail = self.dec.stream, self._tail(graph_index)
+        with self.backend.device():
+            stream.begin_capture(mode=mode)
+            call = None
+            try:
+                # The handle belongs to the graph being captured, so the calls that name it are bound
+                # here; binding them is Python work only (partials over fixed buffers).
+                handle = conditional.create_handle(stream)
+                head, body = self.dec.device_exit_calls(handle=int(handle))
+                for call in head:
+                    call(stream)
+                call = None
+                conditional.capture_while(stream, self._body_stream, handle, body, on_error=_capture_failed)
+                for call in tail:
+                    call(stream)
+            except CaptureError:
+                _abort_capture(stream)
+                raise
+            except Exception as exc:  # noqa: BLE001 - reported with the failing node's name
+                _abort_capture(stream)
+                _capture_failed(call, exc)
+            return stream.end_capture()
 
     def _capture_one(self, graph_index: int):
         """Graph ``graph_index``'s program as a graph (cupy) or a recorded program (numpy), uploaded."""
+        if self.device_exit:
+            if self.backend.is_gpu:
+                graph = self._while_capture(graph_index)
+            else:
+                head, body = self.dec.device_exit_calls()
+                graph = LoopProgram(head, body, self._tail(graph_index), self.round_exit)
+            with self.backend.device():
+                graph.upload(self.dec.stream)
+            return graph
         program = self._program(graph_index)
         if not self.backend.is_gpu:
             graph = RecordedProgram(program)
@@ -235,6 +346,8 @@ class BurstGraph:
         dec = self.dec
         getters = {f"bufs.{name}": (lambda n=name: getattr(dec.bufs, n)) for name in (*dec.bufs.arrays(), "out_block")}
         getters["rollback table"] = lambda: dec.table.ptrs
+        if self.device_exit:
+            getters["round_exit.state"] = lambda: self.round_exit.state
         holders = [dec, dec.bufs, dec.table]
         for role in ("target", "draft"):
             model = getattr(dec, role)
@@ -313,16 +426,29 @@ class BurstGraph:
             raise RuntimeError("no burst to drain: replay() first")
         i = self._pending.popleft()
         self._events[i].synchronize()
+        if self.device_exit:
+            self.last_rounds, self.last_exit_reason = rounds_and_reason(self._host_exit[i])
+        else:
+            self.last_rounds = self.dec.m_rounds
         # Read now: the next launch of graph i rewrites its block.
         if self.dec.host_mirror is not None:  # in one C call (host_ops.c)
             tokens = self.dec.finish_block(self._host_addrs[i])
             self.last_acc = tokens.acc
-            return tokens
-        ring, acc, pos, budget = self._host_views[i]
-        tokens = split_ring(ring)
-        self.last_acc = acc.copy()
-        self.dec.finish_burst(tokens, mirror=(pos, budget))
+        else:
+            ring, acc, pos, budget = self._host_views[i]
+            tokens = split_ring(ring)
+            self.last_acc = acc.copy()
+            self.dec.finish_burst(tokens, mirror=(pos, budget))
+        if self.device_exit:
+            tokens.rounds = self.last_rounds
         return tokens
+
+    def request_stop(self) -> None:
+        """End the device-exit burst in flight at its next round boundary (or make the next one run
+        zero rounds): :meth:`SpecDecoder.request_stop`. One store to mapped host memory."""
+        if not self.device_exit:
+            raise RuntimeError("request_stop needs a device-exit graph (BurstGraph(..., device_exit=True))")
+        self.dec.request_stop()
 
     def run(self) -> BurstTokens:
         """Replay one burst and drain it."""
@@ -333,12 +459,16 @@ class BurstGraph:
 
     @property
     def nodes_per_round(self) -> int:
-        """Kernel launches one round enqueues (one graph node each)."""
-        return len(self.dec.round_calls(first_round=False))
+        """Kernel launches one round enqueues (one graph node each; with ``device_exit`` the WHILE
+        body's nodes, the condition included)."""
+        return len(self.dec.round_calls(first_round=False)) + (1 if self.device_exit else 0)
 
     @property
     def nodes_total(self) -> int:
-        """Nodes of one burst graph, counted from what the program launches."""
+        """Nodes of one burst graph, counted from what the program launches (with ``device_exit``:
+        the top level, the WHILE node counting one)."""
+        if self.device_exit:
+            return len(self.dec.device_exit_calls()[0]) + 1 + len(self._tail(0))
         return len(self._program(0))
 
     host_syncs_per_burst = 1
@@ -372,4 +502,6 @@ class BurstGraph:
             "gapless": self.gapless,
             "depth": self.n_graphs,
             "captures": self.captures,
+            "device_exit": self.device_exit,
+            "device_exit_probe": self.device_exit_probe,
         }

@@ -1,5 +1,7 @@
 """``graphburst bench capture``: the address guard's per-replay cost and the GPU's idle gap
-between bursts, with and without the gapless drain (B=1, k=4, M=8, zero-cost stubs).
+between bursts, with and without the gapless drain (B=1, k=4, M=8, zero-cost stubs); and the
+device-exit burst against the fixed-M one (every round runs, so the difference per round is the
+condition's cost), with the cost of a burst that a pending stop request ends before its first round.
 
 Each timed run first replays and checks a few bursts against the greedy reference; the
 timed tokens are checked again afterwards. The idle gap needs CUDA events, so on the
@@ -13,7 +15,7 @@ import time
 
 from rich.console import Console
 
-from ..capture import BurstGraph
+from ..capture import BurstGraph, device_exit_refusal
 from ..cli_args import TOKEN_BYTES, check_kv_memory, check_memory, int_in, writable_file
 from .common import check_greedy, label, new_table, write_results, build_decoder
 
@@ -38,15 +40,17 @@ def guard_cost_ns(graph, n=200_000) -> float:
     return (time.perf_counter_ns() - t0) / n
 
 
-def idle_gaps_us(backend, gapless: bool, bursts: int) -> tuple[float, float]:
+def idle_gaps_us(backend, gapless: bool, bursts: int, device_exit: bool = False) -> tuple[float, float]:
     """Median GPU idle time between consecutive bursts, and median burst time (µs)."""
     xp = backend.xp
     dec = _decoder(backend, bursts + CHECK_BURSTS + 5)
-    g = BurstGraph(dec, gapless=gapless)
+    g = BurstGraph(dec, gapless=gapless, device_exit=device_exit)
     out = []
     for _ in range(CHECK_BURSTS):  # checked, and warm, before anything is timed
         out += g.run()[0].tolist()
-    check_greedy(f"capture gapless={gapless} (before timing)", [PROMPT], [out])
+        if device_exit and g.last_rounds != CFG["m"]:
+            raise AssertionError(f"a device-exit burst with budget left ran {g.last_rounds} of {CFG['m']} rounds")
+    check_greedy(f"capture gapless={gapless} device_exit={device_exit} (before timing)", [PROMPT], [out])
     events = [(xp.cuda.Event(), xp.cuda.Event()) for _ in range(bursts)]
     if gapless:
         g.replay(timing_events=events[0])
@@ -59,10 +63,50 @@ def idle_gaps_us(backend, gapless: bool, bursts: int) -> tuple[float, float]:
             g.replay(timing_events=events[i])
             out += g.drain()[0].tolist()
     dec.stream.synchronize()
-    check_greedy(f"capture gapless={gapless} (timed bursts)", [PROMPT], [out])
+    check_greedy(f"capture gapless={gapless} device_exit={device_exit} (timed bursts)", [PROMPT], [out])
     gaps = [xp.cuda.get_elapsed_time(events[i][1], events[i + 1][0]) * 1e3 for i in range(bursts - 1)]
     busy = [xp.cuda.get_elapsed_time(e0, e1) * 1e3 for e0, e1 in events]
     return statistics.median(gaps), statistics.median(busy)
+
+
+def zero_round_burst_us(backend, bursts: int) -> float:
+    """Median GPU time (µs) of a device-exit burst that a stop request made before its launch ends
+    at its first boundary: the head, the WHILE node and the copies, with no round."""
+    xp = backend.xp
+    dec = _decoder(backend, CHECK_BURSTS + 5)
+    g = BurstGraph(dec, device_exit=True)
+    before = dec.positions().copy()
+    events = [(xp.cuda.Event(), xp.cuda.Event()) for _ in range(bursts)]
+    for e in events:
+        g.request_stop()
+        g.replay(timing_events=e)
+        if g.drain().total != 0 or g.last_rounds != 0:
+            raise AssertionError(f"a burst with a stop pending ran {g.last_rounds} rounds")
+    if (dec.positions() != before).any():
+        raise AssertionError("a zero-round burst moved a position")
+    return statistics.median(xp.cuda.get_elapsed_time(e0, e1) * 1e3 for e0, e1 in events)
+
+
+def device_exit_rows(backend, bursts: int) -> dict:
+    """The device-exit rows: on numpy, the rounds the checked bursts ran; on the GPU, burst time and
+    idle gap against the fixed-M graph, the condition's cost per round and a zero-round burst's time;
+    where device exit is refused, the reason."""
+    dec = _decoder(backend, CHECK_BURSTS)
+    refusal, _ = device_exit_refusal(dec)
+    if refusal is not None:
+        return {"device_exit_refused": refusal}
+    g = BurstGraph(dec, device_exit=True)
+    out = []
+    for _ in range(CHECK_BURSTS):
+        out += g.run()[0].tolist()
+    check_greedy("capture device_exit (before timing)", [PROMPT], [out])
+    rows = {"device_exit_rounds": g.last_rounds}
+    if backend.is_gpu:
+        gap, busy = idle_gaps_us(backend, False, bursts, device_exit=True)
+        rows["idle_gap_us_device_exit"] = gap
+        rows["burst_us_device_exit"] = busy
+        rows["burst_us_device_exit_zero_rounds"] = zero_round_burst_us(backend, min(bursts, 500))
+    return rows
 
 
 def add_parser(sub) -> None:
@@ -94,10 +138,13 @@ def run(args, console: Console, backend) -> int:
             gap, busy = idle_gaps_us(backend, gapless, args.bursts)
             rows[f"idle_gap_us{'_gapless' if gapless else ''}"] = gap
             rows[f"burst_us{'_gapless' if gapless else ''}"] = busy
+    rows.update(device_exit_rows(backend, args.bursts))
+    if "burst_us_device_exit" in rows:  # every round runs in both: the difference is the condition's
+        rows["device_exit_cost_per_round_us"] = (rows["burst_us_device_exit"] - rows["burst_us"]) / CFG["m"]
     table = new_table(f"capture measurements (B=1, k=4, M=8, zero-cost stubs; medians); {label(backend)}",
                       ["metric", "value"])
     for key, val in rows.items():
-        table.add_row(key, f"{val:.3f}")
+        table.add_row(key, val if isinstance(val, str) else f"{val:.3f}")
     if not backend.is_gpu:
         table.add_row("idle_gap_us", "skipped (needs CUDA events)")
     write_results(console, args.json, backend=backend, tables=[table], results=rows, bursts=args.bursts)

@@ -36,6 +36,7 @@ from .torch_capture import capture_api, stream_pair
 from ..protocol import DraftModel, TargetModel, check_pair, hook
 from ..sampling.fields import SlotFields
 from .program import Call, CallCache, round_calls, seed_call
+from .round_exit import RoundExit, rounds_and_reason
 
 
 class SpecDecoder:
@@ -146,6 +147,14 @@ class SpecDecoder:
         # does) or its buffers' watched attributes drops them.
         self._enqueued_program = CallCache()
         self._watcher.watch(self._enqueued_program)
+        # Device-exit bursts (round_exit.py): their loop state and stop flag, made on first use,
+        # and the eager program's calls, built once as the fixed-M ones are
+        self._round_exit = None
+        self._exit_program = CallCache()
+        self._watcher.watch(self._exit_program)
+        self._eager_exit = False  # the burst in flight is an eager device-exit burst
+        self.last_rounds = None  # rounds the last drained eager burst ran
+        self.last_exit_reason = None  # why it ended ("m_max", "idle", "flag"); None for a fixed-M burst
         # Admission as one graph launch when both models prefill from device sizes (admission/graphs.py)
         graphs = AdmissionGraphs(target=target, draft=draft, bufs=bufs, staging=staging,
                                  option_columns=option_columns, backend=self.backend, stream=self._stream) \
@@ -196,6 +205,20 @@ class SpecDecoder:
     def watch(self, guard) -> None:
         """Register ``guard`` (``invalidate(what)``) to be told when :attr:`table` is rebound."""
         self._watcher.watch(guard)
+
+    @property
+    def round_exit(self) -> RoundExit:
+        """The loop state and stop flag of this decoder's device-exit bursts (eager or graphed: one
+        flag per decoder), allocated on first use, never inside a capture."""
+        if self._round_exit is None:
+            self._round_exit = RoundExit(self._bufs, self.backend, self._stream)
+        return self._round_exit
+
+    def request_stop(self) -> None:
+        """Ask the device-exit burst in flight to end at its next round boundary; with none in
+        flight, the next one runs zero rounds (:mod:`graphburst.engine.round_exit`). No device work,
+        no sync: one store to mapped host memory."""
+        self.round_exit.request_stop()
 
     # ------------------------------------------------------------------ the host mirror
 
@@ -394,10 +417,21 @@ class SpecDecoder:
         np.add(ledger.inflight, self._one, out=ledger.inflight)  # an array operand: cheaper than ``+= 1``
         ledger.launch_gen.append([ledger.epoch, None])  # generations copied if they change in flight
 
-    def enqueue_burst(self, *, mode: BurstMode | str = BurstMode.PRE_ISSUED) -> None:
-        """Enqueue one eager burst; ``PER_ROUND_SYNC`` reads ``n_commit`` after every round."""
+    def enqueue_burst(self, *, mode: BurstMode | str = BurstMode.PRE_ISSUED, device_exit: bool = False) -> None:
+        """Enqueue one eager burst; ``PER_ROUND_SYNC`` reads ``n_commit`` after every round.
+
+        ``device_exit``: run rounds only while the device-exit condition holds (below ``m_rounds``
+        rounds, a slot with budget left, no stop request), as a device-exit burst graph does; the
+        host reads the condition after every boundary (a host sync per round on cupy).
+        """
         mode = BurstMode.parse(mode, EAGER_MODES)
+        if not isinstance(device_exit, (bool, np.bool_)):
+            raise TypeError(f"device_exit must be a bool, got {type(device_exit).__name__} {device_exit!r}")
         self.begin_burst()
+        self._eager_exit = bool(device_exit)
+        if device_exit:
+            self._enqueue_until_exit(mode)
+            return
         head, first, later = self._enqueued_calls()
         stream = self._stream
         for call in head:
@@ -408,6 +442,38 @@ class SpecDecoder:
             if mode is BurstMode.PER_ROUND_SYNC:
                 self.backend.to_host(self._bufs.n_commit, stream)
                 self.host_syncs += 1
+
+    def _enqueue_until_exit(self, mode: BurstMode) -> None:
+        head, body = self.device_exit_calls()
+        stream, rx = self._stream, self.round_exit
+        for call in head:
+            call(stream)
+        while True:
+            go = rx.go(stream)  # the condition the head or the last round's end computed
+            self.host_syncs += 1
+            if not go:
+                return
+            for call in body:
+                call(stream)
+            if mode is BurstMode.PER_ROUND_SYNC:
+                self.backend.to_host(self._bufs.n_commit, stream)
+                self.host_syncs += 1
+
+    def device_exit_calls(self, handle: int = 0) -> tuple[list[Call], list[Call]]:
+        """(head, body) of a device-exit burst: the head seed (which empties the ring) and the first
+        condition; then one round (never the first: the head emptied the ring) and the condition
+        after it. ``handle``: the WHILE node's conditional handle (a graph's capture); the eager
+        program (0) is built once and cached."""
+        key = (self.fused, self.assemble, self.sampling, self.k, self.backend.ops)
+        if handle == 0:
+            calls = self._exit_program.get(key)
+            if calls is not None:
+                return calls
+            self.bufs.watch(self._exit_program)
+        rx = self.round_exit
+        head = [self._seed_call(reset_ring=True), rx.call(begin=True, handle=handle)]
+        body = self.round_calls(first_round=False) + [rx.call(begin=False, handle=handle)]
+        return self._exit_program.put(key, (head, body)) if handle == 0 else (head, body)
 
     def _enqueued_calls(self) -> tuple[list[Call], list[Call], list[Call]]:
         """(head seed, first round, later rounds) of an eager burst, built once and cached."""
@@ -426,6 +492,11 @@ class SpecDecoder:
             raise RuntimeError("no burst to drain: enqueue_burst() first")
         tokens = self.bufs.drain_ring(self.stream)
         self.finish_burst(tokens)
+        if self._eager_exit:
+            self.last_rounds, self.last_exit_reason = rounds_and_reason(self.round_exit.read(self.stream))
+            tokens.rounds = self.last_rounds
+        else:
+            self.last_rounds, self.last_exit_reason = self.m_rounds, None
         return tokens
 
     def finish_burst(self, tokens: BurstTokens, mirror=None) -> None:
@@ -505,9 +576,9 @@ class SpecDecoder:
         if np.count_nonzero(stopped):
             left[stopped] = 0
 
-    def run_burst(self, *, mode: BurstMode | str = BurstMode.PRE_ISSUED) -> BurstTokens:
-        """Enqueue one eager burst and drain it."""
-        self.enqueue_burst(mode=mode)
+    def run_burst(self, *, mode: BurstMode | str = BurstMode.PRE_ISSUED, device_exit: bool = False) -> BurstTokens:
+        """Enqueue one eager burst and drain it (``device_exit``: as for :meth:`enqueue_burst`)."""
+        self.enqueue_burst(mode=mode, device_exit=device_exit)
         return self.drain()
 
     # ------------------------------------------------------------------ inspection

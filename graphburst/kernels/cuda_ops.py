@@ -19,6 +19,7 @@ from .burst_cuda import (
 )
 from .fields_cuda import apply_fields, fields_commit, fields_first, fields_prompt, fields_reset
 from .launch import KERNEL_NAMES, kernel, warm_up
+from .round_exit_cuda import round_exit
 from .ngram_cuda import ngram_append, ngram_onehot_logits, ngram_prefill, ngram_search
 from .sampling_cuda import (
     accept_pick,
@@ -69,6 +70,7 @@ __all__ = [
     "race_pick",
     "race_tiles",
     "ring_commit",
+    "round_exit",
     "rollback_stream",
     "sample_draft",
     "seed_gather",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from .burst_ref import admit_slots, seed_gather, assemble_verify, accept_greedy, ring_commit, rollback_stream, epilogue
 from .fields_ref import apply_fields, fields_commit, fields_first, fields_prompt, fields_reset
+from .round_exit_ref import round_exit
 from .ngram_ref import ngram_append, ngram_onehot_logits, ngram_prefill, ngram_search
 from .sampling_ref import accept_sample, draft_probs_sample, probs_from_logits, sample_draft
 from .sampling_prims import ftz
@@ -33,6 +34,7 @@ __all__ = [
     "ngram_search",
     "probs_from_logits",
     "ring_commit",
+    "round_exit",
     "rollback_stream",
     "sample_draft",
     "seed_gather",

@@ -29,6 +29,7 @@ def test_bench_capture_on_numpy(tmp_path):
     res = bench("capture", tmp_path=tmp_path)
     assert res["meta"]["backend"] == "numpy" and "CPU REFERENCE" in res["meta"]["label"]
     assert res["results"]["guard_check_ns"] > 0
+    assert res["results"]["device_exit_rounds"] == 8  # the stub prompt has budget left: all M rounds run
 
 
 def test_bench_serve_on_numpy(tmp_path):
