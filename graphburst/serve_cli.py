@@ -149,6 +149,15 @@ def check_args(args) -> None:
     FlagError naming the flag of the field.
     """
     check_backend(args.backend)
+    if args.http:  # keys, TLS files, origins and the access log: refused before any group or model
+        from .serving import network  # aiohttp: the --http server's own dependency
+
+        try:
+            network.check(args)
+        except ValueError as exc:
+            head, _, why = str(exc).partition(": ")
+            flag, _, rest = head.partition(" ")
+            raise FlagError(flag, f"{rest}: {why}" if rest else why) from None
     if args.tp > 1:  # tensor-parallel serving (graphburst/parallel/serve_tp.py)
         from .parallel import serve_tp
 

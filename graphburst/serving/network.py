@@ -156,6 +156,24 @@ def ssl_context(certfile: str | None, keyfile: str | None) -> ssl.SSLContext | N
     return ctx
 
 
+def check(config, environ=os.environ) -> None:
+    """Every network flag of ``config`` checked as :func:`options` checks it, without opening the
+    access log: the command line runs it before anything starts (``--tp`` ranks load their models
+    before the server's own code runs). ValueError of one line naming the flag or file."""
+    keys = load_keys(config.api_key, config.api_key_file, environ)
+    if config.metrics_need_key and not keys:
+        raise ValueError(f"--metrics-need-key: needs an API key (--api-key, --api-key-file or {KEY_ENV})")
+    ssl_context(config.ssl_certfile, config.ssl_keyfile)
+    for origin in config.allowed_origins or ():
+        _check_origin(origin)
+    path = config.access_log
+    if not config.no_access_log and path not in (None, "-"):
+        folder = os.path.dirname(os.path.abspath(path))
+        if os.path.isdir(path) or not os.path.isdir(folder) or not os.access(path if os.path.exists(path)
+                                                                              else folder, os.W_OK):
+            raise ValueError(f"--access-log {path}: cannot open it for appending")
+
+
 def options(config, environ=os.environ, stderr=None) -> NetworkOptions:
     """The :class:`NetworkOptions` of ``config`` (ValueError of one line naming the flag or file)."""
     keys = load_keys(config.api_key, config.api_key_file, environ)

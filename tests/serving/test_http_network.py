@@ -469,3 +469,15 @@ def test_request_id_rule():
     for bad in (None, "", "x" * 129, "a b", "é", "a\x00"):
         made = network.request_id(bad)
         assert made != bad and len(made) == 32
+
+
+def test_tensor_parallel_serving_refuses_bad_network_flags_before_any_group(tls_files, tmp_path):
+    # Under --tp every rank loads its models before the server's own code runs: the command line
+    # checks the network flags first (no torchrun here: a group would fail differently)
+    missing = str(tls_files / "missing.pem")
+    line = refused("--tp", "2", "--ssl-certfile", missing, "--ssl-keyfile", str(tls_files / "key.pem"))
+    assert missing in line and "--ssl-certfile" in line, line
+    empty = tmp_path / "keys"
+    empty.write_text("# nothing\n")
+    assert str(empty) in refused("--tp", "2", "--api-key-file", str(empty))
+    assert "--access-log" in refused("--access-log", str(tmp_path / "no-such-folder" / "log.jsonl"))
