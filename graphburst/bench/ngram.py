@@ -12,8 +12,9 @@ or a trained checkpoint (``--model smollm2-135m``, a GGUF file or a directory wi
 tokenizer: the real-text classes of :mod:`.text_prompts`, chat requests through the model's
 own template). **Correctness first**: every engine's tokens are compared with graphburst's
 before any timing (identical, or up to a first divergence that is a near-tie of the target's
-own logits, the rule of ``bench real``); a failure stops the run. Then ``--reps`` timed runs
-per engine (untimed prefill excluded, syncs included), medians. A fixed number of tokens is
+own logits, the rule of ``bench real``); an engine that fails is recorded, never timed, and
+the command exits 1. Then ``--reps`` timed runs per engine, each from the prompts to the last
+token (prefill and syncs included), medians. A fixed number of tokens is
 generated (no stop at the end of turn), the same for every engine.
 """
 
