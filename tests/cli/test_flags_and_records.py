@@ -20,19 +20,11 @@ from graphburst.serving.jsonl_input import parse_line
 from graphburst.serving.request import Request
 from graphburst.serving.loop import ServeLoop
 
+from flag_errors import flag_error
+
 ROOT = Path(__file__).resolve().parents[2]
 ENV = dict(os.environ, PYTHONPATH=str(ROOT))
 VOCAB = 5003
-
-
-def flag_error(capsys, *argv) -> str:
-    """The one stderr line of a command refused at its flags (exit 2, nothing run)."""
-    with pytest.raises(SystemExit) as exc:
-        cli.main(list(argv))
-    err = capsys.readouterr().err
-    lines = [x for x in err.splitlines() if x.strip()]
-    assert exc.value.code == 2 and len(lines) == 1 and "Traceback" not in err, err
-    return lines[0]
 
 
 # ---------------------------------------------------------------- item 3: bench size flags

@@ -12,20 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from graphburst import cli
 from graphburst.bench.real_args import DEFAULT_ENGINES
+
+from flag_errors import flag_error
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = dict(os.environ, PYTHONPATH=str(ROOT))
-
-
-def flag_error(capsys, *argv) -> str:
-    with pytest.raises(SystemExit) as exc:
-        cli.main(list(argv))
-    err = capsys.readouterr().err
-    lines = [x for x in err.splitlines() if x.strip()]
-    assert exc.value.code == 2 and len(lines) == 1 and "Traceback" not in err, err
-    return lines[0]
 
 
 @pytest.mark.parametrize("value", ["0", "1.5"])

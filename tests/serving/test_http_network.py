@@ -9,12 +9,9 @@ from __future__ import annotations
 
 import json
 import os
-import selectors
-import signal
 import ssl
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -25,7 +22,7 @@ from graphburst import greedy_reference
 
 pytest.importorskip("aiohttp")
 openai = pytest.importorskip("openai")
-from test_http_server import MODEL, ROOT, SMALL, VOCAB, metric_values
+from test_http_server import MODEL, ROOT, SMALL, VOCAB, ServerProcess, metric_values
 
 from graphburst.serving import network
 
@@ -36,39 +33,9 @@ PROMPT = [17, 4000, 23, 5]
 TEXT = "THE-PROMPT-TEXT-NO-LOG-MAY-HOLD"
 
 
-class NetServer:
-    """``graphburst serve --http HOST:0 FLAGS`` in a subprocess; ``url`` (http or https) from its stdout line."""
-
-    def __init__(self, *flags, host="127.0.0.1", env=None, base=SMALL):
-        self.stderr = tempfile.TemporaryFile()  # noqa: SIM115 - the server's stderr, read by errors()
-        cmd = [sys.executable, "-m", "graphburst.cli", "serve", "--http", f"{host}:0", "--backend", "numpy", *base,
-               *flags]
-        env = {**{k: v for k, v in os.environ.items() if k != network.KEY_ENV}, "PYTHONPATH": str(ROOT), **(env or {})}
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.stderr, env=env, text=True)
-        with selectors.DefaultSelector() as sel:
-            sel.register(self.proc.stdout, selectors.EVENT_READ)
-            if not sel.select(timeout=START_TIMEOUT_S):
-                self.kill()
-                pytest.fail(f"server did not start: {self.errors()}")
-        line = self.proc.stdout.readline().strip()
-        assert line.startswith("graphburst serve: listening on "), (line, self.errors())
-        self.url = line.rsplit(" ", 1)[1].replace("0.0.0.0", "127.0.0.1")
-
-    def errors(self) -> str:
-        self.stderr.seek(0)
-        return self.stderr.read().decode(errors="replace")
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            assert self.proc.wait(15) == 0, self.errors()
-        finally:
-            self.kill()
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(5)
+def net_server(*flags, host="127.0.0.1", env=None, base=SMALL) -> ServerProcess:
+    """``graphburst serve --http HOST:0 --backend numpy BASE FLAGS`` (:class:`ServerProcess`)."""
+    return ServerProcess(*base, *flags, host=host, env=env, start_timeout=START_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +45,7 @@ def keyed(tmp_path_factory):
     d = tmp_path_factory.mktemp("keyed")
     key_file, log = d / "keys", d / "access.log"
     key_file.write_text(f"# the team's keys\n\n  {FILE_KEY}  \n# old: retired\n")
-    s = NetServer("--api-key", KEY, "--api-key-file", str(key_file), "--metrics-need-key",
+    s = net_server("--api-key", KEY, "--api-key-file", str(key_file), "--metrics-need-key",
                   "--allowed-origins", ORIGIN, "--access-log", str(log), host="0.0.0.0",
                   env={network.KEY_ENV: ENV_KEY})
     s.log = log
@@ -91,7 +58,7 @@ def keyed(tmp_path_factory):
 @pytest.fixture(scope="module")
 def open_server():
     """No key, bound to 0.0.0.0: the warning, an open /metrics, the access log on stderr."""
-    s = NetServer(host="0.0.0.0")
+    s = net_server(host="0.0.0.0")
     yield s
     s.stop()
 
@@ -260,7 +227,7 @@ def test_chat_ids_and_no_text_in_the_log(tmp_path):
 
     save_tokenizer(tmp_path / "tok", template=TEMPLATE)
     log = tmp_path / "access.log"
-    s = NetServer("--tokenizer", str(tmp_path / "tok"), "--api-key", KEY, "--access-log", str(log), base=CHAT_FLAGS)
+    s = net_server("--tokenizer", str(tmp_path / "tok"), "--api-key", KEY, "--access-log", str(log), base=CHAT_FLAGS)
     try:
         client = openai.OpenAI(base_url=s.url + "/v1", api_key=KEY, timeout=30, max_retries=0)
         words = "w17 w42 w99 w123 w250"
@@ -357,7 +324,7 @@ def tls_files(tmp_path_factory):
 
 def test_tls_round_trip(tls_files):
     d = tls_files
-    s = NetServer("--ssl-certfile", str(d / "cert.pem"), "--ssl-keyfile", str(d / "key.pem"))  # loopback, no key
+    s = net_server("--ssl-certfile", str(d / "cert.pem"), "--ssl-keyfile", str(d / "key.pem"))  # loopback, no key
     try:
         assert s.url.startswith("https://127.0.0.1:")
         assert WARNING not in s.errors()

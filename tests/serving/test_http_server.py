@@ -35,17 +35,22 @@ LONG = 60_000  # tokens; at one token per round on numpy this outlasts every tim
 
 
 class ServerProcess:
-    """``graphburst serve --http 127.0.0.1:0`` in a subprocess; the port comes from its stdout line."""
+    """``graphburst serve --http HOST:0`` in a subprocess; the port comes from its stdout line, and
+    ``url`` is ``http://`` (``https://`` with ``--ssl-certfile``) on loopback, where a server bound to
+    0.0.0.0 is reached too. The caller's ``GRAPHBURST_API_KEY`` is left out of the server's
+    environment (a key there would make every request need one); ``env`` may give it."""
 
-    def __init__(self, *flags, backend="numpy", start_timeout=START_TIMEOUT_S, env=None):
+    def __init__(self, *flags, backend="numpy", start_timeout=START_TIMEOUT_S, env=None, host="127.0.0.1"):
         self.start_timeout = start_timeout
         self.stderr = tempfile.TemporaryFile()
-        cmd = [sys.executable, "-m", "graphburst.cli", "serve", "--http", "127.0.0.1:0", "--backend", backend, *flags]
-        env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+        cmd = [sys.executable, "-m", "graphburst.cli", "serve", "--http", f"{host}:0", "--backend", backend, *flags]
+        env = {**{k: v for k, v in os.environ.items() if k != "GRAPHBURST_API_KEY"}, "PYTHONPATH": str(ROOT),
+               **(env or {})}
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.stderr, env=env, text=True)
         line = self._first_line()
-        assert line.startswith("graphburst serve: listening on http://127.0.0.1:"), line
-        self.url = line.rsplit(" ", 1)[1]
+        scheme = "https" if "--ssl-certfile" in flags else "http"
+        assert line.startswith(f"graphburst serve: listening on {scheme}://{host}:"), (line, self.errors())
+        self.url = line.rsplit(" ", 1)[1].replace("0.0.0.0", "127.0.0.1")
 
     def _first_line(self) -> str:
         import selectors
@@ -70,6 +75,11 @@ class ServerProcess:
             return self.proc.wait(timeout)
         finally:
             self.kill()
+
+    def stop(self) -> None:
+        """SIGTERM, and the server must exit 0."""
+        code = self.terminate()
+        assert code == 0, self.errors()
 
     def kill(self) -> None:
         if self.proc.poll() is None:
