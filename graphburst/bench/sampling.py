@@ -27,6 +27,17 @@ SHAPES = [dict(k=4, m=8, batch=1), dict(k=4, m=8, batch=16)]
 WARM_BURSTS = 2
 
 
+def _round_us(graphs: dict, *, bursts: int, reps: int, m: int) -> dict:
+    """name -> median µs per round of each graph, its ``bursts`` timed bursts interleaved with the
+    others' ``reps`` times (so drift on the device falls on every graph alike)."""
+    backend = next(iter(graphs.values())).backend
+    times = {name: [] for name in graphs}
+    for _ in range(reps):
+        for name, graph in graphs.items():
+            times[name] += _time_bursts(graph, bursts, backend)
+    return {name: statistics.median(t) / m for name, t in times.items()}
+
+
 def capacity_needed(prompt_len: int, k: int, m: int, bursts: int) -> int:
     """KV entries per sequence that :func:`sampling_cost` writes with ``bursts`` timed bursts."""
     return prompt_len + (bursts + 2 * WARM_BURSTS) * m * (k + 1) + 8
@@ -85,12 +96,8 @@ def sampling_cost(make_pair, prompts, *, k: int, m: int, bursts: int, reps: int 
         if not sampling and reference is not None:
             reference(prompts, outs)
         tokens[name] = sum(len(o) for o in outs) / (len(prompts) * WARM_BURSTS * m)
-    backend = graphs["greedy"].backend
-    times = {name: [] for name in graphs}
-    for _ in range(reps):
-        for name, graph in graphs.items():
-            times[name] += _time_bursts(graph, bursts, backend)
-    g, s = (statistics.median(times[n]) / m for n in ("greedy", "sampling"))
+    us = _round_us(graphs, bursts=bursts, reps=reps, m=m)
+    g, s = us["greedy"], us["sampling"]
     return dict(greedy_round_us=g, sampling_round_us=s, overhead=s / g - 1,
                 greedy_tokens_per_round=tokens["greedy"], sampling_tokens_per_round=tokens["sampling"])
 
@@ -189,12 +196,8 @@ def fields_cost(make_pair, prompts, *, k: int, m: int, bursts: int, reps: int = 
         for _ in range(WARM_BURSTS):
             n += sum(len(t) for t in graphs[name].run())
         tokens[name] = n / (len(prompts) * WARM_BURSTS * m)
-    backend = graphs["sampling"].backend
-    times = {name: [] for name in graphs}
-    for _ in range(reps):
-        for name, graph in graphs.items():
-            times[name] += _time_bursts(graph, bursts, backend)
-    s, f = (statistics.median(times[n]) / m for n in ("sampling", "fields"))
+    us = _round_us(graphs, bursts=bursts, reps=reps, m=m)
+    s, f = us["sampling"], us["fields"]
     return dict(sampling_round_us=s, fields_round_us=f, fields_overhead=f / s - 1,
                 sampling_tokens_per_round=tokens["sampling"], fields_tokens_per_round=tokens["fields"])
 
