@@ -7,8 +7,11 @@ GPU suite under it:
   python tools/gpu_load.py --seconds 400 & python3 -m pytest -m gpu -q -n 4
 
 Three non-blocking streams of its own: pinned host-to-device copies on one, pinned
-device-to-host copies on another, float32 matmuls on the third, each kept two operations
-deep until the time is up. Device memory: two copy buffers and three matrices, sized from
+device-to-host copies on another, float32 matmuls on the third. Each stream runs one
+operation at a time and rests between them, so it is busy ``--duty`` of the time (default
+0.5): a GPU is time-sliced between processes, and a load that never lets go (1.0) leaves
+the suite's processes, whose tests sync after a few microseconds of work, waiting whole time
+slices for each sync. Device memory: two copy buffers and three matrices, sized from
 ``--mem-gb`` (pinned host memory: two buffers of the copy size). One line at the start,
 one at the end (what it moved and ran). Needs cupy; ``--help`` does not.
 """
@@ -16,16 +19,15 @@ one at the end (what it moved and ran). Needs cupy; ``--help`` does not.
 from __future__ import annotations
 
 import argparse
-import collections
 import math
 import sys
 import time
 
 MIN_MEM_GB = 1 / 16  # 64 MiB: a 16 MiB copy buffer each way and small matrices
-MAX_COPY_BYTES = 512 * 2**20  # a copy of ~10 ms on PCIe 5: the loop stays responsive to its deadline
-MAX_MATMUL_N = 8192  # ~20 ms a matmul on an H200
-DEPTH = 2  # operations in flight per stream: the next is queued before the last ends
-POLL_S = 0.0005  # between polls of the streams' events
+MAX_COPY_BYTES = 64 * 2**20  # a copy of ~1.3 ms on PCIe 5: short busy spells, many of them
+MAX_MATMUL_N = 4096  # ~2.5 ms a float32 matmul on an H200: a time slice's order, not many of them
+DEFAULT_DUTY = 0.5  # share of the time each stream is busy
+POLL_S = 0.0002  # between polls of the streams' events
 
 
 def _number(minimum: float | None = None):
@@ -43,6 +45,14 @@ def _number(minimum: float | None = None):
     return parse
 
 
+def _fraction(text: str) -> float:
+    """An argparse type: a number in (0, 1]."""
+    value = _number()(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"must be at most 1, got {text}")
+    return value
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 epilog="Example: python tools/gpu_load.py --seconds 400 & "
@@ -51,6 +61,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--mem-gb", type=_number(MIN_MEM_GB), default=2.0,
                    help=f"device memory for its buffers, GiB (default 2, at least {MIN_MEM_GB:g}; cuBLAS adds its "
                         f"workspace)")
+    p.add_argument("--duty", type=_fraction, default=DEFAULT_DUTY,
+                   help=f"share of the time each stream is busy, in (0, 1] (default {DEFAULT_DUTY:g})")
     p.add_argument("--device", type=int, default=0, help="CUDA device index (default 0)")
     return p
 
@@ -65,23 +77,32 @@ def plan(mem_gb: float) -> dict:
 
 
 class _Lane:
-    """One stream kept ``DEPTH`` operations deep; ``issue(stream)`` enqueues one operation."""
+    """One stream running one operation at a time (``issue(stream)`` enqueues it), resting after
+    each for as long as it ran times ``(1 - duty) / duty``, so it is busy ``duty`` of the time."""
 
-    def __init__(self, cp, issue):
-        self.cp, self.issue = cp, issue
+    def __init__(self, cp, issue, duty: float):
+        self.cp, self.issue, self.duty = cp, issue, duty
         self.stream = cp.cuda.Stream(non_blocking=True)
-        self.pending: collections.deque = collections.deque()
+        self.started = self.ended = None  # the operation in flight: events around it
+        self.rest_until = 0.0  # monotonic time the next operation may start
         self.issued = 0
+        self.busy_ms = 0.0
 
-    def top_up(self) -> None:
-        while self.pending and self.pending[0].done:
-            self.pending.popleft()
-        while len(self.pending) < DEPTH:
-            self.issue(self.stream)
-            event = self.cp.cuda.Event(disable_timing=True)
-            event.record(self.stream)
-            self.pending.append(event)
-            self.issued += 1
+    def top_up(self, now: float) -> None:
+        if self.ended is not None:
+            if not self.ended.done:
+                return
+            ran = self.cp.cuda.get_elapsed_time(self.started, self.ended)  # ms
+            self.busy_ms += ran
+            self.rest_until = now + ran / 1e3 * (1 - self.duty) / self.duty
+            self.started = self.ended = None
+        if now < self.rest_until:
+            return
+        self.started, self.ended = self.cp.cuda.Event(), self.cp.cuda.Event()
+        self.started.record(self.stream)
+        self.issue(self.stream)
+        self.ended.record(self.stream)
+        self.issued += 1
 
 
 def main(argv=None) -> int:
@@ -127,19 +148,22 @@ def main(argv=None) -> int:
             with s:
                 cp.matmul(a, b, out=c)
 
-        lanes = {"h2d": _Lane(cp, h2d), "d2h": _Lane(cp, d2h), "matmul": _Lane(cp, matmul)}
+        lanes = {name: _Lane(cp, issue, args.duty) for name, issue in (("h2d", h2d), ("d2h", d2h),
+                                                                          ("matmul", matmul))}
         name = cp.cuda.runtime.getDeviceProperties(args.device)["name"]
         name = name.decode() if isinstance(name, bytes) else name
         print(f"gpu_load: device {args.device} ({name}) for {args.seconds:g} s: {copy_bytes / 2**20:.0f} MiB "
               f"pinned host-to-device and device-to-host copies on two streams, {n}x{n} float32 matmuls on a "
-              f"third; {sizes['device_bytes'] / 2**30:.2f} GiB of device memory", flush=True)
+              f"third, each busy {args.duty:.0%} of the time; {sizes['device_bytes'] / 2**30:.2f} GiB of device memory",
+              flush=True)
         start = time.monotonic()
         deadline = start + args.seconds
         stopped = ""
         try:
             while time.monotonic() < deadline:
+                now = time.monotonic()
                 for lane in lanes.values():
-                    lane.top_up()
+                    lane.top_up(now)
                 time.sleep(POLL_S)
         except KeyboardInterrupt:
             stopped = " (interrupted)"
@@ -149,7 +173,8 @@ def main(argv=None) -> int:
     gb = 1e9
     print(f"gpu_load: done after {elapsed:.1f} s{stopped}: {lanes['h2d'].issued * copy_bytes / gb:.1f} GB "
           f"host-to-device, {lanes['d2h'].issued * copy_bytes / gb:.1f} GB device-to-host, "
-          f"{lanes['matmul'].issued} matmuls ({lanes['matmul'].issued * 2 * n**3 / 1e12:.1f} TFLOP)", flush=True)
+          f"{lanes['matmul'].issued} matmuls ({lanes['matmul'].issued * 2 * n**3 / 1e12:.1f} TFLOP); busy "
+          + ", ".join(f"{name} {lane.busy_ms / 1e3 / elapsed:.0%}" for name, lane in lanes.items()), flush=True)
     return 0
 
 
