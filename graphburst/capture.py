@@ -296,10 +296,10 @@ class BurstGraph:
                 for call in tail:
                     call(stream)
             except CaptureError:
-                _abort_capture(stream)
+                conditional.discard_capture(stream)
                 raise
             except Exception as exc:  # noqa: BLE001 - reported with the failing node's name
-                _abort_capture(stream)
+                conditional.discard_capture(stream)
                 _capture_failed(call, exc)
             return stream.end_capture()
 

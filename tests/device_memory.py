@@ -40,3 +40,13 @@ def release_cached_blocks() -> None:
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
+
+
+def peak_bytes() -> dict:
+    """torch's peak allocated and reserved bytes since the process started CUDA (empty without torch
+    on CUDA): what a growth check's message shows, so a breach says whether a peak or what is still
+    held passed the budget."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return {}
+    return {"torch_max_allocated": torch.cuda.max_memory_allocated(), "torch_max_reserved": torch.cuda.max_memory_reserved()}

@@ -131,6 +131,19 @@ def capture_while(stream, body_stream, handle, body, *, on_error) -> None:
     _ok(cudart.cudaStreamEndCapture(bs), "cudaStreamEndCapture (WHILE body)")
 
 
+def discard_capture(stream) -> None:
+    """End the capture under way on ``stream`` and destroy the graph it built, never instantiating
+    it: after a failed WHILE body the graph holds a conditional node whose body capture ended in
+    error, and instantiating that (as CuPy's ``Stream.end_capture`` does) crashes the driver.
+    Ending the capture is what returns the stream to normal use; its errors are not reported
+    (the capture's own failure is the one to report)."""
+    cudart = _cudart()
+    result = cudart.cudaStreamEndCapture(_stream(cudart, stream))
+    err, graph = (result[0], result[1]) if isinstance(result, tuple) and len(result) > 1 else (result, None)
+    if int(err) == 0 and graph is not None and int(graph) != 0:
+        cudart.cudaGraphDestroy(graph)
+
+
 def versions() -> dict:
     """The driver's and cuda.bindings' CUDA versions (e.g. 13000), for reports; raises
     ConditionalUnavailable without cuda.bindings."""
