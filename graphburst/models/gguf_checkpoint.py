@@ -178,14 +178,33 @@ def load_gguf_llama(path, *, batch: int, capacity: int, dtype="float32", device=
     return model
 
 
+#: the tokenizer's special tokens and the metadata keys that name their ids
+SPECIAL_TOKEN_KEYS = {"bos_token": "tokenizer.ggml.bos_token_id", "eos_token": "tokenizer.ggml.eos_token_id",
+                      "unk_token": "tokenizer.ggml.unknown_token_id", "pad_token": "tokenizer.ggml.padding_token_id"}
+
+
 def gguf_tokenizer(path):
     """The file's tokenizer as transformers builds it from the metadata (a fast tokenizer; its
-    ``chat_template`` is the file's), CheckpointError naming the file when it cannot."""
+    ``chat_template`` is the file's), CheckpointError naming the file when it cannot.
+
+    The special tokens are then set from the file's own ids (:data:`SPECIAL_TOKEN_KEYS`):
+    transformers' GGUF conversion has assigned them differently across versions (5.17 gives
+    SmolLM2's ``<|im_start|>``, id 1, as its EOS; the file says ``<|im_end|>``, id 2), and the
+    EOS is what a chat request stops on."""
     from transformers import AutoTokenizer
 
     path = Path(path)
-    open_gguf(path)
+    reader = open_gguf(path)
     try:
-        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
     except (ValueError, KeyError, OSError) as exc:
         raise CheckpointError(f"{path}: transformers cannot build its tokenizer: {' '.join(str(exc).split())}") from None
+    size = len(tok)
+    for name, key in SPECIAL_TOKEN_KEYS.items():
+        token_id = _int_field(reader, key)
+        if token_id is None:
+            continue
+        if not 0 <= token_id < size:
+            raise CheckpointError(f"{path}: {key} {token_id} is outside the tokenizer's {size} tokens")
+        setattr(tok, name, tok.convert_ids_to_tokens(token_id))
+    return tok

@@ -152,6 +152,25 @@ def test_smollm2_is_the_model_it_claims(smol):
     assert tok.eos_token == "<|im_end|>" and tok.eos_token_id == 2 and "<|im_start|>" in tok.chat_template
 
 
+def test_the_special_tokens_are_the_files_whatever_transformers_assigns(smol, monkeypatch):
+    """transformers' GGUF conversion has named other special tokens across versions (5.17 makes
+    SmolLM2's <|im_start|> its EOS): the tokenizer graphburst hands out takes the file's ids."""
+    import transformers
+
+    path, _, _ = smol
+    build = transformers.AutoTokenizer.from_pretrained
+
+    def as_5_17(*a, **kw):
+        tok = build(*a, **kw)
+        tok.eos_token = tok.pad_token = tok.convert_ids_to_tokens(1)
+        return tok
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", as_5_17)
+    tok = gguf_tokenizer(path)
+    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id, tok.unk_token_id) == (1, 2, 2, 0)
+    assert tok.eos_token == "<|im_end|>"
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_smollm2_bursts_equal_transformers_greedy(smol, backend):
     # cupy: the fp32 model on the GPU, its bursts replayed as CUDA graphs, against transformers on the CPU
