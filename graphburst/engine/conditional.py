@@ -7,11 +7,14 @@ the H200). With the decoder's stream capturing:
 1. ``cudaStreamGetCaptureInfo`` gives the graph being captured;
    ``cudaGraphConditionalHandleCreate`` makes the loop's handle in it;
 2. the head (the burst's seed and the first condition, which sets the handle) is enqueued;
-3. ``cudaStreamGetCaptureInfo`` again gives the capture's current dependencies;
+3. the body (one round and the condition after it) is captured once on a second stream into
+   a graph of its own and destroyed: a call that cannot be captured fails there, before the
+   main graph holds a WHILE node (ending a capture whose WHILE body failed crashes the driver);
+   ``cudaStreamGetCaptureInfo`` again gives the capture's current dependencies;
    ``cudaGraphAddNode`` adds a WHILE node after them; ``cudaStreamUpdateCaptureDependencies``
    makes the node the stream's only dependency, so what follows runs after the loop;
-4. ``cudaStreamBeginCaptureToGraph`` captures a second stream into the node's body graph,
-   where one round and the condition after it are enqueued; ``cudaStreamEndCapture`` ends it;
+4. ``cudaStreamBeginCaptureToGraph`` captures the second stream into the node's body graph,
+   where the body is enqueued again; ``cudaStreamEndCapture`` ends it;
 5. the tail (copies to the host) is enqueued on the main stream and CuPy ends the capture.
 
 cuda.bindings is imported lazily: it is on GPU images, not on every machine. Its signatures
@@ -106,6 +109,7 @@ def capture_while(stream, body_stream, handle, body, *, on_error) -> None:
     capture is ended first; the caller ends the main capture).
     """
     cudart = _cudart()
+    _trial_capture(cudart, body_stream, body, on_error)  # before the node exists: see there
     graph, deps = capture_info(cudart, stream)
     params = cudart.cudaGraphNodeParams()
     params.type = cudart.cudaGraphNodeType.cudaGraphNodeTypeConditional
@@ -131,17 +135,42 @@ def capture_while(stream, body_stream, handle, body, *, on_error) -> None:
     _ok(cudart.cudaStreamEndCapture(bs), "cudaStreamEndCapture (WHILE body)")
 
 
-def discard_capture(stream) -> None:
-    """End the capture under way on ``stream`` and destroy the graph it built, never instantiating
-    it: after a failed WHILE body the graph holds a conditional node whose body capture ended in
-    error, and instantiating that (as CuPy's ``Stream.end_capture`` does) crashes the driver.
-    Ending the capture is what returns the stream to normal use; its errors are not reported
-    (the capture's own failure is the one to report)."""
-    cudart = _cudart()
-    result = cudart.cudaStreamEndCapture(_stream(cudart, stream))
+def _trial_capture(cudart, body_stream, body, on_error) -> None:
+    """Capture ``body`` once into a graph of its own on ``body_stream``, then destroy it.
+
+    A call that cannot be captured (an allocation, a host sync) fails here, while the main
+    graph holds no conditional node yet: ending a capture whose WHILE node's body capture
+    failed crashes the driver (in ``cudaStreamEndCapture``), ending one without is an ordinary
+    failed capture. The calls are partials over fixed buffers, so capturing them twice only
+    costs host time at capture."""
+    mode = cudart.cudaStreamCaptureMode.cudaStreamCaptureModeThreadLocal
+    bs = _stream(cudart, body_stream)
+    _ok(cudart.cudaStreamBeginCapture(bs, mode), "cudaStreamBeginCapture (WHILE body trial)")
+    call = None
+    try:
+        for call in body:
+            call(body_stream)
+    except Exception as exc:  # noqa: BLE001 - reported with the failing call's name
+        _end_and_destroy(cudart, bs)
+        on_error(call, exc)
+    _end_and_destroy(cudart, bs)
+
+
+def _end_and_destroy(cudart, s) -> None:
+    """End the capture on the raw stream ``s`` and destroy its graph, never instantiating it;
+    errors are not reported (a capture's own failure is the one to report)."""
+    result = cudart.cudaStreamEndCapture(s)
     err, graph = (result[0], result[1]) if isinstance(result, tuple) and len(result) > 1 else (result, None)
     if int(err) == 0 and graph is not None and int(graph) != 0:
         cudart.cudaGraphDestroy(graph)
+
+
+def discard_capture(stream) -> None:
+    """End the capture under way on ``stream`` (a CuPy stream) and destroy the graph it built
+    without instantiating it: what a failed device-exit capture does with its main stream, which
+    ending returns to normal use."""
+    cudart = _cudart()
+    _end_and_destroy(cudart, _stream(cudart, stream))
 
 
 def versions() -> dict:

@@ -202,11 +202,11 @@ class Llama(nn.Module):
         shared, out = {}, []
         for length in lengths:
             if id(length) not in shared:
-                flat, mask = kv_index(length, rows, t, s, dtype, width=t if fresh else None)
+                # a fresh unfolded call is causal over its own tokens: SDPA needs no mask, so none is built
+                flat, mask = kv_index(length, rows, t, s, dtype, width=t if fresh else None,
+                                      with_mask=attn.fold or not fresh)
                 if attn.fold:
                     mask = fold_mask(mask, attn.n_heads // attn.n_kv)
-                elif fresh:
-                    mask = None  # causal over the call's own tokens: SDPA needs no mask
                 shared[id(length)] = LayerIndex(flat, mask, rot, fresh, backends)
             out.append(shared[id(length)])
         return out

@@ -216,14 +216,24 @@ class Attention(nn.Module):
             y = F.scaled_dot_product_attention(q, keys.transpose(1, 2), vals.transpose(1, 2), attn_mask=mask)
             y = y.view(r, kvh, t, g, hd).transpose(1, 2)  # [R, T, KV, G, D]
         else:
+            gqa = kvh != h
+            if gqa and q.is_cuda and q.dtype == torch.float32 and 2 * t >= hd:
+                # float32 GQA on a GPU: torch's only GQA kernel there is math, which materialises the
+                # [R, H, T, S] scores and their softmax (2 GiB for one 8192-token prompt of 4 heads).
+                # With each KV head repeated for its query group (HF's repeat_kv order) the
+                # memory-efficient kernel runs instead, holding [R, S, H, D]: the smaller whenever
+                # 2T >= D, so a decode step (T = k + 1) keeps the math kernel's small scores.
+                keys, vals = keys.repeat_interleave(h // kvh, dim=2), vals.repeat_interleave(h // kvh, dim=2)
+                gqa = False
             y = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), vals.transpose(1, 2),
                                                attn_mask=mask, is_causal=mask is None,
-                                               enable_gqa=kvh != h).transpose(1, 2)  # [R, T, H, D]
+                                               enable_gqa=gqa).transpose(1, 2)  # [R, T, H, D]
         return y
 
 
 def kv_index(length: torch.Tensor, rows: torch.Tensor, t: int, s: int,
-             dtype: torch.dtype = torch.float32, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+             dtype: torch.dtype = torch.float32, width: int | None = None,
+             with_mask: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Where T new tokens go in a ``[2, B, S, ...]`` KV tensor, and what each may attend to.
 
     Parameters
@@ -236,6 +246,9 @@ def kv_index(length: torch.Tensor, rows: torch.Tensor, t: int, s: int,
         Of the mask: the attention's query dtype.
     width : int, optional
         KV rows the mask covers (default ``s``; ``t`` for a fresh call's own tokens).
+    with_mask : bool
+        False: no mask (None), for a call that attends causally without one; it would
+        cost ``R x T x width`` elements, quadratic in a fresh prompt's length.
 
     Returns
     -------
@@ -248,6 +261,8 @@ def kv_index(length: torch.Tensor, rows: torch.Tensor, t: int, s: int,
     """
     at = length.long().unsqueeze(1) + torch.arange(t, device=length.device)  # [R, T] row of each new token
     flat = (rows.unsqueeze(1) * s + at.clamp(max=s - 1)).reshape(-1)  # [R*T]
+    if not with_mask:
+        return flat, None
     hidden = torch.arange(s if width is None else width, device=length.device) > at.unsqueeze(-1)  # [R, T, width]
     mask = torch.zeros(hidden.shape, dtype=dtype, device=length.device).masked_fill_(hidden, float("-inf"))
     return flat, mask.unsqueeze(1)

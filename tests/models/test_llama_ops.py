@@ -329,3 +329,36 @@ def test_gpu_a_fresh_prefill_runs_flash_attention_not_cudnn():
     names = " ".join(ev.name for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA).lower()
     assert "cudnn" not in names and "flash" in names, names
     torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_gpu_a_float32_gqa_prompt_never_materialises_its_scores():
+    """float32 with grouped KV heads on the H200: torch's GQA path there is the math kernel, whose
+    [R, H, T, T] scores grow with the square of the prompt. The layer repeats the KV heads and runs
+    the memory-efficient kernel instead: the peak stays far below one copy of the scores, and the
+    logits equal the math kernel's (the same attention, another summation order)."""
+    dev = "cuda"
+    cfg = CFG.replace(num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      hidden_size=64, intermediate_size=128)
+    t = 4096
+    model = Llama(cfg, batch=1, capacity=t, dtype=torch.float32, device=dev, decode_kernels="off").init_random_(3)
+    tokens = torch.randint(0, cfg.vocab_size, (1, t), device=dev)
+    zero = torch.zeros(1, dtype=torch.int32, device=dev)
+    scores = cfg.num_attention_heads * t * t * 4  # one float32 copy of the scores: 256 MiB
+    with torch.no_grad():
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        got = model(tokens, zero, [zero], fresh=True, logits_at=torch.tensor([t - 1], device=dev))
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+        q = torch.randn(1, cfg.num_attention_heads, t, 16, device=dev)
+        kv = torch.randn(2, 1, cfg.num_key_value_heads, t, 16, device=dev)
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+            want = F.scaled_dot_product_attention(q, kv[0], kv[1], is_causal=True, enable_gqa=True)
+        y = model.layers[0].self_attn._attend(q.transpose(1, 2), kv[0].transpose(1, 2), kv[1].transpose(1, 2),
+                                               None, 1, t).transpose(1, 2)
+    assert got.shape[-1] == cfg.vocab_size and torch.isfinite(got).all()
+    assert peak < scores // 2, (peak, scores)  # the math kernel holds the scores and their softmax
+    torch.testing.assert_close(y, want, atol=2e-5, rtol=2e-5)
