@@ -66,11 +66,21 @@ class SlotFields:
 
     def __init__(self, batch: int, vocab: int, backend):
         self.batch, self.vocab = batch, vocab
+        # The [B] settings are the rows of one block of 4-byte words, each viewed as its dtype, on the
+        # device and in the host mirror alike: an admission uploads them in one copy.
+        self.host_block = np.zeros((len(SETTINGS), batch), np.int32)  # [len(SETTINGS), B] 4-byte words
         self.host = {}
+        for i, name in enumerate(SETTINGS):
+            _, dtype, fill = LAYOUT[name]
+            assert np.dtype(dtype).itemsize == 4, name
+            self.host[name] = self.host_block[i].view(dtype)
+            self.host[name][...] = fill
+        self.settings_block = backend.to_device(self.host_block, backend.current_stream())  # [len(SETTINGS), B]
+        for i, name in enumerate(SETTINGS):
+            setattr(self, name, self.settings_block[i].view(LAYOUT[name][1]))  # [B]
         for name, (shape, dtype, fill) in LAYOUT.items():
-            setattr(self, name, backend.full(shape(batch, vocab), fill, dtype))
-            if name in SETTINGS:
-                self.host[name] = np.full(shape(batch, vocab), fill, dtype)
+            if name not in SETTINGS:
+                setattr(self, name, backend.full(shape(batch, vocab), fill, dtype))
 
     @staticmethod
     def layout_nbytes(batch: int, vocab: int) -> int:
@@ -118,10 +128,10 @@ class SlotFields:
             h["n_bias"][b] = len(p.logit_bias)
 
     def upload(self, backend, settings: dict, stream) -> None:
-        """The [B] settings whole, and the logit_bias rows of the slots in ``settings`` that have
-        one: one copy per run of consecutive such slots (the rows of a run are contiguous)."""
-        for name in SETTINGS:
-            backend.upload(getattr(self, name), self.host[name], stream)
+        """The [B] settings whole (one copy of their block), and the logit_bias rows of the slots in
+        ``settings`` that have one: one copy per run of consecutive such slots (the rows of a run are
+        contiguous)."""
+        backend.upload(self.settings_block, self.host_block, stream)
         biased = sorted(b for b, p in settings.items() if p.logit_bias)
         i = 0
         while i < len(biased):
