@@ -99,14 +99,39 @@ def _architecture(reader, path) -> str:
     return arch
 
 
+#: configs already read, by (path, size, mtime): transformers parses the whole file's metadata
+#: for a config (~2.4 s for SmolLM2's vocabulary on a small CPU), and a command may size a model's
+#: memory from its config before loading it; a file rewritten since is read again
+_CONFIGS: dict[tuple, LlamaConfig] = {}
+
+
+def _file_key(path: Path) -> tuple | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None  # open_gguf names the file
+    return str(path), st.st_size, st.st_mtime_ns
+
+
 def read_gguf_config(path) -> LlamaConfig:
     """:class:`LlamaConfig` from a GGUF file's metadata (through transformers), checked as a ``config.json``."""
     path = Path(path)
-    return _config(open_gguf(path), path)
+    return _config(None, path)
 
 
 def _config(reader, path: Path) -> LlamaConfig:
-    """:func:`read_gguf_config` over a reader of ``path`` already open (a load maps the file once)."""
+    """:func:`read_gguf_config` over a reader of ``path`` already open (a load maps the file once), or
+    None to open one if the config is not known yet."""
+    key = _file_key(path)
+    if key is not None and key in _CONFIGS:
+        return _CONFIGS[key]
+    cfg = _read_config(open_gguf(path) if reader is None else reader, path)
+    if key is not None:
+        _CONFIGS[key] = cfg
+    return cfg
+
+
+def _read_config(reader, path: Path) -> LlamaConfig:
     from transformers import AutoConfig
 
     arch = _architecture(reader, path)
