@@ -28,7 +28,7 @@ from .engine import conditional
 from .engine.round_exit import rounds_and_reason
 from .guard import AddressGuard, StaleGraphError
 from .protocol import hook
-from .engine.torch_capture import TorchCapturer, capture_api, graph_node_count
+from .engine.torch_capture import TorchCapturer, capture_api, graph_node_count, probe_while
 from .validate import check_int
 
 CAPTURE_MODES = ("global", "thread_local")
@@ -114,15 +114,27 @@ DEVICE_EXIT_CHOICES = (False, True, "auto")
 def device_exit_refusal(decoder: SpecDecoder) -> tuple[str | None, str]:
     """(why a device-exit burst graph cannot be built for ``decoder``, or None; what the probe found).
 
-    The numpy backend always can (its loop runs on the host). On cupy: torch models are refused
-    (:data:`conditional.TORCH_REFUSAL`), then :func:`conditional.probe` decides.
+    The numpy backend always can (its loop runs on the host). On cupy :func:`conditional.probe`
+    decides, and for torch models also :func:`_torch_probe` (torch must own the capture, and the
+    WHILE body's temporaries must come from the graph's pool).
     """
     if not decoder.backend.is_gpu:
         return None, "numpy backend: the loop runs on the host"
-    if capture_api(decoder.target, decoder.draft) == "torch":
-        return conditional.TORCH_REFUSAL, conditional.TORCH_REFUSAL
     ok, found = conditional.probe(decoder.backend.device_id)
+    if ok and capture_api(decoder.target, decoder.draft) == "torch":
+        ok, torch_found = _torch_probe(decoder.backend.device_id)
+        found = f"{found}; torch: {torch_found}"
     return (None if ok else found), found
+
+
+@functools.cache
+def _torch_probe(device_id: int) -> tuple[bool, str]:
+    """(whether torch models can run in a WHILE body here, what was found): cached per device
+    (:func:`graphburst.engine.torch_capture.probe_while`)."""
+    found = probe_while(device_id)
+    if found["ok"]:
+        return True, "a torch op in a trial WHILE body ran 3 rounds with its temporaries in the graph's pool"
+    return False, found["why"]
 
 
 class HostEvent:
@@ -141,7 +153,7 @@ def _capture_failed(call, exc: Exception):
     raise CaptureError(f"capture failed in {where}: {type(exc).__name__}: {exc}") from exc
 
 
-def _warm_up_models(dec: SpecDecoder) -> None:
+def _warm_up_models(dec: SpecDecoder, stream=None) -> None:
     """Run the decoder's burst program once eagerly, then restore every buffer it wrote.
 
     Torch models do lazy work on a first call (library handles, kernel selection) that
@@ -149,8 +161,15 @@ def _warm_up_models(dec: SpecDecoder) -> None:
     scratch model. The burst writes only the StreamBufs, KV lengths and KV entries at or
     above each layer's length, which no one reads (protocol rule 1), so restoring the
     buffers and lengths leaves the sequences exactly as they were.
+
+    ``stream``: where to run it (default the decoder's): a device-exit burst's WHILE body runs the
+    rounds on a stream of its own, where torch's per-stream state (cuBLAS's workspace) is made too.
     """
-    bufs, stream = dec.bufs, dec.stream
+    bufs = dec.bufs
+    if stream is None:
+        stream = dec.stream
+    else:
+        dec.stream.synchronize()  # the buffers were last written there
     arrays = [bufs.out_block] + [getattr(bufs, n) for n in bufs.LAYOUT if n not in bufs.OUTPUTS]
     arrays += [layer.length for m in (dec.target, dec.draft) for layer in m.cache.layers if layer is not None]
     with dec.backend.device(), stream:
@@ -202,10 +221,15 @@ class BurstGraph:
         cannot be built (torch models; no cuda-python, an old driver, a failed probe); "auto"
         captures the fixed-M graph there instead. :attr:`device_exit` says which was captured,
         :attr:`device_exit_probe` what the probe found.
+    hold_stops : bool
+        With ``device_exit``: a stop request stays pending past the end of the burst it ends, so
+        every burst launched before :meth:`answer_stop` runs zero rounds, however many are queued
+        (a serving loop answers with the admission it asked for). Without it the end of a burst
+        answers every request made before it.
     """
 
     def __init__(self, decoder: SpecDecoder, *, gapless: bool = False, depth: int | None = None,
-                 capture_mode: str = "global", device_exit: bool | str = False):
+                 capture_mode: str = "global", device_exit: bool | str = False, hold_stops: bool = False):
         if not isinstance(decoder, SpecDecoder):
             raise TypeError(f"decoder must be a SpecDecoder, got {type(decoder).__name__}")
         if depth is not None:
@@ -235,6 +259,11 @@ class BurstGraph:
             if refusal is not None and device_exit is True:
                 raise ValueError(f"device_exit=True is not available here: {refusal}")
             self.device_exit = refusal is None
+        if not isinstance(hold_stops, (bool, np.bool_)):
+            raise TypeError(f"hold_stops must be a bool, got {type(hold_stops).__name__} {hold_stops!r}")
+        if hold_stops and device_exit is False:
+            raise ValueError("hold_stops=True needs device_exit=True or 'auto': a fixed-M burst reads no stop request")
+        self.hold_stops = bool(hold_stops) and self.device_exit
         self.last_rounds = None  # rounds the last drained burst ran
         self.last_exit_reason = None  # why a device-exit burst ended: "m_max", "idle" or "flag"
         bufs = decoder.bufs
@@ -276,6 +305,16 @@ class BurstGraph:
         copy = functools.partial(self.backend.copy_to_host, self._host_exit[graph_index], self.round_exit.state)
         return [self._outputs_call(graph_index), Call("exit_state_to_host", copy)]
 
+    def _while_parts(self, graph_index: int):
+        """``parts(handle) -> (head, body, tail)`` of graph ``graph_index``'s device-exit burst."""
+        tail = self._tail(graph_index)
+
+        def parts(handle: int):
+            head, body = self.dec.device_exit_calls(handle=handle, hold=self.hold_stops)
+            return head, body, tail
+
+        return parts
+
     def _while_capture(self, graph_index: int):
         """Capture a device-exit burst: head, a WHILE node over one round, tail (conditional.py)."""
         rt = self.backend.xp.cuda.runtime
@@ -288,7 +327,7 @@ class BurstGraph:
                 # The handle belongs to the graph being captured, so the calls that name it are bound
                 # here; binding them is Python work only (partials over fixed buffers).
                 handle = conditional.create_handle(stream)
-                head, body = self.dec.device_exit_calls(handle=int(handle))
+                head, body = self.dec.device_exit_calls(handle=int(handle), hold=self.hold_stops)
                 for call in head:
                     call(stream)
                 call = None
@@ -306,10 +345,14 @@ class BurstGraph:
     def _capture_one(self, graph_index: int):
         """Graph ``graph_index``'s program as a graph (cupy) or a recorded program (numpy), uploaded."""
         if self.device_exit:
-            if self.backend.is_gpu:
+            if self.backend.is_gpu and self._torch is not None:
+                with self.backend.device():
+                    graph = self._torch.capture_while(self._while_parts(graph_index), self.dec.stream,
+                                                      self._body_stream, _capture_failed)
+            elif self.backend.is_gpu:
                 graph = self._while_capture(graph_index)
             else:
-                head, body = self.dec.device_exit_calls()
+                head, body = self.dec.device_exit_calls(hold=self.hold_stops)
                 graph = LoopProgram(head, body, self._tail(graph_index), self.round_exit)
             with self.backend.device():
                 graph.upload(self.dec.stream)
@@ -373,6 +416,8 @@ class BurstGraph:
             _warm_up(self.backend.device_id)
             if self._torch is not None:
                 _warm_up_models(self.dec)
+                if self.device_exit:
+                    _warm_up_models(self.dec, self._body_stream)
         getters, holders = self._baked_buffers()
         guard = AddressGuard(getters, holders, self.backend.address)
         graphs = [self._capture_one(i) for i in range(self.n_graphs)]
@@ -449,6 +494,14 @@ class BurstGraph:
         if not self.device_exit:
             raise RuntimeError("request_stop needs a device-exit graph (BurstGraph(..., device_exit=True))")
         self.dec.request_stop()
+
+    def answer_stop(self) -> None:
+        """With ``hold_stops``: answer the stop requests made so far, in stream order behind what is
+        enqueued now (:meth:`SpecDecoder.answer_stop`)."""
+        if not self.hold_stops:
+            raise RuntimeError("answer_stop needs a graph that holds stops (BurstGraph(..., device_exit=True, "
+                               "hold_stops=True))")
+        self.dec.answer_stop()
 
     def run(self) -> BurstTokens:
         """Replay one burst and drain it."""

@@ -22,7 +22,7 @@ from .constants import MAX_DEPTH, MAX_K
 from .models.capacity import DEFAULT_GPU_MEMORY_FRACTION
 from .serving.admit import ADMISSION_MODES
 from .models.named import NAMED_MODELS
-from .serving.factory import DEFAULT_PIPELINE_DEPTH, DEFAULT_PREFILL_WARMUP, MIN_CAPACITY, STUB_DEFAULTS, TINY_RANDOM, \
+from .serving.factory import DEVICE_EXIT_FLAGS, DEFAULT_PIPELINE_DEPTH, DEFAULT_PREFILL_WARMUP, MIN_CAPACITY, STUB_DEFAULTS, TINY_RANDOM, \
     ConfigError, ServeConfig, build_loop, check_tokenizer_vocab, resolve_capacity, startup_notes
 from .serving.jsonl import error_text, stderr_console
 from .serving.loop import ENGINE_MODES, ServeLoop
@@ -95,6 +95,11 @@ def add_parser(sub) -> None:
                         "queue while the host admits); auto: early once the queued bursts outlast 4 typical "
                         "admissions' host time, and while a burst is shorter than one, a boundary due within a few bursts "
                         "of an admission waits (up to a typical admission's worth of bursts, at most depth - 1)")
+    p.add_argument("--device-exit", choices=tuple(DEVICE_EXIT_FLAGS), default="off",
+                   help="graph engine: run each burst's rounds in a conditional WHILE node that ends at the round "
+                        "where every slot is done or a request arrives, so a new request waits about one round for "
+                        "its prefill instead of the bursts in flight (on: refuse to start where WHILE graphs cannot "
+                        "be built; auto: fixed-M bursts there)")
     p.add_argument("--live", action="store_true", help="show the live view even when stderr is not a terminal")
     # --- HTTP mode (graphburst/serving/http.py) ---
     h = p.add_argument_group("HTTP server (--http)")

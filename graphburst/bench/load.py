@@ -36,7 +36,7 @@ from ..cli_args import FlagError, add_ngram_flags, check_ngram_flags, int_in, re
 from ..constants import MAX_K
 from ..models.ngram import NGRAM_DRAFT
 from ..serving.admit import ADMISSION_MODES
-from ..serving.factory import TINY_RANDOM, ConfigError, ServeConfig
+from ..serving.factory import DEVICE_EXIT_FLAGS, TINY_RANDOM, ConfigError, ServeConfig
 from .common import float_list, write_results
 from .load_schedule import DIST_KINDS, LengthDist, schedule
 from .real_args import MODEL_NAMES
@@ -79,6 +79,8 @@ def add_flags(p) -> None:
                         "serve's; 0: off, to see a cold server)")
     g.add_argument("--admission", choices=ADMISSION_MODES, default=None,
                    help="the server's --admission (before or after refilling the queue of bursts; default auto)")
+    g.add_argument("--device-exit", choices=tuple(DEVICE_EXIT_FLAGS), default=None,
+                   help="the server's --device-exit (bursts that end at the round where a request arrives; default off)")
     g.add_argument("--max-queue", type=int_in(1, 1_000_000), default=256,
                    help="requests waiting for a slot before the server answers 429")
     g.add_argument("--rates", default=None,
@@ -133,7 +135,8 @@ def _rates(text: str) -> list[float] | None:
 
 #: open-loop flags with no default, refused without --model (each would be dropped)
 ONLY_WITH_MODEL = ("--draft", "--dtype", "--eps", "--capacity", "--rates", "--burst-at", "--prompt-mean",
-                   "--output-mean", "--plot", "--ngram-min", "--ngram-max", "--prefill-warmup", "--admission")
+                   "--output-mean", "--plot", "--ngram-min", "--ngram-max", "--prefill-warmup", "--admission",
+                   "--device-exit")
 
 
 def refuse_without_model(args) -> None:
@@ -176,7 +179,7 @@ def check_args(args) -> None:
     server = dict(model=args.model, draft=args.draft, shape=shape, backend=args.backend, batch=args.batch, k=args.k,
                   m=args.rounds, capacity=capacity, max_queue=args.max_queue, ngram_min=args.ngram_min,
                   ngram_max=args.ngram_max, prefill_chunk=args.prefill_chunk, prefill_warmup=args.prefill_warmup,
-                  admission=args.admission, dtype=args.dtype or ("bfloat16" if shape else "float32"),
+                  admission=args.admission, device_exit=args.device_exit or "off", dtype=args.dtype or ("bfloat16" if shape else "float32"),
                   eps=(DEFAULT_EPS if args.eps is None else args.eps) if shape else None, seed=args.seed,
                   checks=CHECK_REQUESTS,
                   prompt=dataclasses.asdict(prompt), output=dataclasses.asdict(output),
@@ -187,7 +190,8 @@ def check_args(args) -> None:
                         rounds=args.rounds, capacity=capacity, max_queue=args.max_queue, model=args.model,
                         draft=args.draft, dtype=server["dtype"], ngram_min=args.ngram_min, ngram_max=args.ngram_max,
                         prefill_chunk=args.prefill_chunk, prefill_warmup=args.prefill_warmup,
-                        admission=args.admission or "auto", http="127.0.0.1:0")
+                        admission=args.admission or "auto", device_exit=args.device_exit or "off",
+                        http="127.0.0.1:0")
         except ConfigError as exc:
             flag = {"rounds": "--rounds", "k": "-k"}.get(exc.field, "--" + exc.field.replace("_", "-"))
             raise FlagError(flag, exc.why) from None

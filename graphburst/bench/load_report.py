@@ -8,7 +8,7 @@ from .common import fmt, new_table
 
 COLUMNS = ["rate /s", "offered /s", "achieved /s", "out tok/s", "TTFT p50 / p99 ms", "ITL p50 / p99 / max ms",
            "TPOT p50 / p99 ms", "E2E p50 / p99 ms", "429", "errors", "accepted /round",
-           "GPU idle (admission)"]
+           "rounds /burst", "GPU idle (admission)"]
 
 
 def _pair(p: dict, digits: int = 1) -> str:
@@ -22,6 +22,7 @@ def table(rows: list[dict], title: str) -> Table:
         t.add_row(f"{r['rate']:g}", fmt(r["offered_rps"]), fmt(r["achieved_rps"]), fmt(r["output_tokens_per_s"], 0),
                   _pair(r["ttft_ms"]), _pair(r["itl_ms"], 2) + f" / {fmt(r['itl_max_ms'], 2)}", _pair(r["tpot_ms"], 2), _pair(r["e2e_ms"]),
                   str(r["rejected_429"]), str(r["errors"]), fmt(r["accepted_per_round"]),
+                  fmt(r.get("rounds_per_burst")),
                   "-" if idle is None else f"{idle:.1%}" + ("" if admission is None else f" ({admission:.1%})"))
     return t
 

@@ -26,7 +26,7 @@ import sys
 from rich.console import Console
 
 from ..backend import get_backend
-from ..serving.factory import ServeConfig, build_loop, describe_warmup, warm_models
+from ..serving.factory import DEVICE_EXIT_FLAGS, ServeConfig, build_loop, describe_warmup, warm_models
 from ..serving.request import Request
 from ..serving.loop import ServeLoop
 from .load_schedule import LengthDist, check_requests
@@ -66,7 +66,7 @@ def build(s: dict) -> tuple[ServeLoop, ServeConfig]:
     common = dict(backend=s["backend"], batch=s["batch"], k=s["k"], rounds=s["m"], capacity=s["capacity"],
                   max_queue=s["max_queue"], http=LOOPBACK, ngram_min=s["ngram_min"], ngram_max=s["ngram_max"],
                   prefill_chunk=s.get("prefill_chunk"), prefill_warmup=s.get("prefill_warmup"),
-                  admission=s.get("admission") or "auto")
+                  admission=s.get("admission") or "auto", device_exit=s.get("device_exit") or "off")
     if s["shape"]:
         from ..models.ngram import NGRAM_DRAFT, ngram_for
 
@@ -81,7 +81,7 @@ def build(s: dict) -> tuple[ServeLoop, ServeConfig]:
         config = ServeConfig(**common, served_model_name=s["served_name"])
         _log(warm_models((target, draft), config.warmup_rows, config.prefill_chunk))  # as build_loop does
         return ServeLoop(target, draft, k=s["k"], m_rounds=s["m"], prefill_chunk=s.get("prefill_chunk"),
-                         admission=config.admission), config
+                         admission=config.admission, device_exit=DEVICE_EXIT_FLAGS[config.device_exit]), config
     config = ServeConfig(**common, model=s["model"], draft=s["draft"], dtype=s["dtype"])
     return build_loop(config, log=_log), config
 

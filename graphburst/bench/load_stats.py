@@ -120,4 +120,6 @@ def server_window(before: dict, after: dict) -> dict:
     return dict(gpu_busy_s=busy, gpu_idle_s=idle, gpu_idle_fraction=idle / total if total > 0 else None,
                 gpu_admission_s=admission, gpu_admission_fraction=admission / total if total > 0 else None,
                 bursts=int(delta("graphburst_bursts_total")),
+                rounds_per_burst=delta("graphburst_burst_rounds_total") / delta("graphburst_bursts_total")
+                if delta("graphburst_bursts_total") else None,
                 accepted_per_round=delta("graphburst_draft_accepted_total") / rounds if rounds else None)

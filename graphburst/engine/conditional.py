@@ -31,12 +31,6 @@ import functools
 MIN_CUDA_VERSION = 12040
 
 
-#: why device exit is refused for torch models on the GPU, in one line
-TORCH_REFUSAL = ("torch models are captured by torch, whose caching allocator sends a capture's temporaries to the "
-                 "graph's private pool only on the stream torch captures, not on a WHILE body's stream "
-                 "(cudaStreamBeginCaptureToGraph); device exit runs with CuPy-captured models only")
-
-
 class ConditionalUnavailable(RuntimeError):
     """Conditional WHILE nodes cannot be built here; the message says what was missing."""
 

@@ -220,6 +220,17 @@ class SpecDecoder:
         no sync: one store to mapped host memory."""
         self.round_exit.request_stop()
 
+    def answer_stop(self) -> None:
+        """Held stops (graphs captured with ``hold_stops``): answer every stop request made so far, in
+        stream order behind the work enqueued so far (an admission, say): bursts launched after it
+        run whole, those before it zero rounds. One small fill on the decoder's stream, no sync."""
+        self.round_exit.answer(self._stream)
+
+    @property
+    def stop_pending(self) -> bool:
+        """A stop request no :meth:`answer_stop` covers yet (held stops)."""
+        return self._round_exit is not None and self._round_exit.pending
+
     # ------------------------------------------------------------------ the host mirror
 
     @property
@@ -459,20 +470,21 @@ class SpecDecoder:
                 self.backend.to_host(self._bufs.n_commit, stream)
                 self.host_syncs += 1
 
-    def device_exit_calls(self, handle: int = 0) -> tuple[list[Call], list[Call]]:
+    def device_exit_calls(self, handle: int = 0, *, hold: bool = False) -> tuple[list[Call], list[Call]]:
         """(head, body) of a device-exit burst: the head seed (which empties the ring) and the first
         condition; then one round (never the first: the head emptied the ring) and the condition
         after it. ``handle``: the WHILE node's conditional handle (a graph's capture); the eager
-        program (0) is built once and cached."""
-        key = (self.fused, self.assemble, self.sampling, self.k, self.backend.ops)
+        program (0) is built once and cached. ``hold``: stop requests stay pending past the burst's
+        end until :meth:`answer_stop` (:mod:`graphburst.engine.round_exit`, held stops)."""
+        key = (self.fused, self.assemble, self.sampling, self.k, self.backend.ops, bool(hold))
         if handle == 0:
             calls = self._exit_program.get(key)
             if calls is not None:
                 return calls
             self.bufs.watch(self._exit_program)
         rx = self.round_exit
-        head = [self._seed_call(reset_ring=True), rx.call(begin=True, handle=handle)]
-        body = self.round_calls(first_round=False) + [rx.call(begin=False, handle=handle)]
+        head = [self._seed_call(reset_ring=True), rx.call(begin=True, handle=handle, hold=hold)]
+        body = self.round_calls(first_round=False) + [rx.call(begin=False, handle=handle, hold=hold)]
         return self._exit_program.put(key, (head, body)) if handle == 0 else (head, body)
 
     def _enqueued_calls(self) -> tuple[list[Call], list[Call], list[Call]]:

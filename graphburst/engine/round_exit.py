@@ -15,18 +15,26 @@ whatever ended it: ``ack`` becomes the count it read there, so every request mad
 boundary is answered by that burst's end, once. A request made while no burst runs is answered
 by the next burst, which then runs zero rounds and changes nothing. Only the host writes the
 word and only the device writes ``ack``, so no request is lost to a race.
+
+**Held stops** (``hold``: a serving loop's bursts): a burst's end answers nothing, so every burst
+launched before the answer runs zero rounds, however many are queued; :meth:`RoundExit.answer`
+enqueues the answer on the stream (``ack`` <- the host's count when it was enqueued), behind the
+admission the request asked for, and bursts launched after it run whole. A request made after the
+answer was enqueued stays pending: the value is the kernel's argument, not a read at run time.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import threading
 import weakref
 
 import numpy as np
 
 from ..buffers import StreamBufs
 from ..constants import (
+    EXIT_ACK,
     EXIT_GO,
     EXIT_REASON,
     EXIT_ROUNDS,
@@ -56,6 +64,7 @@ class StopFlag:
 
     def __init__(self, backend):
         self.backend = backend
+        self._lock = threading.Lock()  # a request may come from any thread (an HTTP handler's, say)
         if not backend.is_gpu:
             self.word = np.zeros(1, np.int32)  # [1] int32
             self.device_address = 0
@@ -75,7 +84,8 @@ class StopFlag:
 
     def request(self) -> None:
         """One more stop request (the device answers it at its next round boundary)."""
-        self.word[0] = (int(self.word[0]) + 1) & STOP_COUNT_MASK
+        with self._lock:
+            self.word[0] = (int(self.word[0]) + 1) & STOP_COUNT_MASK
 
     @property
     def count(self) -> int:
@@ -112,17 +122,33 @@ class RoundExit:
         self.bufs, self.backend, self.m_max = bufs, backend, bufs.m_rounds
         with backend.device(), stream:
             self.state = backend.zeros((EXIT_WORDS,), np.int32)  # [EXIT_WORDS] int32: rounds, go, ack, reason
+            self.state[EXIT_ACK:EXIT_ACK + 1].fill(0)  # compiles the fill answer() enqueues, outside any capture
         self.flag = StopFlag(backend)
         self._stop_count = self.flag.device_address if backend.is_gpu else self.flag.word
+        self.answered = 0  # the count of the last answer() enqueued (held stops)
 
-    def call(self, *, begin: bool, handle: int = 0) -> Call:
+    def call(self, *, begin: bool, handle: int = 0, hold: bool = False) -> Call:
         """The condition at a round boundary, bound: before the first round (``begin``) or after one.
 
         ``handle``: the WHILE node's conditional handle inside a graph, 0 in an eager burst.
+        ``hold``: a burst's end leaves stop requests pending (held stops, see the module).
         """
         fn = functools.partial(self.backend.ops.round_exit, self.bufs.budget, self.state, self._stop_count,
-                               m_max=self.m_max, begin=begin, handle=handle)
+                               m_max=self.m_max, begin=begin, hold=hold, handle=handle)
         return Call("round_exit_begin" if begin else "round_exit", fn)
+
+    @property
+    def pending(self) -> bool:
+        """Held stops: a stop request was made that no :meth:`answer` enqueued so far covers."""
+        return self.flag.count != self.answered
+
+    def answer(self, stream) -> None:
+        """Held stops: answer every stop request made so far, in stream order on ``stream`` (one
+        fill of ``ack`` with the host's count now; no sync). Bursts launched after it run whole."""
+        count = self.flag.count
+        with self.backend.device(), stream:
+            self.state[EXIT_ACK:EXIT_ACK + 1].fill(count)
+        self.answered = count
 
     def request_stop(self) -> None:
         """Ask the burst in flight to end at its next round boundary (or the next burst to run zero rounds)."""

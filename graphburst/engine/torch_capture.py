@@ -128,6 +128,82 @@ class TorchCapturer:
                 on_error(call, exc)
         return TorchGraph(graph, self.torch_stream)
 
+    def capture_while(self, parts, stream, body_stream, on_error) -> TorchGraph:
+        """Capture a device-exit burst under torch: ``parts(handle) -> (head, body, tail)``, the body
+        in a conditional WHILE node (:func:`conditional.capture_while`) captured on ``body_stream``.
+
+        Torch's allocator serves a capture's temporaries from the graph's pool only on streams its
+        filter names: the capturing stream's capture, which the body's capture is not. From the head
+        on, this thread's allocations go to the pool instead (:func:`thread_to_pool`), the body's
+        included, so its temporaries belong to the graph as the rest of the burst's do.
+        """
+        import torch
+
+        from . import conditional
+
+        graph = torch.cuda.CUDAGraph(keep_graph=True)
+        device = self.torch_stream.device
+        torch.cuda.synchronize(device)
+        call = None
+        with torch.cuda.stream(self.torch_stream):
+            graph.capture_begin(pool=self.pool, capture_error_mode="global")
+            routed = False
+            try:
+                handle = conditional.create_handle(stream)
+                head, body, tail = parts(int(handle))
+                for call in head:
+                    call(stream)
+                call = None
+                thread_to_pool(device, self.pool)
+                routed = True
+                conditional.capture_while(stream, body_stream, handle, body, on_error=on_error)
+                for call in tail:
+                    call(stream)
+                graph.capture_end()  # ends this thread's routing too: it is the pool's one entry now
+            except Exception as exc:  # noqa: BLE001 - re-raised by on_error with the node's name
+                end_capture_quietly(graph, device)
+                if routed:
+                    end_routing(device, self.pool)
+                on_error(call, exc)
+            finally:
+                if routed:
+                    release_extra_use(device, self.pool)
+        return TorchGraph(graph, self.torch_stream)
+
+
+def thread_to_pool(device, pool) -> None:
+    """Send every allocation of this thread to ``pool`` from now on, in place of the capture's own
+    stream filter: torch allows one filter per pool, so the capture's is ended first (its capture
+    stream is on this thread, so its allocations still go to the pool). ``CUDAGraph.capture_end``
+    ends the thread's filter, the pool's one entry then. Torch's conditional-node support swaps its
+    filter for a child stream's the same way."""
+    import torch
+
+    index = torch.device(device).index
+    torch._C._cuda_endAllocateToPool(index, pool)
+    torch._C._cuda_beginAllocateCurrentThreadToPool(index, pool)
+
+
+def end_routing(device, pool) -> None:
+    """After a failed capture: end every allocation filter of ``pool`` still in force (the
+    capture's ``capture_end`` may have stopped before ending its own)."""
+    import torch
+
+    index = torch.device(device).index
+    for _ in range(4):  # at most the capture's and this thread's; a bound, not a loop on an error
+        try:
+            torch._C._cuda_endAllocateToPool(index, pool)
+        except RuntimeError:
+            return
+
+
+def release_extra_use(device, pool) -> None:
+    """Give back the use of ``pool`` that :func:`thread_to_pool`'s begin added (torch counts a
+    pool's users; the graph's reset gives back its own), so the pool is freed with its graphs."""
+    import torch
+
+    torch._C._cuda_releasePool(torch.device(device).index, pool)
+
 
 def end_capture_quietly(graph, device) -> None:
     # Ending the capture returns the stream to normal use; the half-built graph, or the
@@ -145,3 +221,79 @@ def end_capture_quietly(graph, device) -> None:
             pass
     gen = torch.cuda.default_generators[torch.device(device).index]
     gen.graphsafe_set_state(gen.clone_state())
+
+
+def probe_while(device_id: int) -> dict:
+    """Whether device-exit bursts work for torch models on ``device_id``: a WHILE graph captured by
+    :meth:`TorchCapturer.capture_while`, whose body runs a torch op that allocates a temporary
+    (``y = x * 2; x.copy_(y)``) and the device-exit condition (3 rounds), replayed once.
+
+    Returns ``{"ok", "x", "body_temps_in_graph_pool", "why"}``: ok when the capture worked, x is 8
+    (the body ran 3 times on x = 1) and the temporary's segment is in the graph's pool (torch's
+    allocator would otherwise hand that memory to other work while the graph still writes it).
+    Raises nothing: a failure is the reason it reports. Run outside any capture.
+    """
+    out = {"ok": False, "x": None, "body_temps_in_graph_pool": None, "why": None}
+    try:
+        import torch
+
+        from ..backend import Backend
+        from ..buffers import StreamBufs
+        from ..kernels import round_exit_cuda
+        from . import conditional
+        from .program import Call
+        from .round_exit import RoundExit
+
+        backend = Backend("cupy", device_id)
+        round_exit_cuda.warm_up(device_id)
+        cs, ts = stream_pair(backend)
+        body_cs = backend.new_stream()
+        dev = ts.device
+        bufs = StreamBufs(1, 1, 3, backend)  # M_max = 3
+        with backend.device():
+            bufs.budget[...] = 1000
+            backend.xp.cuda.Device(device_id).synchronize()
+        rx = RoundExit(bufs, backend, cs)
+        x = torch.ones(1024, device=dev)
+        body_ts = torch.cuda.ExternalStream(body_cs.ptr, device=dev)
+        with torch.cuda.stream(body_ts):
+            _ = x * 2  # torch's lazy work on the body's stream outside the capture
+        torch.cuda.synchronize(dev)
+        temps = []
+
+        def body_op(_stream):
+            with torch.cuda.stream(body_ts):
+                y = x * 2  # the temporary whose pool is the question
+                x.copy_(y)
+                temps.append(y.data_ptr())
+
+        def parts(handle):
+            head = [rx.call(begin=True, handle=handle)]
+            return head, [Call("torch_body", body_op), rx.call(begin=False, handle=handle)], []
+
+        def failed(call, exc):
+            raise RuntimeError(f"capture failed in {getattr(call, 'name', 'start')}: {exc}") from exc
+
+        capturer = TorchCapturer(ts)
+        with backend.device():
+            graph = capturer.capture_while(parts, cs, body_cs, failed)
+            graph.upload(cs)
+            graph.launch(cs)
+        torch.cuda.synchronize(dev)
+        out["x"] = float(x[0].item())
+        pool = list(graph.graph.pool())
+        seg_pool = None
+        for seg in torch.cuda.memory._snapshot()["segments"]:
+            if temps and seg["address"] <= temps[-1] < seg["address"] + seg["total_size"]:
+                seg_pool = list(seg.get("segment_pool_id", ()))
+        out["body_temps_in_graph_pool"] = None if seg_pool is None else seg_pool == pool
+        if out["x"] != 8.0:
+            out["why"] = f"the trial WHILE graph's torch body left x = {out['x']}, expected 8.0 (3 rounds)"
+        elif not out["body_temps_in_graph_pool"]:
+            out["why"] = (f"the WHILE body's torch temporaries were served from pool {seg_pool}, not the graph's "
+                          f"{pool}")
+        else:
+            out["ok"] = True
+    except Exception as exc:  # noqa: BLE001 - any failure is the reason to refuse, reported whole
+        out["why"] = f"{type(exc).__name__}: {exc}"
+    return out

@@ -30,10 +30,12 @@ extern "C" __device__ __cudart_builtin__ void cudaGraphSetConditional(unsigned l
 // At a round boundary (begin = 1: before the first round, the count becomes 0; else after a
 // round, the count grows by 1) the loop goes on only while the count is below m_max, some slot
 // has budget left (budget > 0: a stop token or a spent budget set it to 0) and the host's stop
-// count equals the one the device last answered. When the loop ends, the device answers every
-// stop request made before this read (ack <- the count read). handle != 0: the WHILE node's
-// conditional handle is set to the decision; 0 (an eager burst): the host reads state[GO].
-extern "C" __global__ void spec_round_exit(int batch, int m_max, int begin,
+// count equals the one the device last answered. When the loop ends and hold is 0, the device
+// answers every stop request made before this read (ack <- the count read); with hold, requests
+// stay pending until the host enqueues their answer (a serving loop's admission), so every burst
+// launched before it runs zero rounds. handle != 0: the WHILE node's conditional handle is set
+// to the decision; 0 (an eager burst): the host reads state[GO].
+extern "C" __global__ void spec_round_exit(int batch, int m_max, int begin, int hold,
                                            const int* __restrict__ budget,  // [B]
                                            int* __restrict__ state,         // [GB_EXIT_WORDS]
                                            const volatile int* stop_count,  // [1] mapped host word
@@ -52,6 +54,6 @@ extern "C" __global__ void spec_round_exit(int batch, int m_max, int begin,
     state[GB_EXIT_ROUNDS] = rounds;
     state[GB_EXIT_GO] = go;
     state[GB_EXIT_REASON] = reason;
-    if (!go) state[GB_EXIT_ACK] = requested;
+    if (!go && !hold) state[GB_EXIT_ACK] = requested;
     if (handle != 0) cudaGraphSetConditional(handle, (unsigned int)go);
 }

@@ -51,7 +51,7 @@ def warm_up(device_id: int) -> str:
     return compiled_with[device_id]
 
 
-def round_exit(budget, state, stop_count, *, m_max, begin, handle=0, stream):
+def round_exit(budget, state, stop_count, *, m_max, begin, hold=False, handle=0, stream):
     """One block of ``EXIT_THREADS`` (see ``round_exit_ref.round_exit``).
 
     Parameters
@@ -60,9 +60,11 @@ def round_exit(budget, state, stop_count, *, m_max, begin, handle=0, stream):
     state : [EXIT_WORDS] int32
     stop_count : numpy.uint64
         Device address of the ``[1] int32`` mapped host word.
+    hold : bool
+        Stop requests stay pending when the loop ends, until the host answers them.
     handle : int
         The WHILE node's ``cudaGraphConditionalHandle``, 0 outside a graph.
     """
-    args = (_i32(budget.shape[0]), _i32(m_max), _i32(bool(begin)), budget, state, np.uint64(stop_count),
-            np.uint64(handle))
+    args = (_i32(budget.shape[0]), _i32(m_max), _i32(bool(begin)), _i32(bool(hold)), budget, state,
+            np.uint64(stop_count), np.uint64(handle))
     _function(cupy.cuda.runtime.getDevice())((1,), (EXIT_THREADS,), args, shared_mem=0, stream=stream)

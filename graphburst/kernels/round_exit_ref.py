@@ -19,13 +19,14 @@ from ..constants import (
 )
 
 
-def round_exit(budget, state, stop_count, *, m_max, begin, handle=0, stream=None):
+def round_exit(budget, state, stop_count, *, m_max, begin, hold=False, handle=0, stream=None):
     """Decide at a round boundary whether the burst runs another round.
 
     The count of rounds becomes 0 (``begin``, before the first round) or grows by one. The
     loop goes on while the count is below ``m_max``, some slot has budget left and the host's
     stop count equals the one last answered; when it ends, ``ack`` becomes the stop count read
-    (every stop request made before this boundary is answered).
+    (every stop request made before this boundary is answered), unless ``hold``: then requests
+    stay pending until the host answers them (:meth:`RoundExit.answer`).
 
     Parameters
     ----------
@@ -36,6 +37,8 @@ def round_exit(budget, state, stop_count, *, m_max, begin, handle=0, stream=None
     m_max : int
         Rounds a burst runs at most.
     begin : bool
+    hold : bool
+        Leave ``ack`` alone when the loop ends (stop requests held until answered).
     handle : int
         The WHILE node's conditional handle on cupy (set to ``go``); ignored here.
     """
@@ -53,5 +56,5 @@ def round_exit(budget, state, stop_count, *, m_max, begin, handle=0, stream=None
     state[EXIT_ROUNDS] = rounds
     state[EXIT_GO] = go
     state[EXIT_REASON] = reason
-    if not go:
+    if not go and not hold:
         state[EXIT_ACK] = requested

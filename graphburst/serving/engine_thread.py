@@ -111,6 +111,9 @@ class EngineThread(threading.Thread):
             self.waiting += len(tickets)
             self._inbox.extend(("submit", t) for t in tickets)
             self._cond.notify()
+        # Bursts that end on the device end at their next round now, not when the engine thread
+        # comes to the inbox: it may be waiting for a burst to drain.
+        self.loop.request_round_exit()
 
     def cancel(self, tickets: list[Ticket]) -> None:
         """After this returns no update but the final ``cancelled`` one reaches these tickets."""

@@ -40,6 +40,8 @@ PROMPT_STAGING_BYTES = 4  # the decoder's prefill staging, [B * capacity] int32:
 #: burst's draft rows add nothing to it: a slot writes at most its budget's tokens (engine.ledger), and
 #: the rows drafted past the capacity are dropped (stubs) or land in the KV slack rows (models.llama).
 MIN_CAPACITY = 2
+#: ``device_exit`` (``--device-exit``) -> ``ServeLoop(device_exit=...)``
+DEVICE_EXIT_FLAGS = {"off": False, "auto": "auto", "on": True}
 #: Bursts in flight of the pipelined graph engine when ``pipeline_depth`` is not given.
 DEFAULT_PIPELINE_DEPTH = 2
 #: Measured with the stub models sampling on the numpy backend at batch 64, vocab 32000, k 4, M 8 (the
@@ -106,6 +108,7 @@ class ServeConfig:
     prefill_chunk: int | None = None  # prompt tokens prefilled per burst boundary (None: whole prompts)
     prefill_warmup: int | None = None  # rows warmed before serving (None: DEFAULT_PREFILL_WARMUP; 0: off)
     admission: str = "auto"  # pipelined: admit before ("early") or after ("late") refilling; ServeLoop's admission
+    device_exit: str = "off"  # graph engine: bursts end on the device ("on", "auto": ServeLoop's device_exit)
     # stub models (the default)
     vocab: int | None = None
     layers: int | None = None
@@ -156,7 +159,7 @@ class ServeConfig:
             if value is not None:
                 self._set(name, _real_in(name, value, lo, hi))
         for name, choices in (("backend", BACKEND_NAMES), ("engine", ENGINE_MODES), ("draft_mode", DRAFT_MODES),
-                              ("admission", ADMISSION_MODES)):
+                              ("admission", ADMISSION_MODES), ("device_exit", tuple(DEVICE_EXIT_FLAGS))):
             if getattr(self, name) not in choices:
                 raise ConfigError(name, f"must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
         if self.dtype is not None and self.dtype not in DTYPES:
@@ -218,6 +221,12 @@ class ServeConfig:
             raise ConfigError("admission", f"orders the pipelined graph engine's steps only, got {self.admission!r}")
         if self.admission == "early" and self.tp > 1:
             raise ConfigError("admission", "tensor-parallel serving (--tp > 1) admits after refilling on every rank")
+        if self.device_exit != "off" and self.engine != "graph":
+            raise ConfigError("device_exit", f"ends the graph engine's bursts on the device, and this loop runs "
+                                             f"engine={self.engine!r}; got {self.device_exit!r}")
+        if self.device_exit != "off" and self.tp > 1:
+            raise ConfigError("device_exit", "tensor-parallel ranks take the same steps, and a burst that ends when a "
+                                             "request arrives on one rank would not; leave it off with --tp > 1")
         if self.http is None:
             for name in ("tokenizer", "served_model_name"):
                 if getattr(self, name) is not None:
@@ -523,4 +532,5 @@ def build_loop(config: ServeConfig, backend=None, *, log=None) -> ServeLoop:
         log(describe_warmup(done))
     return ServeLoop(target, draft, k=config.k, m_rounds=config.rounds, engine=config.engine,
                      pipelined=config.pipelined, depth=config.pipeline_depth, sampling=config.sampling,
-                     prefill_chunk=config.prefill_chunk, admission=config.admission, fields=config.logits_fields)
+                     prefill_chunk=config.prefill_chunk, admission=config.admission, fields=config.logits_fields,
+                     device_exit=DEVICE_EXIT_FLAGS[config.device_exit])

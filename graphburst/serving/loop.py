@@ -42,6 +42,7 @@ import functools
 import time
 from collections.abc import AsyncIterator, Iterator
 
+from ..capture import DEVICE_EXIT_CHOICES
 from ..engine.mode import BurstMode
 from ..constants import MAX_DEPTH
 from ..sampling.params import SamplingParams
@@ -62,6 +63,21 @@ ENGINE_MODES = tuple(m.value for m in SERVE_MODES)  # --engine choices
 
 __all__ = ["ENGINE_MODES", "SERVE_MODES", "Request", "RequestState", "ServeLoop", "inter_token_latencies_us",
            "percentiles"]
+
+
+def check_device_exit(device_exit, *, engine: BurstMode, local_timing: bool) -> None:
+    """``device_exit``: False, True or "auto"; not False only for the graph engine, under a policy
+    whose steps follow this process's own timings."""
+    if not any(device_exit is c for c in DEVICE_EXIT_CHOICES):
+        raise ValueError(f"device_exit must be one of {DEVICE_EXIT_CHOICES}, got {device_exit!r}")
+    if device_exit is False:
+        return
+    if engine != BurstMode.GRAPH:
+        raise ValueError(f"device_exit={device_exit!r} ends the graph engine's bursts on the device; the "
+                         f"{engine.value} engine runs eager bursts")
+    if not local_timing:
+        raise ValueError(f"device_exit={device_exit!r} ends bursts when requests arrive here, and this loop's policy "
+                         f"must take the same steps as other processes (local_timing is False)")
 
 
 class ServeLoop:
@@ -104,6 +120,17 @@ class ServeLoop:
     policy : LoopPolicy, optional
         How the decoder and graph are built and what the loop may decide on its own
         (:mod:`~graphburst.serving.policy`); default a :class:`~graphburst.serving.policy.LocalPolicy`.
+    device_exit : {False, True, "auto"}
+        Graph engine: bursts whose rounds run in a conditional WHILE node that ends at the round
+        where every slot is done, or where the loop asked it to stop (``BurstGraph(...,
+        device_exit=..., hold_stops=True)``). A request arriving while bursts run (:meth:`submit`,
+        or :meth:`request_round_exit` from another thread) sets the stop flag when a slot is free:
+        the burst running ends at its next round, those queued behind it run none, the next step
+        admits the request and answers the flag, and the bursts launched after that run whole. So a
+        new request waits about one round for its prefill, not every burst in flight. ``"auto"``
+        falls back to fixed-M bursts where WHILE graphs cannot be built (:attr:`device_exit` says
+        which runs); True raises ValueError there. Needs a policy with ``local_timing`` (each
+        process stops its bursts on its own arrivals).
 
     Attributes
     ----------
@@ -127,11 +154,12 @@ class ServeLoop:
 
     def __init__(self, target, draft, *, k: int, m_rounds: int, engine: str = "graph", pipelined: bool = True,
                  depth: int = 2, sampling: bool = False, prefill_chunk: int | None = None, admission: str = "auto",
-                 policy: LoopPolicy | None = None, fields: bool = False):
+                 policy: LoopPolicy | None = None, fields: bool = False, device_exit: bool | str = False):
         self.policy = policy = check_policy(policy)
         engine = BurstMode.parse(engine, SERVE_MODES, name="engine")
         depth = check_int("depth", depth, minimum=2, maximum=MAX_DEPTH)
         admission = check_admission(admission, local_timing=policy.local_timing)
+        check_device_exit(device_exit, engine=engine, local_timing=policy.local_timing)
         self.heartbeat_s = policy.heartbeat_s
         self.sampling = bool(sampling)
         self.prefill_chunk = check_prefill_chunk(prefill_chunk, target, draft)
@@ -139,8 +167,12 @@ class ServeLoop:
         self.dec = dec = policy.make_decoder(target, draft, k=k, m_rounds=m_rounds, sampling=self.sampling,
                                              **({"fields": True} if self.fields else {}))
         self.engine = engine
-        self.pipeline = BurstPipeline(dec, engine, pipelined, make_graph=functools.partial(policy.make_graph, dec),
-                                      depth=depth)
+        make_graph = functools.partial(policy.make_graph, dec)
+        if device_exit is not False:  # a policy without local timing was refused above
+            make_graph = functools.partial(make_graph, device_exit=device_exit, hold_stops=True)
+        self.pipeline = BurstPipeline(dec, engine, pipelined, make_graph=make_graph, depth=depth)
+        #: bursts end on the device (a WHILE-node graph that holds stops): what ``device_exit`` gave
+        self.device_exit = bool(self.pipeline.graph is not None and self.pipeline.graph.device_exit)
         # Every admission graph a request can take, captured now, not by its first request: the process's
         # first capture took 14 ms on an H200, later ones ~0.1 ms, and a prefill that cannot be captured
         # shows here (engine/admission/graphs.py; nothing for decoders that admit eagerly)
@@ -167,8 +199,18 @@ class ServeLoop:
     # ------------------------------------------------------------------ requests
 
     def submit(self, req: Request, *, line: int | None = None) -> RequestState:
-        """Queue a request, validated now (:meth:`RequestIntake.submit`); admitted at a burst boundary."""
-        return self.intake.submit(req, line=line)
+        """Queue a request, validated now (:meth:`RequestIntake.submit`); admitted at a burst boundary
+        (with :attr:`device_exit`, at the next round: :meth:`request_round_exit`)."""
+        state = self.intake.submit(req, line=line)
+        self.request_round_exit()
+        return state
+
+    def request_round_exit(self) -> None:
+        """With :attr:`device_exit` and a batch slot free: ask the bursts in flight to end at their next
+        round, so the next step admits a request that just arrived. Safe from any thread (one store to
+        mapped host memory; the slot count is read, never changed); does nothing otherwise."""
+        if self.device_exit and self.table.n_occupied < self.table.batch:
+            self.dec.request_stop()
 
     def validate(self, req: Request) -> Request:
         """:meth:`RequestIntake.validate`: ValueError/TypeError naming a bad field; ``req`` is not changed."""
@@ -281,6 +323,8 @@ class ServeLoop:
             # Nothing runs and no request holds a slot: the GPU's next gap is the loop
             # waiting for work, not host overhead between bursts, so it is not counted.
             pipeline.clock.forget_gap()
+        if self.device_exit:
+            return self._step_device_exit()
         if self.graph is None:
             self.boundary.run()
             # Every copy precedes the next burst: hand its tokens out first, then run the burst in the
@@ -316,6 +360,35 @@ class ServeLoop:
             # Admission without draining: the boundary's writes queue behind the bursts in
             # flight, and the next launch carries the new slots.
             self.boundary.run()
+        return delivered
+
+    def _step_device_exit(self) -> int:
+        # Bursts end on the device, and stop requests hold every burst launched before their
+        # answer at zero rounds. A step admits where a stop is pending (a request came, or the last
+        # delivery freed a slot someone waits for), answers it behind the admission, then refills,
+        # so the bursts launched from here run whole. A prompt part-way through a chunked prefill
+        # takes its next chunk behind the bursts in flight, as the late order does, without a stop.
+        pipeline, table, dec = self.pipeline, self.table, self.dec
+        if not pipeline and table.n_occupied == 0:
+            pipeline.clock.forget_gap()  # as in _step: the loop waited for work
+        if dec.stop_pending or not pipeline or table.prefilling:
+            self.boundary.run()
+            if dec.stop_pending:
+                dec.answer_stop()
+        steady = table.steady()
+        pipeline.fill(steady)
+        if not pipeline:
+            return 0
+        if self.first_tokens.due(pipeline.oldest):
+            return self.first_tokens.hand_out(pipeline.oldest)
+        drained = pipeline.drain()
+        try:
+            if not dec.stop_pending:  # else the bursts launched now would run zero rounds
+                pipeline.fill(steady)
+        finally:  # a launch that fails must not lose the drained tokens
+            delivered = self.delivery.deliver(*drained)
+        if not dec.stop_pending and self.intake.queue and table.n_occupied < table.batch:
+            dec.request_stop()  # the delivery freed a slot a request waits for: admit it at the next round
         return delivered
 
     def run_until_idle(self) -> None:
@@ -380,4 +453,7 @@ class ServeLoop:
             "captures": self.graph.captures if self.graph is not None else 0,
             "admission_graphs": 0 if self.dec.admission_graphs is None else self.dec.admission_graphs.captures,
             "deferred_boundaries": self.schedule.deferred_boundaries,
+            "device_exit": self.device_exit,
+            "burst_rounds": self.pipeline.rounds,
+            "rounds_per_burst": self.pipeline.rounds / record.bursts if record.bursts else None,
         }

@@ -58,6 +58,10 @@ class _LoopCollector:
         bursts = CounterMetricFamily("graphburst_bursts", "Bursts drained")
         bursts.add_metric([], s["bursts"])
         yield bursts
+        rounds = CounterMetricFamily("graphburst_burst_rounds",
+                                     "Rounds the drained bursts ran (M each, fewer where bursts end on the device)")
+        rounds.add_metric([], s.get("burst_rounds", 0))
+        yield rounds
         steady = CounterMetricFamily("graphburst_steady_bursts",
                                      "Bursts launched with every batch slot running (timed on a GPU only)")
         steady.add_metric([], s.get("steady_bursts", 0))

@@ -59,6 +59,7 @@ class BurstPipeline:
         self.clock = BurstClock(dec.backend, self.depth)
         self._in_flight: collections.deque = collections.deque()  # (timing events or None, steady) per burst
         self.launched = 0  # bursts launched so far (graph and eager): burst i is the i-th, from 0
+        self.rounds = 0  # rounds the drained bursts ran (fewer than M a burst where bursts end on the device)
 
     def __len__(self) -> int:
         return len(self._in_flight)
@@ -78,6 +79,7 @@ class BurstPipeline:
     def drain(self):
         """Drain the oldest burst in flight: ``(BurstTokens, accept counters [B, 2])``, not yet handed out."""
         tokens = self.graph.drain()  # waits for the burst's completion event, recorded after its end event
+        self.rounds += self.graph.last_rounds
         self.clock.account(*self._in_flight.popleft(), ended=True)
         return tokens, self.graph.last_acc
 
@@ -99,6 +101,7 @@ class BurstPipeline:
             events[0].record(self.dec.stream)
         tokens = self.dec.run_burst(mode=BurstMode.PER_ROUND_SYNC)
         self.launched += 1
+        self.rounds += self.dec.m_rounds
         if events:
             events[1].record(self.dec.stream)
         self.clock.account(events, steady)

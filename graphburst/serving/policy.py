@@ -48,8 +48,9 @@ class LoopPolicy(Protocol):
     def make_decoder(self, target, draft, **kw) -> SpecDecoder:
         """The loop's decoder; ``kw``: ``k``, ``m_rounds``, ``sampling``."""
 
-    def make_graph(self, dec: SpecDecoder, *, depth: int) -> BurstGraph:
-        """The graph the loop replays, keeping ``depth`` bursts in flight (gapless past 1)."""
+    def make_graph(self, dec: SpecDecoder, *, depth: int, **kw) -> BurstGraph:
+        """The graph the loop replays, keeping ``depth`` bursts in flight (gapless past 1); ``kw``
+        (``device_exit``, ``hold_stops``) go to its constructor, passed only under ``local_timing``."""
 
     def costs_only_its_requests(self, exc: Exception) -> bool:
         """Whether a failure (of a prefill, or of a step) may end only the requests it touches,
@@ -67,8 +68,8 @@ class LocalPolicy:
     def make_decoder(self, target, draft, **kw) -> SpecDecoder:
         return SpecDecoder(target, draft, **kw)
 
-    def make_graph(self, dec: SpecDecoder, *, depth: int) -> BurstGraph:
-        return graph_of(dec, depth=depth)
+    def make_graph(self, dec: SpecDecoder, *, depth: int, **kw) -> BurstGraph:
+        return graph_of(dec, depth=depth, **kw)
 
     def costs_only_its_requests(self, exc: Exception) -> bool:
         return True

@@ -74,6 +74,50 @@ def test_round_exit_twin_counts_rounds_and_names_why_it_stops():
     assert run_twin([0], [1, 1, 5, 0], 5, 4, False)[2] == 5
 
 
+def test_round_exit_twin_holds_stops_until_answered():
+    state = np.array([1, 1, 5, 0], np.int32)
+    round_exit_ref.round_exit(np.array([7], np.int32), state, np.array([6], np.int32), m_max=4, begin=False,
+                              hold=True)
+    assert state.tolist() == [2, 0, 5, constants.EXIT_BY_FLAG]  # ended by the flag, ack left alone
+    state = np.array([1, 1, 5, 0], np.int32)
+    round_exit_ref.round_exit(np.array([0], np.int32), state, np.array([5], np.int32), m_max=4, begin=False,
+                              hold=True)
+    assert state.tolist() == [2, 0, 5, constants.EXIT_BY_IDLE]
+
+
+def test_held_stops_end_every_queued_burst_until_answered():
+    case = dict(CASES["ragged_budgets"], budgets=[None] * CASES["ragged_budgets"]["batch"], eos_at=None)
+    dec, twin = build("numpy", case, M_MAX), build("numpy", case, M_MAX)
+    graph = BurstGraph(dec, device_exit=True, hold_stops=True, gapless=True, depth=3)
+    twin_graph = BurstGraph(twin, device_exit=True)
+    before = state(dec)
+    graph.request_stop()
+    assert dec.stop_pending and graph.hold_stops
+    for _ in range(3):
+        graph.replay()
+    for _ in range(3):
+        assert graph.drain().total == 0 and graph.last_rounds == 0 and graph.last_exit_reason == "flag"
+    assert_same_state(state(dec), before, "three zero-round bursts")
+    graph.answer_stop()
+    assert not dec.stop_pending
+    graph.request_stop()  # made after the answer: pending again, answered by the next answer only
+    assert dec.stop_pending and graph.run().total == 0
+    graph.answer_stop()
+    for _ in range(2):
+        assert drained(graph.run()) == drained(twin_graph.run())
+        assert graph.last_rounds == M_MAX
+
+
+def test_hold_stops_is_validated():
+    dec = build("numpy", CASES["ragged_budgets"], M_MAX)
+    with pytest.raises(ValueError, match="hold_stops=True needs device_exit"):
+        BurstGraph(dec, hold_stops=True)
+    with pytest.raises(TypeError, match="hold_stops must be a bool"):
+        BurstGraph(dec, device_exit=True, hold_stops="yes")
+    with pytest.raises(RuntimeError, match="answer_stop needs a graph that holds stops"):
+        BurstGraph(dec, device_exit=True).answer_stop()
+
+
 def test_stop_flag_counts_requests_and_wraps():
     from graphburst.backend import Backend
     from graphburst.buffers import StreamBufs
@@ -232,15 +276,24 @@ def test_unavailable_device_exit_is_refused_or_falls_back_to_fixed_m(monkeypatch
     assert graph.last_rounds == M_MAX  # the fixed-M graph ran
 
 
-def test_torch_models_are_refused_on_the_gpu_with_the_reason():
-    from graphburst.capture import device_exit_refusal
+def test_torch_models_on_the_gpu_need_the_torch_probe_too(monkeypatch):
+    from graphburst import capture
 
     torch_model = types.SimpleNamespace(capture_api="torch")
     fake = types.SimpleNamespace(backend=types.SimpleNamespace(is_gpu=True, device_id=0), target=torch_model,
                                  draft=types.SimpleNamespace())
-    refusal, found = device_exit_refusal(fake)
-    assert refusal == conditional.TORCH_REFUSAL == found
-    assert "\n" not in refusal and "cudaStreamBeginCaptureToGraph" in refusal
+    monkeypatch.setattr(conditional, "probe", lambda device_id: (True, "trial WHILE graph ran"))
+    monkeypatch.setattr(capture, "_torch_probe", lambda device_id: (False, "temporaries served from pool [0, 0]"))
+    refusal, found = capture.device_exit_refusal(fake)
+    assert refusal == found == "trial WHILE graph ran; torch: temporaries served from pool [0, 0]"
+    monkeypatch.setattr(capture, "_torch_probe", lambda device_id: (True, "in the graph's pool"))
+    refusal, found = capture.device_exit_refusal(fake)
+    assert refusal is None and found == "trial WHILE graph ran; torch: in the graph's pool"
+    # a cupy pair never runs the torch probe
+    monkeypatch.setattr(capture, "_torch_probe", lambda device_id: pytest.fail("torch probe for a cupy pair"))
+    cupy_pair = types.SimpleNamespace(backend=fake.backend, target=types.SimpleNamespace(),
+                                      draft=types.SimpleNamespace())
+    assert capture.device_exit_refusal(cupy_pair) == (None, "trial WHILE graph ran")
 
 
 def test_the_probe_reports_what_is_missing_instead_of_raising():

@@ -200,20 +200,27 @@ def test_a_thousand_bursts_with_slot_churn_stay_exact(cupy_backend):
     assert max(rounds) <= M_MAX and min(rounds) < M_MAX  # the short budgets end bursts early
 
 
-def test_torch_models_are_refused_with_the_reason_and_auto_falls_back(cupy_backend):
-    pytest.importorskip("torch")
-    from graphburst.engine.conditional import TORCH_REFUSAL
-    from graphburst.models.checkpoint import tiny_random_pair
-
-    target, draft = tiny_random_pair(batch=2, capacity=64, backend=cupy_backend, seed=1)
-    dec = SpecDecoder(target, draft, k=2, m_rounds=2)
-    dec.prefill([[1, 2, 3], [4, 5]], max_new_tokens=6)
-    with pytest.raises(ValueError, match="torch models are captured by torch"):
-        BurstGraph(dec, device_exit=True)
-    graph = BurstGraph(dec, device_exit="auto")
-    assert not graph.device_exit and graph.device_exit_probe == TORCH_REFUSAL
-    graph.run()
-    assert graph.last_rounds == 2
+def test_held_stops_end_every_queued_burst_until_answered_on_the_gpu(cupy_backend):
+    """Three bursts queued behind a stop request (hold_stops, depth 3) all run zero rounds and change
+    nothing; after the answer is enqueued the next runs all M_max rounds, and the tokens are the
+    decoder's that was never stopped."""
+    case = CASES["ragged_budgets"]
+    case = dict(case, budgets=[None] * case["batch"], eos_at=None)  # only the flag ends a burst early
+    dec, twin = build(cupy_backend, case, M_MAX), build(cupy_backend, case, M_MAX)
+    graph = BurstGraph(dec, device_exit=True, hold_stops=True, gapless=True, depth=3)
+    twin_graph = BurstGraph(twin, device_exit=True)
+    before = state(dec)
+    graph.request_stop()
+    assert dec.stop_pending
+    for _ in range(3):
+        graph.replay()
+    for _ in range(3):
+        assert graph.drain().total == 0 and graph.last_rounds == 0 and graph.last_exit_reason == "flag"
+    assert_same_state(state(dec), before, "three zero-round bursts")
+    graph.answer_stop()
+    assert not dec.stop_pending
+    assert drained(graph.run()) == drained(twin_graph.run())
+    assert graph.last_rounds == M_MAX
 
 
 class _SyncingTarget:

@@ -1,0 +1,148 @@
+"""A serving loop whose bursts end on the device (``ServeLoop(..., device_exit=...)``): a request that
+arrives while bursts run is admitted at the next round; tokens are the CPU greedy oracle's.
+
+On numpy a burst runs when it is launched, so "the next round" shows as "before any other burst is
+launched"; on the GPU (marked tests) the time from submission to the first token is measured against
+the fixed-M loop's.
+"""
+
+from __future__ import annotations
+
+import time
+import types
+
+import numpy as np
+import pytest
+from marks import requires_gpu
+
+from graphburst import greedy_reference, stub_pair
+from graphburst.serving.loop import ServeLoop
+from graphburst.serving.request import Request
+
+VOCAB = 997
+
+
+def make_loop(batch, *, backend="numpy", m=8, k=3, depth=2, device_exit=True, cost_ns=0, capacity=512, **kw):
+    target, draft = stub_pair(batch, VOCAB, 2, 1, capacity, backend=backend, cost_ns=cost_ns, accept_prob=0.7, seed=3)
+    return ServeLoop(target, draft, k=k, m_rounds=m, depth=depth, device_exit=device_exit, **kw)
+
+
+def check_oracle(states):
+    for s in states:
+        assert s.tokens == greedy_reference(s.request.prompt, s.request.max_new_tokens, VOCAB)
+
+
+@pytest.mark.parametrize("depth", [2, 3])
+@pytest.mark.parametrize("chunk", [None, 3])
+def test_device_exit_loop_tokens_equal_the_oracle_with_churn(backend, depth, chunk):
+    loop = make_loop(4, backend=backend, depth=depth, prefill_chunk=chunk)
+    assert loop.device_exit
+    rng = np.random.default_rng(depth)
+    states = []
+    for wave in range(4):  # requests arriving between steps, while earlier ones decode
+        states += [loop.submit(Request(rng.integers(0, VOCAB, int(rng.integers(1, 9))).tolist(),
+                                       int(rng.integers(1, 60)))) for _ in range(5)]
+        for _ in range(3):
+            loop.step()
+    loop.run_until_idle()
+    check_oracle(states)
+    stats = loop.stats()
+    assert stats["device_exit"] is True and stats["rounds_per_burst"] < 8  # bursts ended early
+    assert not loop.dec.stop_pending  # every stop the loop asked for was answered
+
+
+def test_a_request_arriving_mid_stream_is_admitted_before_another_burst_is_launched():
+    loops = {dx: make_loop(2, device_exit=dx, admission="late") for dx in (True, False)}
+    launched_at_admission = {}
+    for dx, loop in loops.items():
+        long = loop.submit(Request([5, 6, 7], 300))
+        for _ in range(4):
+            loop.step()
+        launched = loop.pipeline.launched
+        take = loop.boundary.take_waiting
+
+        def recorded(take=take, loop=loop, dx=dx):
+            if loop.intake.queue:
+                launched_at_admission[dx] = loop.pipeline.launched
+            take()
+
+        loop.boundary.take_waiting = recorded
+        new = loop.submit(Request([9, 9], 5))
+        if dx:
+            assert loop.dec.stop_pending  # the bursts in flight end at their next round
+        loop.run_until_idle()
+        check_oracle([long, new])
+        launched_at_admission[dx] -= launched
+    assert launched_at_admission[True] == 0  # admitted behind the bursts in flight, before any other
+    assert launched_at_admission[False] >= 1  # the fixed loop (late order) refills first
+
+
+def test_no_stop_is_asked_when_every_slot_is_taken():
+    loop = make_loop(1)
+    first = loop.submit(Request([1, 2], 40))
+    loop.step()
+    count = loop.dec.round_exit.flag.count
+    waiting = loop.submit(Request([3, 4], 4))  # no free slot: the bursts run whole
+    assert loop.dec.round_exit.flag.count == count and not loop.dec.stop_pending
+    loop.run_until_idle()
+    check_oracle([first, waiting])
+
+
+def test_device_exit_auto_without_while_graphs_runs_fixed_bursts(monkeypatch):
+    from graphburst import capture
+
+    monkeypatch.setattr(capture, "device_exit_refusal", lambda dec: ("no conditional nodes here", "none"))
+    loop = make_loop(2, device_exit="auto")
+    assert not loop.device_exit and loop.stats()["rounds_per_burst"] is None
+    states = [loop.submit(Request([1, 2, 3], 17)), loop.submit(Request([4], 9))]
+    loop.run_until_idle()
+    check_oracle(states)
+    assert loop.stats()["rounds_per_burst"] == 8.0
+    with pytest.raises(ValueError, match="device_exit=True is not available here: no conditional nodes here"):
+        make_loop(2, device_exit=True)
+
+
+def test_device_exit_is_validated():
+    with pytest.raises(ValueError, match="device_exit must be one of"):
+        make_loop(2, device_exit="yes")
+    with pytest.raises(ValueError, match="per_round_sync engine runs eager bursts"):
+        make_loop(2, engine="per_round_sync", pipelined=False)
+    from graphburst.serving.policy import LocalPolicy
+
+    lockstep_like = types.SimpleNamespace(**{n: getattr(LocalPolicy(), n) for n in (
+        "heartbeat_s", "replays_ids", "early_first_tokens", "make_decoder", "make_graph", "costs_only_its_requests")},
+        local_timing=False)
+    with pytest.raises(ValueError, match="local_timing is False"):
+        make_loop(2, policy=lockstep_like)
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_gpu_a_request_arriving_during_a_long_burst_gets_its_first_token_within_a_few_rounds():
+    """Stubs of ~200 µs a model call, M = 32 (a burst ~25 ms), two bursts in flight: a request
+    submitted while one long request decodes gets its first token after a few rounds with device
+    exit, against bursts in flight with fixed-M bursts; every token is the oracle's."""
+    from graphburst.backend import Backend
+
+    backend = Backend("cupy")
+    ttft, per_round = {}, {}
+    for dx in (True, False):
+        loop = make_loop(2, backend=backend, m=32, cost_ns=200_000, capacity=8192, device_exit=dx)
+        assert loop.device_exit is dx
+        long = loop.submit(Request([5, 6, 7], 4000))
+        for _ in range(6):
+            loop.step()
+        t0 = time.perf_counter()
+        new = loop.submit(Request([9, 9], 4))
+        while not new.tokens:
+            loop.step()
+        ttft[dx] = (time.perf_counter() - t0) * 1e3
+        loop.cancel(long)
+        loop.run_until_idle()
+        check_oracle([new])
+        assert long.tokens == greedy_reference(long.request.prompt, len(long.tokens), VOCAB)
+        stats = loop.stats()
+        per_round[dx] = stats["rounds_per_burst"]
+    print(f"\nfirst token after submission: device exit {ttft[True]:.1f} ms, fixed M=32 {ttft[False]:.1f} ms; "
+          f"rounds per burst {per_round[True]:.1f} / {per_round[False]:.1f}")
+    assert ttft[True] * 4 < ttft[False], ttft
