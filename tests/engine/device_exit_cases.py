@@ -127,3 +127,32 @@ def stop_during_round(dec, n: int) -> None:
         return verify(*args, **kwargs)
 
     dec.target.verify = counted
+
+
+def check_held_stops(backend, m_max: int) -> None:
+    """Three bursts queued behind a stop request (``hold_stops``, depth 3) all run zero rounds and
+    change nothing; a request made after the answer holds the next burst too; once answered, bursts
+    run all ``m_max`` rounds with the tokens of a decoder never stopped."""
+    from graphburst.capture import BurstGraph
+
+    case = CASES["ragged_budgets"]
+    case = dict(case, budgets=[None] * case["batch"], eos_at=None)  # only the flag ends a burst early
+    dec, twin = build(backend, case, m_max), build(backend, case, m_max)
+    graph = BurstGraph(dec, device_exit=True, hold_stops=True, gapless=True, depth=3)
+    twin_graph = BurstGraph(twin, device_exit=True)
+    before = state(dec)
+    graph.request_stop()
+    assert dec.stop_pending and graph.hold_stops
+    for _ in range(3):
+        graph.replay()
+    for _ in range(3):
+        assert graph.drain().total == 0 and graph.last_rounds == 0 and graph.last_exit_reason == "flag"
+    assert_same_state(state(dec), before, "three zero-round bursts")
+    graph.answer_stop()
+    assert not dec.stop_pending
+    graph.request_stop()  # made after the answer: pending again, answered by the next answer only
+    assert dec.stop_pending and graph.run().total == 0
+    graph.answer_stop()
+    for _ in range(2):
+        assert [t.tolist() for t in graph.run()] == [t.tolist() for t in twin_graph.run()]
+        assert graph.last_rounds == m_max

@@ -14,6 +14,7 @@ from device_exit_cases import (
     CASES,
     assert_same_state,
     build,
+    check_held_stops,
     prefill,
     state,
     stop_during_round,
@@ -86,26 +87,7 @@ def test_round_exit_twin_holds_stops_until_answered():
 
 
 def test_held_stops_end_every_queued_burst_until_answered():
-    case = dict(CASES["ragged_budgets"], budgets=[None] * CASES["ragged_budgets"]["batch"], eos_at=None)
-    dec, twin = build("numpy", case, M_MAX), build("numpy", case, M_MAX)
-    graph = BurstGraph(dec, device_exit=True, hold_stops=True, gapless=True, depth=3)
-    twin_graph = BurstGraph(twin, device_exit=True)
-    before = state(dec)
-    graph.request_stop()
-    assert dec.stop_pending and graph.hold_stops
-    for _ in range(3):
-        graph.replay()
-    for _ in range(3):
-        assert graph.drain().total == 0 and graph.last_rounds == 0 and graph.last_exit_reason == "flag"
-    assert_same_state(state(dec), before, "three zero-round bursts")
-    graph.answer_stop()
-    assert not dec.stop_pending
-    graph.request_stop()  # made after the answer: pending again, answered by the next answer only
-    assert dec.stop_pending and graph.run().total == 0
-    graph.answer_stop()
-    for _ in range(2):
-        assert drained(graph.run()) == drained(twin_graph.run())
-        assert graph.last_rounds == M_MAX
+    check_held_stops("numpy", M_MAX)
 
 
 def test_hold_stops_is_validated():

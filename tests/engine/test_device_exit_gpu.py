@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 import pytest
-from device_exit_cases import CASES, assert_same_state, build, prefill, state
+from device_exit_cases import CASES, assert_same_state, build, check_held_stops, prefill, state
 from marks import gpu
 
 from graphburst import SpecDecoder, stub_pair
@@ -201,26 +201,7 @@ def test_a_thousand_bursts_with_slot_churn_stay_exact(cupy_backend):
 
 
 def test_held_stops_end_every_queued_burst_until_answered_on_the_gpu(cupy_backend):
-    """Three bursts queued behind a stop request (hold_stops, depth 3) all run zero rounds and change
-    nothing; after the answer is enqueued the next runs all M_max rounds, and the tokens are the
-    decoder's that was never stopped."""
-    case = CASES["ragged_budgets"]
-    case = dict(case, budgets=[None] * case["batch"], eos_at=None)  # only the flag ends a burst early
-    dec, twin = build(cupy_backend, case, M_MAX), build(cupy_backend, case, M_MAX)
-    graph = BurstGraph(dec, device_exit=True, hold_stops=True, gapless=True, depth=3)
-    twin_graph = BurstGraph(twin, device_exit=True)
-    before = state(dec)
-    graph.request_stop()
-    assert dec.stop_pending
-    for _ in range(3):
-        graph.replay()
-    for _ in range(3):
-        assert graph.drain().total == 0 and graph.last_rounds == 0 and graph.last_exit_reason == "flag"
-    assert_same_state(state(dec), before, "three zero-round bursts")
-    graph.answer_stop()
-    assert not dec.stop_pending
-    assert drained(graph.run()) == drained(twin_graph.run())
-    assert graph.last_rounds == M_MAX
+    check_held_stops(cupy_backend, M_MAX)
 
 
 class _SyncingTarget:
