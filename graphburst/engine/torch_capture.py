@@ -173,7 +173,7 @@ class TorchCapturer:
 
 def thread_to_pool(device, pool) -> None:
     """Send every allocation of this thread to ``pool`` from now on, in place of the capture's own
-    stream filter: torch allows one filter per pool, so the capture's is ended first (its capture
+    stream filter: torch may refuse a second filter on one pool, so the capture's is ended first (its capture
     stream is on this thread, so its allocations still go to the pool). ``CUDAGraph.capture_end``
     ends the thread's filter, the pool's one entry then. Torch's conditional-node support swaps its
     filter for a child stream's the same way."""
