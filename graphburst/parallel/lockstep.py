@@ -273,6 +273,11 @@ class LockstepLoop:
             self._ops.append(["submit", wire])
         return state
 
+    def request_round_exit(self) -> None:
+        """:meth:`ServeLoop.request_round_exit` (the HTTP engine calls it on arrival): nothing under
+        lockstep, whose loops never end bursts on the device."""
+        self.loop.request_round_exit()
+
     def cancel(self, state: RequestState) -> None:
         if self.leader and not state.done:
             self._ops.append(["cancel", state.request.id])
