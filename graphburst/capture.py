@@ -25,6 +25,7 @@ from .engine.program import Call, assemble_call, epilogue_call, seed_call, separ
 from .engine.decoder import SpecDecoder
 from .constants import EXIT_WORDS, MAX_DEPTH
 from .engine import conditional
+from .engine.collector import COLLECTOR_PAUSE
 from .engine.round_exit import rounds_and_reason
 from .guard import AddressGuard, StaleGraphError
 from .protocol import hook
@@ -420,7 +421,8 @@ class BurstGraph:
                     _warm_up_models(self.dec, self._body_stream)
         getters, holders = self._baked_buffers()
         guard = AddressGuard(getters, holders, self.backend.address)
-        graphs = [self._capture_one(i) for i in range(self.n_graphs)]
+        with COLLECTOR_PAUSE:
+            graphs = [self._capture_one(i) for i in range(self.n_graphs)]
         # Only a complete capture replaces the old graphs and their guard: after a failed
         # recapture the old guard still reports what refresh_tables() moved.
         self.guard, self._graphs = guard, graphs

@@ -1,4 +1,5 @@
-"""Hooks and fixtures only: the GPU skip, the backend and rng fixtures (the marks are in marks.py)."""
+"""Hooks and fixtures only: the GPU skip, the end-of-test device sync, the backend and rng fixtures (the marks
+are in marks.py)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,18 @@ def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _gpu_work_ends_in_its_test(request):
+    """A GPU test's device work has finished, without a fault, when the test ends: an asynchronous
+    fault (an illegal address, say) is then reported by the test that caused it, in its teardown,
+    and not by whichever test of the same process next waits on the device."""
+    yield
+    if "gpu" in request.node.keywords and cuda_available():
+        import cupy
+
+        cupy.cuda.runtime.deviceSynchronize()
 
 
 @pytest.fixture(params=BACKENDS)

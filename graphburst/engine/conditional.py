@@ -26,6 +26,8 @@ from __future__ import annotations
 import contextlib
 import functools
 
+from .collector import COLLECTOR_PAUSE
+
 #: the driver and cuda.bindings versions conditional WHILE nodes with the runtime's
 #: ``cudaGraphAddNode`` and ``cudaStreamBeginCaptureToGraph`` need (CUDA 12.4)
 MIN_CUDA_VERSION = 12040
@@ -225,7 +227,7 @@ def _trial(device_id: int) -> tuple[tuple[int, int], str]:
     def failed(call, exc):
         raise ConditionalUnavailable(f"the trial body failed in {getattr(call, 'name', 'start')}: {exc}") from exc
 
-    with backend.device():
+    with backend.device(), COLLECTOR_PAUSE:
         stream.begin_capture(mode=cupy.cuda.runtime.streamCaptureModeGlobal)
         try:
             handle = create_handle(stream)

@@ -261,7 +261,7 @@ def probe_while(device_id: int) -> dict:
         torch.cuda.synchronize(dev)
         temps = []
 
-        def body_op(_stream):
+        def body_op(*, stream):  # a Call's function: enqueued with stream=
             with torch.cuda.stream(body_ts):
                 y = x * 2  # the temporary whose pool is the question
                 x.copy_(y)

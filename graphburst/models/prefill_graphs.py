@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import time
 
+from ..engine.collector import COLLECTOR_PAUSE
 from ..engine.torch_capture import end_capture_quietly
 from ..validate import check_int
 from .prefill_buckets import (CALL_COST_TOKENS, CAPTURE_AT_USE, DEFAULT_MAX_TOKENS, EAGER_CALL_COST_TOKENS,
@@ -317,13 +318,14 @@ class PrefillGraphs:
             # the real call, and the capture's warm-up: lazy first-call work (kernel loading,
             # library handles for this stream) happens here, outside the capture
             real = self._forward(b, head)
-            graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
-            try:
-                out = self._forward(b, head)
-                graph.capture_end()
-            except Exception:
-                end_capture_quietly(graph, self.device)
-                raise
+            with COLLECTOR_PAUSE:
+                graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+                try:
+                    out = self._forward(b, head)
+                    graph.capture_end()
+                except Exception:
+                    end_capture_quietly(graph, self.device)
+                    raise
         main.wait_stream(self._side)
         if real is not None:
             real.record_stream(main)  # made on the side stream, read on the decoder's

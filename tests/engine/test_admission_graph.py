@@ -240,7 +240,7 @@ def test_the_collector_pause_is_counted_across_threads():
     import gc
     import threading
 
-    from graphburst.engine.admission.graphs import CollectorPause
+    from graphburst.engine.collector import CollectorPause
 
     pause = CollectorPause()
     assert gc.isenabled()

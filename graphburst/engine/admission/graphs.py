@@ -23,10 +23,8 @@ holder of them that tells its guards of a rebinding, and rebinding one, or the d
 
 from __future__ import annotations
 
-import gc
-import threading
-
 from ...protocol import hook
+from ..collector import COLLECTOR_PAUSE
 from ..torch_capture import capture_api
 
 class AdmissionCaptureError(RuntimeError):
@@ -42,33 +40,6 @@ NO_SLOT = -1
 TABLE_ROWS = 3
 
 
-class CollectorPause:
-    """The cyclic collector off while any thread captures (a context manager): destroying a CUDA
-    object it frees (another graph, a stream) is an unsafe call inside a capture, which invalidates
-    it. Counted under a lock, so a capture ending in one thread does not turn the collector back on
-    under another's, and it is turned back on only if it ran before the first."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._depth = 0
-        self._was_enabled = False
-
-    def __enter__(self):
-        with self._lock:
-            if self._depth == 0:
-                self._was_enabled = gc.isenabled()
-                gc.disable()
-            self._depth += 1
-        return self
-
-    def __exit__(self, *exc) -> None:
-        with self._lock:
-            self._depth -= 1
-            if self._depth == 0 and self._was_enabled:
-                gc.enable()
-
-
-_COLLECTOR_PAUSE = CollectorPause()  # one per process, as the collector itself is
 
 
 def width_bucket(p_max: int, capacity: int) -> int:
@@ -242,7 +213,7 @@ class AdmissionGraphs:
         stream = self._capture_stream
         with backend.device():
             cuda_ops.warm_up(backend.device_id)  # no module load inside the capture
-            with _COLLECTOR_PAUSE:
+            with COLLECTOR_PAUSE:
                 # Thread-local: a serving process's other threads may use CUDA meanwhile, and an
                 # allocation in this thread still fails the capture (none belongs in it).
                 stream.begin_capture(mode=rt.streamCaptureModeThreadLocal)
