@@ -27,6 +27,7 @@ from ...protocol import hook
 from ..collector import COLLECTOR_PAUSE
 from ..torch_capture import capture_api
 
+
 class AdmissionCaptureError(RuntimeError):
     """An admission graph could not be captured (a model's prefill allocated, synced, or used an
     API capture forbids): the decoder then admits eagerly (``Admission.prefill_slots``)."""
@@ -38,8 +39,6 @@ MIN_WIDTH = 16
 NO_SLOT = -1
 #: The admission table's rows before any option column: slot, budget, stop token.
 TABLE_ROWS = 3
-
-
 
 
 def width_bucket(p_max: int, capacity: int) -> int:
