@@ -17,7 +17,8 @@ error.
 **Per rate** (:mod:`.load_stats` states the rules): offered and achieved requests/s,
 output tokens/s, TTFT / ITL / TPOT / E2E p50 and p99, 429s, errors, the drafts accepted
 per round and the GPU idle fraction of the run (the server's ``/metrics`` busy and idle
-seconds, read before and after). One table row per rate, the JSON beside it, a plot
+seconds, read before and after), and TTFT split into the wait for a batch slot, the prefill,
+the hand-out and the client's side (the server's access log, joined on request ids). One table row per rate, the JSON beside it, a plot
 (:mod:`.load_report`). ``--rates auto`` doubles from 1 request/s until throughput grows
 by less than ``AUTO_GROWTH`` or latency blows up.
 """
@@ -29,6 +30,8 @@ import dataclasses
 import importlib.util
 import os
 import sys
+import tempfile
+import time
 
 from rich.console import Console
 
@@ -50,6 +53,8 @@ AUTO_GROWTH = 1.05  # stop when output tokens/s grows by less than 5% ...
 AUTO_BLOWUP = 10.0  # ... or E2E p99 passes this many times the first rate's
 START_TIMEOUT_S = 900.0  # a cold GPU: model build, capture, the check requests
 SERVER_MODULE = "graphburst.bench.load_server"
+#: how long a run's last access-log lines may trail its last [DONE], and the re-read period
+ACCESS_LOG_WAIT_S, ACCESS_LOG_POLL_S = 2.0, 0.05
 
 
 def add_flags(p) -> None:
@@ -213,7 +218,24 @@ def run_rate(url: str, rate: float, vocab: int, args, load: dict) -> dict:
     records, wall, lag = asyncio.run(run_open_loop(url, arrivals, deadline_s=args.duration + args.http_timeout))
     after = scrape(url)
     return summarize(records, rate=rate, duration=args.duration, wall=wall) | server_window(before, after) | dict(
-        burst=args.burst, client_lag_ms=lag * 1e3)
+        burst=args.burst, client_lag_ms=lag * 1e3) | split_of(records, load["access_log"])
+
+
+def split_of(records: list, path: str) -> dict:
+    """TTFT's parts of ``records`` from the server's access log at ``path`` (load_stats.ttft_split).
+
+    The server writes a request's line just after its last chunk went out, so a client can see
+    the end of a stream a moment before its line is there: read again for a short while.
+    """
+    from .load_stats import read_access_log, ttft_split
+
+    want = sum(1 for r in records if r.ok)
+    deadline = time.monotonic() + ACCESS_LOG_WAIT_S
+    while True:
+        split = ttft_split(records, read_access_log(path))
+        if split["ttft_split_requests"] >= want or time.monotonic() > deadline:
+            return split
+        time.sleep(ACCESS_LOG_POLL_S)
 
 
 def check_over_http(url: str, check: list, timeout_s: float) -> list[str]:
@@ -303,10 +325,16 @@ def run(args, console: Console, backend) -> int:
     from .serve_http import Server
 
     load = args.load
+    # The server's access log: TTFT's parts per request (run_rate), read from this file
+    fd, access_log = tempfile.mkstemp(prefix="graphburst-bench-access-", suffix=".jsonl")
+    os.close(fd)
+    load = dict(load, access_log=access_log)
     server = dict(load["server"], backend=backend.name)
     try:
-        srv = Server([], argv=[SERVER_MODULE, json.dumps(server)], start_timeout=START_TIMEOUT_S)
+        srv = Server([], argv=[SERVER_MODULE, json.dumps(dict(server, access_log=access_log))],
+                     start_timeout=START_TIMEOUT_S)
     except RuntimeError as exc:
+        os.unlink(access_log)
         return _fail(str(exc))
     try:
         line = next((x for x in srv.preamble if x.startswith(CHECK_PREFIX)), None)
@@ -322,6 +350,7 @@ def run(args, console: Console, backend) -> int:
         rows, stopped = _sweep(srv.url, info["vocab"], args, load, console)
     finally:
         rc = srv.stop()
+        os.unlink(access_log)
     title = _title(args, load, backend)
     checked = sum(len(t) for _, _, t in info["check"])
     # Written whatever happened to the server: the rates measured are kept, and the meta says what went wrong.

@@ -30,6 +30,7 @@ async def stream_one(client, url: str, arrival: Arrival, rec: Record) -> None:
     try:
         async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
             rec.status = resp.status_code
+            rec.request_id = resp.headers.get("X-Request-Id")
             if resp.status_code != 200:
                 text = (await resp.aread()).decode(errors="replace")
                 rec.error = f"HTTP {resp.status_code}: {' '.join(text.split())[:200]}"

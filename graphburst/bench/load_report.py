@@ -6,7 +6,8 @@ from rich.table import Table
 
 from .common import fmt, new_table
 
-COLUMNS = ["rate /s", "offered /s", "achieved /s", "out tok/s", "TTFT p50 / p99 ms", "ITL p50 / p99 / max ms",
+COLUMNS = ["rate /s", "offered /s", "achieved /s", "out tok/s", "TTFT p50 / p99 ms",
+           "TTFT p50: queue / prefill / emit / client ms", "ITL p50 / p99 / max ms",
            "TPOT p50 / p99 ms", "E2E p50 / p99 ms", "429", "errors", "accepted /round",
            "rounds /burst", "GPU idle (admission)"]
 
@@ -15,12 +16,19 @@ def _pair(p: dict, digits: int = 1) -> str:
     return f"{fmt(p['p50'], digits)} / {fmt(p['p99'], digits)}"
 
 
+def _split(split: dict | None) -> str:
+    """TTFT's parts at p50 (load_stats.ttft_split), "-" without the server's access log."""
+    if not split:
+        return "-"
+    return " / ".join(fmt(split[name]["p50"]) for name in ("queue", "prefill", "emit", "client"))
+
+
 def table(rows: list[dict], title: str) -> Table:
     t = new_table(title, COLUMNS)
     for r in rows:
         idle, admission = r["gpu_idle_fraction"], r.get("gpu_admission_fraction")
         t.add_row(f"{r['rate']:g}", fmt(r["offered_rps"]), fmt(r["achieved_rps"]), fmt(r["output_tokens_per_s"], 0),
-                  _pair(r["ttft_ms"]), _pair(r["itl_ms"], 2) + f" / {fmt(r['itl_max_ms'], 2)}", _pair(r["tpot_ms"], 2), _pair(r["e2e_ms"]),
+                  _pair(r["ttft_ms"]), _split(r.get("ttft_split_ms")), _pair(r["itl_ms"], 2) + f" / {fmt(r['itl_max_ms'], 2)}", _pair(r["tpot_ms"], 2), _pair(r["e2e_ms"]),
                   str(r["rejected_429"]), str(r["errors"]), fmt(r["accepted_per_round"]),
                   fmt(r.get("rounds_per_burst")),
                   "-" if idle is None else f"{idle:.1%}" + ("" if admission is None else f" ({admission:.1%})"))

@@ -66,7 +66,8 @@ def build(s: dict) -> tuple[ServeLoop, ServeConfig]:
     common = dict(backend=s["backend"], batch=s["batch"], k=s["k"], rounds=s["m"], capacity=s["capacity"],
                   max_queue=s["max_queue"], http=LOOPBACK, ngram_min=s["ngram_min"], ngram_max=s["ngram_max"],
                   prefill_chunk=s.get("prefill_chunk"), prefill_warmup=s.get("prefill_warmup"),
-                  admission=s.get("admission") or "auto", device_exit=s.get("device_exit") or "off")
+                  admission=s.get("admission") or "auto", device_exit=s.get("device_exit") or "off",
+                  access_log=s.get("access_log"))
     if s["shape"]:
         from ..models.ngram import NGRAM_DRAFT, ngram_for
 

@@ -13,6 +13,11 @@ count of every SSE chunk that carried tokens. From those:
 * **TPOT**: per request, (last token's arrival - first token's) / (N - 1): the mean time
   per output token after the first.
 * **E2E**: ``data: [DONE]``'s arrival minus the send time.
+* **TTFT's parts** (:func:`ttft_split`), from the server's access log, joined on the
+  ``X-Request-Id`` each answer carries: **queue** (arrival to a batch slot), **prefill**
+  (the slot to the first token on the host, behind the bursts still in flight), **emit**
+  (the engine thread's hand-out to the request's handler) and **client** (the client's TTFT
+  minus the server's: the first chunk's way out and the client's own time).
 
 Percentiles are numpy's (linear interpolation) over every sample of the run, through
 :func:`graphburst.serving.timing.percentiles`.
@@ -21,6 +26,7 @@ Percentiles are numpy's (linear interpolation) over every sample of the run, thr
 from __future__ import annotations
 
 import dataclasses
+import json
 
 from ..serving.timing import percentiles
 
@@ -41,6 +47,7 @@ class Record:
     finish: str | None = None  # the last chunk's finish_reason
     done: float | None = None  # perf_counter of data: [DONE]
     error: str | None = None
+    request_id: str | None = None  # the answer's X-Request-Id (the server's access log names it)
 
     @property
     def ok(self) -> bool:
@@ -123,3 +130,39 @@ def server_window(before: dict, after: dict) -> dict:
                 rounds_per_burst=delta("graphburst_burst_rounds_total") / delta("graphburst_bursts_total")
                 if delta("graphburst_bursts_total") else None,
                 accepted_per_round=delta("graphburst_draft_accepted_total") / rounds if rounds else None)
+
+
+#: TTFT's parts: the access log's field of each
+SPLIT_FIELDS = {"queue": "queue_ms", "prefill": "prefill_ms", "emit": "emit_ms"}
+
+
+def read_access_log(path: str) -> dict:
+    """The server's access-log lines by request id (a line that is not whole JSON, the last
+    one being written, say, is skipped)."""
+    out = {}
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                entry = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(entry, dict) and entry.get("request_id") is not None:
+                out[entry["request_id"]] = entry
+    return out
+
+
+def ttft_split(records: list[Record], log: dict) -> dict:
+    """Percentiles (ms) of TTFT's parts over the successful requests the access log ``log``
+    (:func:`read_access_log`) names, and how many it named."""
+    parts = {name: [] for name in (*SPLIT_FIELDS, "client")}
+    found = 0
+    for rec in records:
+        entry = log.get(rec.request_id) if rec.ok else None
+        if entry is None or entry.get("ttft_ms") is None:
+            continue
+        found += 1
+        for name, field in SPLIT_FIELDS.items():
+            if entry.get(field) is not None:
+                parts[name].append(entry[field])
+        parts["client"].append((rec.chunks[0][0] - rec.sent) * 1e3 - entry["ttft_ms"])
+    return {"ttft_split_ms": {name: percentiles(xs) for name, xs in parts.items()}, "ttft_split_requests": found}

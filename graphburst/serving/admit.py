@@ -282,6 +282,9 @@ class Boundary:
         states = self.intake.take_waiting(len(free))
         if not states:
             return
+        now = time.perf_counter()
+        for state in states:
+            state.admitted = now
         self.table.occupy(free[: len(states)], states)
         log = self.record.log
         if log is not None:

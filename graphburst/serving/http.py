@@ -212,8 +212,17 @@ class Server:
             log["completion_tokens"] = log.get("completion_tokens", 0) + len(up.tokens)
             if ticket.last is None:
                 m.ttft.observe(up.time - ticket.arrived)
+                # set on the engine thread before this request's first tokens were published
+                admitted = ticket.state.admitted if ticket.state is not None else None
+                if admitted is not None:
+                    m.queue_time.observe(admitted - ticket.arrived)
+                    m.prefill_time.observe(up.time - admitted)
                 if log.get("ttft_s") is None:
                     log["ttft_s"] = up.time - ticket.arrived
+                    if admitted is not None:
+                        log["queue_s"], log["prefill_s"] = admitted - ticket.arrived, up.time - admitted
+                    # the hand-out on the engine thread to this handler on the event loop
+                    log["emit_s"] = time.perf_counter() - up.time
             else:
                 m.itl.observe((up.time - ticket.last) / len(up.tokens))
             ticket.last = up.time

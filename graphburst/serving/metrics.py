@@ -105,6 +105,14 @@ class Metrics:
         self.ttft = Histogram("graphburst_time_to_first_token_seconds",
                               "From the HTTP request's arrival to its first token", buckets=TTFT_BUCKETS,
                               registry=r)
+        # TTFT's two parts on the server: the wait for a batch slot at a burst boundary, then the
+        # prefill (behind the bursts still in flight) up to the first token's hand-out
+        self.queue_time = Histogram("graphburst_request_queue_time_seconds",
+                                    "From the HTTP request's arrival to its batch slot", buckets=TTFT_BUCKETS,
+                                    registry=r)
+        self.prefill_time = Histogram("graphburst_request_prefill_time_seconds",
+                                      "From a request's batch slot to its first token on the host",
+                                      buckets=TTFT_BUCKETS, registry=r)
         # One observation per burst delivery: the gap since the request's previous
         # delivery divided by the tokens it carried (per-token latency without one
         # observe() per token on the hot path).

@@ -330,11 +330,17 @@ def on_response_prepare(opts: NetworkOptions):
 
 def _write_access(stream, request: web.Request, status: int, log: dict, start: float) -> None:
     """One JSON line: no prompt text, no header but the request id."""
-    ttft = log.get("ttft_s")
+    def ms(key: str) -> float | None:
+        value = log.get(key)
+        return None if value is None else round(value * 1e3, 3)
+
     record = {"time": _utc_now(), "request_id": request["request_id"], "client": request.remote,
               "method": request.method, "route": _route(request), "status": status,
               "prompt_tokens": log.get("prompt_tokens"), "completion_tokens": log.get("completion_tokens"),
-              "ttft_ms": None if ttft is None else round(ttft * 1e3, 3),
+              # time to first token, and its parts: the wait for a slot, the prefill up to the first
+              # token on the host, the hand-out from the engine thread to this request's handler
+              "ttft_ms": ms("ttft_s"), "queue_ms": ms("queue_s"), "prefill_ms": ms("prefill_s"),
+              "emit_ms": ms("emit_s"),
               "duration_ms": round((time.perf_counter() - start) * 1e3, 3),
               "finish_reasons": log.get("finish_reasons")}
     try:

@@ -150,6 +150,7 @@ class RequestState:
     request: Request
     slot: int | None = None
     submitted: float = 0.0
+    admitted: float | None = None  # when it took a batch slot (its prefill follows at that boundary)
     finished: float | None = None
     cancelled: bool = False
     error: str | None = None  # why the loop gave up on this request; None unless finish_reason == "error"
@@ -265,14 +266,17 @@ class RequestState:
         return "length"
 
     def stats(self) -> dict:
-        """Time to first token, tokens/s and mean accepted drafts per round."""
-        first = self.first_token
+        """Time to first token (and its two parts: the wait for a slot, then the prefill up to the
+        first token's hand-out), tokens/s and mean accepted drafts per round."""
+        first, admitted = self.first_token, self.admitted
         ttft = None if first is None else (first - self.submitted) * 1e3
         # Tokens arrive a burst at a time, so rate is taken over the request's whole life.
         span = (self.finished or time.perf_counter()) - self.submitted
         rounds = self.rounds
         return {
             "ttft_ms": ttft,
+            "queue_ms": None if admitted is None else (admitted - self.submitted) * 1e3,
+            "prefill_ms": None if first is None or admitted is None else (first - admitted) * 1e3,
             "tokens_per_s": self.n_tokens / span if span > 0 else None,
             "accepted_per_round": self.accepted / rounds if rounds else None,
         }

@@ -19,7 +19,8 @@ import pytest
 
 from graphburst.bench.load import mismatches
 from graphburst.bench.load_schedule import LengthDist, check_requests, poisson_times, schedule
-from graphburst.bench.load_stats import Record, itl_samples, request_figures, server_window, summarize
+from graphburst.bench.load_stats import (Record, itl_samples, read_access_log, request_figures, server_window, summarize,
+                                         ttft_split)
 
 ROOT = Path(__file__).resolve().parents[2]
 U = LengthDist("uniform", 4, 9)
@@ -116,6 +117,25 @@ def test_summary_of_a_run_with_a_429_and_an_error():
     assert row["first_errors"] == ["the stream ended without data: [DONE]"]
     fast = summarize(ok, rate=2.0, duration=2.0, wall=1.5)  # done within the arrival window: rates over the window
     assert fast["achieved_rps"] == 1.0 and fast["span_s"] == 2.0
+
+
+def test_ttft_splits_into_the_access_logs_parts_joined_on_request_ids(tmp_path):
+    a, b = _record(0.0, [(0.1, 1), (0.3, 1)], 0.4), _record(1.0, [(1.3, 1)], 1.5)
+    a.request_id, b.request_id = "req-a", "req-b"
+    lost = _record(2.0, [(2.1, 1)], 2.2)  # its line is not in the log: left out, and counted so
+    lost.request_id = "req-lost"
+    log = tmp_path / "access.jsonl"
+    lines = [{"request_id": "req-a", "ttft_ms": 90.0, "queue_ms": 30.0, "prefill_ms": 59.0, "emit_ms": 1.0},
+             {"request_id": "warm-up", "ttft_ms": 5000.0, "queue_ms": 5000.0, "prefill_ms": 0.0, "emit_ms": 0.0},
+             {"request_id": "req-b", "ttft_ms": 280.0, "queue_ms": 200.0, "prefill_ms": 78.0, "emit_ms": 2.0}]
+    log.write_text("".join(json.dumps(x) + "\n" for x in lines) + '{"request_id": "half a li')
+    split = ttft_split([a, b, lost], read_access_log(str(log)))
+    assert split["ttft_split_requests"] == 2
+    parts = split["ttft_split_ms"]
+    assert parts["queue"]["p50"] == pytest.approx(115.0) and parts["prefill"]["p50"] == pytest.approx(68.5)
+    assert parts["emit"]["p50"] == pytest.approx(1.5)
+    assert parts["client"]["p50"] == pytest.approx(15.0)  # client TTFTs 100 and 300 ms minus the server's 90 and 280
+    assert ttft_split([a], {})["ttft_split_ms"]["queue"]["p50"] is None  # no log: no figure made up
 
 
 def test_the_gpu_idle_of_a_window_comes_from_the_counters():
@@ -250,6 +270,11 @@ def test_the_open_loop_command_writes_a_row_per_rate(tmp_path):
         assert r["output_tokens"] == sum(a.max_tokens for a in sched)
         assert r["ttft_ms"]["p50"] > 0 and r["e2e_ms"]["p99"] >= r["e2e_ms"]["p50"] >= r["ttft_ms"]["p50"]
         assert r["gpu_idle_fraction"] is None and r["bursts"] > 0 and r["accepted_per_round"] is not None
+        # TTFT's parts, from the server's access log: every timed request found, the parts within TTFT
+        split = r["ttft_split_ms"]
+        assert r["ttft_split_requests"] == r["completed"]
+        assert 0 <= split["queue"]["p50"] and 0 < split["prefill"]["p50"] and 0 <= split["emit"]["p50"]
+        assert split["queue"]["p50"] + split["prefill"]["p50"] <= r["ttft_ms"]["p99"]
     assert "rate /s" in proc.stdout and "TTFT p50 / p99 ms" in proc.stdout
     if plot:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

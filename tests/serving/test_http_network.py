@@ -195,12 +195,17 @@ def test_request_id_and_access_log(keyed):
     by_id = {r["request_id"]: r for r in records}
     first = by_id["client-id-42"]
     assert set(first) == {"time", "request_id", "client", "method", "route", "status", "prompt_tokens",
-                          "completion_tokens", "ttft_ms", "duration_ms", "finish_reasons"}
+                          "completion_tokens", "ttft_ms", "queue_ms", "prefill_ms", "emit_ms", "duration_ms",
+                          "finish_reasons"}
     assert first["time"].endswith("Z") and "T" in first["time"]
     assert (first["client"], first["method"], first["route"], first["status"]) == ("127.0.0.1", "POST",
                                                                                     "/v1/completions", 200)
     assert (first["prompt_tokens"], first["completion_tokens"], first["finish_reasons"]) == (4, 6, ["length"])
     assert first["ttft_ms"] > 0 and first["duration_ms"] >= first["ttft_ms"]
+    # TTFT's parts: the wait for a slot and the prefill add up to it (the log rounds each to 1 µs)
+    assert first["queue_ms"] >= 0 and first["prefill_ms"] > 0 and first["emit_ms"] >= 0
+    assert first["queue_ms"] + first["prefill_ms"] == pytest.approx(first["ttft_ms"], abs=0.01)
+    assert by_id["text-prompt"]["queue_ms"] is None and by_id["text-prompt"]["prefill_ms"] is None
     assert by_id["dup"]["completion_tokens"] == 6 and by_id["dup"]["status"] == 200
     assert by_id[rid]["completion_tokens"] == 3
     assert by_id["text-prompt"]["status"] == 400 and by_id["text-prompt"]["ttft_ms"] is None

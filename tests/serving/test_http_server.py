@@ -379,6 +379,11 @@ def test_metrics_parse_as_prometheus_text(server):
     assert delta("graphburst_generation_tokens_total") == 12
     assert delta("graphburst_prompt_tokens_total") == 4
     assert delta("graphburst_time_to_first_token_seconds_count") == 2
+    # TTFT's parts, one observation each per request; the parts' sums add up to TTFT's
+    assert delta("graphburst_request_queue_time_seconds_count") == 2
+    assert delta("graphburst_request_prefill_time_seconds_count") == 2
+    assert delta("graphburst_request_queue_time_seconds_sum") + delta("graphburst_request_prefill_time_seconds_sum") \
+        == pytest.approx(delta("graphburst_time_to_first_token_seconds_sum"), rel=1e-6, abs=1e-9)
     assert delta("graphburst_http_rejected_total", code="400") == 1
     assert delta("graphburst_spec_rounds_total") >= 2
     for name in ("graphburst_inter_token_latency_seconds_count", "graphburst_accepted_drafts_per_round_count",

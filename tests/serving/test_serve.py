@@ -54,7 +54,11 @@ def test_mixed_requests_arriving_while_others_run(backend, rng, engine, pipeline
     loop.run_until_idle()
     for s in states:
         assert s.tokens == expected(s.request), s.request
-        assert s.done and s.stats()["ttft_ms"] is not None
+        st = s.stats()
+        assert s.done and st["ttft_ms"] is not None
+        # its parts: the wait for a slot, then the prefill up to the first token's hand-out
+        assert st["queue_ms"] >= 0 and st["prefill_ms"] >= 0
+        assert st["queue_ms"] + st["prefill_ms"] == pytest.approx(st["ttft_ms"])
     assert loop.stats()["captures"] == (1 if engine == "graph" else 0)
 
 
