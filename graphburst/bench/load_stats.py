@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+from ..engine.round_exit import BURST_EXIT_REASONS
 from ..serving.timing import percentiles
 
 LENGTH_FINISH = "length"  # a request that ran to its max_tokens (the benchmark never stops early)
@@ -129,7 +130,9 @@ def server_window(before: dict, after: dict) -> dict:
                 bursts=int(delta("graphburst_bursts_total")),
                 rounds_per_burst=delta("graphburst_burst_rounds_total") / delta("graphburst_bursts_total")
                 if delta("graphburst_bursts_total") else None,
-                accepted_per_round=delta("graphburst_draft_accepted_total") / rounds if rounds else None)
+                accepted_per_round=delta("graphburst_draft_accepted_total") / rounds if rounds else None,
+                # device-exit bursts by why they ended (all 0 with fixed-M bursts)
+                burst_exits={r: int(delta(f'graphburst_burst_exits_total{{reason="{r}"}}')) for r in BURST_EXIT_REASONS})
 
 
 #: TTFT's parts: the access log's field of each

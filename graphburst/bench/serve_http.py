@@ -135,10 +135,16 @@ def scrape(url: str) -> dict:
 
 
 def scrape_text(text: str) -> dict:
-    """Prometheus text -> {sample name: value} of the samples without labels."""
+    """Prometheus text -> {sample name: value}; a labelled sample under ``name{label="value",...}``
+    (labels sorted), as the text format writes it."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples if not s.labels}
+    def key(s) -> str:
+        if not s.labels:
+            return s.name
+        return s.name + "{" + ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items())) + "}"
+
+    return {key(s): s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
 
 
 def run_http(backend_name: str, *, pipelined: bool, cost_us: float, clients: int, new_tokens: int,

@@ -45,6 +45,10 @@ from .program import Call
 
 #: what ``state[EXIT_REASON]`` names, for reports
 EXIT_REASONS = {0: "running", 1: "m_max", 2: "idle", 3: "flag"}
+#: the reason of a burst still running (never that of a drained one)
+RUNNING = EXIT_REASONS[0]
+#: why a drained burst ended: M_max rounds run, every slot stopped, or a stop request
+BURST_EXIT_REASONS = tuple(r for r in EXIT_REASONS.values() if r != RUNNING)
 
 
 class StopFlag:
@@ -168,4 +172,4 @@ def rounds_and_reason(state_host: np.ndarray) -> tuple[int, str]:
     return int(state_host[EXIT_ROUNDS]), EXIT_REASONS.get(int(state_host[EXIT_REASON]), "unknown")
 
 
-__all__ = ["EXIT_REASONS", "RoundExit", "StopFlag", "rounds_and_reason"]
+__all__ = ["BURST_EXIT_REASONS", "EXIT_REASONS", "RUNNING", "RoundExit", "StopFlag", "rounds_and_reason"]

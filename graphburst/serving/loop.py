@@ -456,4 +456,5 @@ class ServeLoop:
             "device_exit": self.device_exit,
             "burst_rounds": self.pipeline.rounds,
             "rounds_per_burst": self.pipeline.rounds / record.bursts if record.bursts else None,
+            "burst_exits": dict(self.pipeline.exits),
         }

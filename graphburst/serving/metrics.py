@@ -62,6 +62,12 @@ class _LoopCollector:
                                      "Rounds the drained bursts ran (M each, fewer where bursts end on the device)")
         rounds.add_metric([], s.get("burst_rounds", 0))
         yield rounds
+        exits = CounterMetricFamily("graphburst_burst_exits",
+                                    "Drained bursts that ended on the device, by why: m_max rounds run, every slot "
+                                    "stopped (idle), or a stop request (flag)", labels=["reason"])
+        for reason, n in s.get("burst_exits", {}).items():
+            exits.add_metric([reason], n)
+        yield exits
         steady = CounterMetricFamily("graphburst_steady_bursts",
                                      "Bursts launched with every batch slot running (timed on a GPU only)")
         steady.add_metric([], s.get("steady_bursts", 0))

@@ -22,6 +22,7 @@ import numpy as np
 from ..engine.mode import BurstMode
 from ..engine.decoder import SpecDecoder
 from ..capture import BurstGraph
+from ..engine.round_exit import BURST_EXIT_REASONS
 from .timing import BurstClock
 
 
@@ -60,6 +61,8 @@ class BurstPipeline:
         self._in_flight: collections.deque = collections.deque()  # (timing events or None, steady) per burst
         self.launched = 0  # bursts launched so far (graph and eager): burst i is the i-th, from 0
         self.rounds = 0  # rounds the drained bursts ran (fewer than M a burst where bursts end on the device)
+        # drained device-exit bursts by why they ended: M_max rounds run, every slot stopped, or a stop request
+        self.exits = dict.fromkeys(BURST_EXIT_REASONS, 0)
 
     def __len__(self) -> int:
         return len(self._in_flight)
@@ -80,6 +83,9 @@ class BurstPipeline:
         """Drain the oldest burst in flight: ``(BurstTokens, accept counters [B, 2])``, not yet handed out."""
         tokens = self.graph.drain()  # waits for the burst's completion event, recorded after its end event
         self.rounds += self.graph.last_rounds
+        reason = self.graph.last_exit_reason
+        if reason in self.exits:  # None: a fixed-M burst
+            self.exits[reason] += 1
         self.clock.account(*self._in_flight.popleft(), ended=True)
         return tokens, self.graph.last_acc
 

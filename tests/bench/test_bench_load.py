@@ -195,6 +195,7 @@ def test_metrics_export_the_burst_clock_as_counters():
     got = scrape_text(Metrics(engine).render().decode())
     assert got["graphburst_gpu_busy_seconds_total"] == pytest.approx(0.005)
     assert got["graphburst_gpu_idle_seconds_total"] == pytest.approx(0.0015)
+    assert got['graphburst_burst_exits_total{reason="flag"}'] == 0  # labelled samples under their labels
 
 
 @pytest.fixture(scope="module")

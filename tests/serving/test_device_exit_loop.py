@@ -49,6 +49,10 @@ def test_device_exit_loop_tokens_equal_the_oracle_with_churn(backend, depth, chu
     stats = loop.stats()
     assert stats["device_exit"] is True and stats["rounds_per_burst"] < 8  # bursts ended early
     assert not loop.dec.stop_pending  # every stop the loop asked for was answered
+    # each drained burst ended for one reason (here no burst runs when a request arrives: the numpy
+    # backend runs a burst as it is launched, so no stop ends one)
+    exits = stats["burst_exits"]
+    assert sum(exits.values()) == stats["bursts"] and exits["m_max"] > 0 and exits["idle"] > 0
 
 
 def test_a_request_arriving_mid_stream_is_admitted_before_another_burst_is_launched():
@@ -98,6 +102,7 @@ def test_device_exit_auto_without_while_graphs_runs_fixed_bursts(monkeypatch):
     loop.run_until_idle()
     check_oracle(states)
     assert loop.stats()["rounds_per_burst"] == 8.0
+    assert loop.stats()["burst_exits"] == {"m_max": 0, "idle": 0, "flag": 0}  # fixed-M bursts: none counted
     with pytest.raises(ValueError, match="device_exit=True is not available here: no conditional nodes here"):
         make_loop(2, device_exit=True)
 
