@@ -111,13 +111,15 @@ def _graphs(rounds: int, kernels: int):
         if name.startswith("while") and int(state.get(stream=stream)[EXIT_ROUNDS]) != rounds:
             raise RuntimeError(f"{name}: the loop ran {int(state.get(stream=stream)[EXIT_ROUNDS])} rounds, "
                                f"expected {rounds}")
-    return graphs, stream
+    # the graphs read these buffers: they must outlive them (the mapped word's memory is freed with its object)
+    keep = (tick, counter, budget, state, mapped, device_word, body_stream)
+    return graphs, stream, keep
 
 
 def measure(rounds: int, kernels: int, reps: int) -> dict:
     import cupy
 
-    graphs, stream = _graphs(rounds, kernels)
+    graphs, stream, _keep = _graphs(rounds, kernels)
     start, end = cupy.cuda.Event(), cupy.cuda.Event()
     us = {}
     for name, g in graphs.items():

@@ -220,11 +220,17 @@ class SpecDecoder:
         no sync: one store to mapped host memory."""
         self.round_exit.request_stop()
 
-    def answer_stop(self) -> None:
-        """Held stops (graphs captured with ``hold_stops``): answer every stop request made so far, in
-        stream order behind the work enqueued so far (an admission, say): bursts launched after it
-        run whole, those before it zero rounds. One small fill on the decoder's stream, no sync."""
-        self.round_exit.answer(self._stream)
+    def answer_stop(self, upto: int | None = None) -> None:
+        """Held stops (graphs captured with ``hold_stops``): answer the stop requests made so far (or
+        those up to the count ``upto``, read earlier with :attr:`stop_requests`), in stream order
+        behind the work enqueued so far (an admission, say): bursts launched after it run whole,
+        those before it zero rounds. One small fill on the decoder's stream, no sync."""
+        self.round_exit.answer(self._stream, upto)
+
+    @property
+    def stop_requests(self) -> int:
+        """The count of stop requests made so far (any thread's); :meth:`answer_stop` takes it."""
+        return self.round_exit.flag.count
 
     @property
     def stop_pending(self) -> bool:

@@ -146,10 +146,11 @@ class RoundExit:
         """Held stops: a stop request was made that no :meth:`answer` enqueued so far covers."""
         return self.flag.count != self.answered
 
-    def answer(self, stream) -> None:
-        """Held stops: answer every stop request made so far, in stream order on ``stream`` (one
-        fill of ``ack`` with the host's count now; no sync). Bursts launched after it run whole."""
-        count = self.flag.count
+    def answer(self, stream, count: int | None = None) -> None:
+        """Held stops: answer the stop requests up to ``count`` (default: every one made so far; a
+        count read earlier leaves the requests made since pending), in stream order on ``stream``
+        (one fill of ``ack``; no sync). Bursts launched after it run whole if none is left pending."""
+        count = self.flag.count if count is None else int(count)
         with self.backend.device(), stream:
             self.state[EXIT_ACK:EXIT_ACK + 1].fill(count)
         self.answered = count

@@ -259,8 +259,8 @@ class LockstepLoop:
 
     # ------------------------------------------------------------------ rank 0
 
-    def submit(self, req: Request, *, line: int | None = None) -> RequestState:
-        state = self.loop.submit(req, line=line)
+    def submit(self, req: Request, *, line: int | None = None, round_exit: bool = True) -> RequestState:
+        state = self.loop.submit(req, line=line, round_exit=round_exit)
         if self.leader:
             try:
                 # A snapshot now, as plain JSON values: a caller's later change to the request
@@ -277,6 +277,11 @@ class LockstepLoop:
         """:meth:`ServeLoop.request_round_exit` (the HTTP engine calls it on arrival): nothing under
         lockstep, whose loops never end bursts on the device."""
         self.loop.request_round_exit()
+
+    def mark_intake(self) -> None:
+        """:meth:`ServeLoop.mark_intake` (the HTTP engine calls it before taking arrivals): nothing
+        under lockstep either."""
+        self.loop.mark_intake()
 
     def cancel(self, state: RequestState) -> None:
         if self.leader and not state.done:

@@ -156,6 +156,9 @@ class EngineThread(threading.Thread):
                     # idle (or dead): sleep until a handler writes the inbox; a --tp rank 0
                     # (parallel/lockstep.py) wakes every heartbeat_s to keep its followers' wait alive
                     self._cond.wait(self.loop.heartbeat_s)
+                # Under the lock submit() queues under, before the requests are taken: the stops asked for
+                # so far are those of requests taken now or earlier (submit asks after queuing)
+                self.loop.mark_intake()
                 ops = list(self._inbox)
                 self._inbox.clear()
                 stopping = self._stopping
@@ -187,7 +190,8 @@ class EngineThread(threading.Thread):
                 self._close(ticket, "error", events, error=self.failed)
                 return
             try:
-                ticket.state = self.loop.submit(ticket.request)
+                # its round exit was asked for by submit() above, on arrival (ServeLoop.mark_intake)
+                ticket.state = self.loop.submit(ticket.request, round_exit=False)
             except (ValueError, TypeError) as exc:  # the HTTP layer validates first; this is the backstop
                 self._close(ticket, "error", events, error=str(exc))
                 return

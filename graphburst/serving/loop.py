@@ -195,14 +195,20 @@ class ServeLoop:
                                  prefill_chunk=self.prefill_chunk, sampling=self.sampling)
         self.started = time.perf_counter()
         self._lock = None
+        # With device exit: the stop-request count read when every request that asked for those stops
+        # had reached the intake (mark_intake); None: read at each admission (requests submitted on the
+        # thread that steps the loop are in the intake before any step sees their stops)
+        self._stops_in_intake: int | None = None
 
     # ------------------------------------------------------------------ requests
 
-    def submit(self, req: Request, *, line: int | None = None) -> RequestState:
+    def submit(self, req: Request, *, line: int | None = None, round_exit: bool = True) -> RequestState:
         """Queue a request, validated now (:meth:`RequestIntake.submit`); admitted at a burst boundary
-        (with :attr:`device_exit`, at the next round: :meth:`request_round_exit`)."""
+        (with :attr:`device_exit`, at the next round: :meth:`request_round_exit`, unless ``round_exit``
+        is False: the HTTP engine asked for it when the request arrived, see :meth:`mark_intake`)."""
         state = self.intake.submit(req, line=line)
-        self.request_round_exit()
+        if round_exit:
+            self.request_round_exit()
         return state
 
     def request_round_exit(self) -> None:
@@ -211,6 +217,16 @@ class ServeLoop:
         mapped host memory; the slot count is read, never changed); does nothing otherwise."""
         if self.device_exit and self.table.n_occupied < self.table.batch:
             self.dec.request_stop()
+
+    def mark_intake(self) -> None:
+        """A thread that moves requests into this loop from elsewhere (the HTTP engine thread) calls
+        this just before it submits the ones that arrived so far, under the lock their senders held
+        when they asked for a round exit after queuing them: the stops asked for until now are those
+        requests', so the next admission may answer them. A stop asked for later stays pending until
+        an admission that follows its request's submission answers it, so no request's stop is
+        answered by an admission that could not take it (its wait would be a whole burst)."""
+        if self.device_exit:
+            self._stops_in_intake = self.dec.stop_requests
 
     def validate(self, req: Request) -> Request:
         """:meth:`RequestIntake.validate`: ValueError/TypeError naming a bad field; ``req`` is not changed."""
@@ -372,9 +388,11 @@ class ServeLoop:
         if not pipeline and table.n_occupied == 0:
             pipeline.clock.forget_gap()  # as in _step: the loop waited for work
         if dec.stop_pending or not pipeline or table.prefilling:
+            # the stops whose requests this admission can take (see mark_intake): read before it runs
+            upto = dec.stop_requests if self._stops_in_intake is None else self._stops_in_intake
             self.boundary.run()
             if dec.stop_pending:
-                dec.answer_stop()
+                dec.answer_stop(upto)
         steady = table.steady()
         pipeline.fill(steady)
         if not pipeline:

@@ -81,6 +81,56 @@ def test_a_request_arriving_mid_stream_is_admitted_before_another_burst_is_launc
     assert launched_at_admission[False] >= 1  # the fixed loop (late order) refills first
 
 
+def test_a_stop_whose_request_is_not_in_the_intake_yet_stays_pending():
+    # The HTTP engine's order: a handler queues its request in the engine's inbox, then asks for a
+    # round exit; the engine thread marks the intake, takes the inbox, then steps. A stop asked for
+    # after the mark belongs to a request the next admission cannot take: answering it there would
+    # let the bursts after that admission run whole while the request waits.
+    loop = make_loop(2)
+    long = loop.submit(Request([5, 6, 7], 300))
+    for _ in range(3):
+        loop.step()
+    loop.mark_intake()  # the engine thread takes the inbox (empty) ...
+    loop.request_round_exit()  # ... as a handler's request arrives after it
+    loop.step()
+    assert loop.dec.stop_pending  # held for the request still on its way, not answered by this step
+    loop.mark_intake()  # the next iteration takes the request (its stop asked for already), then steps
+    late = loop.submit(Request([9, 9], 5), round_exit=False)
+    launched, take = loop.pipeline.launched, loop.boundary.take_waiting
+    admitted_at = []
+
+    def recorded():
+        if loop.intake.queue:
+            admitted_at.append(loop.pipeline.launched)
+        take()
+
+    loop.boundary.take_waiting = recorded
+    loop.step()
+    assert admitted_at == [launched] and not loop.dec.stop_pending  # admitted at once, and its stop answered
+    loop.run_until_idle()
+    check_oracle([long, late])
+
+
+def test_the_engine_thread_marks_the_intake_before_it_takes_arrivals(monkeypatch):
+    import asyncio
+
+    from graphburst.serving.engine_thread import EngineThread, Ticket
+
+    loop = make_loop(2)
+    engine = EngineThread(loop, asyncio.new_event_loop())
+    order = []
+    monkeypatch.setattr(loop, "mark_intake", lambda: order.append("mark"))
+    submit = loop.submit
+    monkeypatch.setattr(loop, "submit", lambda req, **kw: (order.append(("submit", kw)), submit(req, **kw))[1])
+    count = loop.dec.stop_requests
+    engine.submit([Ticket(Request([1, 2], 3), 0, sink=None)])  # a handler's call: queue, then ask for the exit
+    assert loop.dec.stop_requests == count + 1
+    engine.stop()  # one pass of the serve loop: it applies the inbox, then returns
+    engine._serve()
+    # marked before the request was taken; the loop asks for no second exit for it
+    assert order[:2] == ["mark", ("submit", {"round_exit": False})] and loop.dec.stop_requests == count + 1
+
+
 def test_no_stop_is_asked_when_every_slot_is_taken():
     loop = make_loop(1)
     first = loop.submit(Request([1, 2], 40))
