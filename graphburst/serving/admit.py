@@ -163,17 +163,18 @@ class AdmissionSchedule:
         if not self.host_bound() or self.admit_early():
             return 0
         pipeline = self._pipeline
-        busy, typical = pipeline.clock.last_busy_ms, self.typical_admission_ms
+        busy, typical = pipeline.burst_ms, self.typical_admission_ms
         # busy > 0 here unless an event pair read 0.0 ms (then any number of bursts is covered)
         covered = round(typical / busy) if busy > 0 else pipeline.depth
         return min(pipeline.depth - 1, max(1, covered))
 
     def host_bound(self) -> bool:
-        """Whether the host, not the GPU, bounds the loop: the last burst's GPU time is under
+        """Whether the host, not the GPU, bounds the loop: a whole burst's GPU time (the last drained
+        burst that ran a round, per round times M: ``BurstPipeline.burst_ms``) is under
         :data:`COALESCE_BELOW` typical admissions, of at least :data:`COALESCE_AFTER` measured
         (zero-cost stubs; never real models, whose bursts outlast admissions many times over).
         Every microsecond the host then spends is GPU idle."""
-        busy, typical = self._pipeline.clock.last_busy_ms, self.typical_admission_ms
+        busy, typical = self._pipeline.burst_ms, self.typical_admission_ms
         return busy is not None and len(self.admission_ms) >= COALESCE_AFTER and busy < COALESCE_BELOW * typical
 
     def copy_first_tokens(self) -> bool:
@@ -201,7 +202,7 @@ class AdmissionSchedule:
         if self.mode != "auto":
             return self.mode == "early"
         pipeline = self._pipeline
-        busy, typical = pipeline.clock.last_busy_ms, self.typical_admission_ms
+        busy, typical = pipeline.burst_ms, self.typical_admission_ms
         return busy is not None and typical is not None and \
             busy * (pipeline.depth - 1) > EARLY_ADMISSION_MARGIN * typical
 

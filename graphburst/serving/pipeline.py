@@ -63,6 +63,10 @@ class BurstPipeline:
         self.rounds = 0  # rounds the drained bursts ran (fewer than M a burst where bursts end on the device)
         # drained device-exit bursts by why they ended: M_max rounds run, every slot stopped, or a stop request
         self.exits = dict.fromkeys(BURST_EXIT_REASONS, 0)
+        # device ms of a whole M-round burst, from the last drained burst that ran a round (None before
+        # one, or without GPU timing): what the admission schedule weighs the host's admission time
+        # against, as a device-exit burst may end after any number of rounds (zero while a stop is held)
+        self.burst_ms = None
 
     def __len__(self) -> int:
         return len(self._in_flight)
@@ -82,12 +86,19 @@ class BurstPipeline:
     def drain(self):
         """Drain the oldest burst in flight: ``(BurstTokens, accept counters [B, 2])``, not yet handed out."""
         tokens = self.graph.drain()  # waits for the burst's completion event, recorded after its end event
-        self.rounds += self.graph.last_rounds
+        rounds = self.graph.last_rounds
+        self.rounds += rounds
         reason = self.graph.last_exit_reason
         if reason in self.exits:  # None: a fixed-M burst
             self.exits[reason] += 1
         self.clock.account(*self._in_flight.popleft(), ended=True)
+        self._burst_time(rounds)
         return tokens, self.graph.last_acc
+
+    def _burst_time(self, rounds: int) -> None:
+        busy = self.clock.last_busy_ms
+        if busy is not None and rounds > 0:
+            self.burst_ms = busy * self.dec.m_rounds / rounds
 
     def fill(self, steady: bool) -> None:
         """Launch bursts until ``depth`` are in flight or another would be waste."""
@@ -111,4 +122,5 @@ class BurstPipeline:
         if events:
             events[1].record(self.dec.stream)
         self.clock.account(events, steady)
+        self._burst_time(self.dec.m_rounds)
         return tokens, self.dec.accept_counters()

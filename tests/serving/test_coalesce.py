@@ -35,7 +35,7 @@ def _serve(loop, busy_ms=None):
     freed_at, waits, first_seen = {}, [], set()
     while not loop.idle:
         if busy_ms is not None:
-            loop.pipeline.clock.last_busy_ms = busy_ms  # numpy: no GPU timing of its own
+            loop.pipeline.burst_ms = busy_ms  # numpy: no GPU timing of its own
         held = {s.slot: s for s in states if s.slot is not None and not s.done}
         loop.step()
         # first tokens before finishes: a host-bound loop hands a request's first token out with
@@ -76,7 +76,7 @@ def test_a_boundary_is_deferred_only_within_the_limit_after_an_admission_nor_mid
     from graphburst.serving.admit import COALESCE_AFTER
 
     loop = make_loop()  # depth 3: at most 2 bursts
-    loop.pipeline.clock.last_busy_ms = 0.1
+    loop.pipeline.burst_ms = 0.1
     loop.schedule.note_admission(0.3)
     assert not loop.schedule.defer_boundary()  # no admission yet in this loop's life
     loop.schedule.admitted_at, loop.schedule.deferrals = loop.pipeline.launched, 0
@@ -93,26 +93,26 @@ def test_a_boundary_is_deferred_only_within_the_limit_after_an_admission_nor_mid
     assert not loop.schedule.defer_boundary()
     loop.schedule.admitted_at = loop.pipeline.launched
     for busy, limit in ((0.25, 1), (0.14, 2), (0.3, 0)):  # 1.2 and 2.1 bursts' worth; not host-bound
-        loop.pipeline.clock.last_busy_ms = busy
+        loop.pipeline.burst_ms = busy
         assert loop.schedule.coalesce_limit() == limit, busy
-    loop.pipeline.clock.last_busy_ms = 0.25
+    loop.pipeline.burst_ms = 0.25
     assert loop.schedule.defer_boundary() and not loop.schedule.defer_boundary()
     loop.schedule.deferrals = 0
-    loop.pipeline.clock.last_busy_ms = 0.3  # a burst as long as a typical admission
+    loop.pipeline.burst_ms = 0.3  # a burst as long as a typical admission
     assert not loop.schedule.defer_boundary()
-    loop.pipeline.clock.last_busy_ms = 0.1
+    loop.pipeline.burst_ms = 0.1
     for order in ("early", "late"):
         loop.schedule.mode = order
         assert not loop.schedule.defer_boundary()
     assert loop.schedule.deferred_boundaries == 3
     shallow = make_loop(depth=2)  # depth 2: one burst at most, however short the bursts
-    shallow.pipeline.clock.last_busy_ms = 0.01
+    shallow.pipeline.burst_ms = 0.01
     for _ in range(COALESCE_AFTER):
         shallow.schedule.note_admission(0.3)
     shallow.schedule.admitted_at, shallow.schedule.deferrals = shallow.pipeline.launched, 0
     schedule = shallow.schedule
     assert schedule.coalesce_limit() == 1 and schedule.defer_boundary() and not schedule.defer_boundary()
-    shallow.pipeline.clock.last_busy_ms = 0.0  # an event pair that read 0 ms: no division by it
+    shallow.pipeline.burst_ms = 0.0  # an event pair that read 0 ms: no division by it
     assert shallow.schedule.coalesce_limit() == 1
 
 
@@ -122,11 +122,11 @@ def test_no_deferral_where_auto_admits_early():
     loop = make_loop(depth=6)
     for _ in range(3):
         loop.schedule.note_admission(1.0)
-    loop.pipeline.clock.last_busy_ms = 0.9  # 0.9 * (6 - 1) > 4 * 1.0: early
+    loop.pipeline.burst_ms = 0.9  # 0.9 * (6 - 1) > 4 * 1.0: early
     loop.schedule.admitted_at = loop.pipeline.launched
     assert loop.schedule.admit_early()
     assert not loop.schedule.defer_boundary()
-    loop.pipeline.clock.last_busy_ms = 0.5  # 0.5 * 5 < 4: late, and host-bound
+    loop.pipeline.burst_ms = 0.5  # 0.5 * 5 < 4: late, and host-bound
     assert not loop.schedule.admit_early()
     assert loop.schedule.defer_boundary()
 
@@ -167,3 +167,22 @@ def test_gpu_zero_cost_stubs_coalesce_and_costly_ones_do_not():
     seen = _count_host_bound(costly)
     _serve(costly)
     assert not any(seen) and costly.schedule.deferred_boundaries == 0  # 8 ms bursts: never host-bound
+
+
+def test_the_schedule_weighs_a_whole_burst_whatever_rounds_the_last_one_ran():
+    # A device-exit burst ends after any number of rounds, zero while a stop is held (~20 µs of GPU
+    # time on an H200). Taken as a burst's time, such a burst made a real model's loop look bound
+    # by the host, so its first tokens waited for their first burst instead of being copied out early.
+    loop = make_loop()  # M = 2
+    pipeline, schedule = loop.pipeline, loop.schedule
+    for _ in range(8):
+        schedule.note_admission(1.0)  # typical admission: 1 ms of host time
+    pipeline.clock.last_busy_ms = 30.0
+    pipeline._burst_time(2)
+    assert pipeline.burst_ms == 30.0 and not schedule.host_bound() and schedule.copy_first_tokens()
+    pipeline.clock.last_busy_ms = 0.02  # a held burst: no round ran
+    pipeline._burst_time(0)
+    assert pipeline.burst_ms == 30.0 and schedule.copy_first_tokens()
+    pipeline.clock.last_busy_ms = 7.0  # one round of two
+    pipeline._burst_time(1)
+    assert pipeline.burst_ms == 14.0
