@@ -23,7 +23,8 @@ from .real_report import SAME_KERNEL_ORDER
 
 # The torch-dependent modules (real_models, real_engines, real_checks) are imported when
 # the benchmark runs: the CLI imports this module for every command, torch or not.
-MODEL_NAMES = ("tiny", "small", "1b", "8b", "qwen3-tiny", "qwen3-0.6b", "qwen3-8b", "qwen3-tiny-pair")  # real_models.MODELS
+MODEL_NAMES = ("tiny", "small", "smollm2", "1b", "8b", "qwen3-tiny", "qwen3-0.6b", "qwen3-8b",
+               "qwen3-tiny-pair")  # real_models.MODELS
 
 ENGINES = ("hf", "eager", "vllm", "graphburst", "gapless", "compile")
 DEFAULT_ENGINES = "hf,eager,vllm,graphburst,gapless"
@@ -42,7 +43,7 @@ PROFILE = dict(models="1b", batches="1", capacities="1024", trials=20, profile_c
 PROFILE_SMOKE = dict(models="tiny", capacities="64", trials=2, profile_calls=1, kernels="auto,reference",
                      prefill_cases=3)
 ATTENTION = ("gqa", "fold")
-KERNELS = ("auto", "cublas", "reference", "off")
+KERNELS = ("auto", "cublas", "gemv", "pdl", "reference", "off")
 
 #: which run reads each flag that is not shared by all (dest -> (flag, runs)); given to another run it is refused
 OWNED = {
@@ -137,8 +138,10 @@ def add_parser(sub) -> None:
                    help=f"comma list of {','.join(ATTENTION)} (fold: Llama(fold_gqa=True); default gqa)")
     f.add_argument("--kernels", default=None,
                    help="comma list of decode kernels: auto (the fused Triton path on CUDA, SDPA on the CPU), cublas "
-                        "(the fused path, every projection on cuBLAS), reference (the fused path on the kernels' "
-                        "torch references), off (SDPA); default auto")
+                        "(the fused path, every projection on cuBLAS), gemv (the fused path, every projection and "
+                        "the head on the Triton GEMV), pdl (gemv with programmatic dependent launch; Hopper or "
+                        "later), reference (the fused path on the kernels' torch references), off (SDPA); default "
+                        "auto")
     f.add_argument("--trials", type=int_in(1, 10_000), default=None, help="graph replays timed, median (default 20)")
     f.add_argument("--profile-calls", type=int_in(0, 1000), default=None,
                    help="eager forwards the per-kernel profile averages; 0: graph timings only (default 5)")
@@ -239,7 +242,14 @@ def check_args(args) -> None:
     # A GPU run is bounded by the device's memory (an H200 takes far more than a host-side limit).
     device_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory if gpu else None
     if args.profile is not None:
-        check_profile_memory(profile_settings(args), device_bytes)
+        s = profile_settings(args)
+        if gpu and "forward" in s["views"] and "pdl" in s["kernels"]:
+            from ..models.llama_decode import pdl_unsupported
+
+            why = pdl_unsupported(torch.device("cuda", torch.cuda.current_device()))
+            if why is not None:
+                raise FlagError("--kernels", f"pdl: {why}")
+        check_profile_memory(s, device_bytes)
     else:
         check_run_memory(settings(args), device_bytes)
 

@@ -16,8 +16,14 @@ batch, capacity, attention layout and decode kernels, random weights:
 
 Decode kernels (``--kernels``): ``auto`` is the model's own choice (the fused Triton decode
 path on CUDA, SDPA on the CPU), ``cublas`` the fused path with every projection on cuBLAS
-(no GEMV), ``reference`` the fused path on the kernels' plain-torch references (how a CPU
-runs the fused wiring), ``off`` SDPA over the whole cache under an additive mask. ``fold``
+(no GEMV), ``gemv`` the fused path with every projection and the head on the Triton GEMV
+(``Llama(decode_kernels="gemv")``), ``pdl`` the same with programmatic dependent launch of
+every Triton kernel (``decode_kernels="pdl"``), ``reference`` the fused path on the kernels'
+plain-torch references (how a CPU runs the fused wiring), ``off`` SDPA over the whole cache
+under an additive mask. ``gemv`` and ``pdl`` run Triton, so on the CPU only under
+``TRITON_INTERPRET=1`` (else they are SDPA there, as ``auto`` is, and timed once). Under
+``pdl`` the kernels overlap (each one's profiled time includes its wait on the one before),
+so the kernel sum can pass the graph time and the gap go negative: compare graph µs. ``fold``
 attention is ``Llama(fold_gqa=True)``; the model ``8b-tp2`` is one rank's shard of the 8b
 shape under TP=2 (heads, KV heads, FFN and head rows halved), without the collectives.
 
@@ -37,7 +43,8 @@ from .common import fmt, new_table
 #: HBM bandwidth the floor divides by (H200: 4.8 TB/s)
 HBM_BYTES_PER_S = 4.8e12
 #: the fused forward's label per ``--kernels`` choice (a choice without the fused path is "sdpa")
-PATHS = {"auto": "fused", "cublas": "fused-cublas", "reference": "fused-reference"}
+PATHS = {"auto": "fused", "cublas": "fused-cublas", "gemv": "fused-gemv", "pdl": "fused-pdl",
+         "reference": "fused-reference"}
 #: kernel name -> category, first match wins. Attention goes first: PyTorch's memory-efficient
 #: attention is a CUTLASS kernel (``fmha_cutlassF_...``) and flash's split-KV kernels say "splitkv".
 #: GEMM: cuBLAS / cuBLASLt / CUTLASS names on the H200 (``nvjet_...``, ``..._gemm_...``), the
@@ -185,8 +192,13 @@ def run(s: dict, backend, console, failures: list) -> list[dict]:
         model = random_target(None, cfg=cfg, batch=b, capacity=cap, kv_slack=s["k"] + 2, dtype=dtype, device=device,
                               fold_gqa=attn == "fold", seed=s["seed"])
         fused = model.decode_ops  # the model's own choice ("auto"): Triton on CUDA, None (SDPA) on the CPU
+        fits = llama_decode.unsupported(model) is None
         ops = {"auto": fused, "cublas": fused and fused._replace(gemv_max_m=0), "off": None,
-               "reference": llama_decode.reference_ops() if llama_decode.unsupported(model) is None else None}
+               "reference": llama_decode.reference_ops() if fits else None}
+        for kern in ("gemv", "pdl"):  # built only when asked for: they import Triton
+            if kern in s["kernels"]:
+                runs = fits and llama_decode.triton_runs_on(torch.device(device))
+                ops[kern] = llama_decode.gemv_ops(pdl=kern == "pdl") if runs else None
         gen = torch.Generator(device=device).manual_seed(s["seed"])
         for kv in model.kv:
             kv.normal_(generator=gen)

@@ -40,6 +40,11 @@ LLAMA32_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "
 LLAMA_1B = LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                        num_attention_heads=32, num_key_value_heads=8, head_dim=64, rms_norm_eps=1e-5,
                        rope_theta=500000.0, rope_scaling=LLAMA32_ROPE, tie_word_embeddings=True)
+# SmolLM2-135M's shape: 9 query heads over 3 KV heads (GQA 3:1, a group that is not a power of two), hidden
+# 576 (not a multiple of the GEMV's 256-wide K tiles), a tied 49152-token head.
+SMOLLM2_135M = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                           num_attention_heads=9, num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5,
+                           rope_theta=100000.0, tie_word_embeddings=True, max_position_embeddings=8192)
 QWEN3 = dict(rope_theta=1e6, qk_norm=True, model_type="qwen3", rms_norm_eps=1e-6)
 QWEN3_TINY = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=24, tie_word_embeddings=True, **QWEN3)
@@ -70,6 +75,11 @@ MODELS = {
                                             num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
                                             head_dim=64, rms_norm_eps=1e-5),
                        2, "12 layers, d=768, 12 q / 4 KV heads, FFN 3072, vocab 32000, untied head"),
+    # A small real model's shape: its 270 MB of weights take 56 µs at 4.8 TB/s, so at B = 1 the launches and
+    # ramp-ups of ~10 kernels in each of 30 layers are a large part of the forward.
+    "smollm2": ModelSpec("smollm2", SMOLLM2_135M,
+                         2, "SmolLM2-135M shape: 30 layers, d=576, 9 q / 3 KV heads of 64, FFN 1536, vocab 49152, "
+                            "tied embeddings"),
     "1b": ModelSpec("1b", LLAMA_1B,
                     2, "Llama-3.2-1B shape: 16 layers, d=2048, 32 q / 8 KV heads, FFN 8192, vocab 128256, "
                        "tied embeddings, llama3 rope"),

@@ -51,7 +51,15 @@ KV_ROW_MULTIPLE = 16
 #: keeps SDPA everywhere. Prefill always runs SDPA. The fused path's projections run on the
 #: weight-streaming GEMV at M = B * T <= ``llama_decode.GEMV_MAX_M`` rows under ``auto``
 #: (``FORCED_GEMV_MAX_M`` under ``triton`` and ``reference``), on cuBLAS past it.
-DECODE_KERNELS = ("auto", "triton", "reference", "off")
+#: ``gemv`` is the fused path with every projection and the head on the GEMV up to its whole
+#: row tile (``gemv.MAX_M`` rows), no PDL; ``pdl`` is ``gemv`` with every Triton kernel
+#: launched with programmatic dependent launch (``models/decode/launch.py``; Hopper or later,
+#: checked at construction; the CPU's interpreter runs it without). They are the two paths
+#: measured against ``auto``'s cuBLAS (``graphburst bench real --profile forward --kernels
+#: auto,gemv,pdl``); ``auto`` stays as it is until the H200 says otherwise. Under both, a
+#: projection with forward hooks (tensor parallelism's all-reduce) or of M > ``gemv.MAX_M``
+#: rows still runs ``nn.Linear`` (cuBLAS): the PDL overlap stops there, the order does not.
+DECODE_KERNELS = ("auto", "triton", "gemv", "pdl", "reference", "off")
 
 
 # ---------------------------------------------------------------------- the model
@@ -124,6 +132,11 @@ class Llama(nn.Module):
             raise ValueError(f"decode_kernels={choice!r}: {why}")
         if choice == "reference":
             return llama_decode.reference_ops()
+        if choice in ("gemv", "pdl"):
+            why = llama_decode.pdl_unsupported(device) if choice == "pdl" else None
+            if why is not None:
+                raise ValueError(f"decode_kernels={choice!r}: {why}")
+            return llama_decode.gemv_ops(pdl=choice == "pdl")
         return llama_decode.triton_ops(llama_decode.GEMV_MAX_M if choice == "auto" else llama_decode.FORCED_GEMV_MAX_M)
 
     def kv_layers(self) -> list[torch.Tensor | None]:

@@ -17,9 +17,14 @@ the HBM rate at such M); past it, and for a projection with forward hooks (tenso
 parallelism's all-reduce on o_proj and down_proj), the module's own ``nn.Linear`` call
 (cuBLAS) runs, so the hooks still run.
 
-:data:`TRITON` runs the Triton kernels (CUDA, or the CPU under ``TRITON_INTERPRET=1``);
-:data:`REFERENCE` runs their plain-torch references (``models/decode/reference.py``), which is
-how CI checks this forward's wiring against the SDPA path without Triton.
+:func:`triton_ops` runs the Triton kernels (CUDA, or the CPU under ``TRITON_INTERPRET=1``);
+:func:`reference_ops` runs their plain-torch references (``models/decode/reference.py``), which is
+how CI checks this forward's wiring against the SDPA path without Triton. ``DecodeOps.pdl``
+launches every Triton kernel with programmatic dependent launch (``models/decode/launch.py``:
+each kernel starts while the previous one finishes and waits before it reads its outputs;
+the GEMV loads its first weight tile before that wait). A projection that falls back to
+``nn.Linear`` (cuBLAS) breaks the overlap there but not the order: the kernel after it
+waits for it as for any other.
 """
 
 from __future__ import annotations
@@ -42,14 +47,16 @@ from torch import nn
 #: B = 1 forward is 1187 µs with cuBLAS against 1197 µs with the GEMV. So cuBLAS it stays.
 GEMV_MAX_M = 0
 #: ``decode_kernels="triton"`` and ``"reference"``: the GEMV up to its whole row tile
-#: (``gemv.MAX_M``) whatever GEMV_MAX_M says, so the forced paths keep it tested.
+#: (``gemv.MAX_M``) whatever GEMV_MAX_M says, so the forced paths keep it tested. (``"gemv"``
+#: and ``"pdl"`` take ``gemv.MAX_M`` itself: they are the GEMV paths by name.)
 FORCED_GEMV_MAX_M = 16
 
 
 class DecodeOps(NamedTuple):
     """The kernels a fused decode layer runs (same signatures in both namespaces).
 
-    ``linear(x, weight, bias)`` serves projections of M <= ``gemv_max_m`` rows.
+    ``linear(x, weight, bias)`` serves projections of M <= ``gemv_max_m`` rows. Every op
+    is called with ``pdl=pdl`` (the references ignore it).
     """
 
     attention: Callable
@@ -58,14 +65,23 @@ class DecodeOps(NamedTuple):
     silu_mul: Callable
     linear: Callable
     gemv_max_m: int
+    pdl: bool = False  # programmatic dependent launch of every Triton kernel (off under the interpreter)
 
 
-def triton_ops(gemv_max_m: int = FORCED_GEMV_MAX_M) -> DecodeOps:
+def triton_ops(gemv_max_m: int = FORCED_GEMV_MAX_M, pdl: bool = False) -> DecodeOps:
     from .decode.attention import decode_attention
     from .decode.fused import add_rmsnorm, rope_kv_write, silu_mul
     from .decode.gemv import MAX_M, gemv
-    assert 0 <= gemv_max_m <= MAX_M, "the GEMV is one row tile"
-    return DecodeOps(decode_attention, add_rmsnorm, rope_kv_write, silu_mul, gemv, gemv_max_m)
+    if not 0 <= gemv_max_m <= MAX_M:
+        raise ValueError(f"gemv_max_m must be in [0, {MAX_M}] (the GEMV is one row tile), got {gemv_max_m}")
+    return DecodeOps(decode_attention, add_rmsnorm, rope_kv_write, silu_mul, gemv, gemv_max_m, bool(pdl))
+
+
+def gemv_ops(pdl: bool = False) -> DecodeOps:
+    """``decode_kernels="gemv"`` (and ``"pdl"``, with ``pdl``): the Triton kernels, every projection and the
+    head of M <= ``gemv.MAX_M`` rows on the GEMV."""
+    from .decode.gemv import MAX_M
+    return triton_ops(MAX_M, pdl)
 
 
 def reference_ops(gemv_max_m: int = FORCED_GEMV_MAX_M) -> DecodeOps:
@@ -75,6 +91,32 @@ def reference_ops(gemv_max_m: int = FORCED_GEMV_MAX_M) -> DecodeOps:
 
 def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
+
+
+def triton_runs_on(device: torch.device) -> bool:
+    """Whether the Triton kernels can run on ``device``: CUDA with Triton installed, or the CPU under
+    Triton's interpreter (``TRITON_INTERPRET=1``, read when the kernels were first imported)."""
+    if not triton_available():
+        return False
+    if device.type == "cuda":
+        return True
+    from .decode.launch import INTERPRETED
+    return INTERPRETED
+
+
+#: compute capability from which the GPU has programmatic dependent launch (Hopper)
+PDL_MIN_CAPABILITY = (9, 0)
+
+
+def pdl_unsupported(device: torch.device) -> str | None:
+    """Why the Triton kernels cannot launch with PDL on ``device`` (None: they can). Off the GPU the
+    kernels run under Triton's interpreter, which launches them without it (the same function)."""
+    if device.type != "cuda":
+        return None
+    cap = torch.cuda.get_device_capability(device)
+    if cap < PDL_MIN_CAPABILITY:
+        return f"programmatic dependent launch needs compute capability >= {PDL_MIN_CAPABILITY}, the GPU has {cap}"
+    return None
 
 
 def unsupported(model) -> str | None:
@@ -99,7 +141,7 @@ def unsupported(model) -> str | None:
 def project(module: nn.Linear, x: torch.Tensor, ops: DecodeOps) -> torch.Tensor:
     """``module(x)`` for x [M, in]: on ``ops.linear`` when M <= ``ops.gemv_max_m`` and no hook waits on the call."""
     if x.shape[0] <= ops.gemv_max_m and not (module._forward_hooks or module._forward_pre_hooks):
-        return ops.linear(x, module.weight, module.bias)
+        return ops.linear(x, module.weight, module.bias, pdl=ops.pdl)
     return module(x)
 
 
@@ -123,18 +165,21 @@ def fused_forward(model, tokens: torch.Tensor, start_pos: torch.Tensor, lengths,
     h, kvh, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     x = model.embed_tokens(tokens).view(r * t, -1)  # [R*T, hidden], the residual stream (updated in place)
     delta = None  # the last sublayer's output, added to x by the next norm
+    pdl = ops.pdl
     for layer, kv, length in zip(model.layers, model.kv, lengths):
         attn, mlp = layer.self_attn, layer.mlp
-        hn = ops.add_rmsnorm(x, delta, layer.input_layernorm.weight, layer.input_layernorm.eps)
+        hn = ops.add_rmsnorm(x, delta, layer.input_layernorm.weight, layer.input_layernorm.eps, pdl=pdl)
         qkv = project(attn.qkv_proj, hn, ops).view(r, t, h + 2 * kvh, hd)  # [R, T, H + 2 KV, D]
         if attn.qk_norm:  # Qwen3: per-head RMSNorm of q and k before RoPE, as the SDPA path does
             q, k, v = qkv.split((h, kvh, kvh), dim=2)
             qkv = torch.cat((attn.q_norm(q), attn.k_norm(k), v), dim=2)
-        ops.rope_kv_write(qkv, model.rope_cos, model.rope_sin, start_pos, length, kv, h)
-        y = ops.attention(qkv[:, :, :h], kv, length)  # [R, T, H, D]
+        ops.rope_kv_write(qkv, model.rope_cos, model.rope_sin, start_pos, length, kv, h, pdl=pdl)
+        y = ops.attention(qkv[:, :, :h], kv, length, pdl=pdl)  # [R, T, H, D]
         delta = project(attn.o_proj, y.view(r * t, h * hd), ops)
-        hn = ops.add_rmsnorm(x, delta, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
-        delta = project(mlp.down_proj, ops.silu_mul(project(mlp.gate_up_proj, hn, ops)), ops)
-    hn = ops.add_rmsnorm(x, delta, model.norm.weight, model.norm.eps)
-    head = ops.linear(hn, model.head_weight()) if r * t <= ops.gemv_max_m else F.linear(hn, model.head_weight())
+        hn = ops.add_rmsnorm(x, delta, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps,
+                             pdl=pdl)
+        delta = project(mlp.down_proj, ops.silu_mul(project(mlp.gate_up_proj, hn, ops), pdl=pdl), ops)
+    hn = ops.add_rmsnorm(x, delta, model.norm.weight, model.norm.eps, pdl=pdl)
+    head = ops.linear(hn, model.head_weight(), pdl=pdl) if r * t <= ops.gemv_max_m \
+        else F.linear(hn, model.head_weight())
     return head.float().view(r, t, -1)

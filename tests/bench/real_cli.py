@@ -16,16 +16,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def cli(*args, cwd, timeout=240):
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+def cli(*args, cwd, timeout=240, env=None):
+    """``env``: variables to set in the child beyond this process's own."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
     return subprocess.run([sys.executable, "-m", "graphburst.cli", "bench", "real", *map(str, args)],
                           capture_output=True, text=True, env=env, timeout=timeout, cwd=cwd)
 
 
-def cli_json(*args, cwd, name="out.json"):
+def cli_json(*args, cwd, name="out.json", env=None):
     """Run with ``--json cwd/name``; (the JSON document, stdout). The run must exit 0."""
     out = Path(cwd) / name
-    proc = cli(*args, "--json", out, cwd=cwd)
+    proc = cli(*args, "--json", out, cwd=cwd, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text()), proc.stdout
 

@@ -87,7 +87,8 @@ def test_a_fused_forward_that_disagrees_is_reported_not_timed(tmp_path, capsys, 
     from graphburst.models import llama_decode
 
     ref = llama_decode.reference_ops()
-    broken = ref._replace(add_rmsnorm=lambda x, delta, w, eps: ref.add_rmsnorm(x, delta, torch.ones_like(w) * 40, eps))
+    broken = ref._replace(add_rmsnorm=lambda x, delta, w, eps, **kw: ref.add_rmsnorm(x, delta, torch.ones_like(w) * 40,
+                                                                                       eps))
     monkeypatch.setattr(llama_decode, "reference_ops", lambda: broken)
     out = tmp_path / "f.json"
     rc, stdout = cli_here("--profile", "forward", "--smoke", "--backend", "numpy", "--tokens", "1", "--json", out,
@@ -101,6 +102,41 @@ def test_a_fused_forward_that_disagrees_is_reported_not_timed(tmp_path, capsys, 
     assert good["graph_us"] > 0 and "failed" not in good
     assert len(doc["meta"]["failures"]) == 1 and "fused-reference" in doc["meta"]["failures"][0]
     assert "FAILED" in stdout and "correctness failure" in stdout
+
+
+def test_gemv_and_pdl_kernels_on_the_cpu(tmp_path):
+    """``--kernels auto,gemv,pdl``: on the CPU the GEMV paths are Triton's, so without the interpreter they are
+    SDPA as auto is (timed once); under ``TRITON_INTERPRET=1`` both run (PDL off there), checked against SDPA."""
+    args = ("--profile", "forward", "--smoke", "--backend", "numpy", "--kernels", "auto,gemv,pdl", "--tokens", "1",
+            "--trials", "1", "--profile-calls", "0")
+    doc, _ = cli_json(*args, cwd=tmp_path)
+    assert [r["path"] for r in doc["results"]["forward"]] == ["sdpa"]
+    pytest.importorskip("triton")
+    doc, stdout = cli_json(*args, cwd=tmp_path, env={"TRITON_INTERPRET": "1"})
+    recs = doc["results"]["forward"]
+    assert [r["path"] for r in recs] == ["sdpa", "fused-gemv", "fused-pdl"] and doc["meta"]["failures"] == []
+    assert all(0 <= r["check_rel_diff"] < 0.05 for r in recs[1:]), recs
+    assert "fused-pdl" in stdout
+
+
+def test_floor_of_the_smollm2_shape():
+    """SmolLM2-135M's shape ties its head to the embedding table: the floor reads that table once (as the head),
+    the model's parameters hold it once, and the config's bytes count it once."""
+    from graphburst.bench.real_models import MODELS, weight_bytes
+    from graphburst.models.llama import Llama
+
+    cfg = MODELS["smollm2"].cfg
+    assert cfg.tie_word_embeddings and (cfg.num_attention_heads, cfg.num_key_value_heads) == (9, 3)
+    d, f, layers, vocab, h, kv_heads, hd = 576, 1536, 30, 49152, 9, 3, 64
+    params = layers * (d * hd * (2 * h + 2 * kv_heads) + 3 * d * f + 2 * d) + d + vocab * d  # one table
+    with torch.device("meta"):
+        model = Llama(cfg, batch=1, capacity=16, dtype=torch.bfloat16, device="meta")
+    wbytes = sum(p.numel() * p.element_size() for p in model.parameters())  # as the forward view counts them
+    assert wbytes == real_forward.param_bytes(cfg, 2) == weight_bytes(model) == 2 * params
+    assert params == 134_515_008  # SmolLM2-135M's parameter count
+    row = 2 * kv_heads * hd * 2 * layers
+    want = (2 * params + (512 + 1) * row + row) / 4.8e12 * 1e6
+    assert real_forward.floor_us(cfg, wbytes, 1, 1, 512, 2) == pytest.approx(want) == pytest.approx(58.5, abs=0.1)
 
 
 @pytest.mark.parametrize("b,t,want", [(1, 1, 518), (1, 5, 519), (64, 1, 739), (64, 5, 741)])
@@ -194,3 +230,26 @@ def test_forward_view_on_the_gpu(tmp_path):
     for t in (5, 1):  # the fused path exists to launch fewer kernels per layer than SDPA's
         per_layer = {r["path"]: r["per_layer"] for r in recs if r["T"] == t}
         assert per_layer["fused"] < per_layer["sdpa"], per_layer
+
+
+@pytest.mark.gpu
+def test_forward_view_gemv_and_pdl_on_the_gpu(tmp_path):
+    """``--kernels auto,gemv,pdl`` on a Hopper GPU with SmolLM2-135M's shape: both GEMV paths checked against
+    SDPA and timed, PDL's with as many kernels per layer as the plain GEMV's."""
+    from graphburst.backend import cuda_available
+    from graphburst.models.llama_decode import pdl_unsupported
+
+    if not cuda_available() or not torch.cuda.is_available():
+        pytest.skip("needs cupy, a CUDA device and CUDA torch")
+    why = pdl_unsupported(torch.device("cuda"))
+    if why is not None:
+        pytest.skip(why)
+    doc, _ = cli_json("--profile", "forward", "--backend", "cupy", "--models", "smollm2", "--capacities", "256",
+                      "--kernels", "auto,gemv,pdl", "--trials", "3", "--profile-calls", "1", cwd=tmp_path)
+    recs = doc["results"]["forward"]
+    assert {r["path"] for r in recs} == {"fused", "fused-gemv", "fused-pdl"} and doc["meta"]["failures"] == []
+    for r in recs:
+        assert r["graph_us"] > 0 and 0 <= r["check_rel_diff"] <= 0.25, r
+    for t in (5, 1):
+        per_layer = {r["path"]: r["per_layer"] for r in recs if r["T"] == t}
+        assert per_layer["fused-pdl"] == per_layer["fused-gemv"], per_layer

@@ -9,7 +9,9 @@ node (the unfused SDPA forward issued 37.8 kernels per layer on the H200). CPU t
 * **dispatched ops**: every op that reaches a kernel, so work hidden inside a composite
   shows (SDPA turning a boolean mask into an additive one, casts).
 
-A layer's count is the difference between a 2-layer and a 1-layer forward.
+A layer's count is the difference between a 2-layer and a 1-layer forward. The fused decode
+path (``decode_kernels`` ``gemv`` and ``pdl``) is counted in decode-op calls (its Triton
+kernels) and in the torch ops it dispatches between them, which must launch nothing.
 """
 
 from __future__ import annotations
@@ -99,6 +101,55 @@ def test_a_layer_dispatches_no_concat_cast_or_mask_conversion(dtype):
     with Dispatched() as norm:
         F.rms_norm(x, (CFG.hidden_size,), w, 1e-6)
     assert dispatched["_to_copy"] == 2 * norm.ops["_to_copy"], dict(dispatched)
+
+
+#: a fused decode layer's calls of its ops: two add+RMSNorms, four projections (qkv, o, gate_up, down) on
+#: the GEMV at these M, one RoPE + KV write, one attention (its combine is inside the call), one SiLU x up
+FUSED_LAYER_CALLS = Counter(add_rmsnorm=2, linear=4, rope_kv_write=1, attention=1, silu_mul=1)
+#: dispatched ops that launch no kernel: metadata, and the stubs' own allocations
+NON_LAUNCHING = {"view", "_unsafe_view", "slice", "alias", "as_strided", "empty", "empty_like", "empty_strided"}
+
+
+def fused_layer_ops(choice: str, layers: int, batch: int, t: int) -> tuple[Counter, Counter, set]:
+    """(decode-op calls, dispatched torch ops, the ``pdl`` values the ops saw) of one ``decode_kernels=choice``
+    forward whose ops are stubs: they allocate their outputs and compute nothing, so the torch ops counted
+    are fused_forward's own (the CPU cannot launch Triton outside the interpreter)."""
+    model = Llama(CFG.replace(num_hidden_layers=layers), batch=batch, capacity=64,
+                  decode_kernels=choice).init_random_(0)
+    calls, flags = Counter(), set()
+
+    def stub(name, make):
+        def call(*args, pdl=False, **kw):
+            calls[name] += 1
+            flags.add(pdl)
+            return make(*args)
+        return call
+
+    model.decode_ops = model.decode_ops._replace(
+        add_rmsnorm=stub("add_rmsnorm", lambda x, *_: torch.empty_like(x)),
+        linear=stub("linear", lambda x, w, *_: torch.empty(x.shape[0], w.shape[0], dtype=x.dtype)),
+        rope_kv_write=stub("rope_kv_write", lambda *_: None),
+        attention=stub("attention", lambda q, *_: torch.empty(q.shape, dtype=q.dtype)),
+        silu_mul=stub("silu_mul", lambda gu, *_: torch.empty(gu.shape[0], gu.shape[1] // 2, dtype=gu.dtype)))
+    tokens = torch.randint(0, CFG.vocab_size, (batch, t), generator=torch.Generator().manual_seed(0))
+    start = torch.arange(3, 3 + batch, dtype=torch.int32)
+    with torch.no_grad(), Dispatched() as d:
+        model(tokens, start, [start] * layers)
+    return calls, d.ops, flags
+
+
+@pytest.mark.parametrize("choice", ["gemv", "pdl"])
+@pytest.mark.parametrize("batch,t", [(1, 5), (3, 1)], ids=["verify_b1", "draft_b3"])
+def test_a_fused_layer_is_its_decode_ops_and_nothing_between(choice, batch, t):
+    """Per layer: FUSED_LAYER_CALLS and no torch op that launches a kernel. Under PDL each kernel overlaps the
+    one before; a torch kernel between two would end the overlap there (and one is the price of Qwen3's q/k
+    norms, not of a Llama layer)."""
+    pytest.importorskip("triton")
+    one, two = fused_layer_ops(choice, 1, batch, t), fused_layer_ops(choice, 2, batch, t)
+    assert two[0] - one[0] == FUSED_LAYER_CALLS, dict(two[0] - one[0])
+    launching = {op for op, n in (two[1] - one[1]).items() if n and op not in NON_LAUNCHING}
+    assert not launching, dict(two[1] - one[1])
+    assert one[2] == two[2] == {choice == "pdl"}  # every op launched with PDL, or none
 
 
 def test_the_counter_sees_the_plain_rope_as_more_ops():

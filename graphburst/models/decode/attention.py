@@ -14,18 +14,21 @@ Token t of sequence b (query position ``length[b] + t``, its own K/V already wri
 at that row) attends to rows ``<= length[b] + t``; rows ``>= length[b] + T`` are never
 read. A negative length (an idle slot's sentinel) reads as 0. Offsets are int64: a
 batch index times the cache's batch stride passes 2^31 elements in large caches. :func:`graphburst.models.decode.reference.decode_attention_ref` is the plain-torch
-reference.
+reference. ``pdl=True`` launches both kernels with programmatic dependent launch
+(``decode/launch.py``): every program waits first, since all it reads (lengths, q, KV,
+the partials) was written by earlier kernels.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
+
+from .launch import INTERPRETED, launch_options, pdl_on, pdl_wait
 
 #: KV rows per tile (one ``tl.dot``'s N).
 BLOCK_N = 64
@@ -33,10 +36,8 @@ BLOCK_N = 64
 PROGRAMS_PER_SM = 2
 #: the most splits of one (sequence, KV head); a power of two (the combine loads them as one vector).
 MAX_SPLITS = 64
-#: Triton's CPU interpreter (``TRITON_INTERPRET=1``, how CI runs these kernels) multiplies
-#: bf16 ``tl.dot`` operands as raw bits: there the operands are widened to fp32 first
-#: (after rounding p to bf16, as the GPU path does), which computes the same products.
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# Under the interpreter (``launch.INTERPRETED``) the bf16 ``tl.dot`` operands are widened to fp32 first
+# (after rounding p to bf16, as the GPU path does), which computes the same products.
 #: the most query rows (tokens x group heads) per program; more take a third grid axis.
 MAX_BLOCK_M = 64
 #: finite stand-in for -inf as the running max: exp2(-inf - (-inf)) would be NaN on a fully masked row.
@@ -49,13 +50,14 @@ def _split_attention(q_ptr, kv_ptr, len_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
                      scale_log2, s_rows, T,
                      G: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PREC: tl.constexpr,
-                     DOT_F32: tl.constexpr):
+                     DOT_F32: tl.constexpr, PDL: tl.constexpr):
     # int64 from the start: b * skv_b passes 2^31 elements in large caches (B 64 x 16384 rows x 8 x 128 is 2^30 per K)
     pid = tl.program_id(0).to(tl.int64)  # b * KVH + kv head
     split = tl.program_id(1)
     m_block = tl.program_id(2)  # query rows beyond one tile (T * G > BLOCK_M: long verify chunks, wide groups)
     b = pid // KVH
     kvh = pid % KVH
+    pdl_wait(PDL)  # before the early exit below: the lengths, q and this call's KV rows come from earlier kernels
     # An idle slot's length may be a sentinel (negative): it reads as 0, as rope_kv_write's
     # row does, so every query row still sees its own row and the combine stays finite.
     length = tl.maximum(tl.load(len_ptr + b), 0)
@@ -115,11 +117,12 @@ def _split_attention(q_ptr, kv_ptr, len_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
 
 @triton.jit
 def _combine(mid_o_ptr, mid_lse_ptr, len_ptr, out_ptr, so_b, so_t, so_h, s_rows, T, H,
-             D: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr):
+             D: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)  # (b * T + t) * H + head; int64: pid * SPLITS * D and b * so_b grow large
     b = pid // (T * H)
     t = (pid // H) % T
     head = pid % H
+    pdl_wait(PDL)  # the partials are the attention's output
     length = tl.maximum(tl.load(len_ptr + b), 0)  # an idle slot's sentinel reads as 0, as in the attention
     n_valid = tl.minimum(length + T, s_rows)
     per_tiles = tl.cdiv(tl.cdiv(n_valid, BLOCK_N), SPLITS)
@@ -152,7 +155,7 @@ def default_splits(batch: int, kv_heads: int, rows: int, device: torch.device) -
 
 
 def decode_attention(q: torch.Tensor, kv: torch.Tensor, length: torch.Tensor, out: torch.Tensor | None = None,
-                     splits: int | None = None) -> torch.Tensor:
+                     splits: int | None = None, pdl: bool = False) -> torch.Tensor:
     """Attention of T new tokens per sequence over its valid KV rows (split-KV, GQA-aware).
 
     Parameters
@@ -165,6 +168,8 @@ def decode_attention(q: torch.Tensor, kv: torch.Tensor, length: torch.Tensor, ou
     splits : int, optional
         Programs per (sequence, KV head), a power of two <= ``MAX_SPLITS``; default
         :func:`default_splits`. 1 writes ``out`` directly, with no combine launch.
+    pdl : bool
+        Programmatic dependent launch of both kernels (``decode/launch.py``; off under the interpreter).
 
     Returns
     -------
@@ -189,14 +194,16 @@ def decode_attention(q: torch.Tensor, kv: torch.Tensor, length: torch.Tensor, ou
     else:
         mid_o = torch.empty((b, t, h, splits, d), dtype=torch.float32, device=q.device)  # partial outputs
         mid_lse = torch.empty((b, t, h, splits), dtype=torch.float32, device=q.device)  # their log2-sum-exp
+    pdl = pdl_on(pdl)
     grid = (b * kvh, splits, triton.cdiv(t * g, block_m))
     _split_attention[grid](q, kv, length, out, mid_o, mid_lse,
                            q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), kv.stride(2),
                            kv.stride(3), out.stride(0), out.stride(1), out.stride(2), scale_log2, s_rows, t,
                            G=g, KVH=kvh, D=d, BLOCK_M=block_m, BLOCK_N=BLOCK_N, SPLITS=splits, PREC=prec,
-                           DOT_F32=INTERPRETED and q.dtype != torch.float32, num_warps=4)
+                           DOT_F32=INTERPRETED and q.dtype != torch.float32, PDL=pdl, num_warps=4,
+                           **launch_options(pdl))
     if splits > 1:
         grid = (b * t * h,)
         _combine[grid](mid_o, mid_lse, length, out, out.stride(0), out.stride(1), out.stride(2), s_rows, t, h,
-                       D=d, BLOCK_N=BLOCK_N, SPLITS=splits, num_warps=4)
+                       D=d, BLOCK_N=BLOCK_N, SPLITS=splits, PDL=pdl, num_warps=4, **launch_options(pdl))
     return out

@@ -12,7 +12,9 @@ few microseconds of launch-bound work, so they are fused:
 Math is fp32 inside; each output is rounded once to the activations' dtype (the
 residual sum too, as torch's add rounds it). Row offsets are int64 (a row index times a
 stride can pass 2^31 elements). ``decode_reference.py`` holds the plain-torch
-references the tests hold these to.
+references the tests hold these to. ``pdl=True`` launches with programmatic dependent
+launch (``decode/launch.py``: each kernel waits before it reads what an earlier one wrote);
+the norm weight is the only load allowed ahead of the wait.
 """
 
 from __future__ import annotations
@@ -21,24 +23,28 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import launch_options, pdl_on, pdl_wait
+
 
 @triton.jit
-def _add_rmsnorm(x_ptr, r_ptr, w_ptr, out_ptr, eps, N: tl.constexpr, BLOCK: tl.constexpr, HAS_RES: tl.constexpr):
+def _add_rmsnorm(x_ptr, r_ptr, w_ptr, out_ptr, eps, N: tl.constexpr, BLOCK: tl.constexpr, HAS_RES: tl.constexpr,
+                 PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)  # int64: row * N may pass 2^31 elements
     offs = tl.arange(0, BLOCK)
     ok = offs < N
+    w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)  # a weight (no kernel writes it): may precede the wait
+    pdl_wait(PDL)  # x and the residual are the previous kernels' outputs; x is written in place
     x = tl.load(x_ptr + row * N + offs, mask=ok, other=0.0)
     if HAS_RES:
         x = (x.to(tl.float32) + tl.load(r_ptr + row * N + offs, mask=ok, other=0.0).to(tl.float32)).to(x.dtype)
         tl.store(x_ptr + row * N + offs, x, mask=ok)  # the residual stream, in place
     xf = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / N + eps)
-    w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * N + offs, (xf * rstd * w).to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+                out: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
     """``x += residual`` (in place, rounded to x's dtype), then ``rmsnorm(x) * weight``.
 
     Parameters
@@ -48,6 +54,8 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
     weight : [N] x's dtype
     eps : float
     out : [R, N] x's dtype, optional
+    pdl : bool
+        Programmatic dependent launch (``decode/launch.py``; off under the interpreter).
 
     Returns
     -------
@@ -60,19 +68,24 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
     if out is None:
         out = torch.empty_like(x)
     block = triton.next_power_of_2(n)
+    pdl = pdl_on(pdl)
     grid = (r,)
     _add_rmsnorm[grid](x, x if residual is None else residual, weight, out, eps, N=n, BLOCK=block,
-                       HAS_RES=residual is not None, num_warps=8 if block >= 4096 else 4)
+                       HAS_RES=residual is not None, PDL=pdl, num_warps=8 if block >= 4096 else 4,
+                       **launch_options(pdl))
     return out
 
 
 @triton.jit
 def _rope_kv_write(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, len_ptr, kv_ptr,
                    skv_2, skv_b, skv_s, skv_h, s_rows, n_pos, T,
-                   H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr):
+                   H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
     tok = tl.program_id(0).to(tl.int64)  # b * T + t; int64: b * skv_b passes 2^31 elements in large caches
     b = tok // T
     t = tok % T
+    # Positions and lengths may be written by a kernel earlier in the stream (the burst's counters), qkv by
+    # the GEMM; and the stores (q in place, the KV rows) must not land while an earlier kernel still runs.
+    pdl_wait(PDL)
     pos = tl.minimum(tl.maximum(tl.load(pos_ptr + b).to(tl.int32) + t, 0), n_pos - 1)
     row = tl.minimum(tl.maximum(tl.load(len_ptr + b), 0) + t, s_rows - 1)  # a corrupt length still writes in bounds
     HALF: tl.constexpr = D // 2
@@ -102,7 +115,7 @@ def _rope_kv_write(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, len_ptr, kv_ptr,
 
 
 def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start_pos: torch.Tensor,
-                  length: torch.Tensor, kv: torch.Tensor, n_heads: int) -> None:
+                  length: torch.Tensor, kv: torch.Tensor, n_heads: int, pdl: bool = False) -> None:
     """Rotate q (in place) and k, write k and v into the cache at row ``length[b] + t``.
 
     Parameters
@@ -115,23 +128,27 @@ def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start
     kv : [2, Bc, S, KVH, D] qkv's dtype, contiguous, Bc >= B
     n_heads : int
         H, the query heads.
+    pdl : bool
+        Programmatic dependent launch (``decode/launch.py``; off under the interpreter).
 
     grid ``(B * T,)``: one program rotates and places every head of one token.
     """
     b, t, nh, d = qkv.shape
     kvh = kv.shape[3]
     assert qkv.is_contiguous() and kv.is_contiguous() and nh == n_heads + 2 * kvh and kv.shape[4] == d
+    pdl = pdl_on(pdl)
     grid = (b * t,)
     _rope_kv_write[grid](qkv, cos, sin, start_pos, length, kv, kv.stride(0), kv.stride(1), kv.stride(2),
                          kv.stride(3), kv.shape[2], cos.shape[0], t, H=n_heads, KVH=kvh, D=d,
-                         BLOCK_H=triton.next_power_of_2(nh), num_warps=4)
+                         BLOCK_H=triton.next_power_of_2(nh), PDL=pdl, num_warps=4, **launch_options(pdl))
 
 
 @triton.jit
-def _silu_mul(gu_ptr, out_ptr, F: tl.constexpr, BLOCK: tl.constexpr):
+def _silu_mul(gu_ptr, out_ptr, F: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)  # int64: row * 2F may pass 2^31 elements
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < F
+    pdl_wait(PDL)  # gate_up is the GEMM's output
     gate = tl.load(gu_ptr + row * 2 * F + offs, mask=ok, other=0.0)
     up = tl.load(gu_ptr + row * 2 * F + F + offs, mask=ok, other=0.0)
     g = gate.to(tl.float32)
@@ -143,13 +160,15 @@ def _silu_mul(gu_ptr, out_ptr, F: tl.constexpr, BLOCK: tl.constexpr):
 SILU_BLOCK = 1024
 
 
-def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
     """``silu(gate) * up`` where ``gate_up = [gate | up]`` along the last dim.
 
     Parameters
     ----------
     gate_up : [R, 2F] float32 or bfloat16, contiguous
     out : [R, F] gate_up's dtype, optional
+    pdl : bool
+        Programmatic dependent launch (``decode/launch.py``; off under the interpreter).
 
     Returns
     -------
@@ -162,6 +181,7 @@ def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Te
     assert gate_up.is_contiguous()
     if out is None:
         out = torch.empty((r, f), dtype=gate_up.dtype, device=gate_up.device)
+    pdl = pdl_on(pdl)
     grid = (r, triton.cdiv(f, SILU_BLOCK))
-    _silu_mul[grid](gate_up, out, F=f, BLOCK=SILU_BLOCK, num_warps=4)
+    _silu_mul[grid](gate_up, out, F=f, BLOCK=SILU_BLOCK, PDL=pdl, num_warps=4, **launch_options(pdl))
     return out

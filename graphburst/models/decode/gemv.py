@@ -19,16 +19,23 @@ Tile sizes come per weight shape from :data:`CONFIGS` (``(next_pow2(N), next_pow
 buckets, set from ``tools/gemv_bench.py``'s H200 sweep), else :func:`default_config`.
 Offsets are int64 (a row index times K passes 2^31 for heads of 256k x 8192).
 :func:`graphburst.models.decode.reference.linear_ref` is the plain-torch reference.
+
+Each program loads its first W tile before anything else, then accumulates it against x:
+with ``pdl=True`` (programmatic dependent launch, ``decode/launch.py``) that load comes
+before the wait on the previous kernel, so the weight stream starts while the norm or
+SiLU before the projection finishes. The tile order and the accumulation are the same
+with and without PDL, so both give the same bits.
 """
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
+
+from .launch import INTERPRETED, launch_options, pdl_on, pdl_wait
 
 #: the rows the kernel is built for: one ``tl.dot`` row tile (more rows take more m tiles, each
 #: streaming W again, where cuBLAS's tiled GEMM is the better tool)
@@ -44,8 +51,7 @@ SUM_BLOCK = 1024
 PROGRAMS_PER_SM = 2
 #: the most K splits (the sum pass reads this many partials per output)
 MAX_SPLIT_K = 16
-#: Triton's CPU interpreter multiplies bf16 ``tl.dot`` operands as raw bits: there they are widened to fp32 first
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# Under the interpreter (``launch.INTERPRETED``) the bf16 ``tl.dot`` operands are widened to fp32 first.
 
 
 class GemvConfig(NamedTuple):
@@ -103,10 +109,35 @@ def pick_config(n: int, k: int, device: torch.device, dtype: torch.dtype = torch
 
 
 @triton.jit
+def _tile(rows, ks, row_ok, k_hi, EVEN_K: tl.constexpr):
+    """The ``[rows, BLOCK_K]`` tile at K offsets ``ks`` of a row-major operand (W or x); zeros past its rows
+    and, unless every tile is whole, past ``k_hi``."""
+    if EVEN_K:  # every tile whole: no K mask, so the loads stay full-width vectors
+        tile = tl.load(rows + ks[None, :], mask=row_ok[:, None], other=0.0)
+    else:
+        tile = tl.load(rows + ks[None, :], mask=row_ok[:, None] & (ks < k_hi)[None, :], other=0.0)
+    return tile
+
+
+@triton.jit
+def _accumulate(acc, x, w, DOT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr):
+    """One K tile into the accumulator: ``[BLOCK_M, BLOCK_N]`` through ``tl.dot``, or (M = 1) the
+    ``[BLOCK_N, BLOCK_K]`` products, summed over K once after the loop."""
+    if DOT:
+        if DOT_F32:
+            w = w.to(tl.float32)
+            x = x.to(tl.float32)
+        acc += tl.dot(x, tl.trans(w), input_precision=PREC)
+    else:
+        acc += w.to(tl.float32) * x.to(tl.float32)  # [BLOCK_N, BLOCK_K] * [1, BLOCK_K]
+    return acc
+
+
+@triton.jit
 def _gemv(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, M, N, K, sx_m, sw_n, sy_m, k_per_split,
           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
           EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, DOT: tl.constexpr, DOT_F32: tl.constexpr,
-          PREC: tl.constexpr):
+          PREC: tl.constexpr, PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -118,28 +149,22 @@ def _gemv(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, M, N, K, sx_m, sw_n, sy_m, k_per
     w_rows = w_ptr + offs_n[:, None] * sw_n  # [BLOCK_N, 1]
     x_rows = x_ptr + offs_m[:, None] * sx_m  # [BLOCK_M, 1]
     k_lo = split * k_per_split  # k_per_split: whole tiles, so a split's tiles never straddle another's
-    k_hi = tl.minimum(k_lo + k_per_split, K)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    if not DOT:
-        acc_k = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # M = 1: products summed over K once, after the loop
-    for k0 in range(k_lo, k_hi, BLOCK_K):
+    k_hi = tl.minimum(k_lo + k_per_split, K)  # > k_lo: the launcher runs no split past K
+    # The first W tile, peeled off the loop: a weight, which no kernel writes, so it is loaded before the
+    # PDL wait and the stream starts while the previous kernel finishes; the loop then takes tiles 1...
+    w = _tile(w_rows, k_lo + offs_k, n_ok, k_hi, EVEN_K)  # [BLOCK_N, BLOCK_K]
+    pdl_wait(PDL)  # x is the previous kernel's output; every store comes after
+    if DOT:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # M = 1: products summed over K once, after the loop
+    acc = _accumulate(acc, _tile(x_rows, k_lo + offs_k, m_ok, k_hi, EVEN_K), w, DOT, DOT_F32, PREC)
+    for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
         ks = k0 + offs_k
-        if EVEN_K:  # every tile whole: no K mask, so the loads stay full-width vectors
-            w = tl.load(w_rows + ks[None, :], mask=n_ok[:, None], other=0.0)  # [BLOCK_N, BLOCK_K]
-            x = tl.load(x_rows + ks[None, :], mask=m_ok[:, None], other=0.0)  # [BLOCK_M, BLOCK_K]
-        else:
-            k_ok = ks < k_hi
-            w = tl.load(w_rows + ks[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            x = tl.load(x_rows + ks[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        if DOT:
-            if DOT_F32:
-                w = w.to(tl.float32)
-                x = x.to(tl.float32)
-            acc += tl.dot(x, tl.trans(w), input_precision=PREC)
-        else:
-            acc_k += w.to(tl.float32) * x.to(tl.float32)  # [BLOCK_N, BLOCK_K] * [1, BLOCK_K]
+        acc = _accumulate(acc, _tile(x_rows, ks, m_ok, k_hi, EVEN_K), _tile(w_rows, ks, n_ok, k_hi, EVEN_K), DOT,
+                          DOT_F32, PREC)
     if not DOT:
-        acc = tl.sum(acc_k, 1)[None, :]
+        acc = tl.sum(acc, 1)[None, :]
     ok = m_ok[:, None] & n_ok[None, :]
     if SPLIT_K == 1:
         if HAS_BIAS:
@@ -151,10 +176,11 @@ def _gemv(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, M, N, K, sx_m, sw_n, sy_m, k_per
 
 @triton.jit
 def _split_k_sum(part_ptr, b_ptr, y_ptr, M, N, sy_m, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 BLOCK: tl.constexpr):
+                 BLOCK: tl.constexpr, PDL: tl.constexpr):
     m = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < N
+    pdl_wait(PDL)  # the partials are the GEMV's output
     acc = tl.zeros([BLOCK], tl.float32)
     for s in tl.static_range(SPLIT_K):  # split order: the same bits on every run
         acc += tl.load(part_ptr + (s * M + m) * N + offs, mask=ok, other=0.0)
@@ -164,7 +190,7 @@ def _split_k_sum(part_ptr, b_ptr, y_ptr, M, N, sy_m, SPLIT_K: tl.constexpr, HAS_
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
-         config: GemvConfig | None = None, fma: bool | None = None) -> torch.Tensor:
+         config: GemvConfig | None = None, fma: bool | None = None, pdl: bool = False) -> torch.Tensor:
     """``x @ weight.T + bias``, streaming ``weight`` once (fp32 accumulation, one rounding to x's dtype).
 
     Parameters
@@ -179,6 +205,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         The tiling; default :func:`pick_config` (the benchmark passes its candidates here).
     fma : bool, optional
         The multiply-accumulate path instead of ``tl.dot``; default ``M <= FMA_MAX_M`` (needs M == 1).
+    pdl : bool
+        Programmatic dependent launch of both kernels (``decode/launch.py``; off under the interpreter):
+        the first W tile is loaded before the wait. The same bits as without.
 
     Returns
     -------
@@ -204,15 +233,16 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     split_k = triton.cdiv(k, k_per_split)  # no split past K (its partial would be all zeros)
     part = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if split_k > 1 else out
     has_bias = bias is not None
+    pdl = pdl_on(pdl)
     grid = (triton.cdiv(n, cfg.block_n), split_k, triton.cdiv(m, block_m))
     _gemv[grid](x, weight, bias if has_bias else x, out, part, m, n, k, x.stride(0), weight.stride(0),
                 out.stride(0), k_per_split, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                 SPLIT_K=split_k, EVEN_K=k % cfg.block_k == 0, HAS_BIAS=has_bias, DOT=not fma,
                 DOT_F32=INTERPRETED and x.dtype != torch.float32,
-                PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=cfg.num_warps,
-                num_stages=cfg.num_stages)
+                PREC="ieee" if x.dtype == torch.float32 else "tf32", PDL=pdl, num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages, **launch_options(pdl))
     if split_k > 1:
         grid = (m, triton.cdiv(n, SUM_BLOCK))
         _split_k_sum[grid](part, bias if has_bias else x, out, m, n, out.stride(0), SPLIT_K=split_k,
-                           HAS_BIAS=has_bias, BLOCK=SUM_BLOCK, num_warps=4)
+                           HAS_BIAS=has_bias, BLOCK=SUM_BLOCK, PDL=pdl, num_warps=4, **launch_options(pdl))
     return out

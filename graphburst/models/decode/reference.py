@@ -1,9 +1,9 @@
 """Plain-torch references of the decode kernels (``decode.attention``, ``decode.fused``, ``decode.gemv``).
 
-Same signatures and semantics as the Triton launchers, written as the obvious dense torch
-math (fp32 inside) so they run anywhere: the tests hold the kernels to these on awkward
-sizes (on the CPU through Triton's interpreter, on the GPU natively), and the model's
-fused decode path can run on them on a CPU.
+Same signatures and semantics as the Triton launchers (``pdl``, how a kernel is launched, is
+accepted and ignored), written as the obvious dense torch math (fp32 inside) so they run
+anywhere: the tests hold the kernels to these on awkward sizes (on the CPU through Triton's
+interpreter, on the GPU natively), and the model's fused decode path can run on them on a CPU.
 """
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ import torch
 
 
 def decode_attention_ref(q: torch.Tensor, kv: torch.Tensor, length: torch.Tensor, out: torch.Tensor | None = None,
-                         splits: int | None = None) -> torch.Tensor:
+                         splits: int | None = None, pdl: bool = False) -> torch.Tensor:
     """:func:`graphburst.models.decode.attention.decode_attention` in dense fp32 torch.
 
     Parameters
     ----------
     q : [B, T, H, D]; kv : [2, Bc, S, KVH, D]; length : [B] int32; out : [B, T, H, D], optional
-    splits : ignored (the kernel's work split; the function is the same)
+    splits, pdl : ignored (the kernel's work split and launch; the function is the same)
 
     Returns
     -------
@@ -47,7 +47,7 @@ def decode_attention_ref(q: torch.Tensor, kv: torch.Tensor, length: torch.Tensor
 
 
 def add_rmsnorm_ref(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
     """:func:`graphburst.models.decode.fused.add_rmsnorm`: ``x += residual`` in place, then the norm."""
     if residual is not None:
         x.copy_((x.float() + residual.float()).to(x.dtype))
@@ -60,7 +60,7 @@ def add_rmsnorm_ref(x: torch.Tensor, residual: torch.Tensor | None, weight: torc
 
 
 def rope_kv_write_ref(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start_pos: torch.Tensor,
-                      length: torch.Tensor, kv: torch.Tensor, n_heads: int) -> None:
+                      length: torch.Tensor, kv: torch.Tensor, n_heads: int, pdl: bool = False) -> None:
     """:func:`graphburst.models.decode.fused.rope_kv_write`: q rotated in place, k and v into the cache."""
     b, t, nh, d = qkv.shape
     kvh, s_rows, half = kv.shape[3], kv.shape[2], d // 2
@@ -78,7 +78,7 @@ def rope_kv_write_ref(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, s
     qkv[:, :, :n_heads] = rot[:, :, :n_heads]
 
 
-def silu_mul_ref(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def silu_mul_ref(gate_up: torch.Tensor, out: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
     """:func:`graphburst.models.decode.fused.silu_mul`: ``silu(gate) * up``, silu rounded to the dtype first."""
     gate, up = gate_up.chunk(2, dim=-1)
     y = (torch.nn.functional.silu(gate.float()).to(gate.dtype).float() * up.float()).to(gate.dtype)
@@ -89,13 +89,14 @@ def silu_mul_ref(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torc
 
 
 def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-               out: torch.Tensor | None = None, config=None, fma: bool | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, config=None, fma: bool | None = None,
+               pdl: bool = False) -> torch.Tensor:
     """:func:`graphburst.models.decode.gemv.gemv`: ``x @ weight.T + bias`` in fp32, rounded once to x's dtype.
 
     Parameters
     ----------
     x : [M, K]; weight : [N, K]; bias : [N], optional; out : [M, N], optional
-    config, fma : ignored (the kernel's tiling; the function is the same)
+    config, fma, pdl : ignored (the kernel's tiling and launch; the function is the same)
 
     Returns
     -------

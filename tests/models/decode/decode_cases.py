@@ -171,19 +171,21 @@ def check_silu_mul(silu_mul, case, device, seed: int = 0) -> None:
                                msg=lambda m: f"{case}: {m}")
 
 
-def check_model(decode_kernels: str, device, dtype=torch.float32, batch: int = 3, ts=(1, 5), **switches) -> None:
-    """A 2-layer Llama on ``decode_kernels`` against the same weights on SDPA: logits and every KV row.
+def model_pair(kernels, device, dtype=torch.float32, batch: int = 3, heads: int = 8, kv_heads: int = 2,
+               **switches) -> list:
+    """2-layer Llamas of the same random weights, one per entry of ``kernels`` (``decode_kernels`` choices).
 
-    ``switches``: architecture switches of LlamaConfig (``qkv_bias``, ``qk_norm``), whose
-    biases and norm weights are drawn away from 0 and 1 so they change the function.
+    ``heads`` / ``kv_heads`` set the GQA group. ``switches``: architecture switches of LlamaConfig
+    (``qkv_bias``, ``qk_norm``), whose biases and norm weights are drawn away from 0 and 1 so they
+    change the function.
     """
     from graphburst.models.llama import Llama
     from graphburst.models.llama_config import LlamaConfig
 
     cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=8, num_key_value_heads=2, head_dim=64, **switches)
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=64, **switches)
     models = [Llama(cfg, batch=batch, capacity=CAPACITY, dtype=dtype, device=device, decode_kernels=k).init_random_(0)
-              for k in ("off", decode_kernels)]
+              for k in kernels]
     for m in models:
         gen = torch.Generator().manual_seed(3)
         with torch.no_grad():
@@ -192,20 +194,48 @@ def check_model(decode_kernels: str, device, dtype=torch.float32, batch: int = 3
                     t.copy_(torch.rand(t.shape, generator=gen) + 0.5)
                 elif name.endswith("bias"):
                     t.copy_(torch.randn(t.shape, generator=gen) * 0.5)
-    gen = torch.Generator().manual_seed(1)
+    return models
+
+
+def model_forwards(models, device, dtype, ts, seed: int = 1):
+    """Per T of ``ts``: (T, [(logits, [KV per layer]) per model]) of one forward of every model from the same
+    tokens, positions and KV (rows ``>= length`` of every slot random, lengths 0, 7 and CAPACITY - T in turn)."""
+    batch, layers = models[0].batch, len(models[0].layers)
+    gen = torch.Generator().manual_seed(seed)
     for t in ts:
-        tokens = torch.randint(0, cfg.vocab_size, (batch, t), generator=gen).to(device)
+        tokens = torch.randint(0, models[0].vocab, (batch, t), generator=gen).to(device)
         start = torch.tensor([(0, 7, CAPACITY - t)[i % 3] for i in range(batch)], dtype=torch.int32, device=device)
         fill = torch.randn(models[0].kv[0].shape, generator=gen).to(dtype)
+        outs = []
         for m in models:
             for kv in m.kv:
                 kv.copy_(fill)
-        with torch.no_grad():
-            want, got = (m(tokens, start, [start] * cfg.num_hidden_layers) for m in models)
-        tol = TOL[dtype] if dtype == torch.float32 else dict(rtol=5e-2, atol=5e-2)
+            busy(device)  # the forward's launches queue up, then run back to back
+            with torch.no_grad():
+                outs.append((m(tokens, start, [start] * layers), [kv.clone() for kv in m.kv]))
+        yield t, outs
+
+
+def check_model(decode_kernels: str, device, dtype=torch.float32, batch: int = 3, ts=(1, 5), heads: int = 8,
+                kv_heads: int = 2, **switches) -> None:
+    """A 2-layer Llama on ``decode_kernels`` against the same weights on SDPA: logits and every KV row
+    (:func:`model_pair`'s arguments)."""
+    models = model_pair(("off", decode_kernels), device, dtype, batch, heads, kv_heads, **switches)
+    tol = TOL[dtype] if dtype == torch.float32 else dict(rtol=5e-2, atol=5e-2)
+    for t, ((want, want_kv), (got, got_kv)) in model_forwards(models, device, dtype, ts):
         torch.testing.assert_close(got, want, **tol, msg=lambda m: f"{decode_kernels} T={t} logits: {m}")
-        for a, b in zip(*(m.kv for m in models)):
+        for a, b in zip(want_kv, got_kv):
             torch.testing.assert_close(b.float(), a.float(), **tol, msg=lambda m: f"{decode_kernels} T={t} kv: {m}")
+
+
+def check_pdl_model(device, dtype=torch.float32, batch: int = 3, ts=(1, 5), heads: int = 8, kv_heads: int = 2,
+                    **switches) -> None:
+    """``decode_kernels="pdl"`` computes ``"gemv"``'s bits: logits and every KV row, torch.equal."""
+    models = model_pair(("gemv", "pdl"), device, dtype, batch, heads, kv_heads, **switches)
+    assert (models[0].decode_ops.pdl, models[1].decode_ops.pdl) == (False, True)
+    for t, ((want, want_kv), (got, got_kv)) in model_forwards(models, device, dtype, ts):
+        assert torch.equal(got, want), f"pdl T={t}: logits differ from gemv's by up to {(got - want).abs().max()}"
+        assert all(torch.equal(a, b) for a, b in zip(want_kv, got_kv)), f"pdl T={t}: the KV differs from gemv's"
 
 
 #: (M, N, K, dtype, bias, GemvConfig or None, fma or None): M = 1, 3, 7, 16 (and 19, past one row tile), K
@@ -237,3 +267,106 @@ def check_gemv(gemv, case, device, seed: int = 0, tol: dict | None = None) -> No
     want = decode_reference.linear_ref(x, w, b)
     assert buf[m:].isnan().all() and buf[:, n:].isnan().all(), f"{case}: wrote outside out"
     torch.testing.assert_close(out.float(), want.float(), **(tol or TOL[dtype]), msg=lambda s: f"{case}: {s}")
+
+
+# ---------------------------------------------------------------------- PDL: the same bits, back to back
+
+#: kernels launched back to back per chain of the PDL checks: each reads what the one before wrote
+#: (and writes what it read), so a kernel that loaded or stored before its wait would race somewhere
+PDL_CHAIN = 8
+#: GPU cycles a chain keeps the device busy before its first kernel (~10 ms at the H200's ~2 GHz). The
+#: host issues a launch in about the time a small kernel runs, so unqueued each kernel would end before
+#: the next one is issued and PDL would overlap nothing; behind the spin the chain's launches queue up,
+#: then run back to back.
+BUSY_CYCLES = 20_000_000
+
+
+def busy(device) -> None:
+    """Keep a CUDA device busy for BUSY_CYCLES so the launches that follow queue up (nothing elsewhere)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda._sleep(BUSY_CYCLES)
+
+
+def chain_add_rmsnorm(add_rmsnorm, case, device, pdl: bool, seed: int = 0) -> list:
+    """PDL_CHAIN norms, each one's output the next one's residual, x updated in place by every one (a new
+    output may reuse the buffer two calls back, which the previous norm read). Returns [x, last output].
+
+    ``case``: (rows R, hidden N, dtype)."""
+    r, n, dtype = case
+    gen = torch.Generator().manual_seed(seed)
+    x, out, w = (torch.randn(shape, generator=gen).to(dtype).to(device) for shape in ((r, n), (r, n), (n,)))
+    busy(device)
+    for _ in range(PDL_CHAIN):
+        out = add_rmsnorm(x, out, w, 1e-5, pdl=pdl)
+    return [x, out]
+
+
+def chain_silu_mul(silu_mul, case, device, pdl: bool, seed: int = 0) -> list:
+    """``steps`` SiLU products, each one's ``[R, F]`` output read as the next one's ``[gate | up]`` of F / 2.
+    Returns every output. ``case``: (rows R, F of the first, dtype, steps); F a multiple of 2^(steps - 1)."""
+    r, f, dtype, steps = case
+    gu = torch.randn(r, 2 * f, generator=torch.Generator().manual_seed(seed)).to(dtype).to(device)
+    outs = []
+    busy(device)
+    for _ in range(steps):
+        gu = silu_mul(gu, pdl=pdl)
+        outs.append(gu)
+    return outs
+
+
+def chain_gemv(gemv, case, device, pdl: bool, seed: int = 0) -> list:
+    """PDL_CHAIN square projections, each one's output the next one's x (two weights in turn, scaled by
+    1/sqrt(K) so the values stay ~1). Returns every output.
+
+    ``case``: (M, K = N, dtype, bias, GemvConfig fields or None, fma or None)."""
+    from graphburst.models.decode.gemv import GemvConfig
+
+    m, k, dtype, has_bias, cfg, fma = case
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen).to(dtype).to(device)
+    ws = [(torch.randn(k, k, generator=gen) / k ** 0.5).to(dtype).to(device) for _ in range(2)]
+    b = torch.randn(k, generator=gen).to(dtype).to(device) if has_bias else None
+    outs = []
+    busy(device)
+    for i in range(PDL_CHAIN):
+        x = gemv(x, ws[i % 2], b, config=None if cfg is None else GemvConfig(*cfg), fma=fma, pdl=pdl)
+        outs.append(x)
+    return outs
+
+
+def chain_rope_attention(rope_kv_write, attention, case, device, pdl: bool, seed: int = 0) -> list:
+    """PDL_CHAIN / 2 rounds of RoPE + KV write then attention, each attention writing its output into the
+    next round's q (so the next RoPE reads it) and each KV write landing on the rows the attention before
+    read. Returns every qkv buffer, the cache and the last output.
+
+    ``case``: (B, T, KV heads, group, head_dim, dtype, splits) as CI_ATTENTION's."""
+    b, t, kvh, g, d, dtype, splits = case
+    h = kvh * g
+    rounds = PDL_CHAIN // 2
+    gen = torch.Generator().manual_seed(seed)
+    qkvs = [torch.randn(b, t, h + 2 * kvh, d, generator=gen).to(dtype).to(device) for _ in range(rounds)]
+    kv = torch.randn(2, b, ROWS, kvh, d, generator=gen).to(dtype).to(device)
+    ang = torch.rand(ROWS, d // 2, generator=gen) * 6.0
+    cos, sin = torch.cat((ang.cos(), ang.cos()), -1).to(device), torch.cat((ang.sin(), ang.sin()), -1).to(device)
+    length = lengths_for(b, t, seed).to(device)  # ragged: 0, 1, 63, CAPACITY - 1 in turn
+    start = (length + 3).to(torch.int32)
+    last = torch.empty(b, t, h, d, dtype=dtype, device=device)
+    busy(device)
+    for i in range(rounds):
+        rope_kv_write(qkvs[i], cos, sin, start, length, kv, h, pdl=pdl)
+        out = qkvs[i + 1][:, :, :h] if i + 1 < rounds else last
+        attention(qkvs[i][:, :, :h], kv, length, out=out, splits=splits, pdl=pdl)
+    return qkvs + [kv, last]
+
+
+def check_pdl_same(chain, *args, seed: int = 0) -> None:
+    """``chain(*args, pdl=False)`` and ``chain(*args, pdl=True)`` return the same tensors, bit for bit. The PDL
+    chain runs twice: the first run compiles its kernels between launches, the second runs back to back."""
+    case = next(a for a in args if isinstance(a, tuple))
+    want = chain(*args, pdl=False, seed=seed)
+    for run in ("first", "second"):
+        got = chain(*args, pdl=True, seed=seed)
+        assert len(want) == len(got)
+        for i, (a, b) in enumerate(zip(want, got)):
+            assert torch.equal(a, b), \
+                f"{chain.__name__} {case} ({run} run) tensor {i}: PDL differs by up to {(a - b).abs().max()}"

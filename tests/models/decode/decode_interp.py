@@ -2,7 +2,8 @@
 
 ``TRITON_INTERPRET=1`` must be set before ``triton.jit`` decorates the kernels, so this
 runs in its own process: ``python tests/models/decode/decode_interp.py GROUP`` with GROUP one of
-``attention``, ``idle``, ``int64``, ``gemv``, ``fused``, ``model``. Exit status 0 and ``ok N`` on success.
+``attention``, ``idle``, ``int64``, ``gemv``, ``fused``, ``model``, ``pdl-kernels``, ``pdl-model``. Exit status 0
+and ``ok N`` on success.
 """
 
 from __future__ import annotations
@@ -18,6 +19,44 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # graphburst
 import torch  # noqa: E402
 
 import decode_cases as dc  # noqa: E402
+
+
+#: the PDL chains at interpreter sizes (the GPU runs larger ones): norms (R, N, dtype), SiLU (R, F, dtype,
+#: steps), GEMVs (M, K, dtype, bias, config, fma: split-K 2 and 1, the multiply-accumulate path), attention
+#: as CI_ATTENTION's cases (split and not)
+PDL_NORM = [(3, 96, torch.float32), (7, 64, torch.bfloat16)]
+PDL_SILU = [(3, 200, torch.bfloat16, 3)]
+PDL_GEMV = [(1, 96, torch.float32, True, None, None), (3, 96, torch.bfloat16, False, (16, 32, 4, 2), None),
+            (5, 64, torch.float32, False, (16, 32, 4, 1), False)]
+PDL_ATTENTION = [(3, 2, 1, 3, 64, torch.float32, 2), (1, 1, 1, 1, 64, torch.bfloat16, 1)]
+
+
+def check_pdl_kernels() -> int:
+    """The PDL chains' wiring where PDL itself cannot run (the interpreter launches the kernels without it):
+    every kernel's ``pdl=True`` chain against its ``pdl=False`` one."""
+    from graphburst.models.decode import attention, fused, gemv, launch
+
+    assert not launch.pdl_on(True), "the interpreter cannot run the gdc ops"
+    for i, case in enumerate(PDL_NORM):
+        dc.check_pdl_same(dc.chain_add_rmsnorm, fused.add_rmsnorm, case, "cpu", seed=i)
+    for i, case in enumerate(PDL_SILU):
+        dc.check_pdl_same(dc.chain_silu_mul, fused.silu_mul, case, "cpu", seed=i)
+    for i, case in enumerate(PDL_GEMV):
+        dc.check_pdl_same(dc.chain_gemv, gemv.gemv, case, "cpu", seed=i)
+    for i, case in enumerate(PDL_ATTENTION):
+        dc.check_pdl_same(dc.chain_rope_attention, fused.rope_kv_write, attention.decode_attention, case, "cpu",
+                          seed=i)
+    return len(PDL_NORM) + len(PDL_SILU) + len(PDL_GEMV) + len(PDL_ATTENTION)
+
+
+def check_pdl_model() -> int:
+    """``decode_kernels="gemv"`` and ``"pdl"`` forwards against SDPA on awkward shapes: B = 1 and 3, T = 1
+    and 5, GQA groups 1 and 3 (M = 1 to 15: the multiply-accumulate GEMV and tl.dot's), fp32 and bf16."""
+    dc.check_model("gemv", "cpu", torch.float32, batch=1, heads=3, kv_heads=3)  # group 1, M = 1 and 5
+    dc.check_model("pdl", "cpu", torch.float32, batch=3, heads=6, kv_heads=2)  # group 3, M = 3 and 15
+    dc.check_model("pdl", "cpu", torch.bfloat16, batch=1, ts=(5,), heads=6, kv_heads=2)
+    dc.check_pdl_model("cpu", torch.float32, batch=1, ts=(5,), heads=6, kv_heads=2)
+    return 4
 
 
 def main(group: str) -> int:
@@ -56,6 +95,10 @@ def main(group: str) -> int:
         # Qwen3's q/k norms and the bias switches reach the Triton path too (ts: a verify only, to stay quick)
         dc.check_model("triton", "cpu", torch.float32, ts=(5,), qk_norm=True, qkv_bias=True)
         n = 2
+    elif group == "pdl-kernels":
+        n = check_pdl_kernels()
+    elif group == "pdl-model":
+        n = check_pdl_model()
     else:
         raise SystemExit(f"unknown group {group!r}")
     print(f"ok {n}")

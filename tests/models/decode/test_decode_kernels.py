@@ -101,7 +101,7 @@ def test_fused_forward_routes_projections_through_the_gemv():
     model = Llama(cfg, batch=2, capacity=16, decode_kernels="reference").init_random_(0)
     calls, hooked = [], []
     ops = model.decode_ops
-    model.decode_ops = ops._replace(linear=lambda x, w, b=None: calls.append(w.shape) or decode_reference.linear_ref(x, w, b))
+    model.decode_ops = ops._replace(linear=lambda x, w, b=None, **kw: calls.append(w.shape) or decode_reference.linear_ref(x, w, b))
     start = torch.zeros(2, dtype=torch.int32)
     tokens = torch.zeros(2, 3, dtype=torch.long)
     with torch.no_grad():
@@ -117,17 +117,64 @@ def test_fused_forward_routes_projections_through_the_gemv():
     assert hooked == [(6, 32)] and len(calls) == 4 * 2 + 1 - 1
 
 
+@pytest.mark.parametrize("pdl", [False, True])
+def test_fused_forward_passes_pdl_to_every_op(pdl):
+    """Every decode op of every layer, the final norm and the head are called with ``pdl=ops.pdl`` (a
+    reference op, which ignores it, stands for each kernel)."""
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    model = Llama(cfg, batch=2, capacity=16, decode_kernels="reference").init_random_(0)
+    seen = []
+
+    def record(name, fn):
+        def call(*args, **kw):
+            seen.append((name, kw.get("pdl")))
+            return fn(*args, **kw)
+        return call
+
+    ops = model.decode_ops._replace(pdl=pdl)
+    model.decode_ops = ops._replace(**{name: record(name, getattr(ops, name))
+                                       for name in ("attention", "add_rmsnorm", "rope_kv_write", "silu_mul", "linear")})
+    start = torch.zeros(2, dtype=torch.int32)
+    with torch.no_grad():
+        model(torch.zeros(2, 3, dtype=torch.long), start, [start] * 2)
+    per_layer = ["add_rmsnorm", "linear", "rope_kv_write", "attention", "linear", "add_rmsnorm", "linear", "silu_mul",
+                 "linear"]
+    assert [name for name, _ in seen] == per_layer * 2 + ["add_rmsnorm", "linear"]
+    assert {flag for _, flag in seen} == {pdl}
+
+
 def test_decode_kernels_choice():
     cfg = LlamaConfig(vocab_size=64, hidden_size=48, intermediate_size=64, num_hidden_layers=1,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=12)
     assert Llama(cfg, batch=1, capacity=16).decode_ops is None  # auto on the CPU: SDPA, exact HF parity
-    with pytest.raises(ValueError, match="head_dim 12"):
-        Llama(cfg, batch=1, capacity=16, decode_kernels="triton")
+    for choice in ("triton", "gemv", "pdl"):
+        with pytest.raises(ValueError, match="head_dim 12"):
+            Llama(cfg, batch=1, capacity=16, decode_kernels=choice)
     with pytest.raises(ValueError, match="decode_kernels"):
         Llama(cfg, batch=1, capacity=16, decode_kernels="fast")
 
 
-@pytest.mark.parametrize("group", ["attention", "idle", "int64", "gemv", "fused", "model"])
+def test_gemv_and_pdl_choices_are_the_gemv_path_with_and_without_pdl():
+    """``gemv``: every projection and the head on the GEMV up to its row tile, no PDL; ``pdl``: the same with
+    it; ``triton`` and ``auto`` keep theirs (no PDL). On the CPU they build (the interpreter runs them)."""
+    pytest.importorskip("triton")
+    from graphburst.models import llama_decode
+    from graphburst.models.decode import gemv
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    ops = {k: Llama(cfg, batch=1, capacity=16, decode_kernels=k).decode_ops for k in ("triton", "gemv", "pdl")}
+    assert (ops["gemv"].gemv_max_m, ops["gemv"].pdl) == (gemv.MAX_M, False)
+    assert (ops["pdl"].gemv_max_m, ops["pdl"].pdl) == (gemv.MAX_M, True)
+    assert ops["pdl"].linear is gemv.gemv and ops["pdl"]._replace(pdl=False) == ops["gemv"]
+    assert (ops["triton"].gemv_max_m, ops["triton"].pdl) == (llama_decode.FORCED_GEMV_MAX_M, False)
+    assert llama_decode.pdl_unsupported(torch.device("cpu")) is None
+    with pytest.raises(ValueError, match="gemv_max_m"):
+        llama_decode.triton_ops(gemv.MAX_M + 1)
+
+
+@pytest.mark.parametrize("group", ["attention", "idle", "int64", "gemv", "fused", "model", "pdl-kernels", "pdl-model"])
 def test_triton_kernels_interpreted(group):
     """Every Triton kernel against its reference on awkward sizes, on the CPU (TRITON_INTERPRET=1)."""
     pytest.importorskip("triton")
