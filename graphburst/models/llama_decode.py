@@ -8,7 +8,7 @@ an additive mask and spends ~17 kernels per layer outside the GEMMs; here a laye
     -> add+RMSNorm -> gate/up GEMM -> SiLU*up -> down GEMM
 
 with each layer's residual add folded into the next norm (the last one into the final
-norm), SiLU*up folded into the down projection's loads when it runs on the GEMV, the attention reading only rows ``< length + T`` (``models/decode/attention.py``),
+norm), the attention reading only rows ``< length + T`` (``models/decode/attention.py``),
 and positions and lengths read on the device, so the forward is graph-capturable: fixed
 grids, no host reads, temporaries from torch's allocator (the graph's pool in a capture).
 At M = B * T <= ``DecodeOps.gemv_max_m`` rows the projections and the head run on a
@@ -55,10 +55,8 @@ FORCED_GEMV_MAX_M = 16
 class DecodeOps(NamedTuple):
     """The kernels a fused decode layer runs (same signatures in both namespaces).
 
-    ``linear(x, weight, bias, gated=...)`` serves projections of M <= ``gemv_max_m`` rows (``gated``:
-    the down projection, taking the gate/up output and making ``silu(gate) * up`` as it loads it, so
-    ``silu_mul`` runs only ahead of a projection on cuBLAS). Every op is called with ``pdl=pdl``
-    (the references ignore it).
+    ``linear(x, weight, bias)`` serves projections of M <= ``gemv_max_m`` rows. Every op
+    is called with ``pdl=pdl`` (the references ignore it).
     """
 
     attention: Callable
@@ -140,15 +138,11 @@ def unsupported(model) -> str | None:
     return None
 
 
-def project(module: nn.Linear, x: torch.Tensor, ops: DecodeOps, gated: bool = False) -> torch.Tensor:
-    """``module(x)`` for x [M, in]: on ``ops.linear`` when M <= ``ops.gemv_max_m`` and no hook waits on the call.
-
-    ``gated``: x is ``[gate | up]`` [M, 2 in] and the input is ``silu(gate) * up``: made in the GEMV's loads
-    (one kernel fewer), else by ``ops.silu_mul`` before ``module``.
-    """
+def project(module: nn.Linear, x: torch.Tensor, ops: DecodeOps) -> torch.Tensor:
+    """``module(x)`` for x [M, in]: on ``ops.linear`` when M <= ``ops.gemv_max_m`` and no hook waits on the call."""
     if x.shape[0] <= ops.gemv_max_m and not (module._forward_hooks or module._forward_pre_hooks):
-        return ops.linear(x, module.weight, module.bias, pdl=ops.pdl, gated=gated)
-    return module(ops.silu_mul(x, pdl=ops.pdl) if gated else x)
+        return ops.linear(x, module.weight, module.bias, pdl=ops.pdl)
+    return module(x)
 
 
 def fused_forward(model, tokens: torch.Tensor, start_pos: torch.Tensor, lengths, ops: DecodeOps) -> torch.Tensor:
@@ -184,7 +178,7 @@ def fused_forward(model, tokens: torch.Tensor, start_pos: torch.Tensor, lengths,
         delta = project(attn.o_proj, y.view(r * t, h * hd), ops)
         hn = ops.add_rmsnorm(x, delta, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps,
                              pdl=pdl)
-        delta = project(mlp.down_proj, project(mlp.gate_up_proj, hn, ops), ops, gated=True)
+        delta = project(mlp.down_proj, ops.silu_mul(project(mlp.gate_up_proj, hn, ops), pdl=pdl), ops)
     hn = ops.add_rmsnorm(x, delta, model.norm.weight, model.norm.eps, pdl=pdl)
     head = ops.linear(hn, model.head_weight(), pdl=pdl) if r * t <= ops.gemv_max_m \
         else F.linear(hn, model.head_weight())

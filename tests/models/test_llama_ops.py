@@ -105,8 +105,7 @@ def test_a_layer_dispatches_no_concat_cast_or_mask_conversion(dtype):
 
 #: a fused decode layer's calls of its ops: two add+RMSNorms, four projections (qkv, o, gate_up, down) on
 #: the GEMV at these M, one RoPE + KV write, one attention (its combine is inside the call), one SiLU x up
-FUSED_LAYER_CALLS = Counter(add_rmsnorm=2, linear=4, linear_gated=1, rope_kv_write=1,
-                            attention=1)  # SiLU*up: made by the down GEMV as it loads
+FUSED_LAYER_CALLS = Counter(add_rmsnorm=2, linear=4, rope_kv_write=1, attention=1, silu_mul=1)
 #: dispatched ops that launch no kernel: metadata, and the stubs' own allocations
 NON_LAUNCHING = {"view", "_unsafe_view", "slice", "alias", "as_strided", "empty", "empty_like", "empty_strided"}
 
@@ -122,14 +121,13 @@ def fused_layer_ops(choice: str, layers: int, batch: int, t: int) -> tuple[Count
     def stub(name, make):
         def call(*args, pdl=False, **kw):
             calls[name] += 1
-            calls[name + "_gated"] += bool(kw.get("gated"))  # the down projection makes SiLU*up itself
             flags.add(pdl)
             return make(*args)
         return call
 
     model.decode_ops = model.decode_ops._replace(
         add_rmsnorm=stub("add_rmsnorm", lambda x, *_: torch.empty_like(x)),
-        linear=stub("linear", lambda x, w, *_, gated=False: torch.empty(x.shape[0], w.shape[0], dtype=x.dtype)),
+        linear=stub("linear", lambda x, w, *_: torch.empty(x.shape[0], w.shape[0], dtype=x.dtype)),
         rope_kv_write=stub("rope_kv_write", lambda *_: None),
         attention=stub("attention", lambda q, *_: torch.empty(q.shape, dtype=q.dtype)),
         silu_mul=stub("silu_mul", lambda gu, *_: torch.empty(gu.shape[0], gu.shape[1] // 2, dtype=gu.dtype)))

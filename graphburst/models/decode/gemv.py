@@ -51,10 +51,6 @@ SUM_BLOCK = 1024
 PROGRAMS_PER_SM = 2
 #: the most K splits (the sum pass reads this many partials per output)
 MAX_SPLIT_K = 16
-#: weights of at most this many bytes are not split along K (:func:`default_config`): the split's sum
-#: pass is a kernel of its own, ~2 µs at B = 1 on an H200, more than splitting saves on a weight this
-#: small (SmolLM2-135M's projections, 0.7-3.5 MB, each 18-96 column programs of at most 200 KB)
-SPLIT_MIN_BYTES = 4 << 20
 # Under the interpreter (``launch.INTERPRETED``) the bf16 ``tl.dot`` operands are widened to fp32 first.
 
 
@@ -88,15 +84,12 @@ CONFIGS: dict[tuple[int, int], GemvConfig] = {
 }
 
 
-def default_config(n: int, k: int, sms: int, itemsize: int = 2) -> GemvConfig:
+def default_config(n: int, k: int, sms: int) -> GemvConfig:
     """A tiling for a shape not in :data:`CONFIGS`: 32 W rows x 256 K per tile, split along K until
-    ``PROGRAMS_PER_SM * sms`` programs stream (each split keeping at least one whole tile), unless the
-    weight is at most :data:`SPLIT_MIN_BYTES`: then its column programs stream it alone."""
+    ``PROGRAMS_PER_SM * sms`` programs stream (each split keeping at least one whole tile)."""
     block_n, block_k = 32, 256
     cols = triton.cdiv(n, block_n)
     split = min(MAX_SPLIT_K, triton.cdiv(k, block_k), max(1, triton.cdiv(PROGRAMS_PER_SM * sms, cols)))
-    if n * k * itemsize <= SPLIT_MIN_BYTES:
-        split = 1
     return GemvConfig(block_n, block_k, 4, split)
 
 
@@ -109,7 +102,7 @@ def pick_config(n: int, k: int, device: torch.device, dtype: torch.dtype = torch
     cfg = CONFIGS.get((triton.next_power_of_2(n), triton.next_power_of_2(k)))
     if cfg is None:
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-        cfg = default_config(n, k, sms, dtype.itemsize)
+        cfg = default_config(n, k, sms)
     if dtype.itemsize == 4 and cfg.block_k > 16:
         cfg = cfg._replace(block_k=cfg.block_k // 2)
     return cfg
@@ -124,21 +117,6 @@ def _tile(rows, ks, row_ok, k_hi, EVEN_K: tl.constexpr):
     else:
         tile = tl.load(rows + ks[None, :], mask=row_ok[:, None] & (ks < k_hi)[None, :], other=0.0)
     return tile
-
-
-@triton.jit
-def _x_tile(rows, ks, row_ok, k_hi, K, EVEN_K: tl.constexpr, GATED: tl.constexpr):
-    """The ``[BLOCK_M, BLOCK_K]`` x tile at K offsets ``ks``. ``GATED``: x is ``silu(gate) * up`` of a
-    ``[gate | up]`` row (``up`` K elements after ``gate``), made here as ``fused.silu_mul`` makes it: silu
-    rounded to the dtype, then the product rounded once; so the down projection reads the gate/up
-    GEMM's output and no SiLU kernel runs between them."""
-    x = _tile(rows, ks, row_ok, k_hi, EVEN_K)
-    if GATED:
-        g = x.to(tl.float32)
-        act = (g / (1.0 + tl.exp(-g))).to(x.dtype)
-        up = _tile(rows + K, ks, row_ok, k_hi, EVEN_K)
-        x = (act.to(tl.float32) * up.to(tl.float32)).to(x.dtype)
-    return x
 
 
 @triton.jit
@@ -159,7 +137,7 @@ def _accumulate(acc, x, w, DOT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.co
 def _gemv(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, M, N, K, sx_m, sw_n, sy_m, k_per_split,
           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
           EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, DOT: tl.constexpr, DOT_F32: tl.constexpr,
-          PREC: tl.constexpr, PDL: tl.constexpr, GATED: tl.constexpr):
+          PREC: tl.constexpr, PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -180,11 +158,11 @@ def _gemv(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, M, N, K, sx_m, sw_n, sy_m, k_per
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     else:
         acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # M = 1: products summed over K once, after the loop
-    acc = _accumulate(acc, _x_tile(x_rows, k_lo + offs_k, m_ok, k_hi, K, EVEN_K, GATED), w, DOT, DOT_F32, PREC)
+    acc = _accumulate(acc, _tile(x_rows, k_lo + offs_k, m_ok, k_hi, EVEN_K), w, DOT, DOT_F32, PREC)
     for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
         ks = k0 + offs_k
-        acc = _accumulate(acc, _x_tile(x_rows, ks, m_ok, k_hi, K, EVEN_K, GATED),
-                          _tile(w_rows, ks, n_ok, k_hi, EVEN_K), DOT, DOT_F32, PREC)
+        acc = _accumulate(acc, _tile(x_rows, ks, m_ok, k_hi, EVEN_K), _tile(w_rows, ks, n_ok, k_hi, EVEN_K), DOT,
+                          DOT_F32, PREC)
     if not DOT:
         acc = tl.sum(acc, 1)[None, :]
     ok = m_ok[:, None] & n_ok[None, :]
@@ -212,14 +190,13 @@ def _split_k_sum(part_ptr, b_ptr, y_ptr, M, N, sy_m, SPLIT_K: tl.constexpr, HAS_
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
-         config: GemvConfig | None = None, fma: bool | None = None, pdl: bool = False,
-         gated: bool = False) -> torch.Tensor:
+         config: GemvConfig | None = None, fma: bool | None = None, pdl: bool = False) -> torch.Tensor:
     """``x @ weight.T + bias``, streaming ``weight`` once (fp32 accumulation, one rounding to x's dtype).
 
     Parameters
     ----------
     x : [M, K] float32 or bfloat16, last dim contiguous; built for M <= :data:`MAX_M` (more rows work,
-        each 16-row tile streaming W again); ``[M, 2K]`` with ``gated``
+        each 16-row tile streaming W again)
     weight : [N, K] x's dtype, last dim contiguous (an ``nn.Linear`` weight)
     bias : [N] x's dtype, optional
     out : [M, N] x's dtype, optional, last dim contiguous (a view into a larger buffer is fine: nothing
@@ -231,10 +208,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     pdl : bool
         Programmatic dependent launch of both kernels (``decode/launch.py``; off under the interpreter):
         the first W tile is loaded before the wait. The same bits as without.
-    gated : bool
-        x is ``[gate | up]`` (the fused gate/up projection's output) and the product is taken with
-        ``silu(gate) * up``, made as it is loaded: the bits of ``gemv(fused.silu_mul(x), weight)``
-        with one kernel fewer.
 
     Returns
     -------
@@ -244,10 +217,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ``split_k > 1`` a second launch, grid ``(M, cdiv(N, SUM_BLOCK))``, 4 warps, sums the partials.
     """
     m, k = x.shape
-    if gated:
-        k //= 2  # [gate | up]: the product's K is half the row
     n = weight.shape[0]
-    assert weight.shape[1] == k and x.shape[1] == (2 * k if gated else k) and x.stride(1) == 1 and weight.stride(1) == 1 and weight.dtype == x.dtype, \
+    assert weight.shape[1] == k and x.stride(1) == 1 and weight.stride(1) == 1 and weight.dtype == x.dtype, \
         "shapes checked by the model"
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -268,8 +239,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
                 out.stride(0), k_per_split, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                 SPLIT_K=split_k, EVEN_K=k % cfg.block_k == 0, HAS_BIAS=has_bias, DOT=not fma,
                 DOT_F32=INTERPRETED and x.dtype != torch.float32,
-                PREC="ieee" if x.dtype == torch.float32 else "tf32", PDL=pdl, GATED=bool(gated),
-                num_warps=cfg.num_warps,
+                PREC="ieee" if x.dtype == torch.float32 else "tf32", PDL=pdl, num_warps=cfg.num_warps,
                 num_stages=cfg.num_stages, **launch_options(pdl))
     if split_k > 1:
         grid = (m, triton.cdiv(n, SUM_BLOCK))

@@ -90,23 +90,18 @@ def silu_mul_ref(gate_up: torch.Tensor, out: torch.Tensor | None = None, pdl: bo
 
 def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                out: torch.Tensor | None = None, config=None, fma: bool | None = None,
-               pdl: bool = False, gated: bool = False) -> torch.Tensor:
-    """:func:`graphburst.models.decode.gemv.gemv`: ``x @ weight.T + bias`` in fp32, rounded once to x's dtype
-    (``gated``: of :func:`silu_mul_ref` of x).
+               pdl: bool = False) -> torch.Tensor:
+    """:func:`graphburst.models.decode.gemv.gemv`: ``x @ weight.T + bias`` in fp32, rounded once to x's dtype.
 
     Parameters
     ----------
-    x : [M, K] ([M, 2K] ``[gate | up]`` with ``gated``); weight : [N, K]; bias : [N], optional; out : [M, N],
-        optional
+    x : [M, K]; weight : [N, K]; bias : [N], optional; out : [M, N], optional
     config, fma, pdl : ignored (the kernel's tiling and launch; the function is the same)
-    gated : bool
 
     Returns
     -------
     out : [M, N] x's dtype
     """
-    if gated:
-        x = silu_mul_ref(x)
     y = x.float() @ weight.float().T
     if bias is not None:
         y = y + bias.float()

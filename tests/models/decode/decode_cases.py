@@ -269,34 +269,6 @@ def check_gemv(gemv, case, device, seed: int = 0, tol: dict | None = None) -> No
     torch.testing.assert_close(out.float(), want.float(), **(tol or TOL[dtype]), msg=lambda s: f"{case}: {s}")
 
 
-#: (M, N, K, dtype, bias, GemvConfig fields or None, fma or None) of the gated GEMV (the down projection taking
-#: the gate/up output): M = 1 (both paths), 3, 16; K whole tiles and not; split-K 1 and more
-CI_GATED = [
-    (1, 96, 64, torch.float32, False, None, None), (1, 96, 257, torch.bfloat16, True, (16, 64, 4, 3), None),
-    (1, 33, 96, torch.bfloat16, False, (32, 32, 4, 2), False), (3, 96, 257, torch.float32, True, (16, 32, 4, 4), None),
-    (16, 257, 64, torch.bfloat16, True, (16, 32, 4, 1), None),
-]
-
-
-def check_gated_gemv(gemv, silu_mul, case, device, seed: int = 0) -> None:
-    """``gemv(gate_up, W, gated=True)`` is ``gemv(silu_mul(gate_up), W)`` bit for bit (the product made as
-    x is loaded, with silu_mul's roundings), and ``linear_ref`` of that product within TOL (silu_mul itself
-    is held to its reference by check_silu_mul)."""
-    from graphburst.models.decode.gemv import GemvConfig
-
-    m, n, k, dtype, has_bias, cfg, fma = case
-    gen = torch.Generator().manual_seed(seed)
-    gate_up = (torch.randn(m, 2 * k, generator=gen) * 2).to(dtype).to(device)  # [M, 2K]: gate | up
-    w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(dtype).to(device)
-    b = torch.randn(n, generator=gen).to(dtype).to(device) if has_bias else None
-    config = None if cfg is None else GemvConfig(*cfg)
-    got = gemv(gate_up, w, b, config=config, fma=fma, gated=True)
-    want = gemv(silu_mul(gate_up), w, b, config=config, fma=fma)
-    assert torch.equal(got, want), f"{case}: the gated GEMV differs from silu_mul then the GEMV"
-    ref = decode_reference.linear_ref(silu_mul(gate_up), w, b)
-    torch.testing.assert_close(got.float(), ref.float(), **TOL[dtype], msg=lambda s: f"{case}: {s}")
-
-
 # ---------------------------------------------------------------------- PDL: the same bits, back to back
 
 #: kernels launched back to back per chain of the PDL checks: each reads what the one before wrote

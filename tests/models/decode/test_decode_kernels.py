@@ -101,8 +101,7 @@ def test_fused_forward_routes_projections_through_the_gemv():
     model = Llama(cfg, batch=2, capacity=16, decode_kernels="reference").init_random_(0)
     calls, hooked = [], []
     ops = model.decode_ops
-    model.decode_ops = ops._replace(linear=lambda x, w, b=None, gated=False, **kw: calls.append(w.shape) or
-                                    decode_reference.linear_ref(x, w, b, gated=gated))
+    model.decode_ops = ops._replace(linear=lambda x, w, b=None, **kw: calls.append(w.shape) or decode_reference.linear_ref(x, w, b))
     start = torch.zeros(2, dtype=torch.int32)
     tokens = torch.zeros(2, 3, dtype=torch.long)
     with torch.no_grad():
@@ -139,8 +138,8 @@ def test_fused_forward_passes_pdl_to_every_op(pdl):
     start = torch.zeros(2, dtype=torch.int32)
     with torch.no_grad():
         model(torch.zeros(2, 3, dtype=torch.long), start, [start] * 2)
-    # the down projection on the GEMV makes SiLU*up as it loads (no silu_mul call)
-    per_layer = ["add_rmsnorm", "linear", "rope_kv_write", "attention", "linear", "add_rmsnorm", "linear", "linear"]
+    per_layer = ["add_rmsnorm", "linear", "rope_kv_write", "attention", "linear", "add_rmsnorm", "linear", "silu_mul",
+                 "linear"]
     assert [name for name, _ in seen] == per_layer * 2 + ["add_rmsnorm", "linear"]
     assert {flag for _, flag in seen} == {pdl}
 
@@ -184,16 +183,3 @@ def test_triton_kernels_interpreted(group):
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1].startswith("ok ")
-
-
-def test_small_weights_are_not_split_along_k():
-    """A weight of at most SPLIT_MIN_BYTES streams on its column programs alone (no split-K sum kernel);
-    a larger one still splits to keep every SM streaming."""
-    pytest.importorskip("triton")
-    from graphburst.models.decode.gemv import SPLIT_MIN_BYTES, default_config
-
-    for n, k in [(960, 576), (576, 576), (3072, 576), (576, 1536)]:  # SmolLM2-135M's projections, bf16
-        assert n * k * 2 <= SPLIT_MIN_BYTES and default_config(n, k, 132).split_k == 1, (n, k)
-    assert default_config(2048, 8192, 132).split_k > 1  # 32 MB: split
-    assert default_config(576, 1536, 132, itemsize=4).split_k == 1  # 3.5 MB in fp32
-    assert default_config(2048, 2048, 132, itemsize=4).split_k > 1  # 16 MB in fp32

@@ -64,16 +64,6 @@ def test_gemv_awkward_cases(ops):
         dc.check_gemv(gemv.gemv, case, "cuda", seed=i)
 
 
-def test_gated_gemv_is_silu_mul_then_the_gemv_bit_for_bit(ops):
-    from graphburst.models.decode import fused, gemv
-
-    for i, case in enumerate(dc.CI_GATED):
-        dc.check_gated_gemv(gemv.gemv, fused.silu_mul, case, "cuda", seed=i)
-    # the 1b's and SmolLM2's down projections on their own tilings, M = 1 and 5
-    for i, (m, n, f) in enumerate([(1, 2048, 8192), (5, 2048, 8192), (1, 576, 1536), (5, 576, 1536)]):
-        dc.check_gated_gemv(gemv.gemv, fused.silu_mul, (m, n, f, torch.bfloat16, False, None, None), "cuda", seed=i)
-
-
 @pytest.mark.parametrize("m", [1, 5, 16])
 def test_gemv_model_shapes(ops, m):
     """Every 1b shape (and the 8b's at M = 5, its T = 5 verify) on CONFIGS' tilings, bf16: held to the fp32
