@@ -28,7 +28,8 @@ def table(rows: list[dict], title: str) -> Table:
     for r in rows:
         idle, admission = r["gpu_idle_fraction"], r.get("gpu_admission_fraction")
         t.add_row(f"{r['rate']:g}", fmt(r["offered_rps"]), fmt(r["achieved_rps"]), fmt(r["output_tokens_per_s"], 0),
-                  _pair(r["ttft_ms"]), _split(r.get("ttft_split_ms")), _pair(r["itl_ms"], 2) + f" / {fmt(r['itl_max_ms'], 2)}", _pair(r["tpot_ms"], 2), _pair(r["e2e_ms"]),
+                  _pair(r["ttft_ms"]), _split(r.get("ttft_split_ms")),
+                  _pair(r["itl_ms"], 2) + f" / {fmt(r['itl_max_ms'], 2)}", _pair(r["tpot_ms"], 2), _pair(r["e2e_ms"]),
                   str(r["rejected_429"]), str(r["errors"]), fmt(r["accepted_per_round"]),
                   fmt(r.get("rounds_per_burst")),
                   "-" if idle is None else f"{idle:.1%}" + ("" if admission is None else f" ({admission:.1%})"))

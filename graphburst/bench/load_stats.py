@@ -132,7 +132,8 @@ def server_window(before: dict, after: dict) -> dict:
                 if delta("graphburst_bursts_total") else None,
                 accepted_per_round=delta("graphburst_draft_accepted_total") / rounds if rounds else None,
                 # device-exit bursts by why they ended (all 0 with fixed-M bursts)
-                burst_exits={r: int(delta(f'graphburst_burst_exits_total{{reason="{r}"}}')) for r in BURST_EXIT_REASONS})
+                burst_exits={r: int(delta(f'graphburst_burst_exits_total{{reason="{r}"}}'))
+                             for r in BURST_EXIT_REASONS})
 
 
 #: TTFT's parts: the access log's field of each

@@ -19,8 +19,8 @@ import pytest
 
 from graphburst.bench.load import mismatches
 from graphburst.bench.load_schedule import LengthDist, check_requests, poisson_times, schedule
-from graphburst.bench.load_stats import (Record, itl_samples, read_access_log, request_figures, server_window, summarize,
-                                         ttft_split)
+from graphburst.bench.load_stats import (Record, itl_samples, read_access_log, request_figures, server_window,
+                                         summarize, ttft_split)
 
 ROOT = Path(__file__).resolve().parents[2]
 U = LengthDist("uniform", 4, 9)

@@ -101,7 +101,8 @@ def test_fused_forward_routes_projections_through_the_gemv():
     model = Llama(cfg, batch=2, capacity=16, decode_kernels="reference").init_random_(0)
     calls, hooked = [], []
     ops = model.decode_ops
-    model.decode_ops = ops._replace(linear=lambda x, w, b=None, **kw: calls.append(w.shape) or decode_reference.linear_ref(x, w, b))
+    model.decode_ops = ops._replace(linear=lambda x, w, b=None, **kw: calls.append(w.shape) or
+                                    decode_reference.linear_ref(x, w, b))
     start = torch.zeros(2, dtype=torch.int32)
     tokens = torch.zeros(2, 3, dtype=torch.long)
     with torch.no_grad():
