@@ -44,7 +44,7 @@ ADMISSION_MODES = ("auto", "early", "late")
 #: the next fourteen-slot one early.
 EARLY_ADMISSION_MARGIN = 4.0
 ADMISSION_WINDOW = 16
-#: auto: while the last burst's GPU time is under this many typical admissions (the host, not the
+#: auto: while a whole burst's GPU time (``BurstPipeline.burst_ms``) is under this many typical admissions (the host, not the
 #: GPU, is then the bottleneck: zero-cost stubs, ~0.1 ms bursts against ~0.2-0.6 ms admissions), a
 #: boundary due within a few bursts of an admission waits, so one admission takes the slots those
 #: bursts freed (:meth:`AdmissionSchedule.coalesce_limit`). An admission's host time is mostly fixed
@@ -68,7 +68,7 @@ class AdmissionSchedule:
     table : SlotTable
     intake : RequestIntake
     pipeline : BurstPipeline
-        Its burst clock (the last burst's GPU time), depth and launch count.
+        A whole burst's GPU time (``burst_ms``), its depth and launch count.
     early_first_tokens : bool
         The loop's policy lets first tokens out after the prefill (``LoopPolicy.early_first_tokens``).
 
@@ -149,7 +149,7 @@ class AdmissionSchedule:
     def coalesce_limit(self) -> int:
         """Bursts a due boundary may wait after an admission (``auto``; 0: none).
 
-        None unless the host is the bottleneck: the last burst's GPU time under
+        None unless the host is the bottleneck: a whole burst's GPU time under
         :data:`COALESCE_BELOW` typical admissions, of at least :data:`COALESCE_AFTER` measured,
         and auto not admitting early (at depth 6 and more the two rules overlap: the queued
         bursts then hide the admission, and waiting would only cost a burst). Then about as many
@@ -194,7 +194,7 @@ class AdmissionSchedule:
         still queued run, and the next launch carries the new slots: their first tokens come
         one burst sooner. Late, the step launches first, so the GPU has a full queue while the
         host admits, and new slots wait behind one more burst. ``auto`` admits early once the
-        last drained burst's GPU time, times the ``depth - 1`` bursts still queued, exceeds
+        GPU time of a whole burst, times the ``depth - 1`` bursts still queued, exceeds
         ``EARLY_ADMISSION_MARGIN`` times the median host time of the last ``ADMISSION_WINDOW``
         admissions (real models: a burst is tens of milliseconds, an admission a few), and late
         until both are measured or without GPU timing.
