@@ -216,21 +216,20 @@ def test_auto_admission_is_early_only_when_the_queued_bursts_outlast_typical_adm
     from graphburst.serving.admit import ADMISSION_WINDOW, EARLY_ADMISSION_MARGIN
 
     loop = make_loop(2)  # depth 2: one burst still queued when an early step admits
-    clock = loop.pipeline.clock
     assert not loop.schedule.admit_early()  # nothing measured (and no GPU timing here)
-    clock.last_busy_ms = 35.0  # a 1b burst
+    loop.pipeline.burst_ms = 35.0  # a 1b burst
     assert not loop.schedule.admit_early()  # no admission measured yet
     for ms in (2.0, 1.5, 20.0):  # small admissions, and one of a burst of prompts
         loop.schedule.note_admission(ms)
     assert loop.schedule.admit_early()  # the median (2 ms), not the big one, is typical
     for ms in (0.3, 0.1, 0.3, 0.4, 0.1, 0.2):  # zero-cost stubs' admissions
         loop.schedule.note_admission(ms)
-    clock.last_busy_ms = 0.11
+    loop.pipeline.burst_ms = 0.11
     assert not loop.schedule.admit_early()
     loop.schedule.forget_admissions()
     loop.schedule.note_admission(0.1)  # a one-slot admission alone: the margin still says late
     assert not loop.schedule.admit_early()
-    clock.last_busy_ms = 0.1 * EARLY_ADMISSION_MARGIN  # exactly at the margin: late
+    loop.pipeline.burst_ms = 0.1 * EARLY_ADMISSION_MARGIN  # exactly at the margin: late
     assert not loop.schedule.admit_early()
     for _ in range(ADMISSION_WINDOW):  # the window forgets older admissions
         loop.schedule.note_admission(100.0)
@@ -239,7 +238,7 @@ def test_auto_admission_is_early_only_when_the_queued_bursts_outlast_typical_adm
     loop.schedule.mode = "early"
     assert loop.schedule.admit_early()
     loop.schedule.mode = "late"
-    clock.last_busy_ms = 1e9
+    loop.pipeline.burst_ms = 1e9
     assert not loop.schedule.admit_early()
 
 
@@ -251,15 +250,14 @@ def test_a_host_bound_loop_hands_first_tokens_out_with_their_first_burst():
         loop = make_loop(2)
         for ms in (0.3, 0.3, 0.3):
             loop.schedule.note_admission(ms)
-        clock = loop.pipeline.clock
-        clock.last_busy_ms = 0.1 if host_bound else 35.0  # numpy: no GPU timing of its own
+        loop.pipeline.burst_ms = 0.1 if host_bound else 35.0  # numpy: no GPU timing of its own
         assert loop.schedule.host_bound() is host_bound and loop.schedule.copy_first_tokens() is not host_bound
         states = [loop.submit(Request([4 + i, 1], 20, options=SURE)) for i in range(2)]
         loop.boundary.run()
         assert len(loop.first_tokens) == (0 if host_bound else 1)
         assert (loop.table.first_copy[:2] == NO_COPY).all() == host_bound
         while not loop.idle:
-            clock.last_busy_ms = 0.1 if host_bound else 35.0
+            loop.pipeline.burst_ms = 0.1 if host_bound else 35.0
             loop.step()
         for s in states:
             assert s.tokens == greedy_reference(s.request.prompt, 20, VOCAB)

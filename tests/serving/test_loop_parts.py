@@ -104,9 +104,9 @@ def test_a_policy_without_local_timing_admits_late_and_never_defers():
     for _ in range(admit.COALESCE_AFTER):
         schedule.note_admission(0.3)
     schedule.admitted_at = loop.pipeline.launched
-    loop.pipeline.clock.last_busy_ms = 0.1  # host-bound: a local loop would defer (test_coalesce.py)
+    loop.pipeline.burst_ms = 0.1  # host-bound: a local loop would defer (test_coalesce.py)
     assert not schedule.defer_boundary() and not schedule.admit_early()
-    loop.pipeline.clock.last_busy_ms = 1e9  # bursts far longer than admissions: a local loop would admit early
+    loop.pipeline.burst_ms = 1e9  # bursts far longer than admissions: a local loop would admit early
     assert not schedule.admit_early() and not schedule.copy_first_tokens()
     states = [loop.submit(Request([4 + i], 12)) for i in range(3)]
     loop.run_until_idle()
