@@ -19,8 +19,9 @@ output tokens/s, TTFT / ITL / TPOT / E2E p50 and p99, 429s, errors, the drafts a
 per round and the GPU idle fraction of the run (the server's ``/metrics`` busy and idle
 seconds, read before and after), and TTFT split into the wait for a batch slot, the prefill,
 the hand-out and the client's side (the server's access log, joined on request ids). One
-table row per rate, the JSON beside it, a plot (:mod:`.load_report`). ``--rates auto`` doubles from 1 request/s until throughput grows
-by less than ``AUTO_GROWTH`` or latency blows up.
+table row per rate, the JSON beside it, a plot (:mod:`.load_report`). ``--rates auto``
+doubles from 1 request/s until throughput grows by less than ``AUTO_GROWTH`` or latency
+blows up.
 """
 
 from __future__ import annotations

@@ -47,9 +47,10 @@ ADMISSION_WINDOW = 16
 #: auto: while a whole burst's GPU time (``BurstPipeline.burst_ms``) is under this many typical
 #: admissions (the host, not the GPU, is then the bottleneck: zero-cost stubs, ~0.1 ms bursts against
 #: ~0.2-0.6 ms admissions), a boundary due within a few bursts of an admission waits, so one
-#: admission takes the slots those bursts freed (:meth:`AdmissionSchedule.coalesce_limit`). An admission's host time is mostly fixed
-#: (an H200, stubs at M=8: ~200 us plus ~6 us a slot), and finishing requests free slots over
-#: consecutive bursts. Real models (35-140 ms bursts, 1-10 ms admissions) never defer.
+#: admission takes the slots those bursts freed (:meth:`AdmissionSchedule.coalesce_limit`). An
+#: admission's host time is mostly fixed (an H200, stubs at M=8: ~200 us plus ~6 us a slot), and
+#: finishing requests free slots over consecutive bursts. Real models (35-140 ms bursts, 1-10 ms
+#: admissions) never defer.
 COALESCE_BELOW = 1.0
 #: ... and only once this many admissions are measured: a server's first admissions can include
 #: kernel compiles and graph captures, which must not pass for a typical admission.
