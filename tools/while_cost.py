@@ -52,7 +52,7 @@ def _graphs(rounds: int, kernels: int):
     state = cupy.zeros(EXIT_WORDS, np.int32)  # [EXIT_WORDS] int32 loop state
     mapped = StopFlag(backend)  # the stop word in pinned, mapped host memory (what a burst reads)
     device_word = cupy.zeros(1, np.int32)  # [1] int32: the same word in device memory
-    stream.synchronize()
+    cupy.cuda.runtime.deviceSynchronize()  # the buffers were zeroed on the current stream, not on ``stream``
 
     def ticks(s):
         for _ in range(kernels):
