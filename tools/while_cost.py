@@ -40,6 +40,7 @@ def _graphs(rounds: int, kernels: int):
     from graphburst.constants import EXIT_ROUNDS, EXIT_WORDS
     from graphburst.engine import conditional
     from graphburst.engine.collector import COLLECTOR_PAUSE
+    from graphburst.engine.program import Call
     from graphburst.engine.round_exit import StopFlag
     from graphburst.kernels import round_exit_cuda
 
@@ -76,14 +77,8 @@ def _graphs(rounds: int, kernels: int):
             handle = conditional.create_handle(s)
             cond(word, True, int(handle), s)
 
-            class Step:  # a Call-like body step: the capture names a failing one
-                def __init__(self, name, fn):
-                    self.name, self.fn = name, fn
-
-                def __call__(self, bs):
-                    self.fn(bs)
-
-            body = [Step("ticks", ticks), Step("cond", lambda bs: cond(word, False, int(handle), bs))]
+            body = [Call("ticks", lambda *, stream: ticks(stream)),
+                    Call("cond", lambda *, stream: cond(word, False, int(handle), stream))]
 
             def failed(call, exc):
                 raise RuntimeError(f"body capture failed in {call.name}: {exc}") from exc
