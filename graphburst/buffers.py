@@ -76,7 +76,7 @@ class StreamBufs(Watched):
     def __init__(self, batch: int, k: int, m_rounds: int, backend: Backend | str = "auto", *,
                  vocab: int | None = None):
         self.batch = check_int("batch", batch)
-        self.k = check_int("k", k, maximum=MAX_K)
+        self.k = check_int("k", k, minimum=0, maximum=MAX_K)  # 0: plain decoding (engine/no_draft.py)
         self.m_rounds = check_int("m_rounds", m_rounds)
         self.backend = get_backend(backend)
         #: Sampling mode: the models write logits (``tgt_logits``, ``draft_logits``) and the

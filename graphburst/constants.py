@@ -12,6 +12,7 @@ ABSENT_LAYER = 0  # pointer-table entry of a layer without KV (linear attention,
 RING_COUNT_COLUMN = 0  # ring[b, 0] holds the number of tokens committed this burst
 
 MAX_K = 64  # drafts per round; bounds the verify kernel's shared memory
+DEFAULT_K = 4  # drafts per round of a command given a draft and no -k (with no draft: 0, plain decoding)
 MAX_TABLE_ENTRIES = 65535  # rollback walks the table on gridDim.y
 THREADS_PER_BLOCK = 128  # one-thread-per-sequence kernels
 MAX_LAYER_THREADS = 256  # stub models: threads per block striding over layers

@@ -34,7 +34,7 @@ from .models.ngram import NGRAM_DRAFT
 from .models.tokenizer import has_tokenizer
 from .cli_args import (FlagError, add_ngram_flags, check_backend, check_kv_memory, check_ngram_flags, checkpoint,
                        draft_dir_or_ngram, int_in, real_in)
-from .constants import MAX_K, TOP_K_OFF, TOP_P_OFF
+from .constants import DEFAULT_K, MAX_K, TOP_K_OFF, TOP_P_OFF
 from .kernels.digest import greedy_reference
 from .sampling.params import check_sampling
 
@@ -64,7 +64,9 @@ def add_parser(sub) -> None:
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="weights and KV of a --model pair")
     p.add_argument("--batch", type=int_in(1, 4096), default=None,
                    help="sequences decoded together (default 4, or 1 with --prompt)")
-    p.add_argument("-k", type=int_in(1, MAX_K), default=4, help="drafts per round")
+    p.add_argument("-k", type=int_in(0, MAX_K), default=None,
+                   help=f"drafts per round (default {DEFAULT_K}; 0: plain decoding, no draft, the default for a "
+                        f"--model checkpoint given no --draft)")
     p.add_argument("-m", "--rounds", type=int_in(1, 1024), default=8, help="rounds per burst")
     p.add_argument("--bursts", type=int_in(1, 10_000), default=4, help="bursts of M rounds to run and check")
     p.add_argument("--layers", type=int_in(1, 4096), default=8, help="stub target KV layers (every third absent)")
@@ -97,6 +99,7 @@ def add_parser(sub) -> None:
 def check_args(args) -> None:
     """Checks across flags, before any work (FlagError names the flag)."""
     check_backend(args.backend)
+    check_k(args)
     if args.tp > 1 or args.pp > 1:
         from .parallel import launch
 
@@ -106,9 +109,6 @@ def check_args(args) -> None:
         raise FlagError("--draft", "needs --model DIR")
     if args.model not in (None, TINY_RANDOM):
         checkpoint(args.model, flag="--model")
-        if args.draft is None:
-            raise FlagError("--model", f"a checkpoint needs --draft MODEL or --draft {NGRAM_DRAFT} (or use --model "
-                                       f"{TINY_RANDOM})")
     if args.prompt is not None:
         if args.model in (None, TINY_RANDOM) or not has_tokenizer(args.model):
             raise FlagError("--prompt", "needs a --model that carries a tokenizer (a .gguf file, a named model, or a "
@@ -158,6 +158,25 @@ def _text_prompt(args):
     return ids, tok.eos_token_id, tok
 
 
+def check_k(args) -> None:
+    """Fill in ``-k`` (0, plain decoding, for a checkpoint given no ``--draft``; else DEFAULT_K) and refuse a
+    draft it would leave unused, or drafts with nothing to make them."""
+    no_draft = args.model not in (None, TINY_RANDOM) and args.draft is None
+    if args.k is None:
+        args.k = 0 if no_draft else DEFAULT_K
+    elif no_draft and args.k > 0:
+        raise FlagError("-k", f"{args.k} drafts per round need --draft MODEL or --draft {NGRAM_DRAFT}; without one "
+                              f"--model decodes plainly (-k 0)")
+    if args.k > 0:
+        return
+    if args.draft == NGRAM_DRAFT:
+        raise FlagError("-k", f"0 decodes plainly, and --draft {NGRAM_DRAFT} proposes drafts: give -k 1 or more")
+    if args.draft is not None:
+        raise FlagError("-k", "0 decodes plainly and never calls the draft: leave --draft out")
+    if args.tp > 1 or args.pp > 1:
+        raise FlagError("-k", "0 (plain decoding) is not wired into --tp/--pp: give -k 1 or more")
+
+
 def _build(args, backend, capacity):
     """(target, draft, vocab, reference) where ``reference(prompt, n)`` is the greedy truth."""
     target, draft, vocab, reference = _build_pair(args, backend, capacity)
@@ -165,6 +184,8 @@ def _build(args, backend, capacity):
         from .models.ngram import ngram_for
 
         draft = ngram_for(target, n_min=args.ngram_min, n_max=args.ngram_max)
+    if args.k == 0:  # plain decoding: the draft built beside the target (stub or tiny) is not run
+        draft = None
     return target, draft, vocab, reference
 
 
@@ -182,7 +203,7 @@ def _build_pair(args, backend, capacity):
     if args.model == TINY_RANDOM:
         target, draft = checkpoint.tiny_random_pair(batch=args.batch, capacity=capacity, backend=backend,
                                                     dtype=args.dtype, seed=args.seed, p_min=p_min)
-    elif args.draft == NGRAM_DRAFT:
+    elif args.draft in (NGRAM_DRAFT, None):
         target = checkpoint.load_target(args.model, batch=args.batch, capacity=capacity, backend=backend,
                                         dtype=args.dtype)
         draft = None
@@ -261,7 +282,8 @@ def run(args, console: Console) -> int:
         want = _eager_reference(args, backend, capacity, prompts)
     else:
         want = [reference(prompts[b], len(out[b])) for b in range(args.batch)]
-    model = ("stub" if args.model is None else args.model) + (" + prompt lookup" if args.draft == NGRAM_DRAFT else "")
+    model = ("stub" if args.model is None else args.model) + (" + prompt lookup" if args.draft == NGRAM_DRAFT else
+                                                              ", plain decoding" if args.k == 0 else "")
     table = Table(title=f"{model}: k={args.k}, M={args.rounds}, {ran} bursts, mode={args.mode}, "
                         f"backend={backend.name}")
     check = f"matches eager (T={args.temperature:g})" if sampling else "matches greedy"
@@ -273,7 +295,7 @@ def run(args, console: Console) -> int:
         all_ok &= ok
         rounds = int(acc[b, 1])
         table.add_row(str(b), str(len(out[b])), str(int(acc[b, 0])), str(rounds),
-                      f"{acc[b, 0] / max(1, rounds * args.k):.2f}", f"{len(out[b]) / max(1, rounds):.2f}",
+                      f"{acc[b, 0] / max(1, rounds * args.k):.2f}" if args.k else "–", f"{len(out[b]) / max(1, rounds):.2f}",
                       "[green]yes[/green]" if ok else "[red]NO[/red]")
     console.print(table)
     total = sum(len(o) for o in out)

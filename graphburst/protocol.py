@@ -174,7 +174,8 @@ CAPTURE_APIS = ("cupy", "torch")
 COMMON_MEMBERS = ("vocab", "cache", "prefill")
 TARGET_MEMBERS = COMMON_MEMBERS + ("verify",)
 DRAFT_MEMBERS = COMMON_MEMBERS + ("draft_step",)
-__all__ = ["CAPTURE_APIS", "DraftModel", "ModelHooks", "TargetModel", "check_pair", "hook", "split_options"]
+__all__ = ["CAPTURE_APIS", "DraftModel", "ModelHooks", "TargetModel", "check_pair", "check_target", "hook",
+           "split_options"]
 
 
 class ModelHooks:
@@ -277,6 +278,11 @@ def _missing(model, role: str, members, base) -> None:
     api = hook(model, "capture_api")
     if api not in CAPTURE_APIS:
         raise ValueError(f"{role}.capture_api must be one of {CAPTURE_APIS}, got {api!r}")
+
+
+def check_target(target) -> None:
+    """Raise TypeError when ``target`` lacks a required member of a target model (named)."""
+    _missing(target, "target", TARGET_MEMBERS, TargetModel)
 
 
 def check_pair(target, draft, *, sampling: bool = False) -> None:

@@ -18,7 +18,7 @@ from .backend import BACKEND_NAMES
 from .cli_args import (AUTO, FlagError, add_ngram_flags, check_backend, check_kv_memory, check_ngram_flags, fraction,
                        int_in, int_or_auto, readable_file, real_in, same_file, writable_file)
 from .models.ngram import NGRAM_DRAFT
-from .constants import MAX_DEPTH, MAX_K
+from .constants import DEFAULT_K, MAX_DEPTH, MAX_K
 from .models.capacity import DEFAULT_GPU_MEMORY_FRACTION
 from .serving.admit import ADMISSION_MODES
 from .models.named import NAMED_MODELS
@@ -43,7 +43,9 @@ def add_parser(sub) -> None:
                    help="graph: one captured burst graph per burst; per_round_sync: eager bursts "
                         "with a host sync per round (for comparison)")
     p.add_argument("--batch", type=int_in(1, 65536), default=64, help="batch slots")
-    p.add_argument("-k", type=int_in(1, MAX_K), default=4, help="drafts per round")
+    p.add_argument("-k", type=int_in(0, MAX_K), default=None,
+                   help=f"drafts per round (default {DEFAULT_K}; 0: plain decoding, no draft, the default for a "
+                        f"--model served with no --draft)")
     p.add_argument("-m", "--rounds", type=int_in(1, 1024), default=8, help="rounds per burst")
     p.add_argument("--capacity", type=int_or_auto(MIN_CAPACITY, 2**31 - 1, CAPACITY_WHY), default=4096,
                    help=f"KV entries per slot, at least {MIN_CAPACITY}, or {AUTO!r}: as many as fit the GPU's memory (--gpu-memory-fraction; "
@@ -66,7 +68,8 @@ def add_parser(sub) -> None:
                         f"({', '.join(NAMED_MODELS)}), or {TINY_RANDOM!r} (a small random pair built in memory)")
     m.add_argument("--draft", default=None, metavar="MODEL",
                    help=f"draft checkpoint (a directory or .gguf file with the target's vocabulary), or "
-                        f"{NGRAM_DRAFT!r}: prompt lookup, no draft model (with the stubs or any --model)")
+                        f"{NGRAM_DRAFT!r}: prompt lookup, no draft model (with the stubs or any --model); none with --model: "
+                        f"plain decoding, one token a round")
     add_ngram_flags(m)
     m.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="weights and KV (default float32)")
     m.add_argument("--p-min", type=real_in(0.0, 1.0), default=None,

@@ -33,8 +33,9 @@ from . import host_ops
 from ..constants import NO_EOS, UNBOUNDED_BUDGET
 from .ledger import ANY_NUMBER, SlotLedger
 from .torch_capture import capture_api, stream_pair
-from ..protocol import DraftModel, TargetModel, check_pair, hook
+from ..protocol import DraftModel, TargetModel, check_pair, check_target, hook
 from ..sampling.fields import SlotFields
+from .no_draft import NoDraft
 from .program import Call, CallCache, round_calls, seed_call
 from .round_exit import RoundExit, rounds_and_reason
 
@@ -45,9 +46,11 @@ class SpecDecoder:
     Parameters
     ----------
     target : TargetModel
-    draft : DraftModel
+    draft : DraftModel or None
+        None decodes plainly: no draft model, one token a round (needs ``k=0``;
+        :class:`~graphburst.engine.no_draft.NoDraft` takes the draft's place).
     k : int
-        Drafts per round, 1..MAX_K.
+        Drafts per round, 1..MAX_K with a draft, 0 without.
     m_rounds : int
         Rounds per burst, >= 1.
     stream : optional
@@ -76,9 +79,10 @@ class SpecDecoder:
         by default, so a decoder without it runs no extra kernel.
     """
 
-    def __init__(self, target: TargetModel, draft: DraftModel, *, k: int, m_rounds: int, stream=None,
+    def __init__(self, target: TargetModel, draft: DraftModel | None, *, k: int, m_rounds: int, stream=None,
                  fused: bool = True, assemble: bool | None = None, sampling: bool = False,
                  admission_graphs: bool = True, fields: bool = False):
+        draft = plain_draft(target, draft, k)
         if not isinstance(fields, (bool, np.bool_)):
             raise TypeError(f"fields must be a bool, got {type(fields).__name__} {fields!r}")
         if fields and not sampling:
@@ -176,8 +180,13 @@ class SpecDecoder:
 
     @property
     def draft(self) -> DraftModel:
-        """The draft model (fixed, as :attr:`target`)."""
+        """The draft model (fixed, as :attr:`target`); a :class:`NoDraft` when decoding plainly."""
         return self._draft
+
+    @property
+    def plain(self) -> bool:
+        """Plain decoding: no draft model, k = 0, one token a round."""
+        return isinstance(self._draft, NoDraft)
 
     @property
     def bufs(self) -> StreamBufs:
@@ -608,3 +617,21 @@ class SpecDecoder:
     def positions(self) -> np.ndarray:
         """``[B]`` host copy of the device position counter (a host sync)."""
         return self.backend.to_host(self.bufs.pos_ctr, self.stream)
+
+
+def plain_draft(target, draft, k):
+    """The draft a decoder runs: ``draft``, or a :class:`NoDraft` for ``draft=None`` with ``k=0``.
+
+    Raises ValueError for a draft with ``k=0`` (it would never be called) and for ``draft=None``
+    with drafts per round; TypeError for a ``k`` that is not an int.
+    """
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)):
+        raise TypeError(f"k must be an int, got {type(k).__name__} {k!r}")
+    if draft is None:
+        if k != 0:
+            raise ValueError(f"k={k} drafts per round need a draft model; draft=None decodes plainly, with k=0")
+        check_target(target)  # NoDraft takes its sizes from the target's cache
+        return NoDraft(target)
+    if k == 0 and not isinstance(draft, NoDraft):
+        raise ValueError(f"k=0 decodes plainly and never calls the draft {type(draft).__name__}; pass draft=None")
+    return draft

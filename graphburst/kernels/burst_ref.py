@@ -81,8 +81,10 @@ def accept_greedy(vtok, tgt_pred, brk, n_acc, last_pred, *, stream=None):
     """
     k = vtok.shape[1] - 1
     match = (vtok[:, 1:] == tgt_pred[:, :k]) & (np.arange(k)[None, :] < _n_valid(brk, k)[:, None])
-    # Length of the leading run of True: index of the first False (k when none).
-    n = np.where(match.all(axis=1), k, np.argmin(match, axis=1)).astype(np.int32)
+    # Length of the leading run of True: index of the first False (k when none). A k = 0 round
+    # (plain decoding) has no drafts to compare: n = 0.
+    first_false = np.argmin(match, axis=1) if k > 0 else np.zeros(len(match), np.intp)
+    n = np.where(match.all(axis=1), k, first_false).astype(np.int32)
     n_acc[:] = n
     last_pred[:] = tgt_pred[np.arange(len(n)), n]
 

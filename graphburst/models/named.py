@@ -59,6 +59,8 @@ def check_checkpoint(value) -> str:
                               f"got {type(value).__name__} {value!r}")
     path = os.fspath(path)
     if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):  # the loader reads it first
+            raise CheckpointError(f"{path}: no config.json (expected a Hugging Face checkpoint directory)")
         return path
     if os.path.isfile(path):
         if path.lower().endswith(".gguf"):

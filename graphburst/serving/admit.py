@@ -378,6 +378,8 @@ def check_prefill_chunk(chunk, target, draft) -> int | None:
         return None
     chunk = check_int("prefill_chunk", chunk, minimum=1)
     for role, model in (("target", target), ("draft", draft)):
+        if model is None:  # plain decoding: no draft to prefill
+            continue
         if not chunked_prefill(model):
             raise ValueError(f"prefill_chunk={chunk} needs models that prefill in chunks; the {role} "
                              f"({type(model).__name__}) cannot (no chunked_prefill): leave prefill_chunk unset")

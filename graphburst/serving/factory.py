@@ -16,12 +16,12 @@ import os
 
 from ..backend import BACKEND_NAMES, get_backend
 from ..buffers import StreamBufs
-from ..constants import MAX_DEPTH, MAX_K, TP_MAX_DEPTH
+from ..constants import DEFAULT_K, MAX_DEPTH, MAX_K, TP_MAX_DEPTH
 from ..models.capacity import DEFAULT_GPU_MEMORY_FRACTION, CapacityPlan, MemorySpec, auto_capacity, check_fraction
 from ..models.llama_config import CheckpointError
 from ..models.named import check_checkpoint
 from ..models.ngram import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, NGRAM_DRAFT, NgramDraft, check_ngram_range, ngram_for
-from ..models.stubs import stub_memory_spec, stub_pair
+from ..models.stubs import StubTarget, stub_memory_spec, stub_pair
 from ..models.tokenizer import has_tokenizer, tokenizer_size
 from ..protocol import hook
 from ..sampling.fields import SlotFields
@@ -66,7 +66,7 @@ class ConfigError(ValueError):
 
 
 # field -> (minimum, maximum) of the numbers a ServeConfig takes (the flags' ranges)
-INT_RANGES = {"batch": (1, 65536), "k": (1, MAX_K), "rounds": (1, 1024), "capacity": (1, 2**31 - 1),
+INT_RANGES = {"batch": (1, 65536), "k": (0, MAX_K), "rounds": (1, 1024), "capacity": (1, 2**31 - 1),
               "vocab": (2, 2**31 - 1), "layers": (1, 4096), "max_queue": (1, 1_000_000), "tp": (1, 64),
               "prefill_chunk": (1, 2**31 - 1), "pipeline_depth": (2, MAX_DEPTH), "prefill_warmup": (0, 65536)}
 REAL_RANGES = {"accept": (0.0, 1.0), "cost_us": (0.0, 1e6), "p_min": (0.0, 1.0), "drain_timeout": (0.0, 3600.0),
@@ -97,7 +97,7 @@ class ServeConfig:
     backend: str = "auto"
     engine: str = "graph"
     batch: int = 64
-    k: int = 4
+    k: int | None = None  # drafts per round; None: DEFAULT_K with a draft, 0 (plain decoding) without
     rounds: int = 8
     capacity: int | str = 4096  # KV entries per slot, or AUTO_CAPACITY: from the GPU's memory
     gpu_memory_fraction: float | None = None  # capacity="auto": share of the GPU (None: DEFAULT_GPU_MEMORY_FRACTION)
@@ -186,6 +186,7 @@ class ServeConfig:
             self._check_stubs()
         else:
             self._check_model()
+        self._check_k()
 
     def _check_depth(self) -> None:
         """``pipeline_depth`` sets the pipelined graph engine only: refused with another, then filled in."""
@@ -298,11 +299,8 @@ class ServeConfig:
             if self.draft is not None and not self.lookup:
                 raise ConfigError("draft", f"model {TINY_RANDOM!r} builds its own draft (or use {NGRAM_DRAFT!r}), "
                                            f"got {self.draft!r}")
-        elif self.draft is None:
-            raise ConfigError("draft", f"model {self.model!r} needs a draft (a smaller checkpoint with the "
-                                       "same vocabulary)")
         else:
-            for name in ("model",) if self.lookup else ("model", "draft"):
+            for name in ("model",) if self.lookup or self.draft is None else ("model", "draft"):
                 try:
                     check_checkpoint(getattr(self, name))
                 except CheckpointError as exc:
@@ -312,6 +310,38 @@ class ServeConfig:
                 self._set("tokenizer", self.model)
         self._set("dtype", self.dtype or "float32")
         self._set("p_min", 0.0 if self.p_min is None else self.p_min)
+
+    def _check_k(self) -> None:
+        """Fill in ``k`` and refuse a draft that ``k`` would leave unused, or drafts with no draft to make them.
+
+        A checkpoint served with no ``draft`` decodes plainly (k 0); the stubs and ``tiny-random`` build
+        their own draft, which ``k=0`` leaves out. Prompt lookup drafts, so it needs k >= 1.
+        """
+        no_draft = self.model not in (None, TINY_RANDOM) and self.draft is None
+        if self.k is None:
+            self._set("k", 0 if no_draft else DEFAULT_K)
+        elif no_draft and self.k > 0:
+            raise ConfigError("k", f"{self.k} drafts per round need a draft: give draft (a checkpoint, or "
+                                   f"{NGRAM_DRAFT!r}), or leave k unset to decode {self.model!r} plainly (k 0)")
+        if self.k > 0:
+            return
+        if self.lookup:
+            raise ConfigError("k", f"0 decodes plainly, and draft={NGRAM_DRAFT!r} proposes drafts: give k >= 1, or "
+                                   f"leave the draft out")
+        if self.draft is not None:
+            raise ConfigError("k", f"0 decodes plainly and never calls the draft {self.draft!r}: leave the draft out")
+        if self.tp > 1:
+            raise ConfigError("k", "0 (plain decoding) is not wired into tensor-parallel serving (tp > 1); give k >= 1")
+        if self.p_min not in (None, 0.0):
+            raise ConfigError("p_min", f"sets the draft, which plain decoding (k 0) does without; got {self.p_min!r}")
+        if self.stubs and self.accept != STUB_DEFAULTS["accept"]:
+            raise ConfigError("accept", f"sets the stub draft, which plain decoding (k 0) does without; got "
+                                        f"{self.accept!r}")
+
+    @property
+    def plain(self) -> bool:
+        """Plain decoding: no draft, one token a round (``k`` 0)."""
+        return self.k == 0
 
     @property
     def stubs(self) -> bool:
@@ -420,6 +450,8 @@ def memory_specs(config: ServeConfig, prefill_tokens: int | None = None) -> list
     if config.stubs:
         vocab = config.vocab
         target, draft = stub_memory_spec(config.layers, "target"), stub_memory_spec(1, "draft")
+        if config.plain:
+            draft = None
     else:
         import torch
 
@@ -429,19 +461,21 @@ def memory_specs(config: ServeConfig, prefill_tokens: int | None = None) -> list
             t_cfg, d_cfg = checkpoint.tiny_random_configs()
         else:
             t_cfg = checkpoint.read_config(config.model)
-            d_cfg = None if config.lookup else checkpoint.read_config(config.draft)
+            d_cfg = None if config.lookup or config.plain else checkpoint.read_config(config.draft)
         kw = dict(dtype=getattr(torch, config.dtype), batch=config.batch, warm_rows=config.warmup_rows,
                   prefill_tokens=llama_memory.DEFAULT_PREFILL_TOKENS if prefill_tokens is None else prefill_tokens,
                   chunked=config.prefill_chunk is not None)
         vocab = t_cfg.vocab_size
         target = llama_memory.memory_spec(t_cfg, name="target", decode_tokens=config.k + 1, warm_head=True, **kw)
-        draft = None if config.lookup else llama_memory.memory_spec(d_cfg, name="draft", decode_tokens=1, **kw)
+        draft = None if config.lookup or config.plain else \
+            llama_memory.memory_spec(d_cfg, name="draft", decode_tokens=1, **kw)
     if config.lookup:
         draft = NgramDraft.memory_spec()
     bufs = StreamBufs.layout_nbytes(config.batch, config.k, config.rounds, vocab if config.sampling else None)
     if config.logits_fields:  # counts and prompt marks, [B, V] each
         bufs += SlotFields.layout_nbytes(config.batch, vocab)
-    return [target, draft, MemorySpec("decoder", slot_row_bytes=PROMPT_STAGING_BYTES, fixed_bytes=bufs)]
+    decoder = MemorySpec("decoder", slot_row_bytes=PROMPT_STAGING_BYTES, fixed_bytes=bufs)
+    return [spec for spec in (target, draft, decoder) if spec is not None]  # plain decoding: no draft
 
 
 def resolve_capacity(config: ServeConfig, backend=None, *, free_bytes: int | None = None,
@@ -512,7 +546,10 @@ def build_loop(config: ServeConfig, backend=None, *, log=None) -> ServeLoop:
         raise TypeError(f"build_loop takes a ServeConfig, got {type(config).__name__}")
     backend = get_backend(config.backend) if backend is None else backend
     config, _ = resolve_capacity(config, backend)  # capacity="auto": from the GPU's memory, before any allocation
-    if config.stubs:
+    if config.stubs and config.plain:
+        target, draft = StubTarget(config.batch, config.vocab, config.layers, config.capacity,
+                                   cost_ns=int(config.cost_us * 1000), backend=backend), None
+    elif config.stubs:
         target, draft = stub_pair(config.batch, config.vocab, config.layers, 1, config.capacity,
                                   accept_prob=config.accept, cost_ns=int(config.cost_us * 1000), backend=backend)
     else:
@@ -521,7 +558,9 @@ def build_loop(config: ServeConfig, backend=None, *, log=None) -> ServeLoop:
         kw = dict(batch=config.batch, capacity=config.capacity, backend=backend, dtype=config.dtype)
         if config.model == TINY_RANDOM:
             target, draft = checkpoint.tiny_random_pair(**kw, p_min=config.p_min)
-        elif config.lookup:
+            if config.plain:  # the pair's draft is its target's first layer: dropped, not served
+                draft = None
+        elif config.lookup or config.plain:
             target, draft = checkpoint.load_target(config.model, **kw), None
         else:
             target, draft = checkpoint.load_pair(config.model, config.draft, **kw, p_min=config.p_min)

@@ -33,7 +33,7 @@ def one_line_error(out, flag):
     return lines[0]
 
 
-BAD_FLAGS = [("-k", "0"), ("-k", "65"), ("-m", "0"), ("--rounds", "0"), ("--batch", "0"), ("--batch", "1000000"),
+BAD_FLAGS = [("-k", "-1"), ("-k", "65"), ("-m", "0"), ("--rounds", "0"), ("--batch", "0"), ("--batch", "1000000"),
              ("--vocab", "1"), ("--layers", "0"), ("--capacity", "0"), ("--accept", "1.5"), ("--accept", "nan"),
              ("--cost-us", "-1"), ("--cost-us", "nan"), ("--capacity", "abc"), ("--prefill-chunk", "0"),
              ("--prefill-chunk", "x"), ("--pipeline-depth", "1"), ("--pipeline-depth", "9"),
@@ -46,7 +46,7 @@ def test_serve_flag_errors_are_one_line_naming_the_flag(flag, value):
     assert line.startswith("graphburst serve: error: ")
 
 
-@pytest.mark.parametrize("flag, value", [("-k", "0"), ("-k", "65"), ("-m", "0"), ("--batch", "0"),
+@pytest.mark.parametrize("flag, value", [("-k", "-1"), ("-k", "65"), ("-m", "0"), ("--batch", "0"),
                                          ("--bursts", "0"), ("--accept", "inf"), ("--p-min", "-0.1"),
                                          ("--layers", "0"), ("--vocab", "1"), ("--batch", "4096")])
 def test_demo_flag_errors_are_one_line_naming_the_flag(flag, value):

@@ -56,7 +56,7 @@ def test_serve_with_stdout_closed_writes_its_output_file(tmp_path):
 
 def test_serve_with_stderr_closed_and_a_bad_flag_exits_2(tmp_path):
     """A flag error with nowhere to say it still ends with exit 2, and stdout stays empty."""
-    res = shell(f"{CMD} serve {SMALL} -k 0 2>&-", tmp_path)
+    res = shell(f"{CMD} serve {SMALL} -k -1 2>&-", tmp_path)
     assert res.returncode == 2 and res.stdout == b""
 
 

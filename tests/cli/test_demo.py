@@ -55,11 +55,15 @@ def test_checkpoint_pair_demo(tmp_path):
     res = demo("--model", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"), "--bursts", "3",
                "--batch", "2", "-m", "2")
     check_ran(res)
+    # The target alone decodes plainly, one token a round, checked against the same greedy oracle
+    res = demo("--model", str(tmp_path / "target"), "--bursts", "3", "--batch", "2", "-m", "2")
+    check_ran(res)
+    assert "plain decoding" in res.stdout and "12 tokens in" in res.stdout  # 2 slots x 3 bursts x 2 rounds
 
 
 @pytest.mark.parametrize("args, flag", [
     (("--draft", "."), "--draft"),
-    (("--model", "/no/such/dir", "--draft", "."), "--model"),
+    (("--model", "/no/such/dir"), "--model"),
     (("--model", "."), "--model"),
 ])
 def test_model_flag_errors_are_one_line(args, flag):
@@ -80,7 +84,9 @@ def test_a_trained_model_answers_a_text_prompt():
     (["--prompt", "hi"], "--prompt: needs a --model that carries a tokenizer"),
     (["--model", "tiny-random", "--prompt", "hi"], "--prompt: needs a --model that carries a tokenizer"),
     (["--model", "smollm2-135m", "--draft", "ngram", "--prompt", "  "], "--prompt: is empty"),
-    (["--model", "smollm2-135m"], "--model: a checkpoint needs --draft MODEL or --draft ngram"),
+    (["--model", "smollm2-135m", "-k", "4"], "-k: 4 drafts per round need --draft MODEL or --draft ngram"),
+    (["--model", "smollm2-135m", "--draft", "ngram", "-k", "0"], "-k: 0 decodes plainly, and --draft ngram"),
+    (["-k", "0", "--tp", "2"], "-k: 0 (plain decoding) is not wired into --tp/--pp"),
     (["--model", "no/such/dir", "--draft", "ngram"], "--model: no such checkpoint: 'no/such/dir'"),
     (["--model", __file__, "--draft", "ngram"], "is a file but not a .gguf file"),
 ])

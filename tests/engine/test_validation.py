@@ -13,7 +13,7 @@ from graphburst.cli import main
 
 @pytest.mark.parametrize("kw, match", [
     (dict(batch=0, k=1, m_rounds=1), "batch must be >= 1, got 0"),
-    (dict(batch=1, k=0, m_rounds=1), "k must be >= 1, got 0"),
+    (dict(batch=1, k=-1, m_rounds=1), "k must be >= 0, got -1"),
     (dict(batch=1, k=1, m_rounds=0), "m_rounds must be >= 1, got 0"),
     (dict(batch=1, k=65, m_rounds=1), "k must be <= 64, got 65"),
 ])

@@ -79,11 +79,31 @@ def test_jsonl_saved_checkpoint_pair_equals_transformers_greedy(tmp_path):
     assert "foo" in recs[len(PROMPTS) + 1]["error"]  # an option no model claims costs only its line
 
 
+def test_jsonl_saved_checkpoint_alone_decodes_plainly(tmp_path):
+    """A checkpoint served with no draft decodes plainly (k 0, one token a round): transformers' greedy tokens,
+    and no draft accepted."""
+    from test_llama_hf import hf_pair
+
+    target, _ = hf_pair(3)
+    target.save_pretrained(tmp_path / "target")
+    plain = [f for f in SIZES if f not in ("-k", "3")]
+    recs = serve_jsonl("--model", str(tmp_path / "target"), *plain,
+                       lines=[{"prompt": p, "max_new_tokens": NEW} for p in PROMPTS])
+    for i, prompt in enumerate(PROMPTS, start=1):
+        assert recs[i]["tokens"] == hf_greedy(target, prompt, NEW), i
+        assert recs[i]["accepted_per_round"] == 0
+    out = subprocess.run([sys.executable, "-m", "graphburst.cli", "serve", "--model", str(tmp_path / "target"),
+                          *SIZES], input=b"", capture_output=True, env=ENV, timeout=60)
+    assert out.returncode == 2 and "-k: 3 drafts per round need a draft" in out.stderr.decode()
+
+
 @pytest.mark.parametrize("flags, flag", [
     (["--model", "tiny-random", "--vocab", "100"], "--vocab"),
     (["--model", "tiny-random", "--accept", "0.5"], "--accept"),
     (["--model", "tiny-random", "--draft", "."], "--draft"),
-    (["--model", "."], "--draft"),
+    (["--model", "."], "--model"),
+    (["--model", "tiny-random", "-k", "0", "--p-min", "0.2"], "--p-min"),
+    (["--model", "tiny-random", "-k", "0", "--draft", "ngram"], "-k"),
     (["--model", "/no/such/dir", "--draft", "."], "--model"),
     (["--dtype", "bfloat16"], "--dtype"),
 ])
@@ -127,3 +147,8 @@ def test_gpu_jsonl_tiny_random_equals_plain_greedy():
     recs = serve_jsonl("--model", "tiny-random", *flags, lines=[{"prompt": p, "max_new_tokens": NEW} for p in PROMPTS])
     for i, prompt in enumerate(PROMPTS, start=1):
         assert recs[i]["tokens"] == tiny_greedy(prompt, NEW), i
+    # plain decoding (k 0) of the same target on the GPU: its T = 1 verify captured in the burst
+    recs = serve_jsonl("--model", "tiny-random", *flags[:-4], "-k", "0", "-m", "4",
+                       lines=[{"prompt": p, "max_new_tokens": NEW} for p in PROMPTS])
+    for i, prompt in enumerate(PROMPTS, start=1):
+        assert recs[i]["tokens"] == tiny_greedy(prompt, NEW) and recs[i]["accepted_per_round"] == 0, i
