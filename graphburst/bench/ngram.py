@@ -5,7 +5,8 @@ history length, each config checked bit-exact against the numpy twin before it i
 (CUDA events around graph replays, medians).
 
 Part 2 (:mod:`.ngram_e2e`): acceptance and tokens/s of graphburst with ``NgramDraft``
-against the same target's plain graphed decoding, the same lookup synced every round, and
+against the same target's plain graphed decoding (graphburst's own with no draft, and a torch
+graph of plain forwards), the same lookup synced every round, and
 transformers' ``generate`` plain and with prompt lookup, per workload, batch and k. The
 target is a random-weight shape (``--model tiny|small|1b``, default 1b: token-id workloads)
 or a trained checkpoint (``--model smollm2-135m``, a GGUF file or a directory with a
@@ -188,7 +189,9 @@ def _e2e_part(console, backend, s) -> tuple:
     rows, failures = [], []  # failures: engines whose tokens diverged from graphburst's, not at a near-tie
     for batch in s["e2e_batches"]:
         # k-independent engines: plain graphed decoding (2M forwards per graph replay: a burst's most at k=1)
-        fixed = {"plain": PlainLoop(src, batch=batch, steps=2 * s["m"])}
+        fixed = {"plain": PlainLoop(src, batch=batch, steps=2 * s["m"]),
+                 "graphburst-plain": NgramBurst(src, batch=batch, k=0, m=s["m"], n_min=s["n_min"],
+                                                n_max=s["n_max"], backend=backend)}
         if batch == 1:
             fixed["hf-plain"] = HFGenerate(src, lookup=0, n_max=s["n_max"])
         by_k = {}

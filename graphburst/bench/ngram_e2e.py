@@ -7,6 +7,8 @@ Engines (all greedy, one target, every forward over the same tensors):
 * ``graphburst-ngram-sync``: the same decoder run eagerly with a host sync after every round
   (``BurstMode.PER_ROUND_SYNC``), as engines that read the accepted count each round do: what
   one graph per burst buys on the same lookup.
+* ``graphburst-plain``: the same decoder with no draft (``k = 0``): one token a round, M rounds
+  a replay, as ``graphburst serve --model`` decodes a checkpoint given no draft.
 * ``plain``: the same target's plain greedy decoding, one token per forward; on the GPU
   ``steps`` forwards and their argmax are captured into one torch CUDA graph (one host
   sync per graph), so the baseline is as free of the host as a burst is.
@@ -109,13 +111,13 @@ class PlainLoop:
 
 class NgramBurst:
     """graphburst with the prompt-lookup draft over ``src``: one graph per burst, or ``mode`` an eager
-    mode (``PER_ROUND_SYNC``: a host sync after every round)."""
+    mode (``PER_ROUND_SYNC``: a host sync after every round); ``k = 0``: no draft, plain decoding."""
 
     def __init__(self, src, *, batch: int, k: int, m: int, n_min: int, n_max: int, backend,
                  mode: BurstMode = BurstMode.GRAPH):
         cap = src.capacity
         target = TorchTarget(instance(src, batch=batch), batch=batch, capacity=cap, backend=backend)
-        self.draft = NgramDraft(batch, src.vocab, cap, n_min=n_min, n_max=n_max, backend=backend)
+        self.draft = NgramDraft(batch, src.vocab, cap, n_min=n_min, n_max=n_max, backend=backend) if k else None
         self.dec = SpecDecoder(target, self.draft, k=k, m_rounds=m)
         self.device = next(src.parameters()).device
         self.mode = mode
