@@ -112,6 +112,15 @@ class LoopProgram:
 DEVICE_EXIT_CHOICES = (False, True, "auto")
 
 
+def ladder_rungs(m_max: int) -> tuple[int, ...]:
+    """The burst lengths of a ladder up to ``m_max``: 1, 2, 4, ... below it, then ``m_max`` itself."""
+    rungs, r = [], 1
+    while r < m_max:
+        rungs.append(r)
+        r *= 2
+    return (*rungs, m_max)
+
+
 def device_exit_refusal(decoder: SpecDecoder) -> tuple[str | None, str]:
     """(why a device-exit burst graph cannot be built for ``decoder``, or None; what the probe found).
 
@@ -227,10 +236,17 @@ class BurstGraph:
         every burst launched before :meth:`answer_stop` runs zero rounds, however many are queued
         (a serving loop answers with the admission it asked for). Without it the end of a burst
         answers every request made before it.
+    ladder : bool
+        Where the burst is not a device-exit one (``device_exit`` False, or "auto" where the WHILE
+        graph cannot be built): capture one fixed-length graph per rung of :func:`ladder_rungs`
+        (M = 1, 2, 4, ..., ``m_rounds``) for each graph in rotation, so :meth:`replay` may launch a
+        burst of fewer rounds (``rounds``) where the host wants the next boundary sooner. The rungs
+        share the buffers and the pinned output blocks; :attr:`rungs` lists them.
     """
 
     def __init__(self, decoder: SpecDecoder, *, gapless: bool = False, depth: int | None = None,
-                 capture_mode: str = "global", device_exit: bool | str = False, hold_stops: bool = False):
+                 capture_mode: str = "global", device_exit: bool | str = False, hold_stops: bool = False,
+                 ladder: bool = False):
         if not isinstance(decoder, SpecDecoder):
             raise TypeError(f"decoder must be a SpecDecoder, got {type(decoder).__name__}")
         if depth is not None:
@@ -265,6 +281,14 @@ class BurstGraph:
         if hold_stops and device_exit is False:
             raise ValueError("hold_stops=True needs device_exit=True or 'auto': a fixed-M burst reads no stop request")
         self.hold_stops = bool(hold_stops) and self.device_exit
+        if not isinstance(ladder, (bool, np.bool_)):
+            raise TypeError(f"ladder must be a bool, got {type(ladder).__name__} {ladder!r}")
+        if ladder and device_exit is True:
+            raise ValueError("ladder=True stands in for a device-exit burst where none can be built; with "
+                             "device_exit=True there is nothing for it to stand in for")
+        #: the ladder's burst lengths (one fixed length, m_rounds, without a ladder)
+        self.ladder = bool(ladder) and not self.device_exit
+        self.rungs = ladder_rungs(decoder.m_rounds) if self.ladder else (decoder.m_rounds,)
         self.last_rounds = None  # rounds the last drained burst ran
         self.last_exit_reason = None  # why a device-exit burst ended: "m_max", "idle" or "flag"
         bufs = decoder.bufs
@@ -281,7 +305,8 @@ class BurstGraph:
             self._host_exit = [self.backend.host_buffer((EXIT_WORDS,)) for _ in range(self.n_graphs)]
             # The stream the WHILE body is captured on (capture only: the body runs in the graph)
             self._body_stream = self.backend.new_stream()
-        self._pending: deque[int] = deque()
+        self._pending: deque[int] = deque()  # the graph in rotation of each burst in flight, oldest first
+        self._pending_rounds: deque[int] = deque()  # and its rounds (a ladder's rung)
         self._next_graph = 0
         self.captures = 0
         self.capture()
@@ -294,8 +319,8 @@ class BurstGraph:
                 return self.backend.xp.cuda.Event(disable_timing=True)
         return HostEvent()
 
-    def _program(self, graph_index: int) -> list[Call]:
-        return self.dec.burst_calls() + [self._outputs_call(graph_index)]
+    def _program(self, graph_index: int, rounds: int | None = None) -> list[Call]:
+        return self.dec.burst_calls(rounds) + [self._outputs_call(graph_index)]
 
     def _outputs_call(self, graph_index: int) -> Call:
         copy = functools.partial(self.backend.copy_to_host, self._host_blocks[graph_index], self.dec.bufs.out_block)
@@ -343,8 +368,9 @@ class BurstGraph:
                 _capture_failed(call, exc)
             return stream.end_capture()
 
-    def _capture_one(self, graph_index: int):
-        """Graph ``graph_index``'s program as a graph (cupy) or a recorded program (numpy), uploaded."""
+    def _capture_one(self, graph_index: int, rounds: int | None = None):
+        """Graph ``graph_index``'s program (of ``rounds`` rounds: a ladder's rung) as a graph (cupy) or a
+        recorded program (numpy), uploaded."""
         if self.device_exit:
             if self.backend.is_gpu and self._torch is not None:
                 with self.backend.device():
@@ -358,7 +384,7 @@ class BurstGraph:
             with self.backend.device():
                 graph.upload(self.dec.stream)
             return graph
-        program = self._program(graph_index)
+        program = self._program(graph_index, rounds)
         if not self.backend.is_gpu:
             graph = RecordedProgram(program)
         elif self._torch is not None:
@@ -421,8 +447,8 @@ class BurstGraph:
                     _warm_up_models(self.dec, self._body_stream)
         getters, holders = self._baked_buffers()
         guard = AddressGuard(getters, holders, self.backend.address)
-        with COLLECTOR_PAUSE:
-            graphs = [self._capture_one(i) for i in range(self.n_graphs)]
+        with COLLECTOR_PAUSE:  # per graph in rotation, one graph per rung (_graph_of finds it)
+            graphs = [self._capture_one(i, r) for i in range(self.n_graphs) for r in self.rungs]
         # Only a complete capture replaces the old graphs and their guard: after a failed
         # recapture the old guard still reports what refresh_tables() moved.
         self.guard, self._graphs = guard, graphs
@@ -435,11 +461,14 @@ class BurstGraph:
 
     # ------------------------------------------------------------------ replay
 
-    def replay(self, *, timing_events=None) -> None:
+    def replay(self, *, rounds: int | None = None, timing_events=None) -> None:
         """Launch one burst: a single graph launch, no host sync.
 
         Parameters
         ----------
+        rounds : int, optional
+            A ladder's burst length: the shortest rung of at least ``rounds`` (capped at the
+            longest) is launched. None (and always without a ladder): ``m_rounds``.
         timing_events : (Event, Event), optional
             Recorded on the stream just before and after the launch, for
             measuring replay time and the GPU's idle gap between bursts.
@@ -451,16 +480,18 @@ class BurstGraph:
         CapacityError
             The burst could write past a KV cache's capacity.
         """
+        rung = self.rung_for(rounds)
         self.guard.check()
         self.dec.begin_burst(max_outstanding=self.n_graphs)
         i, stream = self._next_graph, self.dec.stream
         if timing_events is not None:
             timing_events[0].record(stream)
-        self._graphs[i].launch(stream)
+        self._graph_of(i, rung).launch(stream)
         if timing_events is not None:
             timing_events[1].record(stream)
         self._events[i].record(stream)
         self._pending.append(i)
+        self._pending_rounds.append(rung)
         self._next_graph = (i + 1) % self.n_graphs
 
     def drain(self) -> BurstTokens:
@@ -471,12 +502,12 @@ class BurstGraph:
         """
         if not self._pending:
             raise RuntimeError("no burst to drain: replay() first")
-        i = self._pending.popleft()
+        i, rung = self._pending.popleft(), self._pending_rounds.popleft()
         self._events[i].synchronize()
         if self.device_exit:
             self.last_rounds, self.last_exit_reason = rounds_and_reason(self._host_exit[i])
         else:
-            self.last_rounds = self.dec.m_rounds
+            self.last_rounds = rung
         # Read now: the next launch of graph i rewrites its block.
         if self.dec.host_mirror is not None:  # in one C call (host_ops.c)
             tokens = self.dec.finish_block(self._host_addrs[i])
@@ -486,9 +517,28 @@ class BurstGraph:
             tokens = split_ring(ring)
             self.last_acc = acc.copy()
             self.dec.finish_burst(tokens, mirror=(pos, budget))
-        if self.device_exit:
+        if self.device_exit or self.ladder:
             tokens.rounds = self.last_rounds
         return tokens
+
+    def rung_for(self, rounds: int | None) -> int:
+        """The rung :meth:`replay` launches for ``rounds``: the shortest of at least ``rounds``, capped at the
+        longest (``m_rounds``); None, or a graph without a ladder: ``m_rounds``."""
+        if rounds is None or not self.ladder:
+            return self.dec.m_rounds
+        for rung in self.rungs:
+            if rung >= rounds:
+                return rung
+        return self.rungs[-1]
+
+    @property
+    def rounds_in_flight(self) -> int:
+        """Rounds of the bursts launched and not yet drained (at most; a device-exit burst may run fewer)."""
+        return sum(self._pending_rounds)
+
+    def _graph_of(self, graph_index: int, rounds: int):
+        """The captured graph of rotation slot ``graph_index`` and burst length ``rounds`` (a rung)."""
+        return self._graphs[graph_index * len(self.rungs) + self.rungs.index(rounds)]
 
     def request_stop(self) -> None:
         """End the device-exit burst in flight at its next round boundary (or make the next one run
@@ -537,9 +587,10 @@ class BurstGraph:
         """Node count read back from the CUDA graph (None without cuda.bindings or on numpy)."""
         if not self.backend.is_gpu:
             return None
+        graph = self._graph_of(0, self.dec.m_rounds)
         if self._torch is not None:
-            return self._graphs[0].node_count()
-        return graph_node_count(self._graphs[0].graph)
+            return graph.node_count()
+        return graph_node_count(graph.graph)
 
     def info(self) -> dict:
         """Counts a user checks before adopting the graph."""
@@ -559,4 +610,5 @@ class BurstGraph:
             "captures": self.captures,
             "device_exit": self.device_exit,
             "device_exit_probe": self.device_exit_probe,
+            "ladder": list(self.rungs) if self.ladder else None,
         }

@@ -102,7 +102,8 @@ def add_parser(sub) -> None:
                    help="graph engine: run each burst's rounds in a conditional WHILE node that ends at the round "
                         "where every slot is done or a request arrives, so a new request waits about one round for "
                         "its prefill instead of the bursts in flight (on: refuse to start where WHILE graphs cannot "
-                        "be built; auto: fixed-M bursts there)")
+                        "be built; auto: a ladder there; ladder: fixed-length graphs of 1, 2, 4 ... M rounds, each "
+                        "burst as long as the queue wants)")
     p.add_argument("--live", action="store_true", help="show the live view even when stderr is not a terminal")
     # --- HTTP mode (graphburst/serving/http.py) ---
     h = p.add_argument_group("HTTP server (--http)")

@@ -133,8 +133,14 @@ def server_window(before: dict, after: dict) -> dict:
                 accepted_per_round=delta("graphburst_draft_accepted_total") / rounds if rounds else None,
                 # device-exit bursts by why they ended (all 0 with fixed-M bursts)
                 burst_exits={r: int(delta(f'graphburst_burst_exits_total{{reason="{r}"}}'))
-                             for r in BURST_EXIT_REASONS})
+                             for r in BURST_EXIT_REASONS},
+                # a ladder's bursts by their rounds (empty without a ladder)
+                ladder_bursts={name[len(LADDER_SAMPLE):-2]: int(delta(name)) for name in sorted(after)
+                               if name.startswith(LADDER_SAMPLE)})
 
+
+#: the start of a ladder burst count's sample name, before its rounds label's value
+LADDER_SAMPLE = 'graphburst_ladder_bursts_total{rounds="'
 
 #: TTFT's parts: the access log's field of each
 SPLIT_FIELDS = {"queue": "queue_ms", "prefill": "prefill_ms", "emit": "emit_ms"}

@@ -389,10 +389,13 @@ class SpecDecoder:
                            fused=self.fused, assemble=self.assemble, sampling=self.sampling, first_round=first_round,
                            fields=self.fields)
 
-    def burst_calls(self) -> list[Call]:
-        """The bound calls of a whole M-round burst (fused bursts start with a head seed)."""
+    def burst_calls(self, rounds: int | None = None) -> list[Call]:
+        """The bound calls of a whole burst of ``rounds`` rounds (default M; fused bursts start with a
+        head seed). A shorter burst commits into the same ring, so it leaves an r-round burst's state."""
+        rounds = self.m_rounds if rounds is None else rounds
+        assert 1 <= rounds <= self.m_rounds, rounds  # the ring holds M rounds
         head = [self._seed_call(reset_ring=True)] if self.fused else []
-        return head + [c for r in range(self.m_rounds) for c in self.round_calls(first_round=r == 0)]
+        return head + [c for r in range(rounds) for c in self.round_calls(first_round=r == 0)]
 
     # ------------------------------------------------------------------ running
 

@@ -83,8 +83,8 @@ class CheckedGraph(BurstGraph):
         self.drain_timeout_s = float(timeout)
         super().__init__(dec, gapless=gapless, depth=depth)
 
-    def _program(self, graph_index: int) -> list[Call]:
-        program = super()._program(graph_index)
+    def _program(self, graph_index: int, rounds: int | None = None) -> list[Call]:
+        program = super()._program(graph_index, rounds)
         check = self.dec.check
         # The check call of graph ``graph_index`` copies into that graph's own host vector.
         return [Call(c.name, functools.partial(check, graph_index=graph_index)) if c.name == "rank_check" else c

@@ -41,7 +41,7 @@ PROMPT_STAGING_BYTES = 4  # the decoder's prefill staging, [B * capacity] int32:
 #: the rows drafted past the capacity are dropped (stubs) or land in the KV slack rows (models.llama).
 MIN_CAPACITY = 2
 #: ``device_exit`` (``--device-exit``) -> ``ServeLoop(device_exit=...)``
-DEVICE_EXIT_FLAGS = {"off": False, "auto": "auto", "on": True}
+DEVICE_EXIT_FLAGS = {"off": False, "auto": "auto", "on": True, "ladder": "ladder"}
 #: Bursts in flight of the pipelined graph engine when ``pipeline_depth`` is not given.
 DEFAULT_PIPELINE_DEPTH = 2
 #: Measured with the stub models sampling on the numpy backend at batch 64, vocab 32000, k 4, M 8 (the
@@ -108,7 +108,7 @@ class ServeConfig:
     prefill_chunk: int | None = None  # prompt tokens prefilled per burst boundary (None: whole prompts)
     prefill_warmup: int | None = None  # rows warmed before serving (None: DEFAULT_PREFILL_WARMUP; 0: off)
     admission: str = "auto"  # pipelined: admit before ("early") or after ("late") refilling; ServeLoop's admission
-    device_exit: str = "off"  # graph engine: bursts end on the device ("on", "auto": ServeLoop's device_exit)
+    device_exit: str = "off"  # graph engine: bursts end on the device ("on", "auto", "ladder": ServeLoop's device_exit)
     # stub models (the default)
     vocab: int | None = None
     layers: int | None = None
@@ -422,6 +422,15 @@ def startup_notes(config: ServeConfig, loop: ServeLoop, *, chat: bool = False) -
     without ``max_tokens`` (``chat``: the chat route is on), and, for the stub models sampling on the CPU,
     how slow that is."""
     lines = []
+    graph = loop.graph
+    if config.device_exit != "off" and graph is not None:
+        if graph.device_exit:
+            lines.append("bursts end on the device: each burst's rounds run in a conditional WHILE node")
+        elif graph.ladder:
+            why = "" if config.device_exit == "ladder" else f" (a WHILE-node burst cannot be built here: " \
+                                                            f"{graph.device_exit_probe})"
+            lines.append(f"bursts of a ladder of {', '.join(map(str, graph.rungs))} rounds, each as long as the queue "
+                         f"wants{why}")
     if chat:
         lines.append(f"a chat request without max_tokens runs until a stop token or a full slot: up to "
                      f"{loop.dec.capacity} tokens minus its prompt; send max_tokens to bound it")

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import math
 import time
 from collections.abc import AsyncIterator, Iterator
 
@@ -65,11 +66,21 @@ __all__ = ["ENGINE_MODES", "SERVE_MODES", "Request", "RequestState", "ServeLoop"
            "percentiles"]
 
 
+#: ``device_exit`` values: a burst graph's (False, True, "auto"), or LADDER, its fallback asked for by name
+LADDER = "ladder"
+LOOP_DEVICE_EXIT_CHOICES = (*DEVICE_EXIT_CHOICES, LADDER)
+#: A ladder loop with a batch slot free launches bursts of about this many device ms (by the last
+#: burst's time per round): a request arriving then waits for the bursts in flight, so their length is
+#: its wait; a few ms keeps that near a peer's per-round wait while the host's cost per burst (tens of
+#: µs to launch, drain and hand out) stays around 1% of the GPU's time.
+LADDER_FREE_SLOT_MS = 4.0
+
+
 def check_device_exit(device_exit, *, engine: BurstMode, local_timing: bool) -> None:
-    """``device_exit``: False, True or "auto"; not False only for the graph engine, under a policy
-    whose steps follow this process's own timings."""
-    if not any(device_exit is c for c in DEVICE_EXIT_CHOICES):
-        raise ValueError(f"device_exit must be one of {DEVICE_EXIT_CHOICES}, got {device_exit!r}")
+    """``device_exit``: False, True, "auto" or "ladder"; not False only for the graph engine, under a
+    policy whose steps follow this process's own timings."""
+    if not (any(device_exit is c for c in DEVICE_EXIT_CHOICES) or _is_ladder(device_exit)):
+        raise ValueError(f"device_exit must be one of {LOOP_DEVICE_EXIT_CHOICES}, got {device_exit!r}")
     if device_exit is False:
         return
     if engine != BurstMode.GRAPH:
@@ -78,6 +89,10 @@ def check_device_exit(device_exit, *, engine: BurstMode, local_timing: bool) -> 
     if not local_timing:
         raise ValueError(f"device_exit={device_exit!r} ends bursts when requests arrive here, and this loop's policy "
                          f"must take the same steps as other processes (local_timing is False)")
+
+
+def _is_ladder(device_exit) -> bool:
+    return isinstance(device_exit, str) and device_exit == LADDER
 
 
 class ServeLoop:
@@ -120,7 +135,7 @@ class ServeLoop:
     policy : LoopPolicy, optional
         How the decoder and graph are built and what the loop may decide on its own
         (:mod:`~graphburst.serving.policy`); default a :class:`~graphburst.serving.policy.LocalPolicy`.
-    device_exit : {False, True, "auto"}
+    device_exit : {False, True, "auto", "ladder"}
         Graph engine: bursts whose rounds run in a conditional WHILE node that ends at the round
         where every slot is done, or where the loop asked it to stop (``BurstGraph(...,
         device_exit=..., hold_stops=True)``). A request arriving while bursts run (:meth:`submit`,
@@ -128,9 +143,13 @@ class ServeLoop:
         the burst running ends at its next round, those queued behind it run none, the next step
         admits the request and answers the flag, and the bursts launched after that run whole. So a
         new request waits about one round for its prefill, not every burst in flight. ``"auto"``
-        falls back to fixed-M bursts where WHILE graphs cannot be built (:attr:`device_exit` says
-        which runs); True raises ValueError there. Needs a policy with ``local_timing`` (each
-        process stops its bursts on its own arrivals).
+        falls back to a ladder where WHILE graphs cannot be built (:attr:`device_exit` and
+        :attr:`ladder` say which runs); True raises ValueError there. ``"ladder"``: the ladder
+        whatever the device has: fixed-length graphs of 1, 2, 4, ..., M rounds, each burst as
+        long as the queue wants (one round while a request waits for a free slot; about
+        :data:`LADDER_FREE_SLOT_MS` while a slot is free; else M, or fewer where every slot
+        finishes sooner). Needs a policy with ``local_timing`` (each process stops its bursts
+        on its own arrivals).
 
     Attributes
     ----------
@@ -168,11 +187,18 @@ class ServeLoop:
                                              **({"fields": True} if self.fields else {}))
         self.engine = engine
         make_graph = functools.partial(policy.make_graph, dec)
-        if device_exit is not False:  # a policy without local timing was refused above
-            make_graph = functools.partial(make_graph, device_exit=device_exit, hold_stops=True)
+        if _is_ladder(device_exit):  # a policy without local timing was refused above
+            make_graph = functools.partial(make_graph, ladder=True)
+        elif device_exit is not False:
+            make_graph = functools.partial(make_graph, device_exit=device_exit, hold_stops=True,
+                                           **({"ladder": True} if device_exit == "auto" else {}))
         self.pipeline = BurstPipeline(dec, engine, pipelined, make_graph=make_graph, depth=depth)
         #: bursts end on the device (a WHILE-node graph that holds stops): what ``device_exit`` gave
         self.device_exit = bool(self.pipeline.graph is not None and self.pipeline.graph.device_exit)
+        #: bursts of the lengths of a ladder, picked per burst (:meth:`_ladder_rounds`)
+        self.ladder = self.pipeline.ladder
+        if self.ladder:
+            self.pipeline.rounds_for = self._ladder_rounds
         # Every admission graph a request can take, captured now, not by its first request: the process's
         # first capture took 14 ms on an H200, later ones ~0.1 ms, and a prefill that cannot be captured
         # shows here (engine/admission/graphs.py; nothing for decoders that admit eagerly)
@@ -409,6 +435,21 @@ class ServeLoop:
             dec.request_stop()  # the delivery freed a slot a request waits for: admit it at the next round
         return delivered
 
+    def _ladder_rounds(self) -> int:
+        """The rounds of the next ladder burst: one while a request waits for a free slot (the next
+        boundary admits it a round later); about :data:`LADDER_FREE_SLOT_MS` of device time while a
+        slot is free (a request arriving waits for the bursts in flight); else M, or as few as the
+        longest remaining budget needs after the bursts in flight (a round commits a token at least)."""
+        table, pipeline, rounds = self.table, self.pipeline, self.dec.m_rounds
+        if table.n_occupied < table.batch:
+            if self.intake.queue:
+                return 1
+            round_ms = pipeline.round_ms
+            if round_ms is not None and round_ms > 0:
+                rounds = min(rounds, math.ceil(LADDER_FREE_SLOT_MS / round_ms))
+        left = int(self.dec.host_left.max()) - pipeline.rounds_in_flight
+        return max(1, min(rounds, left))
+
     def run_until_idle(self) -> None:
         """Serve until every submitted request has finished and nothing is in flight."""
         while not self.idle:
@@ -475,4 +516,6 @@ class ServeLoop:
             "burst_rounds": self.pipeline.rounds,
             "rounds_per_burst": self.pipeline.rounds / record.bursts if record.bursts else None,
             "burst_exits": dict(self.pipeline.exits),
+            "ladder": self.ladder,
+            "ladder_bursts": {str(r): n for r, n in self.pipeline.rungs.items()},
         }

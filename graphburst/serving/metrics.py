@@ -68,6 +68,11 @@ class _LoopCollector:
         for reason, n in s.get("burst_exits", {}).items():
             exits.add_metric([reason], n)
         yield exits
+        ladder = CounterMetricFamily("graphburst_ladder_bursts",
+                                     "Bursts launched from a ladder of burst lengths, by their rounds", labels=["rounds"])
+        for rounds, n in s.get("ladder_bursts", {}).items():
+            ladder.add_metric([rounds], n)
+        yield ladder
         steady = CounterMetricFamily("graphburst_steady_bursts",
                                      "Bursts launched with every batch slot running (timed on a GPU only)")
         steady.add_metric([], s.get("steady_bursts", 0))

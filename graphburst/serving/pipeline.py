@@ -2,7 +2,9 @@
 
 The graph engine replays one captured :class:`BurstGraph`; pipelined (``gapless``) it
 keeps up to ``depth`` bursts enqueued (two by default), so the host hands out one burst's
-tokens and admits requests while the GPU runs the next ones. The eager engine runs a burst that syncs every round, for comparison.
+tokens and admits requests while the GPU runs the next ones. A graph with a ladder of burst
+lengths (``BurstGraph(..., ladder=True)``) launches each burst at the length its ``rounds_for``
+callable picks (the serving loop's, from its queue). The eager engine runs a burst that syncs every round, for comparison.
 Each burst is timed on the device by a :class:`~graphburst.serving.timing.BurstClock`, and
 tagged at launch with whether every batch slot was running a request (the steady window).
 
@@ -67,6 +69,11 @@ class BurstPipeline:
         # one, or without GPU timing): what the admission schedule weighs the host's admission time
         # against, as a device-exit burst may end after any number of rounds (zero while a stop is held)
         self.burst_ms = None
+        #: a ladder graph's burst length for the next launch: ``rounds_for() -> int`` (None: M rounds)
+        self.rounds_for = None
+        self.ladder = bool(self.graph is not None and self.graph.ladder)
+        # ladder bursts launched, by their rounds
+        self.rungs = dict.fromkeys(self.graph.rungs, 0) if self.ladder else {}
 
     def __len__(self) -> int:
         return len(self._in_flight)
@@ -79,7 +86,11 @@ class BurstPipeline:
     def launch(self, steady: bool) -> None:
         """Enqueue one graph burst; ``steady``: every batch slot runs a request."""
         events = self.clock.events()
-        self.graph.replay(timing_events=events)
+        rounds = None
+        if self.ladder and self.rounds_for is not None:
+            rounds = self.graph.rung_for(self.rounds_for())
+            self.rungs[rounds] += 1
+        self.graph.replay(rounds=rounds, timing_events=events)
         self._in_flight.append((events, steady))
         self.launched += 1
 
@@ -109,7 +120,17 @@ class BurstPipeline:
         # A burst commits at least one token per round for every live slot, so once the
         # bursts in flight are bound to use up every remaining budget, another is waste.
         # count_nonzero of the comparison, not max(): a numpy reduction costs ~1 µs of set-up.
-        return np.count_nonzero(self.dec.host_left > self.dec.m_rounds * len(self._in_flight)) > 0
+        return np.count_nonzero(self.dec.host_left > self.rounds_in_flight) > 0
+
+    @property
+    def rounds_in_flight(self) -> int:
+        """Rounds the bursts in flight run at most."""
+        return self.graph.rounds_in_flight if self.ladder else self.dec.m_rounds * len(self._in_flight)
+
+    @property
+    def round_ms(self) -> float | None:
+        """Device ms of one round, from :attr:`burst_ms` (None before a burst was timed)."""
+        return None if self.burst_ms is None else self.burst_ms / self.dec.m_rounds
 
     def run_eager(self, steady: bool):
         """One eager burst that syncs every round: ``(BurstTokens, accept counters [B, 2])``."""

@@ -149,6 +149,10 @@ def test_the_gpu_idle_of_a_window_comes_from_the_counters():
     assert w["gpu_idle_fraction"] == pytest.approx(0.25)  # 1 idle / (3 busy + 1 idle); the whole-run figure is 0.43
     assert w["accepted_per_round"] == 3.0 and w["bursts"] == 4
     assert server_window(before, before)["gpu_idle_fraction"] is None  # no GPU timing: no figure made up
+    assert w["ladder_bursts"] == {}  # no ladder
+    before['graphburst_ladder_bursts_total{rounds="1"}'] = 2.0
+    after.update({'graphburst_ladder_bursts_total{rounds="1"}': 5.0, 'graphburst_ladder_bursts_total{rounds="8"}': 4.0})
+    assert server_window(before, after)["ladder_bursts"] == {"1": 3, "8": 4}
 
 
 def test_the_check_reports_every_difference():

@@ -8,6 +8,7 @@ the fixed-M loop's.
 
 from __future__ import annotations
 
+import math
 import time
 import types
 
@@ -142,19 +143,66 @@ def test_no_stop_is_asked_when_every_slot_is_taken():
     check_oracle([first, waiting])
 
 
-def test_device_exit_auto_without_while_graphs_runs_fixed_bursts(monkeypatch):
+def test_device_exit_auto_without_while_graphs_runs_a_ladder(monkeypatch):
     from graphburst import capture
 
     monkeypatch.setattr(capture, "device_exit_refusal", lambda dec: ("no conditional nodes here", "none"))
     loop = make_loop(2, device_exit="auto")
-    assert not loop.device_exit and loop.stats()["rounds_per_burst"] is None
+    assert not loop.device_exit and loop.ladder and loop.stats()["rounds_per_burst"] is None
     states = [loop.submit(Request([1, 2, 3], 17)), loop.submit(Request([4], 9))]
     loop.run_until_idle()
     check_oracle(states)
-    assert loop.stats()["rounds_per_burst"] == 8.0
-    assert loop.stats()["burst_exits"] == {"m_max": 0, "idle": 0, "flag": 0}  # fixed-M bursts: none counted
+    stats = loop.stats()
+    assert stats["burst_exits"] == {"m_max": 0, "idle": 0, "flag": 0}  # fixed-length bursts: no exit counted
+    assert stats["ladder"] and sum(stats["ladder_bursts"].values()) == stats["bursts"]
+    assert stats["burst_rounds"] == sum(int(r) * n for r, n in stats["ladder_bursts"].items())
     with pytest.raises(ValueError, match="device_exit=True is not available here: no conditional nodes here"):
         make_loop(2, device_exit=True)
+
+
+@pytest.mark.parametrize("depth", [2, 3])
+def test_ladder_loop_tokens_equal_the_oracle_with_churn(backend, depth):
+    loop = make_loop(3, backend=backend, depth=depth, device_exit="ladder")
+    assert loop.ladder and not loop.device_exit and loop.graph.rungs == (1, 2, 4, 8)
+    rng = np.random.default_rng(depth)
+    states = []
+    for wave in range(4):
+        states += [loop.submit(Request(rng.integers(0, VOCAB, int(rng.integers(1, 9))).tolist(),
+                                       int(rng.integers(1, 60)))) for _ in range(4)]
+        for _ in range(3):
+            loop.step()
+    loop.run_until_idle()
+    check_oracle(states)
+    rungs = loop.stats()["ladder_bursts"]
+    assert rungs["1"] > 0  # requests waited for a slot: their admission came a round later
+    assert rungs["8"] > 0  # a full batch with nobody waiting runs whole bursts
+
+
+def test_ladder_rounds_follow_the_queue_and_the_budgets():
+    from graphburst.serving.loop import LADDER_FREE_SLOT_MS
+
+    loop = make_loop(2, device_exit="ladder", depth=2)
+    pipeline = loop.pipeline
+    a = loop.submit(Request([1, 2], 400))
+    loop.step()
+    # a slot free, nobody waiting, no GPU timing yet (numpy): M rounds, the budget allowing
+    assert pipeline.rounds_in_flight == 16 and loop._ladder_rounds() == 8
+    # with a burst's time known, a free slot gets bursts of about LADDER_FREE_SLOT_MS
+    for burst_ms, want in ((16.0, 2), (80.0, 1), (1.0, 8)):  # 2, 10 and 0.125 ms a round at M = 8
+        pipeline.burst_ms = burst_ms
+        assert loop._ladder_rounds() == want == max(1, min(8, math.ceil(LADDER_FREE_SLOT_MS / (burst_ms / 8))))
+    b = loop.submit(Request([3], 400))
+    c = loop.submit(Request([4], 3))
+    loop.step()  # b takes the free slot and c waits: no slot free, so bursts run whole
+    assert loop.table.n_occupied == 2 and loop.intake.queue and loop._ladder_rounds() == 8
+    loop.cancel(a)
+    loop.step()  # a's slot freed, and c admitted in it
+    loop.cancel(b)
+    loop.step()
+    # c alone, 3 tokens left, bursts in flight covering them: the shortest burst
+    assert loop.dec.host_left.max() <= pipeline.rounds_in_flight and loop._ladder_rounds() == 1
+    loop.run_until_idle()
+    check_oracle([c])
 
 
 def test_device_exit_is_validated():
@@ -181,9 +229,9 @@ def test_gpu_a_request_arriving_during_a_long_burst_gets_its_first_token_within_
 
     backend = Backend("cupy")
     ttft, per_round = {}, {}
-    for dx in (True, False):
+    for dx in (True, False, "ladder"):
         loop = make_loop(2, backend=backend, m=32, cost_ns=200_000, capacity=8192, device_exit=dx)
-        assert loop.device_exit is dx
+        assert loop.device_exit is (dx is True) and loop.ladder is (dx == "ladder")
         long = loop.submit(Request([5, 6, 7], 4000))
         for _ in range(6):
             loop.step()
@@ -198,6 +246,8 @@ def test_gpu_a_request_arriving_during_a_long_burst_gets_its_first_token_within_
         assert long.tokens == greedy_reference(long.request.prompt, len(long.tokens), VOCAB)
         stats = loop.stats()
         per_round[dx] = stats["rounds_per_burst"]
-    print(f"\nfirst token after submission: device exit {ttft[True]:.1f} ms, fixed M=32 {ttft[False]:.1f} ms; "
-          f"rounds per burst {per_round[True]:.1f} / {per_round[False]:.1f}")
+    print(f"\nfirst token after submission: device exit {ttft[True]:.1f} ms, ladder {ttft['ladder']:.1f} ms, "
+          f"fixed M=32 {ttft[False]:.1f} ms; rounds per burst {per_round[True]:.1f} / {per_round['ladder']:.1f} / "
+          f"{per_round[False]:.1f}")
     assert ttft[True] * 4 < ttft[False], ttft
+    assert ttft["ladder"] * 2 < ttft[False], ttft  # short bursts while a slot is free
