@@ -46,8 +46,8 @@ class ParallelDecoder(SpecDecoder):
         super().refresh_tables()
         self._use_stage_table()
 
-    def burst_calls(self) -> list[Call]:
-        return super().burst_calls() + [Call("rank_check", self.check)]
+    def burst_calls(self, rounds: int | None = None) -> list[Call]:
+        return super().burst_calls(rounds) + [Call("rank_check", self.check)]
 
 
 class CheckedGraph(BurstGraph):

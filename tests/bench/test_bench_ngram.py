@@ -25,8 +25,10 @@ def test_bench_ngram_smoke_on_numpy(tmp_path):
     e2e = res["results"]["e2e"]
     assert {(r["workload"], r["engine"]) for r in e2e} == {
         (w, e) for w in ("repeat", "echo")
-        for e in ("graphburst-ngram", "graphburst-ngram-sync", "plain", "hf-lookup", "hf-plain")}
+        for e in ("graphburst-ngram", "graphburst-ngram-sync", "graphburst-plain", "plain", "hf-lookup", "hf-plain")}
     assert all(r["agreed_tokens"] == 10 for r in e2e)  # fp32 on the CPU: every engine's tokens agree
+    plain = [r for r in e2e if r["engine"] == "graphburst-plain"]
+    assert all(r["accepted_per_round"] == 0 and r["tokens_per_forward"] == 1.0 for r in plain)  # no draft
 
 
 def test_bench_ngram_flag_errors():
@@ -96,3 +98,4 @@ def test_real_text_workload_on_a_trained_model(tmp_path):
     assert rows["edit_code", "graphburst-ngram"]["rounds_per_sync"] == 4.0  # M rounds, one drain
     assert rows["edit_code", "graphburst-ngram-sync"]["rounds_per_sync"] == 4 / 5  # a sync a round and the drain
     assert rows["edit_code", "graphburst-ngram"]["speedup_vs_synced"] is not None
+    assert rows["open_questions", "graphburst-plain"]["rounds_per_sync"] == 4.0  # plain decoding: M rounds a drain
