@@ -25,8 +25,8 @@ answer was enqueued stays pending: the value is the kernel's argument, not a rea
 
 from __future__ import annotations
 
+import ctypes
 import functools
-import mmap
 import threading
 import weakref
 
@@ -54,13 +54,10 @@ BURST_EXIT_REASONS = tuple(r for r in EXIT_REASONS.values() if r != RUNNING)
 class StopFlag:
     """One int32 word the host writes and the device reads: the count of stop requests.
 
-    On cupy it is a page of the process's own memory, pinned and mapped into the device's address
-    space (``cudaHostRegister(cudaHostRegisterMapped)`` through cuda.bindings, unregistered with the
-    object); the device reads it through :attr:`device_address` with no copy. A page the process
-    allocated itself, rather than ``cudaHostAlloc``'s, stays ordinary host memory under every tool:
-    compute-sanitizer's racecheck, which tracks the runtime's host allocations, took the host's
-    reads of a ``cudaHostAlloc`` word for a dereference of unified memory and stopped the process.
-    On numpy it is a plain array.
+    On cupy it is pinned host memory mapped into the device's address space
+    (``cudaHostAlloc(cudaHostAllocMapped)`` through cuda.bindings, freed with the object);
+    the device reads it through :attr:`device_address` with no copy. On numpy it is a plain
+    array.
 
     Attributes
     ----------
@@ -81,13 +78,12 @@ class StopFlag:
         except ImportError as exc:
             raise RuntimeError(f"a device-exit burst's stop flag is mapped host memory, made through cuda-python "
                                f"(cuda.bindings), which is not installed: {exc}") from exc
-        mapped = getattr(cudart, "cudaHostRegisterMapped", 2)  # cudaHostRegisterMapped is 2 in every CUDA release
-        self._page = mmap.mmap(-1, mmap.PAGESIZE)  # a page of its own, registered whole
-        self.word = np.frombuffer(self._page, np.int32, count=1)  # [1] int32 (the page is zeroed)
-        host = self.word.ctypes.data
+        mapped = getattr(cudart, "cudaHostAllocMapped", 2)  # cudaHostAllocMapped is 2 in every CUDA release
         with backend.device():
-            _checked(cudart.cudaHostRegister(host, mmap.PAGESIZE, mapped), "cudaHostRegister")
-            weakref.finalize(self, cudart.cudaHostUnregister, host)
+            host = _checked(cudart.cudaHostAlloc(4, mapped), "cudaHostAlloc")
+            weakref.finalize(self, cudart.cudaFreeHost, host)
+            self.word = np.frombuffer((ctypes.c_int32 * 1).from_address(int(host)), np.int32)  # [1] int32
+            self.word[0] = 0
             self.device_address = int(_checked(cudart.cudaHostGetDevicePointer(host, 0), "cudaHostGetDevicePointer"))
 
     def request(self) -> None:
@@ -101,12 +97,11 @@ class StopFlag:
 
 
 def _checked(result, what: str):
-    """The value of a cuda.bindings call returning ``(err, value)`` (None for one returning ``(err,)``);
-    raises on an error."""
-    err = result[0]
+    """The value of a cuda.bindings call returning ``(err, value)``; raises on an error."""
+    err, value = result[0], result[1]
     if int(err) != 0:
         raise RuntimeError(f"{what} failed: {err}")
-    return result[1] if len(result) > 1 else None
+    return value
 
 
 class RoundExit:
