@@ -4,7 +4,7 @@
 # log into OUT. A step that fails or runs out of time is reported and the next one runs; the
 # exit status is 1 if any step failed.
 #
-#   bash scripts/benchmarks.sh OUT              # every step (about an hour on one H200)
+#   bash scripts/benchmarks.sh OUT              # every step (about an hour and a quarter on one H200)
 #   bash scripts/benchmarks.sh OUT --dry-run    # print the steps, run nothing
 #   STEPS="real real_summary" bash scripts/benchmarks.sh OUT     # only the named steps
 #
@@ -71,6 +71,15 @@ step serve_profile 900 bench serve --profile --json "$OUT/serve_profile.json"
 # The real server under open-loop load, the 1b-shaped model.
 step serve_1b_http 1200 bench serve --model 1b --http --rates 16,64 --duration 6 --burst 32 \
     --json "$OUT/serve_1b_http.json"
+# Bursts that end on the device, the ladder and fixed-M bursts, under the same loads.
+for dx in on ladder off; do
+    step serve_exit_1b_r16_$dx 300 bench serve --model 1b --http --rates 16 --duration 10 -m 8 --device-exit $dx \
+        --json "$OUT/serve_exit_1b_r16_$dx.json"
+    step serve_exit_1b_r128_$dx 300 bench serve --model 1b --http --rates 128 --duration 10 -m 8 --device-exit $dx \
+        --json "$OUT/serve_exit_1b_r128_$dx.json"
+    step serve_exit_8b_r4_$dx 400 bench serve --model 8b --http --rates 4 --duration 10 --device-exit $dx \
+        --json "$OUT/serve_exit_8b_r4_$dx.json"
+done
 # Real models: the engine comparison (then its one-line summary), and where a forward's and an
 # admission's time goes (the 8b's bf16 prefill check needs the looser near-tie tolerance).
 step real 2400 bench real --json "$OUT/real.json" --plot "$OUT/real_models.png"
@@ -82,6 +91,9 @@ step ngram 2400 bench ngram --json "$OUT/ngram.json"
 step ngram_text_b1 900 bench ngram --model smollm2-135m --parts e2e --e2e-batches 1 --json "$OUT/ngram_text_b1.json"
 step ngram_text_b16_64 900 bench ngram --model smollm2-135m --parts e2e --e2e-batches 16,64 \
     --json "$OUT/ngram_text_b16_64.json"
+# Plain decoding through the burst (no draft) beside the lookup, on the same model.
+step ngram_plain 600 bench ngram --model smollm2-135m --parts e2e --e2e-batches 1,16 -k 4 \
+    --workloads edit_code,open_questions --json "$OUT/ngram_plain.json"
 
 if [ "$DRY_RUN" = 1 ]; then
     exit 0
