@@ -174,7 +174,8 @@ def check_k(args) -> None:
     if args.draft is not None:
         raise FlagError("-k", "0 decodes plainly and never calls the draft: leave --draft out")
     if args.tp > 1 or args.pp > 1:
-        raise FlagError("-k", "0 (plain decoding) is not wired into --tp/--pp: give -k 1 or more")
+        raise FlagError("-k", "0 (plain decoding) is not wired into --tp/--pp: give --draft MODEL (or a --model "
+                              f"{TINY_RANDOM}) and -k 1 or more")
 
 
 def _build(args, backend, capacity):

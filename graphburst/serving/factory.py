@@ -331,7 +331,8 @@ class ServeConfig:
         if self.draft is not None:
             raise ConfigError("k", f"0 decodes plainly and never calls the draft {self.draft!r}: leave the draft out")
         if self.tp > 1:
-            raise ConfigError("k", "0 (plain decoding) is not wired into tensor-parallel serving (tp > 1); give k >= 1")
+            raise ConfigError("k", "0 (plain decoding) is not wired into tensor-parallel serving (tp > 1); give a "
+                                   "draft checkpoint and k >= 1")
         if self.p_min not in (None, 0.0):
             raise ConfigError("p_min", f"sets the draft, which plain decoding (k 0) does without; got {self.p_min!r}")
         if self.stubs and self.accept != STUB_DEFAULTS["accept"]:

@@ -95,6 +95,31 @@ def _is_ladder(device_exit) -> bool:
     return isinstance(device_exit, str) and device_exit == LADDER
 
 
+class LadderRounds:
+    """The rounds of a ladder loop's next burst, from its queue: ``rounds(pipeline) -> int``.
+
+    One while a request waits for a free slot (the next boundary admits it a round later); about
+    :data:`LADDER_FREE_SLOT_MS` of device time while a slot is free and nobody waits (a request
+    arriving waits for the bursts in flight); else M, or as few as the longest remaining budget
+    needs after the bursts in flight (a round commits a token at least). It holds the loop's slot
+    table, intake and decoder, and is handed the pipeline that asks, so no part holds the loop.
+    """
+
+    def __init__(self, table: SlotTable, intake: RequestIntake, dec):
+        self.table, self.intake, self.dec = table, intake, dec
+
+    def __call__(self, pipeline: BurstPipeline) -> int:
+        table, rounds = self.table, self.dec.m_rounds
+        if table.n_occupied < table.batch:
+            if self.intake.queue:
+                return 1
+            round_ms = pipeline.round_ms
+            if round_ms is not None and round_ms > 0:
+                rounds = min(rounds, math.ceil(LADDER_FREE_SLOT_MS / round_ms))
+        left = int(self.dec.host_left.max()) - pipeline.rounds_in_flight
+        return max(1, min(rounds, left))
+
+
 class ServeLoop:
     """Continuous batching of requests over one captured burst graph.
 
@@ -148,7 +173,7 @@ class ServeLoop:
         whatever the device has: fixed-length graphs of 1, 2, 4, ..., M rounds, each burst as
         long as the queue wants (one round while a request waits for a free slot; about
         :data:`LADDER_FREE_SLOT_MS` while a slot is free; else M, or fewer where every slot
-        finishes sooner). Needs a policy with ``local_timing`` (each process stops its bursts
+        finishes sooner: :class:`LadderRounds`). Needs a policy with ``local_timing`` (each process stops its bursts
         on its own arrivals).
 
     Attributes
@@ -195,10 +220,8 @@ class ServeLoop:
         self.pipeline = BurstPipeline(dec, engine, pipelined, make_graph=make_graph, depth=depth)
         #: bursts end on the device (a WHILE-node graph that holds stops): what ``device_exit`` gave
         self.device_exit = bool(self.pipeline.graph is not None and self.pipeline.graph.device_exit)
-        #: bursts of the lengths of a ladder, picked per burst (:meth:`_ladder_rounds`)
+        #: bursts of the lengths of a ladder, picked per burst (``pipeline.rounds_for``: a LadderRounds)
         self.ladder = self.pipeline.ladder
-        if self.ladder:
-            self.pipeline.rounds_for = self._ladder_rounds
         # Every admission graph a request can take, captured now, not by its first request: the process's
         # first capture took 14 ms on an H200, later ones ~0.1 ms, and a prefill that cannot be captured
         # shows here (engine/admission/graphs.py; nothing for decoders that admit eagerly)
@@ -210,6 +233,8 @@ class ServeLoop:
                                     slot_options=dec.slot_options, replays_ids=policy.replays_ids, fields=self.fields)
         # The parts, each handed what it uses
         self.table = SlotTable(dec.batch, dec.capacity, dec.bufs.ring_capacity)
+        if self.ladder:
+            self.pipeline.rounds_for = LadderRounds(self.table, self.intake, dec)
         self.record = LoopRecord()
         self.first_tokens = FirstTokens(self.table, self.record, dec, self.pipeline)
         self.delivery = Delivery(self.table, self.record, dec, self.intake, self.first_tokens)
@@ -434,21 +459,6 @@ class ServeLoop:
         if not dec.stop_pending and self.intake.queue and table.n_occupied < table.batch:
             dec.request_stop()  # the delivery freed a slot a request waits for: admit it at the next round
         return delivered
-
-    def _ladder_rounds(self) -> int:
-        """The rounds of the next ladder burst: one while a request waits for a free slot (the next
-        boundary admits it a round later); about :data:`LADDER_FREE_SLOT_MS` of device time while a
-        slot is free (a request arriving waits for the bursts in flight); else M, or as few as the
-        longest remaining budget needs after the bursts in flight (a round commits a token at least)."""
-        table, pipeline, rounds = self.table, self.pipeline, self.dec.m_rounds
-        if table.n_occupied < table.batch:
-            if self.intake.queue:
-                return 1
-            round_ms = pipeline.round_ms
-            if round_ms is not None and round_ms > 0:
-                rounds = min(rounds, math.ceil(LADDER_FREE_SLOT_MS / round_ms))
-        left = int(self.dec.host_left.max()) - pipeline.rounds_in_flight
-        return max(1, min(rounds, left))
 
     def run_until_idle(self) -> None:
         """Serve until every submitted request has finished and nothing is in flight."""

@@ -69,7 +69,7 @@ class BurstPipeline:
         # one, or without GPU timing): what the admission schedule weighs the host's admission time
         # against, as a device-exit burst may end after any number of rounds (zero while a stop is held)
         self.burst_ms = None
-        #: a ladder graph's burst length for the next launch: ``rounds_for() -> int`` (None: M rounds)
+        #: a ladder graph's burst length for the next launch: ``rounds_for(pipeline) -> int`` (None: M rounds)
         self.rounds_for = None
         self.ladder = bool(self.graph is not None and self.graph.ladder)
         # ladder bursts launched, by their rounds
@@ -88,7 +88,7 @@ class BurstPipeline:
         events = self.clock.events()
         rounds = None
         if self.ladder and self.rounds_for is not None:
-            rounds = self.graph.rung_for(self.rounds_for())
+            rounds = self.graph.rung_for(self.rounds_for(self))
             self.rungs[rounds] += 1
         self.graph.replay(rounds=rounds, timing_events=events)
         self._in_flight.append((events, steady))

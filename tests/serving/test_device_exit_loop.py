@@ -189,21 +189,21 @@ def test_ladder_rounds_follow_the_queue_and_the_budgets():
     a = loop.submit(Request([1, 2], 400))
     loop.step()
     # a slot free, nobody waiting, no GPU timing yet (numpy): M rounds, the budget allowing
-    assert pipeline.rounds_in_flight == 16 and loop._ladder_rounds() == 8
+    assert pipeline.rounds_in_flight == 16 and loop.pipeline.rounds_for(pipeline) == 8
     # with a burst's time known, a free slot gets bursts of about LADDER_FREE_SLOT_MS
     for burst_ms, want in ((16.0, 2), (80.0, 1), (1.0, 8)):  # 2, 10 and 0.125 ms a round at M = 8
         pipeline.burst_ms = burst_ms
-        assert loop._ladder_rounds() == want == max(1, min(8, math.ceil(LADDER_FREE_SLOT_MS / (burst_ms / 8))))
+        assert loop.pipeline.rounds_for(pipeline) == want == max(1, min(8, math.ceil(LADDER_FREE_SLOT_MS / (burst_ms / 8))))
     b = loop.submit(Request([3], 400))
     c = loop.submit(Request([4], 3))
     loop.step()  # b takes the free slot and c waits: no slot free, so bursts run whole
-    assert loop.table.n_occupied == 2 and loop.intake.queue and loop._ladder_rounds() == 8
+    assert loop.table.n_occupied == 2 and loop.intake.queue and loop.pipeline.rounds_for(pipeline) == 8
     loop.cancel(a)
     loop.step()  # a's slot freed, and c admitted in it
     loop.cancel(b)
     loop.step()
     # c alone, 3 tokens left, bursts in flight covering them: the shortest burst
-    assert loop.dec.host_left.max() <= pipeline.rounds_in_flight and loop._ladder_rounds() == 1
+    assert loop.dec.host_left.max() <= pipeline.rounds_in_flight and loop.pipeline.rounds_for(pipeline) == 1
     loop.run_until_idle()
     check_oracle([c])
 
