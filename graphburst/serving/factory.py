@@ -423,6 +423,8 @@ def startup_notes(config: ServeConfig, loop: ServeLoop, *, chat: bool = False) -
     without ``max_tokens`` (``chat``: the chat route is on), and, for the stub models sampling on the CPU,
     how slow that is."""
     lines = []
+    if config.plain:  # a checkpoint given no draft decodes this way by default: say so, once
+        lines.append("no draft: plain decoding, one token a round (give a draft, or --draft ngram, to speculate)")
     graph = loop.graph
     if config.device_exit != "off" and graph is not None:
         if graph.device_exit:

@@ -77,3 +77,23 @@ def test_serving_doc_says_both_in_a_sentence():
     assert "A chat request without `max_tokens`" in text and "up to `--capacity` tokens minus the rendered prompt" in text
     assert "With `--sampling` on the CPU the stub models are slow" in text
     assert f"about {CPU_STUB_SAMPLING_BURST_S} s a burst" in text
+
+
+def test_plain_decoding_and_the_burst_form_are_said_at_start_up(monkeypatch):
+    """A served model with no draft says it decodes plainly; a device-exit or ladder loop says which it runs
+    (and, where "auto" fell back to the ladder, why)."""
+    plain = ServeConfig(backend="numpy", batch=2, vocab=VOCAB, capacity=CAPACITY, k=0)
+    (line,) = startup_notes(plain, build_loop(plain))
+    assert line.startswith("no draft: plain decoding, one token a round")
+    on = ServeConfig(backend="numpy", batch=2, vocab=VOCAB, capacity=CAPACITY, device_exit="on")
+    assert startup_notes(on, build_loop(on)) == ["bursts end on the device: each burst's rounds run in a "
+                                                 "conditional WHILE node"]
+    ladder = ServeConfig(backend="numpy", batch=2, vocab=VOCAB, capacity=CAPACITY, device_exit="ladder")
+    assert startup_notes(ladder, build_loop(ladder)) == ["bursts of a ladder of 1, 2, 4, 8 rounds, each as long as "
+                                                         "the queue wants"]
+    from graphburst import capture
+
+    monkeypatch.setattr(capture, "device_exit_refusal", lambda dec: ("no conditional nodes here", "probe: none"))
+    auto = ServeConfig(backend="numpy", batch=2, vocab=VOCAB, capacity=CAPACITY, device_exit="auto")
+    (line,) = startup_notes(auto, build_loop(auto))
+    assert line.startswith("bursts of a ladder of 1, 2, 4, 8 rounds") and "cannot be built here: probe: none" in line
