@@ -1,4 +1,4 @@
-"""The serve start-up lines say what a request will cost where nothing else does: how long a chat request
+"""The serve start-up lines say what nothing else does: how requests are decoded, how long a chat request
 without max_tokens runs, and that the stub models sample slowly on the CPU; docs/serving.md says both."""
 
 from __future__ import annotations
