@@ -33,20 +33,26 @@ def check_oracle(states):
         assert s.tokens == greedy_reference(s.request.prompt, s.request.max_new_tokens, VOCAB)
 
 
+def serve_with_churn(loop, seed, per_wave):
+    """Four waves of ``per_wave`` random requests arriving between steps while earlier ones decode, served
+    to the end and held to the oracle."""
+    rng = np.random.default_rng(seed)
+    states = []
+    for wave in range(4):
+        states += [loop.submit(Request(rng.integers(0, VOCAB, int(rng.integers(1, 9))).tolist(),
+                                       int(rng.integers(1, 60)))) for _ in range(per_wave)]
+        for _ in range(3):
+            loop.step()
+    loop.run_until_idle()
+    check_oracle(states)
+
+
 @pytest.mark.parametrize("depth", [2, 3])
 @pytest.mark.parametrize("chunk", [None, 3])
 def test_device_exit_loop_tokens_equal_the_oracle_with_churn(backend, depth, chunk):
     loop = make_loop(4, backend=backend, depth=depth, prefill_chunk=chunk)
     assert loop.device_exit
-    rng = np.random.default_rng(depth)
-    states = []
-    for wave in range(4):  # requests arriving between steps, while earlier ones decode
-        states += [loop.submit(Request(rng.integers(0, VOCAB, int(rng.integers(1, 9))).tolist(),
-                                       int(rng.integers(1, 60)))) for _ in range(5)]
-        for _ in range(3):
-            loop.step()
-    loop.run_until_idle()
-    check_oracle(states)
+    serve_with_churn(loop, depth, 5)
     stats = loop.stats()
     assert stats["device_exit"] is True and stats["rounds_per_burst"] < 8  # bursts ended early
     assert not loop.dec.stop_pending  # every stop the loop asked for was answered
@@ -164,15 +170,7 @@ def test_device_exit_auto_without_while_graphs_runs_a_ladder(monkeypatch):
 def test_ladder_loop_tokens_equal_the_oracle_with_churn(backend, depth):
     loop = make_loop(3, backend=backend, depth=depth, device_exit="ladder")
     assert loop.ladder and not loop.device_exit and loop.graph.rungs == (1, 2, 4, 8)
-    rng = np.random.default_rng(depth)
-    states = []
-    for wave in range(4):
-        states += [loop.submit(Request(rng.integers(0, VOCAB, int(rng.integers(1, 9))).tolist(),
-                                       int(rng.integers(1, 60)))) for _ in range(4)]
-        for _ in range(3):
-            loop.step()
-    loop.run_until_idle()
-    check_oracle(states)
+    serve_with_churn(loop, depth, 4)
     stats = loop.stats()
     rungs = stats["ladder_bursts"]
     assert sum(rungs.values()) == stats["bursts"]
