@@ -110,6 +110,9 @@ def summarize(records: list[Record], *, rate: float, duration: float, wall: floa
         first_errors=sorted({r.error or f"HTTP {r.status}" for r in records if not r.ok and r.status != 429})[:3])
 
 
+#: the start of a ladder burst count's sample name, before its rounds label's value
+LADDER_SAMPLE = 'graphburst_ladder_bursts_total{rounds="'
+
 def server_window(before: dict, after: dict) -> dict:
     """The server's side of one run, from two ``/metrics`` scrapes (sample name -> value).
 
@@ -138,9 +141,6 @@ def server_window(before: dict, after: dict) -> dict:
                 ladder_bursts={name[len(LADDER_SAMPLE):-2]: int(delta(name)) for name in sorted(after)
                                if name.startswith(LADDER_SAMPLE)})
 
-
-#: the start of a ladder burst count's sample name, before its rounds label's value
-LADDER_SAMPLE = 'graphburst_ladder_bursts_total{rounds="'
 
 #: TTFT's parts: the access log's field of each
 SPLIT_FIELDS = {"queue": "queue_ms", "prefill": "prefill_ms", "emit": "emit_ms"}

@@ -124,8 +124,8 @@ class BurstPipeline:
 
     @property
     def rounds_in_flight(self) -> int:
-        """Rounds the bursts in flight run at most."""
-        return self.graph.rounds_in_flight if self.ladder else self.dec.m_rounds * len(self._in_flight)
+        """Rounds the bursts in flight run at most (the graph's count; the eager engine keeps none in flight)."""
+        return 0 if self.graph is None else self.graph.rounds_in_flight
 
     @property
     def round_ms(self) -> float | None:
