@@ -43,7 +43,7 @@ PROFILE = dict(models="1b", batches="1", capacities="1024", trials=20, profile_c
 PROFILE_SMOKE = dict(models="tiny", capacities="64", trials=2, profile_calls=1, kernels="auto,reference",
                      prefill_cases=3)
 ATTENTION = ("gqa", "fold")
-KERNELS = ("auto", "cublas", "gemv", "pdl", "reference", "off")
+KERNELS = ("auto", "cublas", "gemv", "pdl", "folded", "reference", "off")
 
 #: which run reads each flag that is not shared by all (dest -> (flag, runs)); given to another run it is refused
 OWNED = {
@@ -140,8 +140,8 @@ def add_parser(sub) -> None:
                    help="comma list of decode kernels: auto (the fused Triton path on CUDA, SDPA on the CPU), cublas "
                         "(the fused path, every projection on cuBLAS), gemv (the fused path, every projection and "
                         "the head on the Triton GEMV), pdl (gemv with programmatic dependent launch; Hopper or "
-                        "later), reference (the fused path on the kernels' torch references), off (SDPA); default "
-                        "auto")
+                        "later), folded (pdl with the norms, SiLU and split-K sums folded into the projections), "
+                        "reference (the fused path on the kernels' torch references), off (SDPA); default auto")
     f.add_argument("--trials", type=int_in(1, 10_000), default=None, help="graph replays timed, median (default 20)")
     f.add_argument("--profile-calls", type=int_in(0, 1000), default=None,
                    help="eager forwards the per-kernel profile averages; 0: graph timings only (default 5)")
@@ -243,12 +243,13 @@ def check_args(args) -> None:
     device_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory if gpu else None
     if args.profile is not None:
         s = profile_settings(args)
-        if gpu and "forward" in s["views"] and "pdl" in s["kernels"]:
+        launched_pdl = [k for k in ("pdl", "folded") if k in s["kernels"]]
+        if gpu and "forward" in s["views"] and launched_pdl:
             from ..models.llama_decode import pdl_unsupported
 
             why = pdl_unsupported(torch.device("cuda", torch.cuda.current_device()))
             if why is not None:
-                raise FlagError("--kernels", f"pdl: {why}")
+                raise FlagError("--kernels", f"{launched_pdl[0]}: {why}")
         check_profile_memory(s, device_bytes)
     else:
         check_run_memory(settings(args), device_bytes)

@@ -18,9 +18,11 @@ Decode kernels (``--kernels``): ``auto`` is the model's own choice (the fused Tr
 path on CUDA, SDPA on the CPU), ``cublas`` the fused path with every projection on cuBLAS
 (no GEMV), ``gemv`` the fused path with every projection and the head on the Triton GEMV
 (``Llama(decode_kernels="gemv")``), ``pdl`` the same with programmatic dependent launch of
-every Triton kernel (``decode_kernels="pdl"``), ``reference`` the fused path on the kernels'
+every Triton kernel (``decode_kernels="pdl"``), ``folded`` ``pdl`` with the norms, SiLU x up
+and the GEMV's split-K sums folded into the projections' kernels (``decode_kernels="folded"``,
+``models/decode/folded.py``), ``reference`` the fused path on the kernels'
 plain-torch references (how a CPU runs the fused wiring), ``off`` SDPA over the whole cache
-under an additive mask. ``gemv`` and ``pdl`` run Triton, so on the CPU only under
+under an additive mask. ``gemv``, ``pdl`` and ``folded`` run Triton, so on the CPU only under
 ``TRITON_INTERPRET=1`` (else they are SDPA there, as ``auto`` is, and timed once). Under
 ``pdl`` the kernels overlap (each one's profiled time includes its wait on the one before),
 so the kernel sum can pass the graph time and the gap go negative: compare graph µs. ``fold``
@@ -35,6 +37,7 @@ plain calls and self CPU time per op (a correctness run, not a GPU timing).
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 
@@ -44,11 +47,12 @@ from .common import fmt, new_table
 HBM_BYTES_PER_S = 4.8e12
 #: the fused forward's label per ``--kernels`` choice (a choice without the fused path is "sdpa")
 PATHS = {"auto": "fused", "cublas": "fused-cublas", "gemv": "fused-gemv", "pdl": "fused-pdl",
-         "reference": "fused-reference"}
+         "folded": "fused-folded", "reference": "fused-reference"}
 #: kernel name -> category, first match wins. Attention goes first: PyTorch's memory-efficient
 #: attention is a CUTLASS kernel (``fmha_cutlassF_...``) and flash's split-KV kernels say "splitkv".
 #: GEMM: cuBLAS / cuBLASLt / CUTLASS names on the H200 (``nvjet_...``, ``..._gemm_...``), the
-#: Triton GEMV (``models/decode/gemv.py``: ``_gemv`` and its split-K sum ``_split_k_sum``) and the
+#: Triton GEMV (``models/decode/gemv.py``: ``_gemv`` and its split-K sum ``_split_k_sum``; the folded
+#: ``_folded_gemv``) and the
 #: CPU's aten matrix products. fused: the per-layer elementwise work (graphburst's Triton
 #: ``_add_rmsnorm``, ``_rope_kv_write``, ``_silu_mul``; aten's norm kernel on the SDPA path).
 #: other: the rest (copies, adds, index, argmax...).
@@ -195,10 +199,12 @@ def run(s: dict, backend, console, failures: list) -> list[dict]:
         fits = llama_decode.unsupported(model) is None
         ops = {"auto": fused, "cublas": fused and fused._replace(gemv_max_m=0), "off": None,
                "reference": llama_decode.reference_ops() if fits else None}
-        for kern in ("gemv", "pdl"):  # built only when asked for: they import Triton
+        for kern in ("gemv", "pdl", "folded"):  # built only when asked for: they import Triton
             if kern in s["kernels"]:
                 runs = fits and llama_decode.triton_runs_on(torch.device(device))
-                ops[kern] = llama_decode.gemv_ops(pdl=kern == "pdl") if runs else None
+                make = llama_decode.folded_ops if kern == "folded" else functools.partial(llama_decode.gemv_ops,
+                                                                                          pdl=kern == "pdl")
+                ops[kern] = make() if runs else None
         gen = torch.Generator(device=device).manual_seed(s["seed"])
         for kv in model.kv:
             kv.normal_(generator=gen)

@@ -46,11 +46,11 @@ DEFAULT_KV_SLACK = MAX_K + 2
 #: KV rows per sequence are a multiple of this: SDPA's fused kernels then need no mask padding per call.
 KV_ROW_MULTIPLE = 16
 #: ``Llama(decode_kernels=...)``: ``auto`` runs decode/verify forwards (T <= MAX_K + 1, all
-#: rows) on the fused Triton kernels on CUDA and on SDPA elsewhere; ``triton`` and
-#: ``reference`` force the fused path (the latter on its plain-torch references); ``off``
-#: keeps SDPA everywhere. Prefill always runs SDPA. The fused path's projections run on the
-#: weight-streaming GEMV at M = B * T <= ``llama_decode.GEMV_MAX_M`` rows under ``auto``
-#: (``FORCED_GEMV_MAX_M`` under ``triton`` and ``reference``), on cuBLAS past it.
+#: rows) on the fused Triton kernels on CUDA and on SDPA elsewhere; ``reference`` forces the
+#: fused path on its plain-torch references; ``off`` keeps SDPA everywhere. Prefill always
+#: runs SDPA. The fused path's projections run on the weight-streaming GEMV at M = B * T <=
+#: ``llama_decode.GEMV_MAX_M`` rows under ``auto`` (``FORCED_GEMV_MAX_M`` under
+#: ``reference``), on cuBLAS past it.
 #: ``gemv`` is the fused path with every projection and the head on the GEMV up to its whole
 #: row tile (``gemv.MAX_M`` rows), no PDL; ``pdl`` is ``gemv`` with every Triton kernel
 #: launched with programmatic dependent launch (``models/decode/launch.py``; Hopper or later,
@@ -59,7 +59,9 @@ KV_ROW_MULTIPLE = 16
 #: auto,gemv,pdl``); ``auto`` stays as it is until the H200 says otherwise. Under both, a
 #: projection with forward hooks (tensor parallelism's all-reduce) or of M > ``gemv.MAX_M``
 #: rows still runs ``nn.Linear`` (cuBLAS): the PDL overlap stops there, the order does not.
-DECODE_KERNELS = ("auto", "triton", "gemv", "pdl", "reference", "off")
+#: ``folded`` is ``pdl`` with the norms, SiLU x up and the GEMV's split-K sums folded into the
+#: projections' kernels (``models/decode/folded.py``: 6-7 kernels a layer instead of ~14).
+DECODE_KERNELS = ("auto", "gemv", "pdl", "folded", "reference", "off")
 
 
 # ---------------------------------------------------------------------- the model
@@ -132,12 +134,14 @@ class Llama(nn.Module):
             raise ValueError(f"decode_kernels={choice!r}: {why}")
         if choice == "reference":
             return llama_decode.reference_ops()
-        if choice in ("gemv", "pdl"):
-            why = llama_decode.pdl_unsupported(device) if choice == "pdl" else None
+        if choice in ("gemv", "pdl", "folded"):
+            why = llama_decode.pdl_unsupported(device) if choice != "gemv" else None
             if why is not None:
                 raise ValueError(f"decode_kernels={choice!r}: {why}")
+            if choice == "folded":
+                return llama_decode.folded_ops(pdl=True)
             return llama_decode.gemv_ops(pdl=choice == "pdl")
-        return llama_decode.triton_ops(llama_decode.GEMV_MAX_M if choice == "auto" else llama_decode.FORCED_GEMV_MAX_M)
+        return llama_decode.triton_ops(llama_decode.GEMV_MAX_M)  # auto
 
     def kv_layers(self) -> list[torch.Tensor | None]:
         """Each layer's KV storage (graphburst pairs each with a length it owns)."""
@@ -290,7 +294,9 @@ class Llama(nn.Module):
             return self._packed_forward(tokens, lengths, packed, head)
         r, t = tokens.shape
         if self.decode_ops is not None and rows is None and logits_at is None and head and t <= MAX_K + 1:
-            return llama_decode.fused_forward(self, tokens, start_pos, lengths, self.decode_ops)
+            forward = llama_decode.folded_forward if isinstance(self.decode_ops, llama_decode.FoldedOps) \
+                else llama_decode.fused_forward
+            return forward(self, tokens, start_pos, lengths, self.decode_ops)
         every = torch.arange(r, device=tokens.device) if rows is None else rows  # [R] int64
         x = self.embed_tokens(tokens)
         for layer, kv, length, index in zip(self.layers, self.kv, lengths,

@@ -46,9 +46,9 @@ from torch import nn
 #: 9.2 µs as the GEMV at M = 1; o 6.1 vs 7.7), only the head gains (4% at M >= 5), and the whole
 #: B = 1 forward is 1187 µs with cuBLAS against 1197 µs with the GEMV. So cuBLAS it stays.
 GEMV_MAX_M = 0
-#: ``decode_kernels="triton"`` and ``"reference"``: the GEMV up to its whole row tile
-#: (``gemv.MAX_M``) whatever GEMV_MAX_M says, so the forced paths keep it tested. (``"gemv"``
-#: and ``"pdl"`` take ``gemv.MAX_M`` itself: they are the GEMV paths by name.)
+#: ``decode_kernels="reference"`` (and :func:`triton_ops`' default): the GEMV's reference up to
+#: its whole row tile (``gemv.MAX_M``) whatever GEMV_MAX_M says, so the forced paths keep it
+#: tested. (``"gemv"``, ``"pdl"`` and ``"folded"`` take ``gemv.MAX_M`` itself.)
 FORCED_GEMV_MAX_M = 16
 
 
@@ -183,3 +183,100 @@ def fused_forward(model, tokens: torch.Tensor, start_pos: torch.Tensor, lengths,
     head = ops.linear(hn, model.head_weight(), pdl=pdl) if r * t <= ops.gemv_max_m \
         else F.linear(hn, model.head_weight())
     return head.float().view(r, t, -1)
+
+
+# ---------------------------------------------------------------------- the folded layer (decode/folded.py)
+
+
+class FoldedOps(NamedTuple):
+    """The kernels of the folded decode layer (``decode/folded.py``), or their references.
+
+    The norms, SiLU x up and the split-K sums run inside the projections' kernels at M <= ``max_m``
+    rows; past it, and around a projection with forward hooks, ``add_rmsnorm`` and ``silu_mul`` run
+    on their own before the module's ``nn.Linear`` call. Every op is called with ``pdl=pdl``.
+    """
+
+    attention: Callable
+    norm_linear: Callable  # (x, delta, norm weight, eps, weight, bias) -> (Partial, residual)
+    linear: Callable  # (x, weight, bias) -> Partial
+    silu_linear: Callable  # (gate_up Partial, weight, bias) -> Partial
+    rope_kv_write: Callable  # (qkv Partial, cos, sin, start_pos, length, kv, H, T) -> q [B, T, H, D]
+    materialize: Callable  # Partial -> [M, N]
+    add_rmsnorm: Callable
+    silu_mul: Callable
+    max_m: int
+    pdl: bool = False
+
+
+def folded_ops(pdl: bool = True) -> FoldedOps:
+    """``decode_kernels="folded"``: the folded Triton kernels, every projection and the head of M <=
+    ``gemv.MAX_M`` rows folded, with programmatic dependent launch (off under the interpreter)."""
+    from .decode import folded
+    from .decode.attention import decode_attention
+    from .decode.fused import add_rmsnorm, silu_mul
+    from .decode.gemv import MAX_M
+    return FoldedOps(decode_attention, folded.norm_linear, folded.linear, folded.silu_linear, folded.rope_kv_write,
+                     folded.materialize, add_rmsnorm, silu_mul, MAX_M, bool(pdl))
+
+
+def folded_reference_ops(max_m: int = FORCED_GEMV_MAX_M) -> FoldedOps:
+    """The folded layer on the kernels' plain-torch references (how a CPU without Triton checks its wiring)."""
+    from .decode import reference as ref
+    return FoldedOps(ref.decode_attention_ref, ref.norm_linear_ref, ref.folded_linear_ref, ref.silu_linear_ref,
+                     ref.folded_rope_kv_write_ref, ref.materialize_ref, ref.add_rmsnorm_ref, ref.silu_mul_ref, max_m)
+
+
+def _hooked(module: nn.Module) -> bool:
+    """A hook waits on the module's own call (tensor parallelism's all-reduce): it cannot be folded away."""
+    return bool(module._forward_hooks or module._forward_pre_hooks)
+
+
+def _norm_project(weight, bias, module, x, delta, norm_weight, eps, fold: bool, ops: FoldedOps):
+    """(the projection of ``rmsnorm(x + delta)`` as a Partial, the residual x + delta). ``module``: the
+    projection (None for the head, ``F.linear`` over ``weight``)."""
+    from .decode.partial import Partial
+    if fold and (module is None or not _hooked(module)):
+        return ops.norm_linear(x, delta, norm_weight, eps, weight, bias, pdl=ops.pdl)
+    d = None if delta is None else ops.materialize(delta, pdl=ops.pdl)
+    hn = ops.add_rmsnorm(x, d, norm_weight, eps, pdl=ops.pdl)  # x += d in place: the forward owns x
+    return Partial.whole(F.linear(hn, weight) if module is None else module(hn)), x
+
+
+def folded_forward(model, tokens: torch.Tensor, start_pos: torch.Tensor, lengths, ops: FoldedOps) -> torch.Tensor:
+    """:func:`fused_forward` on the folded layer: the same contract, the same outputs up to rounding.
+
+    Per layer at M = B * T <= ``ops.max_m``: norm + qkv, RoPE + KV write, attention (+ combine),
+    o_proj, norm + gate/up, SiLU + down; then norm + head. A projection's split-K partials go to its
+    consumer whole (``decode/partial.py``), so no sum pass runs between them.
+    """
+    from .decode.partial import Partial
+    r, t = tokens.shape
+    m = r * t
+    cfg = model.cfg
+    h, kvh, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    pdl = ops.pdl
+    fold = m <= ops.max_m
+    x = model.embed_tokens(tokens).view(m, -1)  # [M, hidden], the residual stream
+    delta = None  # Partial of [M, hidden]: the last sublayer's output, added by the next norm
+    for layer, kv, length in zip(model.layers, model.kv, lengths):
+        attn, mlp = layer.self_attn, layer.mlp
+        ln = layer.input_layernorm
+        qkv, x = _norm_project(attn.qkv_proj.weight, attn.qkv_proj.bias, attn.qkv_proj, x, delta, ln.weight, ln.eps,
+                               fold, ops)
+        if attn.qk_norm:  # Qwen3: per-head RMSNorm of q and k before RoPE, on the whole qkv
+            q, k, v = ops.materialize(qkv, pdl=pdl).view(r, t, h + 2 * kvh, hd).split((h, kvh, kvh), dim=2)
+            qkv = Partial.whole(torch.cat((attn.q_norm(q), attn.k_norm(k), v), dim=2).view(m, -1))
+        q = ops.rope_kv_write(qkv, model.rope_cos, model.rope_sin, start_pos, length, kv, h, t, pdl=pdl)
+        y = ops.attention(q, kv, length, pdl=pdl).view(m, h * hd)  # [M, H * D]
+        o = attn.o_proj
+        delta = ops.linear(y, o.weight, o.bias, pdl=pdl) if fold and not _hooked(o) else Partial.whole(o(y))
+        ln = layer.post_attention_layernorm
+        gate_up, x = _norm_project(mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, mlp.gate_up_proj, x, delta,
+                                   ln.weight, ln.eps, fold, ops)
+        down = mlp.down_proj
+        if fold and not _hooked(down):
+            delta = ops.silu_linear(gate_up, down.weight, down.bias, pdl=pdl)
+        else:
+            delta = Partial.whole(down(ops.silu_mul(ops.materialize(gate_up, pdl=pdl), pdl=pdl)))
+    head, _ = _norm_project(model.head_weight(), None, None, x, delta, model.norm.weight, model.norm.eps, fold, ops)
+    return ops.materialize(head, pdl=pdl).float().view(r, t, -1)

@@ -105,16 +105,17 @@ def test_a_fused_forward_that_disagrees_is_reported_not_timed(tmp_path, capsys, 
 
 
 def test_gemv_and_pdl_kernels_on_the_cpu(tmp_path):
-    """``--kernels auto,gemv,pdl``: on the CPU the GEMV paths are Triton's, so without the interpreter they are
-    SDPA as auto is (timed once); under ``TRITON_INTERPRET=1`` both run (PDL off there), checked against SDPA."""
-    args = ("--profile", "forward", "--smoke", "--backend", "numpy", "--kernels", "auto,gemv,pdl", "--tokens", "1",
+    """``--kernels auto,gemv,pdl,folded``: on the CPU the GEMV paths are Triton's, so without the interpreter they
+    are SDPA as auto is (timed once); under ``TRITON_INTERPRET=1`` all run (PDL off there), checked against SDPA."""
+    args = ("--profile", "forward", "--smoke", "--backend", "numpy", "--kernels", "auto,gemv,pdl,folded", "--tokens", "1",
             "--trials", "1", "--profile-calls", "0")
     doc, _ = cli_json(*args, cwd=tmp_path)
     assert [r["path"] for r in doc["results"]["forward"]] == ["sdpa"]
     pytest.importorskip("triton")
     doc, stdout = cli_json(*args, cwd=tmp_path, env={"TRITON_INTERPRET": "1"})
     recs = doc["results"]["forward"]
-    assert [r["path"] for r in recs] == ["sdpa", "fused-gemv", "fused-pdl"] and doc["meta"]["failures"] == []
+    assert [r["path"] for r in recs] == ["sdpa", "fused-gemv", "fused-pdl", "fused-folded"]
+    assert doc["meta"]["failures"] == []
     assert all(0 <= r["check_rel_diff"] < 0.05 for r in recs[1:]), recs
     assert "fused-pdl" in stdout
 
@@ -234,8 +235,9 @@ def test_forward_view_on_the_gpu(tmp_path):
 
 @pytest.mark.gpu
 def test_forward_view_gemv_and_pdl_on_the_gpu(tmp_path):
-    """``--kernels auto,gemv,pdl`` on a Hopper GPU with SmolLM2-135M's shape: both GEMV paths checked against
-    SDPA and timed, PDL's with as many kernels per layer as the plain GEMV's."""
+    """``--kernels auto,gemv,pdl,folded`` on a Hopper GPU with SmolLM2-135M's shape: every GEMV path checked
+    against SDPA and timed, PDL's with as many kernels per layer as the plain GEMV's, the folded layer's with
+    fewer."""
     from graphburst.backend import cuda_available
     from graphburst.models.llama_decode import pdl_unsupported
 
@@ -245,11 +247,13 @@ def test_forward_view_gemv_and_pdl_on_the_gpu(tmp_path):
     if why is not None:
         pytest.skip(why)
     doc, _ = cli_json("--profile", "forward", "--backend", "cupy", "--models", "smollm2", "--capacities", "256",
-                      "--kernels", "auto,gemv,pdl", "--trials", "3", "--profile-calls", "1", cwd=tmp_path)
+                      "--kernels", "auto,gemv,pdl,folded", "--trials", "3", "--profile-calls", "1", cwd=tmp_path)
     recs = doc["results"]["forward"]
-    assert {r["path"] for r in recs} == {"fused", "fused-gemv", "fused-pdl"} and doc["meta"]["failures"] == []
+    assert {r["path"] for r in recs} == {"fused", "fused-gemv", "fused-pdl", "fused-folded"}
+    assert doc["meta"]["failures"] == []
     for r in recs:
         assert r["graph_us"] > 0 and 0 <= r["check_rel_diff"] <= 0.25, r
     for t in (5, 1):
         per_layer = {r["path"]: r["per_layer"] for r in recs if r["T"] == t}
         assert per_layer["fused-pdl"] == per_layer["fused-gemv"], per_layer
+        assert per_layer["fused-folded"] < per_layer["fused-pdl"], per_layer

@@ -1,4 +1,5 @@
-"""Plain-torch references of the decode kernels (``decode.attention``, ``decode.fused``, ``decode.gemv``).
+"""Plain-torch references of the decode kernels (``decode.attention``, ``decode.fused``, ``decode.gemv``,
+``decode.folded``).
 
 Same signatures and semantics as the Triton launchers (``pdl``, how a kernel is launched, is
 accepted and ignored), written as the obvious dense torch math (fp32 inside) so they run
@@ -11,6 +12,8 @@ from __future__ import annotations
 import math
 
 import torch
+
+from .partial import Partial, dense
 
 
 def decode_attention_ref(q: torch.Tensor, kv: torch.Tensor, length: torch.Tensor, out: torch.Tensor | None = None,
@@ -109,3 +112,44 @@ def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         return y.to(x.dtype)
     out.copy_(y)
     return out
+
+
+# ---------------------------------------------------------------------- the folded kernels (decode/folded.py)
+
+
+def folded_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config=None,
+                      fma: bool | None = None, pdl: bool = False) -> Partial:
+    """:func:`graphburst.models.decode.folded.linear`: the output whole (a reference has no partials)."""
+    return Partial.whole(linear_ref(x, weight, bias))
+
+
+def norm_linear_ref(x: torch.Tensor, delta: Partial | None, norm_weight: torch.Tensor, eps: float,
+                    weight: torch.Tensor, bias: torch.Tensor | None = None, config=None, fma: bool | None = None,
+                    pdl: bool = False) -> tuple[Partial, torch.Tensor]:
+    """:func:`graphburst.models.decode.folded.norm_linear`: (the projection of the normalised residual, the
+    residual), x left as it was."""
+    h = x if delta is None else x.clone()
+    hn = add_rmsnorm_ref(h, None if delta is None else dense(delta), norm_weight, eps)
+    return Partial.whole(linear_ref(hn, weight, bias)), h
+
+
+def silu_linear_ref(gate_up: Partial, weight: torch.Tensor, bias: torch.Tensor | None = None, config=None,
+                    fma: bool | None = None, pdl: bool = False) -> Partial:
+    """:func:`graphburst.models.decode.folded.silu_linear`: ``silu(gate) * up`` projected."""
+    return Partial.whole(linear_ref(silu_mul_ref(dense(gate_up)), weight, bias))
+
+
+def materialize_ref(p: Partial, pdl: bool = False) -> torch.Tensor:
+    """:func:`graphburst.models.decode.folded.materialize`."""
+    return dense(p)
+
+
+def folded_rope_kv_write_ref(qkv: Partial, cos: torch.Tensor, sin: torch.Tensor, start_pos: torch.Tensor,
+                             length: torch.Tensor, kv: torch.Tensor, n_heads: int, tokens: int,
+                             pdl: bool = False) -> torch.Tensor:
+    """:func:`graphburst.models.decode.folded.rope_kv_write`: returns the rotated q [B, T, H, D]."""
+    r, width = qkv.shape
+    d = kv.shape[4]
+    full = dense(qkv).view(r // tokens, tokens, width // d, d).clone()
+    rope_kv_write_ref(full, cos, sin, start_pos, length, kv, n_heads)
+    return full[:, :, :n_heads].contiguous()

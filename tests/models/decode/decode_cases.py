@@ -217,10 +217,12 @@ def model_forwards(models, device, dtype, ts, seed: int = 1):
 
 
 def check_model(decode_kernels: str, device, dtype=torch.float32, batch: int = 3, ts=(1, 5), heads: int = 8,
-                kv_heads: int = 2, **switches) -> None:
+                kv_heads: int = 2, ops=None, **switches) -> None:
     """A 2-layer Llama on ``decode_kernels`` against the same weights on SDPA: logits and every KV row
-    (:func:`model_pair`'s arguments)."""
+    (:func:`model_pair`'s arguments). ``ops``: decode ops to run instead of the choice's own."""
     models = model_pair(("off", decode_kernels), device, dtype, batch, heads, kv_heads, **switches)
+    if ops is not None:
+        models[1].decode_ops = ops
     tol = TOL[dtype] if dtype == torch.float32 else dict(rtol=5e-2, atol=5e-2)
     for t, ((want, want_kv), (got, got_kv)) in model_forwards(models, device, dtype, ts):
         torch.testing.assert_close(got, want, **tol, msg=lambda m: f"{decode_kernels} T={t} logits: {m}")
@@ -370,3 +372,152 @@ def check_pdl_same(chain, *args, seed: int = 0) -> None:
         for i, (a, b) in enumerate(zip(want, got)):
             assert torch.equal(a, b), \
                 f"{chain.__name__} {case} ({run} run) tensor {i}: PDL differs by up to {(a - b).abs().max()}"
+
+
+# ---------------------------------------------------------------------- the folded kernels (decode/folded.py)
+
+#: a Partial's form in the folded cases: None (no delta), "whole" (an output already summed), or its split count
+#: (fp32 partials plus a bias)
+#: (M, K, N, dtype, delta, config fields or None, fma or None): M = 1, 3, 7, 16, 19 (past one row tile); K whole
+#: tiles and not (257); the projection's split-K 1 to 3; deltas of every form; the multiply-accumulate path and
+#: tl.dot's at M = 1
+CI_NORM_LINEAR = [
+    (1, 64, 96, torch.float32, None, None, None), (1, 257, 96, torch.bfloat16, 2, (16, 64, 4, 3), None),
+    (1, 96, 257, torch.float32, "whole", (32, 32, 4, 2), False), (3, 257, 96, torch.float32, 3, (16, 32, 4, 4), None),
+    (7, 96, 64, torch.bfloat16, "whole", (64, 16, 4, 1), None), (16, 64, 96, torch.float32, 1, (16, 32, 4, 2), None),
+    (19, 96, 64, torch.float32, 2, (16, 32, 4, 1), None),
+]
+#: (M, F, N, dtype, gate_up form, config fields or None, fma or None): the down projection of F inputs
+CI_SILU_LINEAR = [
+    (1, 96, 64, torch.float32, "whole", None, None), (3, 257, 96, torch.bfloat16, 3, (16, 32, 4, 2), None),
+    (7, 64, 257, torch.float32, 2, (32, 16, 4, 3), None), (19, 96, 64, torch.bfloat16, "whole", (16, 32, 4, 1), None),
+]
+#: (B, T, H, KV heads, head_dim, dtype, qkv form)
+CI_FOLDED_ROPE = [(1, 1, 8, 1, 128, torch.float32, "whole"), (3, 5, 4, 1, 64, torch.bfloat16, 3),
+                  (19, 2, 8, 8, 64, torch.float32, 2), (3, MAX_K + 1, 8, 2, 64, torch.float32, 1)]
+#: what the residual and a sum pass are held to: fp32 exactly; bf16 within two ulps of values up to ~4 (2^-6
+#: each), where the interpreter's fp32 -> bf16 casts may round the delta other than to nearest
+RESIDUAL_TOL = {torch.float32: dict(rtol=0, atol=0), torch.bfloat16: dict(rtol=2e-2, atol=4e-2)}
+
+
+def exact_on(device, dtype) -> dict:
+    """Bit for bit, but for bf16 under the interpreter (whose fp32 -> bf16 casts need not round to nearest)."""
+    return RESIDUAL_TOL[dtype] if torch.device(device).type == "cpu" else RESIDUAL_TOL[torch.float32]
+
+
+def make_partial(form, m: int, n: int, dtype, device, gen):
+    """A Partial of [M, N] in ``form`` (None, "whole" or a split count), values ~1 per output."""
+    from graphburst.models.decode.partial import Partial
+
+    if form is None:
+        return None
+    if form == "whole":
+        return Partial.whole(torch.randn(m, n, generator=gen).to(dtype).to(device))
+    parts = (torch.randn(form, m, n, generator=gen) / form ** 0.5).to(device)
+    return Partial(parts, form, (torch.randn(n, generator=gen) * 0.5).to(dtype).to(device), dtype)
+
+
+def _weights(n: int, k: int, dtype, device, gen, bias: bool):
+    w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(dtype).to(device)
+    b = torch.randn(n, generator=gen).to(dtype).to(device) if bias else None
+    return w, b
+
+
+def check_norm_linear(folded, case, device, seed: int = 0) -> None:
+    """``norm_linear`` against ``norm_linear_ref``: the output (through ``materialize``, the kernel's own sum
+    pass), the new residual, x untouched; then ``linear`` (no norm) on the same x."""
+    from graphburst.models.decode.gemv import GemvConfig
+    from graphburst.models.decode.partial import WHOLE, dense
+
+    m, k, n, dtype, form, cfg, fma = case
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen).to(dtype).to(device)
+    delta = make_partial(form, m, k, dtype, device, gen)
+    nw = (torch.rand(k, generator=gen) + 0.5).to(dtype).to(device)
+    w, b = _weights(n, k, dtype, device, gen, bias=seed % 2 == 0)
+    config = None if cfg is None else GemvConfig(*cfg)
+    x0 = x.clone()
+    got, res = folded.norm_linear(x, delta, nw, 1e-5, w, b, config=config, fma=fma)
+    want, want_res = decode_reference.norm_linear_ref(x0, delta, nw, 1e-5, w, b)
+    assert torch.equal(x, x0), f"{case}: x was written"
+    assert (res is x) == (delta is None), f"{case}: the residual is x exactly when there is no delta"
+    torch.testing.assert_close(res.float(), want_res.float(), **exact_on(device, dtype),
+                               msg=lambda s: f"{case} res: {s}")
+    if config is not None:  # the splits the GEMV makes of K: whole tiles each, none past K
+        tiles = -(-k // config.block_k)
+        per = -(-tiles // min(config.split_k, tiles)) * config.block_k
+        splits = -(-k // per)
+        assert got.splits == (WHOLE if splits == 1 else splits), f"{case}: {got.splits} splits, not {splits}"
+    out = folded.materialize(got)
+    torch.testing.assert_close(out.float(), dense(want).float(), **TOL[dtype], msg=lambda s: f"{case}: {s}")
+    torch.testing.assert_close(out.float(), dense(got).float(), **exact_on(device, dtype),
+                               msg=lambda s: f"{case}: the sum pass against the partials' sum: {s}")
+    plain = folded.materialize(folded.linear(x, w, b, config=config, fma=fma))
+    torch.testing.assert_close(plain.float(), decode_reference.linear_ref(x, w, b).float(), **TOL[dtype],
+                               msg=lambda s: f"{case} linear: {s}")
+
+
+def check_silu_linear(folded, case, device, seed: int = 0) -> None:
+    from graphburst.models.decode.gemv import GemvConfig
+    from graphburst.models.decode.partial import dense
+
+    m, f, n, dtype, form, cfg, fma = case
+    gen = torch.Generator().manual_seed(seed)
+    gate_up = make_partial(form, m, 2 * f, dtype, device, gen)
+    w, b = _weights(n, f, dtype, device, gen, bias=seed % 2 == 1)
+    got = folded.silu_linear(gate_up, w, b, config=None if cfg is None else GemvConfig(*cfg), fma=fma)
+    want = decode_reference.silu_linear_ref(gate_up, w, b)
+    torch.testing.assert_close(folded.materialize(got).float(), dense(want).float(), **TOL[dtype],
+                               msg=lambda s: f"{case}: {s}")
+
+
+def check_folded_rope(folded, case, device, seed: int = 0) -> None:
+    """RoPE from a Partial: q and every KV row against the reference; rows not written stay NaN."""
+    b, t, h, kvh, d, dtype, form = case
+    gen = torch.Generator().manual_seed(seed)
+    qkv = make_partial(form, b * t, (h + 2 * kvh) * d, dtype, device, gen)
+    ang = torch.rand(ROWS, d // 2, generator=gen) * 6.0
+    cos, sin = torch.cat((ang.cos(), ang.cos()), -1).to(device), torch.cat((ang.sin(), ang.sin()), -1).to(device)
+    start = (lengths_for(b, t, seed) + 3).to(device)
+    length = lengths_for(b, t, seed + 1).to(device)
+    kv = torch.full((2, b, ROWS, kvh, d), float("nan"), dtype=dtype, device=device)
+    kv_ref = kv.clone()
+    q = folded.rope_kv_write(qkv, cos, sin, start, length, kv, h, t)
+    q_ref = decode_reference.folded_rope_kv_write_ref(qkv, cos, sin, start, length, kv_ref, h, t)
+    assert q.shape == (b, t, h, d) and q.is_contiguous()
+    torch.testing.assert_close(q.float(), q_ref.float(), **TOL[dtype], msg=lambda m: f"{case} q: {m}")
+    torch.testing.assert_close(kv.float(), kv_ref.float(), **TOL[dtype], equal_nan=True,
+                               msg=lambda m: f"{case} kv: {m}")
+
+
+def chain_folded(folded, case, device, pdl: bool, seed: int = 0) -> list:
+    """PDL_CHAIN / 2 MLP sublayers back to back, as the folded forward runs them: norm + gate/up (the delta
+    the last down projection's Partial), SiLU + down; the residual passed on. Returns every residual and the
+    last output, summed at the end. ``case``: (M, hidden, F, dtype, gate/up config fields, down config fields)."""
+    from graphburst.models.decode.gemv import GemvConfig
+
+    m, hidden, f, dtype, cfg_gu, cfg_down = case
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, hidden, generator=gen).to(dtype).to(device)
+    nw = (torch.rand(hidden, generator=gen) + 0.5).to(dtype).to(device)
+    w_gu, _ = _weights(2 * f, hidden, dtype, device, gen, bias=False)
+    w_down, b_down = _weights(hidden, f, dtype, device, gen, bias=True)
+    delta, outs = None, []
+    busy(device)
+    for _ in range(PDL_CHAIN // 2):
+        gate_up, x = folded.norm_linear(x, delta, nw, 1e-5, w_gu, config=GemvConfig(*cfg_gu), pdl=pdl)
+        delta = folded.silu_linear(gate_up, w_down, b_down, config=GemvConfig(*cfg_down), pdl=pdl)
+        outs.append(x)
+    return outs + [folded.materialize(delta, pdl=pdl)]
+
+
+def check_folded_pdl_model(device, dtype=torch.float32, batch: int = 3, ts=(1, 5), heads: int = 8,
+                           kv_heads: int = 2, **switches) -> None:
+    """``decode_kernels="folded"`` (with PDL) computes the folded path's bits without PDL: logits and KV."""
+    from graphburst.models import llama_decode
+
+    models = model_pair(("folded", "folded"), device, dtype, batch, heads, kv_heads, **switches)
+    models[0].decode_ops = llama_decode.folded_ops(pdl=False)
+    for t, ((want, want_kv), (got, got_kv)) in model_forwards(models, device, dtype, ts):
+        assert torch.equal(got, want), f"folded T={t}: PDL changes the logits by up to {(got - want).abs().max()}"
+        assert all(torch.equal(a, b) for a, b in zip(want_kv, got_kv)), f"folded T={t}: PDL changes the KV"

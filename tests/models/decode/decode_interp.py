@@ -2,7 +2,8 @@
 
 ``TRITON_INTERPRET=1`` must be set before ``triton.jit`` decorates the kernels, so this
 runs in its own process: ``python tests/models/decode/decode_interp.py GROUP`` with GROUP one of
-``attention``, ``idle``, ``int64``, ``gemv``, ``fused``, ``model``, ``pdl-kernels``, ``pdl-model``. Exit status 0
+``attention``, ``idle``, ``int64``, ``gemv``, ``fused``, ``model``, ``pdl-kernels``, ``pdl-model``, ``folded``,
+``folded-model``. Exit status 0
 and ``ok N`` on success.
 """
 
@@ -59,6 +60,33 @@ def check_pdl_model() -> int:
     return 4
 
 
+def check_folded_kernels() -> int:
+    """The folded kernels (``decode/folded.py``) against their references on awkward sizes, and the folded
+    MLP chain launched with ``pdl=True`` against ``pdl=False`` (the interpreter runs both without it)."""
+    from graphburst.models.decode import folded
+
+    for i, case in enumerate(dc.CI_NORM_LINEAR):
+        dc.check_norm_linear(folded, case, "cpu", seed=i)
+    for i, case in enumerate(dc.CI_SILU_LINEAR):
+        dc.check_silu_linear(folded, case, "cpu", seed=i)
+    for i, case in enumerate(dc.CI_FOLDED_ROPE):
+        dc.check_folded_rope(folded, case, "cpu", seed=i)
+    dc.check_pdl_same(dc.chain_folded, folded, (3, 96, 80, torch.float32, (16, 32, 4, 2), (16, 32, 4, 3)), "cpu")
+    return len(dc.CI_NORM_LINEAR) + len(dc.CI_SILU_LINEAR) + len(dc.CI_FOLDED_ROPE) + 1
+
+
+def check_folded_model() -> int:
+    """``decode_kernels="folded"`` forwards against SDPA: B = 1 and 3, T = 1, 5 and MAX_K + 1 (M = 195: the
+    unfolded fallback), GQA groups 1 and 3, Qwen2's biases with Qwen3's q/k norms, and bf16."""
+    from graphburst.constants import MAX_K
+
+    dc.check_model("folded", "cpu", torch.float32, batch=1, heads=3, kv_heads=3)  # group 1, M = 1 and 5
+    dc.check_model("folded", "cpu", torch.float32, batch=3, ts=(1, 5, MAX_K + 1), heads=6, kv_heads=2)
+    dc.check_model("folded", "cpu", torch.float32, ts=(5,), qk_norm=True, qkv_bias=True)
+    dc.check_model("folded", "cpu", torch.bfloat16, batch=1, ts=(5,), heads=6, kv_heads=2)
+    return 4
+
+
 def main(group: str) -> int:
     torch.set_num_threads(1)
     from graphburst.models.decode import attention, fused
@@ -91,14 +119,18 @@ def main(group: str) -> int:
             dc.check_silu_mul(fused.silu_mul, case, "cpu", seed=i)
         n = len(dc.CI_NORM) + len(dc.CI_ROPE) + len(dc.CI_SILU)
     elif group == "model":
-        dc.check_model("triton", "cpu", torch.float32)
+        dc.check_model("gemv", "cpu", torch.float32)
         # Qwen3's q/k norms and the bias switches reach the Triton path too (ts: a verify only, to stay quick)
-        dc.check_model("triton", "cpu", torch.float32, ts=(5,), qk_norm=True, qkv_bias=True)
+        dc.check_model("gemv", "cpu", torch.float32, ts=(5,), qk_norm=True, qkv_bias=True)
         n = 2
     elif group == "pdl-kernels":
         n = check_pdl_kernels()
     elif group == "pdl-model":
         n = check_pdl_model()
+    elif group == "folded":
+        n = check_folded_kernels()
+    elif group == "folded-model":
+        n = check_folded_model()
     else:
         raise SystemExit(f"unknown group {group!r}")
     print(f"ok {n}")

@@ -81,6 +81,97 @@ def test_reference_decode_path_matches_sdpa_for_every_family(switches):
     dc.check_model("reference", "cpu", torch.float32, ts=(1, MAX_K + 1), **switches)
 
 
+def test_folded_refs_are_the_unfolded_ops():
+    """A Partial's dense value is its partials summed in split order plus the bias, rounded once; the folded
+    references are the unfolded ones in sequence (norm then linear, SiLU then linear, RoPE then q)."""
+    from graphburst.models.decode.partial import WHOLE, Partial, dense
+
+    gen = torch.Generator().manual_seed(0)
+    parts, bias = torch.randn(3, 5, 40, generator=gen), torch.randn(40, generator=gen).bfloat16()
+    p = Partial(parts, 3, bias, torch.bfloat16)
+    assert p.shape == (5, 40)
+    assert torch.equal(dense(p), (parts[0] + parts[1] + parts[2] + bias.float()).bfloat16())
+    y = torch.randn(5, 40, generator=gen)
+    assert Partial.whole(y).splits == WHOLE and dense(Partial.whole(y)) is y
+    x, w, nw = torch.randn(5, 40, generator=gen), torch.randn(24, 40, generator=gen), torch.rand(40, generator=gen)
+    delta = Partial(parts, 3, None, torch.float32)
+    out, res = decode_reference.norm_linear_ref(x, delta, nw, 1e-5, w)
+    h = x.clone()
+    want = decode_reference.linear_ref(decode_reference.add_rmsnorm_ref(h, dense(delta), nw, 1e-5), w)
+    assert torch.equal(res, h) and torch.equal(dense(out), want) and not torch.equal(x, h)
+    out, res = decode_reference.norm_linear_ref(x, None, nw, 1e-5, w)
+    assert res is x and torch.equal(dense(out), decode_reference.linear_ref(F.rms_norm(x, (40,), nw, 1e-5), w))
+    gu = Partial(torch.randn(2, 5, 48, generator=gen), 2, None, torch.float32)
+    torch.testing.assert_close(dense(decode_reference.silu_linear_ref(gu, w[:, :24])),
+                               F.linear(F.silu(dense(gu)[:, :24]) * dense(gu)[:, 24:], w[:, :24]))
+    b, t, hq, kvh, d = 2, 3, 4, 2, 16
+    qkv = torch.randn(b * t, (hq + 2 * kvh) * d, generator=gen)
+    ang = torch.rand(40, d // 2, generator=gen)
+    cos, sin = torch.cat((ang.cos(), ang.cos()), -1), torch.cat((ang.sin(), ang.sin()), -1)
+    start, length = torch.tensor([3, 9], dtype=torch.int32), torch.tensor([0, 7], dtype=torch.int32)
+    kv, kv_want = torch.zeros(2, b, 16, kvh, d), torch.zeros(2, b, 16, kvh, d)
+    q = decode_reference.folded_rope_kv_write_ref(Partial.whole(qkv), cos, sin, start, length, kv, hq, t)
+    full = qkv.view(b, t, hq + 2 * kvh, d).clone()
+    decode_reference.rope_kv_write_ref(full, cos, sin, start, length, kv_want, hq)
+    assert torch.equal(q, full[:, :, :hq]) and torch.equal(kv, kv_want)
+
+
+@pytest.mark.parametrize("switches", [dict(), dict(qkv_bias=True), dict(qk_norm=True)],
+                         ids=["llama", "qwen2-bias", "qwen3-qk-norm"])
+def test_folded_reference_path_matches_sdpa(switches):
+    """The folded forward's wiring (the residual passed on, deltas into the next norm, SiLU into down, q out of
+    RoPE, the final norm into the head) on the references, fp32; T = MAX_K + 1 takes the unfolded fallback."""
+    from graphburst.models import llama_decode
+
+    dc.check_model("reference", "cpu", torch.float32, ts=(1, 5, MAX_K + 1), ops=llama_decode.folded_reference_ops(),
+                   **switches)
+
+
+def _recorded(ops, seen: list):
+    """``ops`` with every op recording (name, its ``pdl``) into ``seen`` before it runs."""
+    def record(name, fn):
+        def call(*args, **kw):
+            seen.append((name, kw.get("pdl")))
+            return fn(*args, **kw)
+        return call
+    names = [f for f in ops._fields if callable(getattr(ops, f))]
+    return ops._replace(**{name: record(name, getattr(ops, name)) for name in names})
+
+
+@pytest.mark.parametrize("pdl", [False, True])
+def test_folded_forward_runs_six_kernels_a_layer(pdl):
+    """Per layer at M <= max_m: norm + qkv, RoPE, attention, o_proj, norm + gate/up, SiLU + down, each with
+    ``pdl=ops.pdl``; then norm + head and the head's materialize. A hooked o_proj keeps its module call (the
+    hook runs) and the next norm still folds; past max_m the norms and SiLU run on their own."""
+    from graphburst.models import llama_decode
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    model = Llama(cfg, batch=2, capacity=16, decode_kernels="reference").init_random_(0)
+    seen, hooked = [], []
+    model.decode_ops = _recorded(llama_decode.folded_reference_ops()._replace(pdl=pdl), seen)
+    start = torch.zeros(2, dtype=torch.int32)
+    tokens = torch.zeros(2, 3, dtype=torch.long)  # M = 6
+    per_layer = ["norm_linear", "rope_kv_write", "attention", "linear", "norm_linear", "silu_linear"]
+    with torch.no_grad():
+        model(tokens, start, [start] * 2)
+        assert [name for name, _ in seen] == per_layer * 2 + ["norm_linear", "materialize"]
+        assert {flag for _, flag in seen} == {pdl}
+        seen.clear()
+        model.layers[0].self_attn.o_proj.register_forward_hook(lambda mod, inp, out: hooked.append(out.shape))
+        model(tokens, start, [start] * 2)
+        assert hooked == [(6, 32)]
+        assert [name for name, _ in seen] == [n for n in per_layer if n != "linear"] + per_layer + \
+            ["norm_linear", "materialize"]
+        seen.clear()
+        model.decode_ops = model.decode_ops._replace(max_m=5)  # M = 6 > 5: nothing folds
+        model(tokens, start, [start] * 2)
+    # each norm and SiLU on its own (a whole Partial's materialize launches nothing); no fold
+    layer = ["add_rmsnorm", "rope_kv_write", "attention", "materialize", "add_rmsnorm", "materialize", "silu_mul"]
+    head = ["materialize", "add_rmsnorm", "materialize"]
+    assert [name for name, _ in seen] == layer + ["materialize"] + layer + head
+
+
 def test_linear_ref_is_f_linear():
     """The GEMV's reference is F.linear: fp32 to float rounding, bf16 one rounding of the fp32 result."""
     gen = torch.Generator().manual_seed(0)
@@ -149,7 +240,7 @@ def test_decode_kernels_choice():
     cfg = LlamaConfig(vocab_size=64, hidden_size=48, intermediate_size=64, num_hidden_layers=1,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=12)
     assert Llama(cfg, batch=1, capacity=16).decode_ops is None  # auto on the CPU: SDPA, exact HF parity
-    for choice in ("triton", "gemv", "pdl"):
+    for choice in ("gemv", "pdl", "folded"):
         with pytest.raises(ValueError, match="head_dim 12"):
             Llama(cfg, batch=1, capacity=16, decode_kernels=choice)
     with pytest.raises(ValueError, match="decode_kernels"):
@@ -158,24 +249,26 @@ def test_decode_kernels_choice():
 
 def test_gemv_and_pdl_choices_are_the_gemv_path_with_and_without_pdl():
     """``gemv``: every projection and the head on the GEMV up to its row tile, no PDL; ``pdl``: the same with
-    it; ``triton`` and ``auto`` keep theirs (no PDL). On the CPU they build (the interpreter runs them)."""
+    it; ``folded`` the folded layer with it. On the CPU they build (the interpreter runs them)."""
     pytest.importorskip("triton")
     from graphburst.models import llama_decode
     from graphburst.models.decode import gemv
 
     cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16)
-    ops = {k: Llama(cfg, batch=1, capacity=16, decode_kernels=k).decode_ops for k in ("triton", "gemv", "pdl")}
+    ops = {k: Llama(cfg, batch=1, capacity=16, decode_kernels=k).decode_ops for k in ("gemv", "pdl")}
     assert (ops["gemv"].gemv_max_m, ops["gemv"].pdl) == (gemv.MAX_M, False)
     assert (ops["pdl"].gemv_max_m, ops["pdl"].pdl) == (gemv.MAX_M, True)
     assert ops["pdl"].linear is gemv.gemv and ops["pdl"]._replace(pdl=False) == ops["gemv"]
-    assert (ops["triton"].gemv_max_m, ops["triton"].pdl) == (llama_decode.FORCED_GEMV_MAX_M, False)
     assert llama_decode.pdl_unsupported(torch.device("cpu")) is None
+    folded = Llama(cfg, batch=1, capacity=16, decode_kernels="folded").decode_ops
+    assert isinstance(folded, llama_decode.FoldedOps) and (folded.max_m, folded.pdl) == (gemv.MAX_M, True)
     with pytest.raises(ValueError, match="gemv_max_m"):
         llama_decode.triton_ops(gemv.MAX_M + 1)
 
 
-@pytest.mark.parametrize("group", ["attention", "idle", "int64", "gemv", "fused", "model", "pdl-kernels", "pdl-model"])
+@pytest.mark.parametrize("group", ["attention", "idle", "int64", "gemv", "fused", "model", "pdl-kernels", "pdl-model",
+                                   "folded", "folded-model"])
 def test_triton_kernels_interpreted(group):
     """Every Triton kernel against its reference on awkward sizes, on the CPU (TRITON_INTERPRET=1)."""
     pytest.importorskip("triton")

@@ -86,13 +86,13 @@ def test_gemv_model_shapes(ops, m):
     torch.cuda.empty_cache()
 
 
-@pytest.mark.parametrize("kernels", ["triton", "pdl"])
+@pytest.mark.parametrize("kernels", ["gemv", "pdl"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_forward_matches_sdpa(ops, dtype, kernels):
     """pdl: GQA group 3; at T = MAX_K + 1 (M = 195) the projections run cuBLAS inside the PDL chain."""
     if kernels == "pdl":
         _pdl_or_skip()
-    heads = (8, 2) if kernels == "triton" else (6, 2)
+    heads = (8, 2) if kernels == "gemv" else (6, 2)
     dc.check_model(kernels, "cuda", dtype, batch=3, ts=(1, 5, MAX_K + 1), heads=heads[0], kv_heads=heads[1])
 
 
@@ -227,11 +227,11 @@ def test_pdl_kernels_carry_the_grid_dependency_instructions(pdl):
                     assert (instr in ptx) == on, f"{fn.__name__} launch_pdl={on}: {instr} {why}"
 
 
-def _pdl_equals_gemv(model, tokens: torch.Tensor, length: torch.Tensor, replays: int = 3) -> None:
+def _pdl_equals_gemv(model, tokens: torch.Tensor, length: torch.Tensor, replays: int = 3, folded: bool = False) -> None:
     """On ``model``'s weights and KV: the eager ``"pdl"`` forward (twice: compiling, then compiled, its launches
     queued behind a busy GPU), and the ``"pdl"`` forward captured in a CUDA graph and replayed ``replays``
     times, equal the eager ``"gemv"`` forward bit for bit (logits and every KV layer; the KV is restored
-    before each run)."""
+    before each run). ``folded``: the folded layer with PDL against itself without."""
     from graphburst.models import llama_decode
 
     layers = len(model.layers)
@@ -248,6 +248,8 @@ def _pdl_equals_gemv(model, tokens: torch.Tensor, length: torch.Tensor, replays:
             assert torch.equal(a, b), f"{what}: layer {i}'s KV differs from gemv's"
 
     gemv_ops, pdl_ops = llama_decode.gemv_ops(), llama_decode.gemv_ops(pdl=True)
+    if folded:
+        gemv_ops, pdl_ops = llama_decode.folded_ops(pdl=False), llama_decode.folded_ops(pdl=True)
     with torch.no_grad():
         model.decode_ops = gemv_ops
         restore()
@@ -328,3 +330,93 @@ def test_pdl_smollm2_shape_is_gemv_bit_for_bit(smollm2, t):
     gen = torch.Generator(device="cuda").manual_seed(t)
     tokens = torch.randint(0, smollm2.vocab, (1, t), device="cuda", generator=gen)
     _pdl_equals_gemv(smollm2, tokens, torch.tensor([700], dtype=torch.int32, device="cuda"))
+
+
+# ---------------------------------------------------------------------- the folded layer (decode/folded.py)
+
+#: (N, K) of SmolLM2-135M's projections and head: qkv, o, gate_up, down, head
+FOLDED_SMOLLM2 = [(576 + 2 * 192, 576), (576, 576), (2 * 1536, 576), (576, 1536), (49152, 576)]
+
+
+def test_folded_kernels(ops):
+    """Every awkward case, then the SmolLM2 and 1b shapes on their default tilings in bf16 (M = 1, 5, 16;
+    deltas of every form), against the plain-torch references; the sum pass and residual bit for bit."""
+    from graphburst.models.decode import folded
+
+    for i, case in enumerate(dc.CI_NORM_LINEAR):
+        dc.check_norm_linear(folded, case, "cuda", seed=i)
+    for i, case in enumerate(dc.CI_SILU_LINEAR):
+        dc.check_silu_linear(folded, case, "cuda", seed=i)
+    for i, case in enumerate(dc.CI_FOLDED_ROPE + [(1, 5, 9, 3, 64, BF16, 3), (64, 5, 32, 8, 64, BF16, "whole")]):
+        dc.check_folded_rope(folded, case, "cuda", seed=i)
+    for i, (n, k) in enumerate(FOLDED_SMOLLM2 + GEMV_1B):
+        for m, form in ((1, None), (5, 3), (16, "whole")):
+            dc.check_norm_linear(folded, (m, k, n, BF16, form, None, None), "cuda", seed=i)
+        dc.check_silu_linear(folded, (5, k, n, BF16, 2, None, None), "cuda", seed=i)
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_folded_forward_matches_sdpa(pdl, dtype):
+    """B = 3, GQA group 3, T = 1, 5 and MAX_K + 1 (M = 195: the unfolded fallback inside the PDL chain); Qwen2's
+    biases with Qwen3's q/k norms at T = 5."""
+    dc.check_model("folded", "cuda", dtype, batch=3, ts=(1, 5, MAX_K + 1), heads=6, kv_heads=2)
+    dc.check_model("folded", "cuda", dtype, batch=3, ts=(5,), qk_norm=True, qkv_bias=True)
+
+
+#: (M, hidden, F, dtype, gate/up config, down config): SmolLM2's MLP at M = 1 (split-K 3 partials into the
+#: SiLU prologue and the next norm) and M = 5; a 1b-wide one at M = 16
+PDL_FOLDED = [(1, 576, 1536, BF16, (32, 256, 4, 3), (32, 256, 4, 3)),
+              (5, 576, 1536, BF16, (32, 256, 4, 1), (32, 256, 4, 2)),
+              (16, 2048, 8192, BF16, (32, 256, 4, 1), (32, 256, 4, 8))]
+
+
+def test_pdl_folded_back_to_back_is_bit_identical(pdl):
+    from graphburst.models.decode import folded
+
+    for i, case in enumerate(PDL_FOLDED):
+        dc.check_pdl_same(dc.chain_folded, folded, case, "cuda", seed=i)
+
+
+def test_pdl_folded_kernels_carry_the_grid_dependency_instructions(pdl):
+    """As the unfolded kernels' test: the folded GEMV (each prologue) and its RoPE kernel."""
+    from graphburst.models.decode import folded
+    from graphburst.models.decode.partial import Partial
+
+    for flag in (False, True):
+        dc.chain_folded(folded, PDL_FOLDED[0], "cuda", flag)
+        qkv = Partial.whole(torch.randn(3, 13 * 64, dtype=BF16, device="cuda"))
+        kv = torch.zeros(2, 3, 16, 2, 64, dtype=BF16, device="cuda")
+        cos = torch.ones(16, 64, device="cuda")
+        pos = torch.zeros(3, dtype=torch.int32, device="cuda")
+        folded.rope_kv_write(qkv, cos, cos, pos, pos, kv, 9, 1, pdl=flag)
+        folded.linear(torch.randn(3, 64, dtype=BF16, device="cuda"), torch.randn(64, 64, dtype=BF16, device="cuda"),
+                      pdl=flag)
+    torch.cuda.synchronize()
+    for fn in (folded._folded_gemv, folded._rope_kv_write):
+        variants = _compiled(fn)
+        for on in (False, True):
+            picked = [k for k in variants if bool(getattr(k.metadata, "launch_pdl", False)) == on]
+            assert picked, f"{fn.__name__}: no variant launched with launch_pdl={on}"
+            for k in picked:
+                for instr in ("griddepcontrol.wait", "griddepcontrol.launch_dependents"):
+                    assert (instr in k.asm["ptx"]) == on, f"{fn.__name__} launch_pdl={on}: {instr}"
+
+
+def test_folded_pdl_forward_with_fallbacks_is_its_own_bits(pdl):
+    """Eager, B = 3 at T = 1, 5 and MAX_K + 1: PDL changes no bit of the folded forward."""
+    dc.check_folded_pdl_model("cuda", BF16, batch=3, ts=(1, 5, MAX_K + 1), heads=6, kv_heads=2)
+
+
+@pytest.mark.parametrize("t", [1, 5])
+def test_folded_smollm2_shape_in_a_graph(smollm2, t):
+    """SmolLM2's shape on the folded layer with PDL, eager and replayed from a graph, equals it without PDL bit
+    for bit, and the SDPA forward within bf16 rounding."""
+    gen = torch.Generator(device="cuda").manual_seed(t)
+    tokens = torch.randint(0, smollm2.vocab, (1, t), device="cuda", generator=gen)
+    length = torch.tensor([700], dtype=torch.int32, device="cuda")
+    _pdl_equals_gemv(smollm2, tokens, length, folded=True)
+    from graphburst.bench.real_forward import check
+
+    with torch.no_grad():  # against SDPA, within bench real's bound for bf16 through 30 random layers
+        check(smollm2, tokens, length, [length] * len(smollm2.layers))
