@@ -76,15 +76,15 @@ def check_folded_kernels() -> int:
 
 
 def check_folded_model() -> int:
-    """``decode_kernels="folded"`` forwards against SDPA: B = 1 and 3, T = 1, 5 and MAX_K + 1 (M = 195: the
-    unfolded fallback), GQA groups 1 and 3, Qwen2's biases with Qwen3's q/k norms, and bf16."""
-    from graphburst.constants import MAX_K
-
+    """``decode_kernels="folded"`` forwards against SDPA: B = 1 and 3, T = 1 and 5, GQA groups 1 and 3, Qwen2's
+    biases with Qwen3's q/k norms, and bf16; B = 4 at T = 5 (M = 20) takes the unfolded fallback. (Its wiring at
+    T = MAX_K + 1 is checked on the references, without the interpreter.)"""
     dc.check_model("folded", "cpu", torch.float32, batch=1, heads=3, kv_heads=3)  # group 1, M = 1 and 5
-    dc.check_model("folded", "cpu", torch.float32, batch=3, ts=(1, 5, MAX_K + 1), heads=6, kv_heads=2)
+    dc.check_model("folded", "cpu", torch.float32, batch=3, heads=6, kv_heads=2)  # group 3, M = 3 and 15
+    dc.check_model("folded", "cpu", torch.float32, batch=4, ts=(5,), heads=6, kv_heads=2)  # M = 20 > 16
     dc.check_model("folded", "cpu", torch.float32, ts=(5,), qk_norm=True, qkv_bias=True)
     dc.check_model("folded", "cpu", torch.bfloat16, batch=1, ts=(5,), heads=6, kv_heads=2)
-    return 4
+    return 5
 
 
 def main(group: str) -> int:
