@@ -36,6 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .decode.partial import Partial
+
 #: ``decode_kernels="auto"`` on CUDA: forwards of M = B * T <= GEMV_MAX_M rows run their
 #: projections and head on the weight-streaming GEMV instead of cuBLAS (cuBLAS's GEMMs and
 #: head took 776 µs for the 1b at B = 1 on the H200, 1.5x the 518 µs bytes floor). Set from
@@ -138,9 +140,14 @@ def unsupported(model) -> str | None:
     return None
 
 
+def _hooked(module: nn.Module) -> bool:
+    """A hook waits on the module's own call (tensor parallelism's all-reduce): a projection with one keeps its ``nn.Linear`` call."""
+    return bool(module._forward_hooks or module._forward_pre_hooks)
+
+
 def project(module: nn.Linear, x: torch.Tensor, ops: DecodeOps) -> torch.Tensor:
     """``module(x)`` for x [M, in]: on ``ops.linear`` when M <= ``ops.gemv_max_m`` and no hook waits on the call."""
-    if x.shape[0] <= ops.gemv_max_m and not (module._forward_hooks or module._forward_pre_hooks):
+    if x.shape[0] <= ops.gemv_max_m and not _hooked(module):
         return ops.linear(x, module.weight, module.bias, pdl=ops.pdl)
     return module(x)
 
@@ -226,15 +233,9 @@ def folded_reference_ops(max_m: int = FORCED_GEMV_MAX_M) -> FoldedOps:
                      ref.folded_rope_kv_write_ref, ref.materialize_ref, ref.add_rmsnorm_ref, ref.silu_mul_ref, max_m)
 
 
-def _hooked(module: nn.Module) -> bool:
-    """A hook waits on the module's own call (tensor parallelism's all-reduce): it cannot be folded away."""
-    return bool(module._forward_hooks or module._forward_pre_hooks)
-
-
 def _norm_project(weight, bias, module, x, delta, norm_weight, eps, fold: bool, ops: FoldedOps):
     """(the projection of ``rmsnorm(x + delta)`` as a Partial, the residual x + delta). ``module``: the
     projection (None for the head, ``F.linear`` over ``weight``)."""
-    from .decode.partial import Partial
     if fold and (module is None or not _hooked(module)):
         return ops.norm_linear(x, delta, norm_weight, eps, weight, bias, pdl=ops.pdl)
     d = None if delta is None else ops.materialize(delta, pdl=ops.pdl)
@@ -249,7 +250,6 @@ def folded_forward(model, tokens: torch.Tensor, start_pos: torch.Tensor, lengths
     o_proj, norm + gate/up, SiLU + down; then norm + head. A projection's split-K partials go to its
     consumer whole (``decode/partial.py``), so no sum pass runs between them.
     """
-    from .decode.partial import Partial
     r, t = tokens.shape
     m = r * t
     cfg = model.cfg

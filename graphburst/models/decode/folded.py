@@ -22,7 +22,7 @@ A layer is then qkv (norm folded), RoPE + KV write, attention (and its combine w
 o_proj, gate_up (norm folded), down (SiLU folded): 6-7 kernels. Every rounding is the one
 the unfolded kernels make (``decode/fused.py``: the residual sum to the activations' dtype,
 the normalised row, silu before the multiply), so the two paths differ only in the order
-the norm's sum of squares is taken. :func:`graphburst.models.decode.reference` holds the
+the norm's sum of squares is taken. :mod:`graphburst.models.decode.reference` holds the
 plain-torch references. Every kernel follows ``decode/launch.py``'s PDL rule: before its
 wait it loads only weights, and every store comes after it.
 """
