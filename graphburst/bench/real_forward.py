@@ -37,7 +37,6 @@ plain calls and self CPU time per op (a correctness run, not a GPU timing).
 
 from __future__ import annotations
 
-import functools
 import os
 import re
 
@@ -52,9 +51,9 @@ PATHS = {"auto": "fused", "cublas": "fused-cublas", "gemv": "fused-gemv", "pdl":
 #: attention is a CUTLASS kernel (``fmha_cutlassF_...``) and flash's split-KV kernels say "splitkv".
 #: GEMM: cuBLAS / cuBLASLt / CUTLASS names on the H200 (``nvjet_...``, ``..._gemm_...``), the
 #: Triton GEMV (``models/decode/gemv.py``: ``_gemv`` and its split-K sum ``_split_k_sum``; the folded
-#: ``_folded_gemv``) and the
-#: CPU's aten matrix products. fused: the per-layer elementwise work (graphburst's Triton
-#: ``_add_rmsnorm``, ``_rope_kv_write``, ``_silu_mul``; aten's norm kernel on the SDPA path).
+#: ``_folded_gemv``, its norm and SiLU prologues included) and the CPU's aten matrix products.
+#: fused: the per-layer elementwise work (graphburst's Triton ``_add_rmsnorm``, ``_rope_kv_write``,
+#: ``_silu_mul``; aten's norm kernel on the SDPA path).
 #: other: the rest (copies, adds, index, argmax...).
 CATEGORIES = (
     ("attention", re.compile(r"attention|attn|fmha|flash|sdpa|_combine|softmax", re.IGNORECASE)),
@@ -202,9 +201,11 @@ def run(s: dict, backend, console, failures: list) -> list[dict]:
         for kern in ("gemv", "pdl", "folded"):  # built only when asked for: they import Triton
             if kern in s["kernels"]:
                 runs = fits and llama_decode.triton_runs_on(torch.device(device))
-                make = llama_decode.folded_ops if kern == "folded" else functools.partial(llama_decode.gemv_ops,
-                                                                                          pdl=kern == "pdl")
-                ops[kern] = make() if runs else None
+                if runs:
+                    ops[kern] = llama_decode.folded_ops() if kern == "folded" else \
+                        llama_decode.gemv_ops(pdl=kern == "pdl")
+                else:
+                    ops[kern] = None
         gen = torch.Generator(device=device).manual_seed(s["seed"])
         for kv in model.kv:
             kv.normal_(generator=gen)
