@@ -172,6 +172,25 @@ def test_folded_forward_runs_six_kernels_a_layer(pdl):
     assert [name for name, _ in seen] == layer + ["materialize"] + layer + head
 
 
+def test_folded_forward_under_tensor_parallel_hooks_matches_sdpa():
+    """Forward hooks on every o_proj and down_proj (where tensor parallelism all-reduces): those keep their module
+    calls, down's input is SiLU x up of the materialised gate/up, the norms after them still fold; logits and
+    every KV row equal SDPA's, and the hooks saw every call."""
+    from graphburst.models import llama_decode
+
+    models = dc.model_pair(("off", "reference"), "cpu", torch.float32, batch=3, heads=6, kv_heads=2)
+    models[1].decode_ops = llama_decode.folded_reference_ops()
+    calls = []
+    for block in models[1].layers:
+        for proj in (block.self_attn.o_proj, block.mlp.down_proj):
+            proj.register_forward_hook(lambda mod, inp, out: calls.append(out.shape))
+    for t, ((want, want_kv), (got, got_kv)) in dc.model_forwards(models, "cpu", torch.float32, (1, 5)):
+        torch.testing.assert_close(got, want, **dc.TOL[torch.float32], msg=lambda m: f"T={t} logits: {m}")
+        for a, b in zip(want_kv, got_kv):
+            torch.testing.assert_close(b, a, **dc.TOL[torch.float32], msg=lambda m: f"T={t} kv: {m}")
+    assert calls == [(3 * t, 128) for t in (1, 5) for _ in range(2 * 2)]
+
+
 def test_linear_ref_is_f_linear():
     """The GEMV's reference is F.linear: fp32 to float rounding, bf16 one rounding of the fp32 result."""
     gen = torch.Generator().manual_seed(0)
