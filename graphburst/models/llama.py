@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..constants import MAX_K
+from ..constants import DECODE_KERNELS, MAX_K, TRITON_DECODE_KERNELS
 from . import llama_decode
 from .llama_config import LlamaConfig
 from .llama_layers import PREFILL_SDPA, Block, FusedLinear, LayerIndex, Packed, RMSNorm, fold_mask, kv_index
@@ -45,23 +45,24 @@ from .rope import rope_rotation, rope_tables
 DEFAULT_KV_SLACK = MAX_K + 2
 #: KV rows per sequence are a multiple of this: SDPA's fused kernels then need no mask padding per call.
 KV_ROW_MULTIPLE = 16
-#: ``Llama(decode_kernels=...)``: ``auto`` runs decode/verify forwards (T <= MAX_K + 1, all
-#: rows) on the fused Triton kernels on CUDA and on SDPA elsewhere; ``reference`` forces the
-#: fused path on its plain-torch references; ``off`` keeps SDPA everywhere. Prefill always
-#: runs SDPA. The fused path's projections run on the weight-streaming GEMV at M = B * T <=
-#: ``llama_decode.GEMV_MAX_M`` rows under ``auto`` (``FORCED_GEMV_MAX_M`` under
-#: ``reference``), on cuBLAS past it.
-#: ``gemv`` is the fused path with every projection and the head on the GEMV up to its whole
-#: row tile (``gemv.MAX_M`` rows), no PDL; ``pdl`` is ``gemv`` with every Triton kernel
-#: launched with programmatic dependent launch (``models/decode/launch.py``; Hopper or later,
-#: checked at construction; the CPU's interpreter runs it without). They are the two paths
-#: measured against ``auto``'s cuBLAS (``graphburst bench real --profile forward --kernels
-#: auto,gemv,pdl``); ``auto`` stays as it is until the H200 says otherwise. Under both, a
-#: projection with forward hooks (tensor parallelism's all-reduce) or of M > ``gemv.MAX_M``
-#: rows still runs ``nn.Linear`` (cuBLAS): the PDL overlap stops there, the order does not.
-#: ``folded`` is ``pdl`` with the norms, SiLU x up and the GEMV's split-K sums folded into the
-#: projections' kernels (``models/decode/folded.py``: 6-7 kernels a layer instead of ~14).
-DECODE_KERNELS = ("auto", "gemv", "pdl", "folded", "reference", "off")
+# ``Llama(decode_kernels=...)``: ``auto`` runs decode/verify forwards (T <= MAX_K + 1, all
+# rows) on the fused Triton kernels on CUDA and on SDPA elsewhere; ``reference`` forces the
+# fused path on its plain-torch references; ``off`` keeps SDPA everywhere. Prefill always
+# runs SDPA. The fused path's projections run on the weight-streaming GEMV at M = B * T <=
+# ``llama_decode.GEMV_MAX_M`` rows under ``auto`` (``FORCED_GEMV_MAX_M`` under
+# ``reference``), on cuBLAS past it.
+# ``gemv`` is the fused path with every projection and the head on the GEMV up to its whole
+# row tile (``gemv.MAX_M`` rows), no PDL; ``pdl`` is ``gemv`` with every Triton kernel
+# launched with programmatic dependent launch (``models/decode/launch.py``; Hopper or later,
+# checked at construction; the CPU's interpreter runs it without). They are the two paths
+# measured against ``auto``'s cuBLAS (``graphburst bench real --profile forward --kernels
+# auto,gemv,pdl``); ``auto`` stays as it is until the H200 says otherwise. Under both, a
+# projection with forward hooks (tensor parallelism's all-reduce) or of M > ``gemv.MAX_M``
+# rows still runs ``nn.Linear`` (cuBLAS): the PDL overlap stops there, the order does not.
+# ``folded`` is ``pdl`` with the norms, SiLU x up and the GEMV's split-K sums folded into the
+# projections' kernels (``models/decode/folded.py``: 6-7 kernels a layer instead of ~14).
+# ``gemv``, ``pdl`` and ``folded`` are refused where Triton cannot run them (the CPU outside
+# Triton's interpreter). The tuple is ``constants.DECODE_KERNELS``.
 
 
 # ---------------------------------------------------------------------- the model
@@ -134,7 +135,10 @@ class Llama(nn.Module):
             raise ValueError(f"decode_kernels={choice!r}: {why}")
         if choice == "reference":
             return llama_decode.reference_ops()
-        if choice in ("gemv", "pdl", "folded"):
+        if choice in TRITON_DECODE_KERNELS:
+            if not llama_decode.triton_runs_on(device):
+                raise ValueError(f"decode_kernels={choice!r} runs Triton kernels, which need a CUDA device (the CPU "
+                                 f"runs them only under TRITON_INTERPRET=1); this model is on {device}")
             why = llama_decode.pdl_unsupported(device) if choice != "gemv" else None
             if why is not None:
                 raise ValueError(f"decode_kernels={choice!r}: {why}")

@@ -106,6 +106,8 @@ def test_a_layer_dispatches_no_concat_cast_or_mask_conversion(dtype):
 #: a fused decode layer's calls of its ops: two add+RMSNorms, four projections (qkv, o, gate_up, down) on
 #: the GEMV at these M, one RoPE + KV write, one attention (its combine is inside the call), one SiLU x up
 FUSED_LAYER_CALLS = Counter(add_rmsnorm=2, linear=4, rope_kv_write=1, attention=1, silu_mul=1)
+#: the folded layer's (``decode_kernels="folded"``): the norms inside qkv and gate/up, SiLU inside down
+FOLDED_LAYER_CALLS = Counter(norm_linear=2, linear=1, silu_linear=1, rope_kv_write=1, attention=1)
 #: dispatched ops that launch no kernel: metadata, and the stubs' own allocations
 NON_LAUNCHING = {"view", "_unsafe_view", "slice", "alias", "as_strided", "empty", "empty_like", "empty_strided"}
 
@@ -114,8 +116,12 @@ def fused_layer_ops(choice: str, layers: int, batch: int, t: int) -> tuple[Count
     """(decode-op calls, dispatched torch ops, the ``pdl`` values the ops saw) of one ``decode_kernels=choice``
     forward whose ops are stubs: they allocate their outputs and compute nothing, so the torch ops counted
     are fused_forward's own (the CPU cannot launch Triton outside the interpreter)."""
+    from graphburst.models import llama_decode
+    from graphburst.models.decode.partial import Partial
+
+    # built on the references (a CPU model refuses the Triton choices), then given the choice's own ops
     model = Llama(CFG.replace(num_hidden_layers=layers), batch=batch, capacity=64,
-                  decode_kernels=choice).init_random_(0)
+                  decode_kernels="reference").init_random_(0)
     calls, flags = Counter(), set()
 
     def stub(name, make):
@@ -125,12 +131,24 @@ def fused_layer_ops(choice: str, layers: int, batch: int, t: int) -> tuple[Count
             return make(*args)
         return call
 
-    model.decode_ops = model.decode_ops._replace(
-        add_rmsnorm=stub("add_rmsnorm", lambda x, *_: torch.empty_like(x)),
-        linear=stub("linear", lambda x, w, *_: torch.empty(x.shape[0], w.shape[0], dtype=x.dtype)),
-        rope_kv_write=stub("rope_kv_write", lambda *_: None),
-        attention=stub("attention", lambda q, *_: torch.empty(q.shape, dtype=q.dtype)),
-        silu_mul=stub("silu_mul", lambda gu, *_: torch.empty(gu.shape[0], gu.shape[1] // 2, dtype=gu.dtype)))
+    def out(x, w):  # a projection's output, allocated and not computed
+        return torch.empty(x.shape[0], w.shape[0], dtype=x.dtype)
+
+    attention = stub("attention", lambda q, *_: torch.empty(q.shape, dtype=q.dtype))
+    if choice == "folded":
+        model.decode_ops = llama_decode.folded_ops()._replace(
+            norm_linear=stub("norm_linear", lambda x, d, nw, eps, w, *_: (Partial.whole(out(x, w)), x)),
+            linear=stub("linear", lambda x, w, *_: Partial.whole(out(x, w))),
+            silu_linear=stub("silu_linear", lambda gu, w, *_: Partial.whole(torch.empty(gu.shape[0], w.shape[0]))),
+            rope_kv_write=stub("rope_kv_write", lambda qkv, cos, sin, pos, length, kv, h, t: torch.empty(
+                qkv.shape[0] // t, t, h, kv.shape[4])),
+            attention=attention, materialize=stub("materialize", lambda p: p.parts))
+    else:
+        model.decode_ops = llama_decode.gemv_ops(pdl=choice == "pdl")._replace(
+            add_rmsnorm=stub("add_rmsnorm", lambda x, *_: torch.empty_like(x)),
+            linear=stub("linear", lambda x, w, *_: out(x, w)), rope_kv_write=stub("rope_kv_write", lambda *_: None),
+            attention=attention,
+            silu_mul=stub("silu_mul", lambda gu, *_: torch.empty(gu.shape[0], gu.shape[1] // 2, dtype=gu.dtype)))
     tokens = torch.randint(0, CFG.vocab_size, (batch, t), generator=torch.Generator().manual_seed(0))
     start = torch.arange(3, 3 + batch, dtype=torch.int32)
     with torch.no_grad(), Dispatched() as d:
@@ -138,18 +156,19 @@ def fused_layer_ops(choice: str, layers: int, batch: int, t: int) -> tuple[Count
     return calls, d.ops, flags
 
 
-@pytest.mark.parametrize("choice", ["gemv", "pdl"])
+@pytest.mark.parametrize("choice", ["gemv", "pdl", "folded"])
 @pytest.mark.parametrize("batch,t", [(1, 5), (3, 1)], ids=["verify_b1", "draft_b3"])
 def test_a_fused_layer_is_its_decode_ops_and_nothing_between(choice, batch, t):
-    """Per layer: FUSED_LAYER_CALLS and no torch op that launches a kernel. Under PDL each kernel overlaps the
-    one before; a torch kernel between two would end the overlap there (and one is the price of Qwen3's q/k
-    norms, not of a Llama layer)."""
+    """Per layer: FUSED_LAYER_CALLS (FOLDED_LAYER_CALLS) and no torch op that launches a kernel. Under PDL each
+    kernel overlaps the one before; a torch kernel between two would end the overlap there (and one is the price
+    of Qwen3's q/k norms, not of a Llama layer)."""
     pytest.importorskip("triton")
     one, two = fused_layer_ops(choice, 1, batch, t), fused_layer_ops(choice, 2, batch, t)
-    assert two[0] - one[0] == FUSED_LAYER_CALLS, dict(two[0] - one[0])
+    want = FOLDED_LAYER_CALLS if choice == "folded" else FUSED_LAYER_CALLS
+    assert two[0] - one[0] == want, dict(two[0] - one[0])
     launching = {op for op, n in (two[1] - one[1]).items() if n and op not in NON_LAUNCHING}
     assert not launching, dict(two[1] - one[1])
-    assert one[2] == two[2] == {choice == "pdl"}  # every op launched with PDL, or none
+    assert one[2] == two[2] == {choice != "gemv"}  # every op launched with PDL, or none
 
 
 def test_the_counter_sees_the_plain_rope_as_more_ops():

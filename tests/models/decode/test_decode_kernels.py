@@ -268,22 +268,26 @@ def test_decode_kernels_choice():
 
 def test_gemv_and_pdl_choices_are_the_gemv_path_with_and_without_pdl():
     """``gemv``: every projection and the head on the GEMV up to its row tile, no PDL; ``pdl``: the same with
-    it; ``folded`` the folded layer with it. On the CPU they build (the interpreter runs them)."""
+    it; ``folded`` the folded layer with it. A model on the CPU refuses them outside Triton's interpreter (they
+    would fail at their first forward); the interpreter's groups build them (``decode_interp.py``)."""
     pytest.importorskip("triton")
     from graphburst.models import llama_decode
     from graphburst.models.decode import gemv
 
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16)
-    ops = {k: Llama(cfg, batch=1, capacity=16, decode_kernels=k).decode_ops for k in ("gemv", "pdl")}
+    ops = {"gemv": llama_decode.gemv_ops(), "pdl": llama_decode.gemv_ops(pdl=True)}
     assert (ops["gemv"].gemv_max_m, ops["gemv"].pdl) == (gemv.MAX_M, False)
     assert (ops["pdl"].gemv_max_m, ops["pdl"].pdl) == (gemv.MAX_M, True)
     assert ops["pdl"].linear is gemv.gemv and ops["pdl"]._replace(pdl=False) == ops["gemv"]
     assert llama_decode.pdl_unsupported(torch.device("cpu")) is None
-    folded = Llama(cfg, batch=1, capacity=16, decode_kernels="folded").decode_ops
+    folded = llama_decode.folded_ops()
     assert isinstance(folded, llama_decode.FoldedOps) and (folded.max_m, folded.pdl) == (gemv.MAX_M, True)
     with pytest.raises(ValueError, match="gemv_max_m"):
         llama_decode.triton_ops(gemv.MAX_M + 1)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    for choice in ("gemv", "pdl", "folded"):
+        with pytest.raises(ValueError, match=f"decode_kernels='{choice}' runs Triton kernels.*TRITON_INTERPRET"):
+            Llama(cfg, batch=1, capacity=16, decode_kernels=choice)
 
 
 @pytest.mark.parametrize("group", ["attention", "idle", "int64", "gemv", "fused", "model", "pdl-kernels", "pdl-model",
