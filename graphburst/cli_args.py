@@ -288,6 +288,45 @@ def check_backend(name: str) -> None:
                                      "use --backend numpy (or auto)")
 
 
+def add_decode_kernels_flag(parser) -> None:
+    """``--decode-kernels`` (``Llama(decode_kernels=...)`` of a ``--model`` pair); None: the model's default."""
+    from .constants import DECODE_KERNELS
+
+    parser.add_argument("--decode-kernels", choices=DECODE_KERNELS, default=None, metavar="KERNELS",
+                        help="how a --model's decode and verify forwards run: auto (the fused Triton kernels with "
+                             "cuBLAS projections on CUDA, SDPA on the CPU), gemv (every projection on the Triton "
+                             "GEMV), pdl (gemv with programmatic dependent launch; Hopper or later), folded (pdl "
+                             "with the norms, SiLU and split-K sums folded into the projections), reference (the "
+                             "fused path in plain torch), off (SDPA); gemv, pdl and folded need a GPU "
+                             f"({', '.join(DECODE_KERNELS)}; default auto)")
+
+
+def check_decode_kernels(kernels: str | None, backend: str) -> None:
+    """Refuse ``--decode-kernels`` a run cannot launch: Triton's kernels without a GPU (but under Triton's
+    interpreter, ``TRITON_INTERPRET=1``), PDL on a GPU older than Hopper. They would fail at the model's
+    construction or first forward."""
+    from .constants import TRITON_DECODE_KERNELS
+
+    if kernels not in TRITON_DECODE_KERNELS:
+        return
+    from .backend import cuda_available
+
+    if backend == "numpy" or not cuda_available():
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            why = "--backend numpy" if backend == "numpy" else "no CUDA device found"
+            raise FlagError("--decode-kernels", f"{kernels} runs Triton kernels on a GPU, and this run has none "
+                                                f"({why}); use auto, reference or off")
+        return
+    if kernels != "gemv":
+        import torch
+
+        from .models.llama_decode import pdl_unsupported
+
+        why = pdl_unsupported(torch.device("cuda", torch.cuda.current_device()))
+        if why is not None:
+            raise FlagError("--decode-kernels", f"{kernels}: {why}; use gemv or auto")
+
+
 def add_ngram_flags(parser) -> None:
     """``--ngram-min`` / ``--ngram-max`` (with ``--draft ngram``); None until :func:`check_ngram_flags`."""
     parser.add_argument("--ngram-min", type=int_in(1, NGRAM_MAX), default=None,

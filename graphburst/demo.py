@@ -32,8 +32,8 @@ from .engine.decoder import SpecDecoder
 from .models.named import NAMED_MODELS
 from .models.ngram import NGRAM_DRAFT
 from .models.tokenizer import has_tokenizer
-from .cli_args import (FlagError, add_ngram_flags, check_backend, check_kv_memory, check_ngram_flags, checkpoint,
-                       draft_dir_or_ngram, int_in, real_in)
+from .cli_args import (FlagError, add_decode_kernels_flag, add_ngram_flags, check_backend, check_decode_kernels,
+                       check_kv_memory, check_ngram_flags, checkpoint, draft_dir_or_ngram, int_in, real_in)
 from .constants import DEFAULT_K, MAX_K, TOP_K_OFF, TOP_P_OFF
 from .kernels.digest import greedy_reference
 from .sampling.params import check_sampling
@@ -62,6 +62,7 @@ def add_parser(sub) -> None:
                         "is printed")
     add_ngram_flags(p)
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="weights and KV of a --model pair")
+    add_decode_kernels_flag(p)
     p.add_argument("--batch", type=int_in(1, 4096), default=None,
                    help="sequences decoded together (default 4, or 1 with --prompt)")
     p.add_argument("-k", type=int_in(0, MAX_K), default=None,
@@ -109,6 +110,12 @@ def check_args(args) -> None:
         raise FlagError("--draft", "needs --model DIR")
     if args.model not in (None, TINY_RANDOM):
         checkpoint(args.model, flag="--model")
+    if args.decode_kernels is not None:
+        if args.model is None:
+            raise FlagError("--decode-kernels", "needs --model (the stub models have no decode kernels to pick)")
+        if args.tp > 1 or args.pp > 1:
+            raise FlagError("--decode-kernels", "is not wired into --tp/--pp; leave it unset")
+        check_decode_kernels(args.decode_kernels, args.backend)
     if args.prompt is not None:
         if args.model in (None, TINY_RANDOM) or not has_tokenizer(args.model):
             raise FlagError("--prompt", "needs a --model that carries a tokenizer (a .gguf file, a named model, or a "
@@ -201,16 +208,18 @@ def _build_pair(args, backend, capacity):
         return target, draft, args.vocab, lambda prompt, n: greedy_reference(prompt, n, args.vocab)
     from .models import checkpoint
 
+    kernels = args.decode_kernels or "auto"
     if args.model == TINY_RANDOM:
         target, draft = checkpoint.tiny_random_pair(batch=args.batch, capacity=capacity, backend=backend,
-                                                    dtype=args.dtype, seed=args.seed, p_min=p_min)
+                                                    dtype=args.dtype, seed=args.seed, p_min=p_min,
+                                                    decode_kernels=kernels)
     elif args.draft in (NGRAM_DRAFT, None):
         target = checkpoint.load_target(args.model, batch=args.batch, capacity=capacity, backend=backend,
-                                        dtype=args.dtype)
+                                        dtype=args.dtype, decode_kernels=kernels)
         draft = None
     else:
         target, draft = checkpoint.load_pair(args.model, args.draft, batch=args.batch, capacity=capacity,
-                                             backend=backend, dtype=args.dtype, p_min=p_min)
+                                             backend=backend, dtype=args.dtype, p_min=p_min, decode_kernels=kernels)
     return target, draft, target.vocab, lambda prompt, n: target.module.greedy(prompt, n)
 
 

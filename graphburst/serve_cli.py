@@ -15,8 +15,9 @@ import sys
 from rich.console import Console
 
 from .backend import BACKEND_NAMES
-from .cli_args import (AUTO, FlagError, add_ngram_flags, check_backend, check_kv_memory, check_ngram_flags, fraction,
-                       int_in, int_or_auto, readable_file, real_in, same_file, writable_file)
+from .cli_args import (AUTO, FlagError, add_decode_kernels_flag, add_ngram_flags, check_backend, check_decode_kernels,
+                       check_kv_memory, check_ngram_flags, fraction, int_in, int_or_auto, readable_file, real_in, same_file,
+                       writable_file)
 from .models.ngram import NGRAM_DRAFT
 from .constants import DEFAULT_K, MAX_DEPTH, MAX_K
 from .models.capacity import DEFAULT_GPU_MEMORY_FRACTION
@@ -74,6 +75,7 @@ def add_parser(sub) -> None:
     m.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="weights and KV (default float32)")
     m.add_argument("--p-min", type=real_in(0.0, 1.0), default=None,
                    help="draft: stop drafting below this probability (default 0)")
+    add_decode_kernels_flag(m)
     p.add_argument("--prefill-chunk", type=int_in(1, 2**31 - 1), default=None, metavar="N",
                    help="prefill at most N prompt tokens per burst boundary, so a long prompt goes in chunks "
                         "while the other slots keep decoding (default: whole prompts)")
@@ -183,6 +185,7 @@ def check_args(args) -> None:
         raise FlagError("--pipeline-depth", f"sets the bursts in flight of the pipelined graph engine, which "
                                             f"{other} turns off; leave one of them out")
     config = parse(args)
+    check_decode_kernels(config.decode_kernels, args.backend)
     if config.capacity == AUTO:
         from .backend import cuda_available
 

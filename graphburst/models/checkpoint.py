@@ -171,17 +171,18 @@ def wrap_pair(target_module, draft_module, *, batch: int, capacity: int, backend
 
 
 def load_target(model_dir, *, batch: int, capacity: int, backend: Backend | str = "auto", dtype="float32",
-                device=None):
+                device=None, decode_kernels: str = "auto"):
     """Load a target checkpoint alone, as a :class:`TorchTarget` (for a draft with no weights, such as
-    :class:`~graphburst.models.ngram.NgramDraft`)."""
+    :class:`~graphburst.models.ngram.NgramDraft`). ``decode_kernels``: :class:`Llama`'s."""
     backend = get_backend(backend)
-    module = load_llama(model_dir, batch=batch, capacity=capacity, dtype=dtype, device=_device_of(backend, device))
+    module = load_llama(model_dir, batch=batch, capacity=capacity, dtype=dtype, device=_device_of(backend, device),
+                        decode_kernels=decode_kernels)
     return TorchTarget(module, batch=batch, capacity=capacity, backend=backend)
 
 
 def load_pair(model_dir, draft_dir, *, batch: int, capacity: int, backend: Backend | str = "auto",
-              dtype="float32", device=None, p_min: float = 0.0):
-    """Load a target and a draft checkpoint as a graphburst pair.
+              dtype="float32", device=None, p_min: float = 0.0, decode_kernels: str = "auto"):
+    """Load a target and a draft checkpoint as a graphburst pair (``decode_kernels``: :class:`Llama`'s, for both).
 
     Returns
     -------
@@ -194,8 +195,10 @@ def load_pair(model_dir, draft_dir, *, batch: int, capacity: int, backend: Backe
     if t_cfg.vocab_size != d_cfg.vocab_size:
         raise CheckpointError(f"{draft_dir}/config.json: vocab_size {d_cfg.vocab_size} differs from the target's "
                               f"{t_cfg.vocab_size} ({model_dir}); a draft must share its target's vocabulary")
-    target = load_llama(model_dir, batch=batch, capacity=capacity, dtype=dtype, device=device)
-    draft = load_llama(draft_dir, batch=batch, capacity=capacity, dtype=dtype, device=device)
+    target = load_llama(model_dir, batch=batch, capacity=capacity, dtype=dtype, device=device,
+                        decode_kernels=decode_kernels)
+    draft = load_llama(draft_dir, batch=batch, capacity=capacity, dtype=dtype, device=device,
+                       decode_kernels=decode_kernels)
     return wrap_pair(target, draft, batch=batch, capacity=capacity, backend=backend, p_min=p_min)
 
 
@@ -209,7 +212,7 @@ def tiny_random_configs(*, vocab: int = 512, hidden: int = 64, layers: int = 4):
 
 def tiny_random_pair(*, batch: int, capacity: int, backend: Backend | str = "auto", dtype="float32", device=None,
                      seed: int = 0, vocab: int = 512, hidden: int = 64, layers: int = 4, p_min: float = 0.0,
-                     residual_scale: float = 0.25):
+                     residual_scale: float = 0.25, decode_kernels: str = "auto"):
     """A small random Llama target and its early-exit draft, built in memory (no files).
 
     The draft is the target's first layer with the target's embeddings, final norm and
@@ -217,6 +220,7 @@ def tiny_random_pair(*, batch: int, capacity: int, backend: Backend | str = "aut
     (``o_proj``, ``down_proj``) scaled by ``residual_scale``, so they perturb the draft's
     view rather than replace it: the draft agrees often enough for a demo to show real
     acceptance (1.0 gives a plain random model, where an early exit rarely agrees).
+    ``decode_kernels``: :class:`Llama`'s, for both.
 
     Returns
     -------
@@ -230,12 +234,13 @@ def tiny_random_pair(*, batch: int, capacity: int, backend: Backend | str = "aut
     device = _device_of(backend, device)
     cfg, draft_cfg = tiny_random_configs(vocab=vocab, hidden=hidden, layers=layers)
     dt = torch_dtype(dtype)
-    target = Llama(cfg, batch=batch, capacity=capacity, dtype=dt, device=device).init_random_(seed)
+    target = Llama(cfg, batch=batch, capacity=capacity, dtype=dt, device=device,
+                   decode_kernels=decode_kernels).init_random_(seed)
     with torch.no_grad():
         for block in target.layers[1:]:
             block.self_attn.o_proj.weight.mul_(residual_scale)
             block.mlp.down_proj.weight.mul_(residual_scale)
-    draft = Llama(draft_cfg, batch=batch, capacity=capacity, dtype=dt, device=device)
+    draft = Llama(draft_cfg, batch=batch, capacity=capacity, dtype=dt, device=device, decode_kernels=decode_kernels)
     own = dict(target.named_parameters())
     with torch.no_grad():
         for name, p in draft.named_parameters():

@@ -16,7 +16,7 @@ import os
 
 from ..backend import BACKEND_NAMES, get_backend
 from ..buffers import StreamBufs
-from ..constants import DEFAULT_K, MAX_DEPTH, MAX_K, TP_MAX_DEPTH
+from ..constants import DECODE_KERNELS, DEFAULT_K, MAX_DEPTH, MAX_K, TP_MAX_DEPTH
 from ..models.capacity import DEFAULT_GPU_MEMORY_FRACTION, CapacityPlan, MemorySpec, auto_capacity, check_fraction
 from ..models.llama_config import CheckpointError
 from ..models.named import check_checkpoint
@@ -80,7 +80,8 @@ class ServeConfig:
 
     Models: the stub pair by default (``vocab``, ``layers``, ``accept``, ``cost_us``; None
     takes :data:`STUB_DEFAULTS`), or ``model=DIR, draft=DIR`` (a Hugging Face Llama pair,
-    ``dtype``, ``p_min``), or ``model="tiny-random"`` (a small random pair built in memory).
+    ``dtype``, ``p_min``, ``decode_kernels``), or ``model="tiny-random"`` (a small random pair
+    built in memory).
     A stub field given with ``model``, or a model field without it, is refused.
     ``capacity="auto"`` is sized from the GPU's memory when the loop is built
     (:func:`resolve_capacity`; ``gpu_memory_fraction`` applies to it only, default
@@ -121,6 +122,7 @@ class ServeConfig:
     ngram_max: int | None = None  # longest n-gram, tried first
     dtype: str | None = None
     p_min: float | None = None
+    decode_kernels: str | None = None  # Llama(decode_kernels=...) of both models (None: "auto")
     # intake: requests waiting for a slot (HTTP: before 429; JSONL: how far the reader reads ahead)
     max_queue: int = 256
     # JSONL serving
@@ -164,6 +166,9 @@ class ServeConfig:
                 raise ConfigError(name, f"must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ConfigError("dtype", f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.decode_kernels is not None and self.decode_kernels not in DECODE_KERNELS:
+            raise ConfigError("decode_kernels", f"must be one of {', '.join(DECODE_KERNELS)}, "
+                                                f"got {self.decode_kernels!r}")
         for name in ("sampling", "logits_fields", "pipelined", "live"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(name, f"must be a bool, got {getattr(self, name)!r}")
@@ -176,9 +181,10 @@ class ServeConfig:
         if self.pipeline_depth > TP_MAX_DEPTH and self.tp > 1:
             raise ConfigError("pipeline_depth", f"tensor-parallel serving (--tp > 1) keeps at most {TP_MAX_DEPTH} bursts "
                                                 f"in flight, got {self.pipeline_depth}")
-        for name in ("prefill_chunk", "prefill_warmup"):
+        for name in ("prefill_chunk", "prefill_warmup", "decode_kernels"):
             if getattr(self, name) is not None and self.tp > 1:
-                raise ConfigError(name, "is not wired into tensor-parallel serving (--tp > 1); leave it unset")
+                raise ConfigError(name, f"is not wired into tensor-parallel serving (--tp > 1); leave it unset "
+                                        f"(got {getattr(self, name)!r})")
         self._check_mode()
         self._check_network()
         self._check_ngram()
@@ -282,7 +288,7 @@ class ServeConfig:
         object.__setattr__(self, name, value)  # frozen: only __post_init__ fills in and normalises
 
     def _check_stubs(self) -> None:
-        for name in ("draft", "dtype", "p_min"):
+        for name in ("draft", "dtype", "p_min", "decode_kernels"):
             if getattr(self, name) is not None and not (name == "draft" and self.lookup):
                 raise ConfigError(name, f"applies to a model checkpoint only (the stub models are the "
                                         f"default), got {getattr(self, name)!r}")
@@ -310,6 +316,7 @@ class ServeConfig:
                 self._set("tokenizer", self.model)
         self._set("dtype", self.dtype or "float32")
         self._set("p_min", 0.0 if self.p_min is None else self.p_min)
+        self._set("decode_kernels", self.decode_kernels or "auto")
 
     def _check_k(self) -> None:
         """Fill in ``k`` and refuse a draft that ``k`` would leave unused, or drafts with no draft to make them.
@@ -419,13 +426,16 @@ def _same_path(a: str, b: str) -> bool:
 
 
 def startup_notes(config: ServeConfig, loop: ServeLoop, *, chat: bool = False) -> list[str]:
-    """Start-up lines on what nothing else says: how requests are decoded (plainly, with no draft; which
-    burst form runs with ``device_exit``, and why "auto" fell back), the length of a chat request without
+    """Start-up lines on what nothing else says: how requests are decoded (plainly, with no draft; on which
+    decode kernels, when not the default; which burst form runs with ``device_exit``, and why "auto" fell
+    back), the length of a chat request without
     ``max_tokens`` (``chat``: the chat route is on), and, for the stub models sampling on the CPU, how slow
     that is."""
     lines = []
     if config.plain:  # a checkpoint given no draft decodes this way by default: say so, once
         lines.append("no draft: plain decoding, one token a round (give a draft, or --draft ngram, to speculate)")
+    if config.decode_kernels not in (None, "auto"):
+        lines.append(f"decode and verify forwards on decode_kernels={config.decode_kernels!r}")
     graph = loop.graph
     if config.device_exit != "off" and graph is not None:
         if graph.device_exit:
@@ -568,7 +578,8 @@ def build_loop(config: ServeConfig, backend=None, *, log=None) -> ServeLoop:
     else:
         from ..models import checkpoint  # torch and safetensors: only when a model is asked for
 
-        kw = dict(batch=config.batch, capacity=config.capacity, backend=backend, dtype=config.dtype)
+        kw = dict(batch=config.batch, capacity=config.capacity, backend=backend, dtype=config.dtype,
+                  decode_kernels=config.decode_kernels)
         if config.model == TINY_RANDOM:
             target, draft = checkpoint.tiny_random_pair(**kw, p_min=config.p_min)
             if config.plain:  # the pair's draft is its target's first layer: dropped, not served

@@ -42,6 +42,23 @@ def test_tiny_random_llama_demo():
     assert "tiny-random" in res.stdout
 
 
+def test_tiny_random_demo_on_the_folded_decode_kernels():
+    """``--decode-kernels folded`` under Triton's interpreter (how a CPU runs them): the folded layer's kernels
+    inside every round of the burst, the tokens checked against the SDPA greedy oracle. Without the
+    interpreter the same flag is one line and exit 2, before any model is built."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200", "TRITON_INTERPRET": "1"}
+    args = ["--model", "tiny-random", "--decode-kernels", "folded", "-k", "2", "-m", "2", "--bursts", "1",
+            "--batch", "2"]
+    res = subprocess.run([sys.executable, "-m", "graphburst.cli", "demo", "--backend", "numpy", *args],
+                         capture_output=True, text=True, env=env, timeout=240)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "NO" not in res.stdout and res.stdout.count("yes") == 2
+    res = demo(*args)
+    assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert "--decode-kernels: folded runs Triton kernels on a GPU, and this run has none" in res.stderr
+
+
 def test_checkpoint_pair_demo(tmp_path):
     torch = pytest.importorskip("torch")
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -89,6 +106,8 @@ def test_a_trained_model_answers_a_text_prompt():
     (["-k", "0", "--tp", "2"], "-k: 0 (plain decoding) is not wired into --tp/--pp"),
     (["--model", "no/such/dir", "--draft", "ngram"], "--model: no such checkpoint: 'no/such/dir'"),
     (["--model", __file__, "--draft", "ngram"], "is a file but not a .gguf file"),
+    (["--decode-kernels", "pdl"], "--decode-kernels: needs --model"),
+    (["--model", "tiny-random", "--decode-kernels", "fast"], "--decode-kernels: invalid choice: 'fast'"),
 ])
 def test_prompt_and_model_flag_errors_are_one_line(args, message):
     res = demo(*args)

@@ -97,3 +97,23 @@ def test_plain_decoding_and_the_burst_form_are_said_at_start_up(monkeypatch):
     auto = ServeConfig(backend="numpy", batch=2, vocab=VOCAB, capacity=CAPACITY, device_exit="auto")
     (line,) = startup_notes(auto, build_loop(auto))
     assert line.startswith("bursts of a ladder of 1, 2, 4, 8 rounds") and "cannot be built here: probe: none" in line
+
+
+def test_decode_kernels_other_than_auto_are_said_at_start_up():
+    """A model served on decode kernels of the user's choice says which; the default says nothing."""
+    pytest.importorskip("torch")
+    for kernels, want in (("auto", []), ("reference", ["decode and verify forwards on decode_kernels='reference'"])):
+        config = ServeConfig(backend="numpy", model="tiny-random", batch=2, capacity=CAPACITY, decode_kernels=kernels)
+        assert startup_notes(config, build_loop(config)) == want
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--decode-kernels", "folded"], "--decode-kernels: applies to a model checkpoint only"),
+    (["--model", "tiny-random", "--decode-kernels", "pdl"], "--decode-kernels: pdl runs Triton kernels on a GPU, "
+                                                             "and this run has none (--backend numpy)"),
+])
+def test_decode_kernels_a_run_cannot_launch_are_one_line_and_exit_2(args, message):
+    proc = subprocess.run([sys.executable, "-m", "graphburst.cli", "serve", "--backend", "numpy", *args],
+                          input="", capture_output=True, text=True, env=ENV, timeout=120)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr

@@ -230,7 +230,10 @@ def test_closed_stdin_or_stdout_is_one_line_and_exit_2(redirect, flag):
                                        (dict(dtype="float32"), "dtype"), (dict(model="tiny-random", vocab=9), "vocab"),
                                        (dict(model="tiny-random", draft="x"), "draft"),
                                        (dict(model="/no/such/dir", draft="/no/such/dir"), "model"),
-                                       (dict(max_queue=0), "max_queue"), (dict(backend="tpu"), "backend")])
+                                       (dict(max_queue=0), "max_queue"), (dict(backend="tpu"), "backend"),
+                                       (dict(decode_kernels="pdl"), "decode_kernels"),
+                                       (dict(model="tiny-random", decode_kernels="fast"), "decode_kernels"),
+                                       (dict(model="tiny-random", tp=2, decode_kernels="off"), "decode_kernels")])
 def test_serve_config_names_the_field_and_value(kw, field):
     with pytest.raises(ValueError) as info:
         ServeConfig(**kw)
@@ -273,3 +276,26 @@ def test_serve_config_fills_the_stub_defaults_and_builds_that_loop():
     assert not loop.pipelined
     with pytest.raises(TypeError, match="ServeConfig"):
         build_loop(vars(config))
+
+
+def test_a_model_loop_runs_the_decode_kernels_it_was_given():
+    """``decode_kernels`` reaches both models (None: "auto"; the stubs have none); served on the fused path's
+    references, a request's tokens are the SDPA path's ("off")."""
+    pytest.importorskip("torch")
+    from graphburst.models import llama_decode
+    from graphburst.serving.request import Request
+
+    assert ServeConfig(vocab=VOCAB).decode_kernels is None
+    assert ServeConfig(model="tiny-random").decode_kernels == "auto"
+    tokens = {}
+    for kernels in ("reference", "off"):
+        loop = build_loop(ServeConfig(backend="numpy", model="tiny-random", batch=2, capacity=64, k=2, rounds=2,
+                                      decode_kernels=kernels))
+        modules = (loop.dec.target.module, loop.dec.draft.module)
+        assert all((m.decode_ops is None) == (kernels == "off") for m in modules)
+        assert all(isinstance(m.decode_ops, llama_decode.DecodeOps) for m in modules if kernels != "off")
+        state = loop.submit(Request([5, 7, 11], 9))
+        loop.run_until_idle()
+        tokens[kernels] = state.tokens
+    assert tokens["reference"] == tokens["off"] and len(tokens["off"]) == 9
+
