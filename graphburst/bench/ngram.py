@@ -25,7 +25,8 @@ import statistics
 
 from rich.console import Console
 
-from ..cli_args import FlagError, checkpoint, int_in, real_in, writable_file
+from ..cli_args import (FlagError, add_decode_kernels_flag, check_decode_kernels, checkpoint, int_in, real_in,
+                        writable_file)
 from ..constants import MAX_K, NGRAM_MAX
 from ..models.ngram import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN
 from .common import fmt, int_list, label, new_table, write_results
@@ -68,6 +69,7 @@ def add_parser(sub) -> None:
                    help="longest n-gram looked up, tried first")
     p.add_argument("--reps", type=int_in(1, 1000), default=None, help="timed runs per config (search: x10)")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default=None, help="default bf16 on GPU, fp32 on CPU")
+    add_decode_kernels_flag(p)
     p.add_argument("--tol", type=real_in(0.0, 1.0), default=0.01, help="near-tie tolerance (as bench real)")
     p.add_argument("--seed", type=int_in(0, 2**31 - 1), default=0, help="seed of the weights, prompts and histories")
     p.add_argument("--json", type=writable_file, default="ngram_bench.json", help="results file (JSON)")
@@ -85,7 +87,8 @@ def settings(args) -> dict:
     return dict(d, parts=args.parts.split(","), batches=int_list(d["batches"]),
                 histories=int_list(d["histories"]), e2e_batches=int_list(d["e2e_batches"]),
                 workloads=d["workloads"].split(","), ks=int_list(d["k"]),
-                n_min=args.ngram_min, n_max=args.ngram_max, tol=args.tol, seed=args.seed, dtype=args.dtype)
+                n_min=args.ngram_min, n_max=args.ngram_max, tol=args.tol, seed=args.seed, dtype=args.dtype,
+                decode_kernels=args.decode_kernels or "auto")
 
 
 def check_args(args) -> None:
@@ -108,6 +111,7 @@ def check_args(args) -> None:
             raise FlagError("-k", f"needs values in 1..{MAX_K}, got {args.k!r}")
     if args.model is not None and args.model not in MODEL_NAMES:
         checkpoint(args.model, flag="--model")
+    check_decode_kernels(args.decode_kernels, args.backend)
     if args.ngram_min > args.ngram_max:
         raise FlagError("--ngram-min", f"{args.ngram_min} is above --ngram-max {args.ngram_max}")
     s = settings(args)
@@ -154,7 +158,7 @@ def _target(s, backend, dtype, device):
     if s["model"] in MODEL_NAMES:
         spec = MODELS[s["model"]]
         src = random_target(spec, batch=batch, capacity=s["prompt_len"] + slack, kv_slack=kv_slack, dtype=dtype,
-                            device=device, seed=s["seed"])
+                            device=device, seed=s["seed"], decode_kernels=s["decode_kernels"])
         return src, None, spec.note
     from ..models.checkpoint import load_llama
     from ..models.tokenizer import checkpoint_tokenizer
@@ -164,7 +168,7 @@ def _target(s, backend, dtype, device):
     lengths = [len(render_user_message(tokenizer, text)) for wl in s["workloads"] if wl in CLASSES for text in load_prompts(wl)]
     lengths += [s["prompt_len"]] if any(wl not in CLASSES for wl in s["workloads"]) else []
     src = load_llama(s["model"], batch=batch, capacity=max(lengths) + slack, dtype=dtype, device=device,
-                     kv_slack=kv_slack)
+                     kv_slack=kv_slack, decode_kernels=s["decode_kernels"])
     return src, tokenizer, f"{s['model']} (trained checkpoint)"
 
 
@@ -182,7 +186,8 @@ def _e2e_part(console, backend, s) -> tuple:
     ref_model = instance(src, batch=1)
     oracle = lambda prompt, prefix: reference_logits(ref_model, prompt, prefix)  # noqa: E731
     ks = ",".join(map(str, s["ks"]))
-    table = new_table(f"prompt lookup, {s['model']} target ({str(dtype).split('.')[-1]}), k={ks}, M={s['m']}, "
+    kernels = "" if s["decode_kernels"] == "auto" else f", decode kernels {s['decode_kernels']}"
+    table = new_table(f"prompt lookup, {s['model']} target ({str(dtype).split('.')[-1]}{kernels}), k={ks}, M={s['m']}, "
                       f"n={s['n_min']}..{s['n_max']}, {s['new_tokens']} new tokens - {label(backend)}",
                       ["workload", "B", "k", "engine", "tokens/s", "tokens/forward", "accepted/round",
                        "rounds/sync", "agreed", "vs plain", "vs synced"])

@@ -121,13 +121,14 @@ def run_bytes(spec: ModelSpec, *, batch: int, capacity: int, k: int, prompt_len:
 
 @torch.no_grad()
 def random_target(spec: ModelSpec, *, batch: int, capacity: int, kv_slack: int, dtype, device, seed: int = 0,
-                  fold_gqa: bool = False, cfg: LlamaConfig | None = None) -> Llama:
-    """The target with seeded random weights drawn on ``device`` (fast even for 1B); ``fold_gqa`` as in :class:`Llama`.
+                  fold_gqa: bool = False, cfg: LlamaConfig | None = None, decode_kernels: str = "auto") -> Llama:
+    """The target with seeded random weights drawn on ``device`` (fast even for 1B); ``fold_gqa`` and
+    ``decode_kernels`` as in :class:`Llama`.
 
     ``cfg``: another config than ``spec.cfg`` (the draft of :func:`subspace_draft`).
     """
     model = Llama(cfg or spec.cfg, batch=batch, capacity=capacity, dtype=dtype, device=device, kv_slack=kv_slack,
-                  fold_gqa=fold_gqa)
+                  fold_gqa=fold_gqa, decode_kernels=decode_kernels)
     gen = torch.Generator(device=device).manual_seed(seed)
     for name, p in model.hf_tensors().items():  # per HF tensor: the same draws as before q/k/v and gate/up fused
         if name.endswith("norm.weight"):  # every RMSNorm: layer norms, final norm, Qwen3's q/k norms
@@ -184,7 +185,8 @@ def instance(src: Llama, *, layers: int | None = None, batch: int | None = None)
     cache for ``batch`` sequences (default ``src.batch``) of ``src.capacity`` tokens.
 
     The new model's own parameters are allocated and dropped at once (``Llama`` has no
-    constructor that skips them); only ``kv`` and the RoPE tables stay its own.
+    constructor that skips them); only ``kv`` and the RoPE tables stay its own. It runs ``src``'s
+    decode kernels (``decode_ops``).
     """
     n = src.cfg.num_hidden_layers if layers is None else layers
     p = next(src.parameters())
@@ -192,6 +194,7 @@ def instance(src: Llama, *, layers: int | None = None, batch: int | None = None)
                   capacity=src.capacity, dtype=p.dtype, device=p.device, kv_slack=src.kv_slack)
     model.embed_tokens, model.norm, model.lm_head = src.embed_tokens, src.norm, src.lm_head
     model.layers = nn.ModuleList(src.layers[:n])
+    model.decode_ops = src.decode_ops
     assert model.kv_slack == src.kv_slack and model.kv[0].shape[2:] == src.kv[0].shape[2:]
     return model
 

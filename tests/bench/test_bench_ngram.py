@@ -14,12 +14,13 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_bench_ngram_smoke_on_numpy(tmp_path):
     out = tmp_path / "out.json"
     args = ["--smoke", "--backend", "numpy", "--json", str(out), "--batches", "1,3", "--histories", "1,40",
-            "--e2e-batches", "1", "--workloads", "repeat,echo", "--prompt-len", "12", "--new-tokens", "10"]
+            "--e2e-batches", "1", "--workloads", "repeat,echo", "--prompt-len", "12", "--new-tokens", "10",
+            "--decode-kernels", "reference"]  # the fused decode path (on its references) under every torch engine
     proc = subprocess.run([sys.executable, "-m", "graphburst.cli", "bench", "ngram", *args], capture_output=True,
                           text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=300)
     assert proc.returncode == 0, proc.stderr
     res = json.loads(out.read_text())
-    assert "CPU REFERENCE" in res["meta"]["label"]
+    assert "CPU REFERENCE" in res["meta"]["label"] and res["meta"]["settings"]["decode_kernels"] == "reference"
     assert [(r["batch"], r["history"]) for r in res["results"]["search"]] == [(1, 1), (1, 40), (3, 1), (3, 40)]
     assert all(r["checked"] and r["us_median"] > 0 for r in res["results"]["search"])
     e2e = res["results"]["e2e"]
@@ -32,7 +33,8 @@ def test_bench_ngram_smoke_on_numpy(tmp_path):
 
 
 def test_bench_ngram_flag_errors():
-    for args, flag in ((["--batches", "0"], "--batches"), (["--workloads", "x"], "--workloads")):
+    for args, flag in ((["--batches", "0"], "--batches"), (["--workloads", "x"], "--workloads"),
+                       (["--decode-kernels", "folded"], "--decode-kernels")):
         proc = subprocess.run([sys.executable, "-m", "graphburst.cli", "bench", "ngram", "--backend", "numpy", *args],
                               capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=120)
         assert proc.returncode == 2 and flag in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
