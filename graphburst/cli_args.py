@@ -288,12 +288,12 @@ def check_backend(name: str) -> None:
                                      "use --backend numpy (or auto)")
 
 
-def add_decode_kernels_flag(parser) -> None:
-    """``--decode-kernels`` (``Llama(decode_kernels=...)`` of a ``--model`` pair); None: the model's default."""
+def add_decode_kernels_flag(parser, whose: str = "a --model's") -> None:
+    """``--decode-kernels`` (``Llama(decode_kernels=...)`` of ``whose`` models); None: the model's default."""
     from .constants import DECODE_KERNELS
 
     parser.add_argument("--decode-kernels", choices=DECODE_KERNELS, default=None, metavar="KERNELS",
-                        help="how a --model's decode and verify forwards run: auto (the fused Triton kernels with "
+                        help=f"how {whose} decode and verify forwards run: auto (the fused Triton kernels with "
                              "cuBLAS projections on CUDA, SDPA on the CPU), gemv (every projection on the Triton "
                              "GEMV), pdl (gemv with programmatic dependent launch; Hopper or later), folded (pdl "
                              "with the norms, SiLU and split-K sums folded into the projections), reference (the "

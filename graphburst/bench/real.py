@@ -305,9 +305,11 @@ def _build_model(mname, mi, s, backend, failures) -> dict:
     prompts_for = lambda b: prompt_pool[:b]  # noqa: E731 - the first b prompts, the same in every config
     capacity = _capacity(s)
     src = random_target(spec, batch=CALIBRATION["batch"], capacity=capacity, kv_slack=s["k"] + 2,
-                        dtype=getattr(torch, s["dtype"]), device=device, seed=s["seed"])
+                        dtype=getattr(torch, s["dtype"]), device=device, seed=s["seed"],
+                        decode_kernels=s["decode_kernels"])
     # The self-draft's depth, or a draft of its own shape built into the target's subspace.
-    draft = spec.draft_layers if spec.draft_cfg is None else subspace_draft(src, spec, seed=s["seed"])
+    draft = spec.draft_layers if spec.draft_cfg is None else subspace_draft(src, spec, seed=s["seed"],
+                                                                            decode_kernels=s["decode_kernels"])
     eps_ctl = Epsilon(src, spec.draft_layers)
     info = dict(spec=spec.note, layers=spec.cfg.num_hidden_layers, draft_layers=spec.draft_layers,
                 draft=None if spec.draft_cfg is None else dict(layers=spec.draft_cfg.num_hidden_layers,

@@ -13,7 +13,8 @@ from __future__ import annotations
 import math
 import os
 
-from ..cli_args import FlagError, check_memory, int_in, real_in, writable_file
+from ..cli_args import (FlagError, add_decode_kernels_flag, check_decode_kernels, check_memory, int_in, real_in,
+                        writable_file)
 from .common import float_list, int_list
 from .real_forward import SHARD, kv_row_bytes, param_bytes
 from .real_forward import shape as shape_config
@@ -55,6 +56,7 @@ OWNED = {
     "capacities": ("--capacities", {"forward"}), "valid": ("--valid", {"forward"}),
     "tokens": ("--tokens", {"forward"}), "attention": ("--attention", {"forward"}),
     "kernels": ("--kernels", {"forward"}), "trials": ("--trials", {"forward"}),
+    "decode_kernels": ("--decode-kernels", {"engines"}),
     "profile_calls": ("--profile-calls", {"forward"}), "top": ("--top", {"forward"}),
     "prefill_mode": ("--prefill-mode", {"prefill"}), "prefill_warmup": ("--prefill-warmup", {"prefill"}),
     "prefill_cases": ("--prefill-cases", {"prefill"}), "prefill_chunked": ("--prefill-chunked", {"prefill"}),
@@ -112,6 +114,8 @@ def add_parser(sub) -> None:
     p.add_argument("--reps", type=int_in(1, 100), default=None, help="timed rotations over the engines (default 3)")
     p.add_argument("--prompt-len", type=int_in(1, 4096), default=None, help="prompt tokens per sequence (default 16)")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default=None, help="weights and KV (default bfloat16)")
+    add_decode_kernels_flag(p, whose="the comparison's models' (every engine but hf and compile; --profile forward "
+                                     "takes --kernels)")
     p.add_argument("--hf-tol", type=real_in(0.0, 1.0), default=None,
                    help="near-tie tolerance for engines with other kernels, relative to max(1, |top logit|) "
                         "(default 0.01)")
@@ -178,7 +182,8 @@ def settings(args) -> dict:
              reps=pick("reps"), m=pick("m"), m_sweep=[] if args.no_m_sweep else int_list(pick("m_sweep")),
              accepts=float_list(pick("accepts")), eps=None if args.eps is None else float_list(args.eps),
              engines=(args.engines or DEFAULT_ENGINES).split(","), compile_timeout=args.compile_timeout or 900,
-             prompt_len=args.prompt_len or 16, tol=0.01 if args.hf_tol is None else args.hf_tol, **_shared(args))
+             prompt_len=args.prompt_len or 16, tol=0.01 if args.hf_tol is None else args.hf_tol,
+             decode_kernels=args.decode_kernels or "auto", **_shared(args))
     return s
 
 
@@ -277,6 +282,7 @@ def _names(flag: str, names: list, allowed) -> None:
 
 
 def _check_comparison(args) -> None:
+    check_decode_kernels(args.decode_kernels, args.backend)
     _lists(args, (("--batches", args.batches, int_list, True), ("--m-sweep", args.m_sweep, int_list, True),
                   ("--accepts", args.accepts, float_list, False), ("--eps", args.eps, float_list, False)))
     for flag, text in (("--accepts", args.accepts), ("--eps", args.eps)):

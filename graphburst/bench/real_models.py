@@ -139,8 +139,9 @@ def random_target(spec: ModelSpec, *, batch: int, capacity: int, kv_slack: int, 
 
 
 @torch.no_grad()
-def subspace_draft(target: Llama, spec: ModelSpec, *, seed: int = 0) -> Llama:
-    """A random draft of shape ``spec.draft_cfg`` that ``target`` computes exactly at ε = 0 (module docstring).
+def subspace_draft(target: Llama, spec: ModelSpec, *, seed: int = 0, decode_kernels: str = "auto") -> Llama:
+    """A random draft of shape ``spec.draft_cfg`` that ``target`` computes exactly at ε = 0 (module docstring),
+    on ``decode_kernels`` (:class:`Llama`'s).
 
     Rewrites ``target``'s embeddings and head: columns ``[0, d_draft)`` become the draft's
     (its tied embedding table when it ties), the rest zeros; zeroes the draft blocks'
@@ -159,7 +160,7 @@ def subspace_draft(target: Llama, spec: ModelSpec, *, seed: int = 0) -> Llama:
         raise ValueError(f"{spec.name}: a tied target needs a tied draft (its head is its embedding table)")
     w = target.embed_tokens.weight
     draft = random_target(spec, batch=target.batch, capacity=target.capacity, kv_slack=target.kv_slack, dtype=w.dtype,
-                          device=w.device, seed=seed + 1, cfg=dc)
+                          device=w.device, seed=seed + 1, cfg=dc, decode_kernels=decode_kernels)
     for block in draft.layers:
         block.self_attn.o_proj.weight.zero_()
         block.mlp.down_proj.weight.zero_()

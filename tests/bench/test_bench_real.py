@@ -115,6 +115,8 @@ def test_the_summary_of_the_smoke_run(smoke, tmp_path):
                                         (["--profile", "forward", "--prefill-cases", "2"], "--prefill-cases"),
                                         (["--profile", "prefill", "--models", "8b-tp2"], "--models"),
                                         (["--profile", "--kernels", "fast"], "--kernels"),
+                                        (["--decode-kernels", "folded"], "--decode-kernels"),
+                                        (["--profile", "--decode-kernels", "off"], "--decode-kernels"),
                                         (["--profile", "--capacities", "8"], "--capacities"),
                                         (["--profile", "--valid", "60"], "--valid"),
                                         (["--profile", "forward", "--models", "8b", "--capacities", "1024",
@@ -122,6 +124,17 @@ def test_the_summary_of_the_smoke_run(smoke, tmp_path):
 def test_bad_flags_are_one_line_exit_2(args, flag, tmp_path):
     proc = cli("--smoke", "--backend", "numpy", *args, tmp_path=tmp_path)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and flag in proc.stderr, proc.stderr
+
+
+def test_the_comparison_on_other_decode_kernels(tmp_path):
+    """``--decode-kernels reference``: graphburst and the eager loop over the same weights run the fused decode
+    path (on its references) and still agree token for token; the JSON says which kernels ran."""
+    out = tmp_path / "real.json"
+    proc = cli("--smoke", "--backend", "numpy", "--engines", "eager,graphburst", "--no-m-sweep", "--decode-kernels",
+               "reference", "--json", str(out), tmp_path=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["meta"]["settings"]["decode_kernels"] == "reference" and doc["meta"]["failures"] == []
 
 
 # ---------------------------------------------------------------------- the parts
