@@ -59,7 +59,7 @@ EXIT_BY_FLAG = 3  # the host asked it to stop (GB_EXIT_BY_FLAG)
 EXIT_THREADS = 256  # threads of the condition kernel's one block (GB_EXIT_THREADS)
 STOP_COUNT_MASK = 0x7FFFFFFF  # the host's stop-request count wraps within int32 (compared for equality only)
 #: ``Llama(decode_kernels=...)``: how decode and verify forwards run (``models/llama.py`` says what each is);
-#: ``graphburst serve`` and ``demo`` take it as ``--decode-kernels``
+#: ``graphburst serve``, ``demo``, ``bench real`` and ``bench ngram`` take it as ``--decode-kernels``
 DECODE_KERNELS = ("auto", "gemv", "pdl", "folded", "reference", "off")
 #: the choices that run graphburst's Triton kernels (on CUDA, or on the CPU under TRITON_INTERPRET=1)
 TRITON_DECODE_KERNELS = ("gemv", "pdl", "folded")

@@ -16,8 +16,8 @@ from rich.console import Console
 
 from .backend import BACKEND_NAMES
 from .cli_args import (AUTO, FlagError, add_decode_kernels_flag, add_ngram_flags, check_backend, check_decode_kernels,
-                       check_kv_memory, check_ngram_flags, fraction, int_in, int_or_auto, readable_file, real_in, same_file,
-                       writable_file)
+                       check_kv_memory, check_ngram_flags, fraction, int_in, int_or_auto, readable_file, real_in,
+                       same_file, writable_file)
 from .models.ngram import NGRAM_DRAFT
 from .constants import DEFAULT_K, MAX_DEPTH, MAX_K
 from .models.capacity import DEFAULT_GPU_MEMORY_FRACTION

@@ -141,7 +141,8 @@ def unsupported(model) -> str | None:
 
 
 def _hooked(module: nn.Module) -> bool:
-    """A hook waits on the module's own call (tensor parallelism's all-reduce): a projection with one keeps its ``nn.Linear`` call."""
+    """A hook waits on the module's own call (tensor parallelism's all-reduce): a projection with one keeps
+    its ``nn.Linear`` call."""
     return bool(module._forward_hooks or module._forward_pre_hooks)
 
 

@@ -428,9 +428,8 @@ def _same_path(a: str, b: str) -> bool:
 def startup_notes(config: ServeConfig, loop: ServeLoop, *, chat: bool = False) -> list[str]:
     """Start-up lines on what nothing else says: how requests are decoded (plainly, with no draft; on which
     decode kernels, when not the default; which burst form runs with ``device_exit``, and why "auto" fell
-    back), the length of a chat request without
-    ``max_tokens`` (``chat``: the chat route is on), and, for the stub models sampling on the CPU, how slow
-    that is."""
+    back), the length of a chat request without ``max_tokens`` (``chat``: the chat route is on), and, for
+    the stub models sampling on the CPU, how slow that is."""
     lines = []
     if config.plain:  # a checkpoint given no draft decodes this way by default: say so, once
         lines.append("no draft: plain decoding, one token a round (give a draft, or --draft ngram, to speculate)")

@@ -107,8 +107,8 @@ def test_a_fused_forward_that_disagrees_is_reported_not_timed(tmp_path, capsys, 
 def test_gemv_and_pdl_kernels_on_the_cpu(tmp_path):
     """``--kernels auto,gemv,pdl,folded``: on the CPU the GEMV paths are Triton's, so without the interpreter they
     are SDPA as auto is (timed once); under ``TRITON_INTERPRET=1`` all run (PDL off there), checked against SDPA."""
-    args = ("--profile", "forward", "--smoke", "--backend", "numpy", "--kernels", "auto,gemv,pdl,folded", "--tokens", "1",
-            "--trials", "1", "--profile-calls", "0")
+    args = ("--profile", "forward", "--smoke", "--backend", "numpy", "--kernels", "auto,gemv,pdl,folded",
+            "--tokens", "1", "--trials", "1", "--profile-calls", "0")
     doc, _ = cli_json(*args, cwd=tmp_path)
     assert [r["path"] for r in doc["results"]["forward"]] == ["sdpa"]
     pytest.importorskip("triton")
