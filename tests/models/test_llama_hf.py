@@ -199,13 +199,26 @@ def test_tiny_random_pair_matches_plain_greedy():
 
 # ---------------------------------------------------------------------- GPU (H200)
 
+def _launchable_or_skip(kernels: str) -> None:
+    from graphburst.models import llama_decode
+
+    why = llama_decode.pdl_unsupported(torch.device("cuda")) if kernels in ("pdl", "folded") else None
+    if why is not None:
+        pytest.skip(why)
+
+
 @pytest.mark.gpu
 @requires_gpu
+@pytest.mark.parametrize("kernels", ["auto", "gemv", "pdl", "folded"])
 @pytest.mark.parametrize("mode", ["pre_issued", "graph"])
-def test_gpu_fp32_matches_hf_generate(saved, mode):
+def test_gpu_fp32_matches_hf_generate(saved, mode, kernels):
+    """Every decode kernels choice (``serve --decode-kernels``) inside the bursts, eager and captured, decodes
+    HF's greedy tokens in fp32."""
+    _launchable_or_skip(kernels)
     _, hf, _, target_dir, draft_dir = saved
     want = [hf_greedy(hf, p, NEW) for p in PROMPTS]
-    target, draft = load_pair(target_dir, draft_dir, batch=len(PROMPTS), capacity=64, backend="cupy")
+    target, draft = load_pair(target_dir, draft_dir, batch=len(PROMPTS), capacity=64, backend="cupy",
+                              decode_kernels=kernels)
     dec = SpecDecoder(target, draft, k=3, m_rounds=2)
     dec.prefill(PROMPTS, max_new_tokens=NEW)
     runner = BurstGraph(dec).run if mode == "graph" else dec.run_burst
@@ -219,12 +232,14 @@ def test_gpu_fp32_matches_hf_generate(saved, mode):
 
 @pytest.mark.gpu
 @requires_gpu
-def test_gpu_bf16_eager_and_graph_tokens_identical():
+@pytest.mark.parametrize("kernels", ["auto", "folded"])
+def test_gpu_bf16_eager_and_graph_tokens_identical(kernels):
+    _launchable_or_skip(kernels)
     prompts = [[3, 1, 4, 1, 5], [9, 2], list(range(100, 117)), [7]]
     runs = []
     for use_graph in (False, True):
         target, draft = tiny_random_pair(batch=len(prompts), capacity=256, backend=Backend("cupy"), dtype="bfloat16",
-                                         seed=11)
+                                         seed=11, decode_kernels=kernels)
         dec = SpecDecoder(target, draft, k=4, m_rounds=4)
         dec.prefill(prompts, max_new_tokens=120)
         runner = BurstGraph(dec).run if use_graph else dec.run_burst
