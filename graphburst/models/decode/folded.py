@@ -43,6 +43,26 @@ PLAIN, NORM, SILU = 0, 1, 2
 NO_DELTA = -1
 # The same values as the kernels see them (a jit function reads only constexpr globals).
 _NORM, _SILU, _NO_DELTA = tl.constexpr(NORM), tl.constexpr(SILU), tl.constexpr(NO_DELTA)
+#: fp32 prologue values one thread may hold in the ``tl.dot`` path (M > 1): the norm keeps x and each of
+#: the delta's partials as [BLOCK_M, BLOCK_K] tiles, SiLU the gate's and the up's. Measured with ptxas for
+#: sm_90 at BLOCK_N 32, 4 warps: 32 compiles without spilling; at the GEMV's own BLOCK_K of 256 the norm
+#: over 3 partials spilled 712 bytes a thread and SiLU over 3 partials 3808
+#: (``tests/models/decode/test_decode_kernels_compile.py`` holds every launched variant to no spill).
+PROLOGUE_VALUES_PER_THREAD = 32
+
+
+def prologue_block_k(prologue: int, d_splits: int, block_m: int, config: GemvConfig) -> int:
+    """K per tile of a folded GEMV: the GEMV's own, halved (down to 16, ``tl.dot``'s least) while the
+    prologue's live tiles pass :data:`PROLOGUE_VALUES_PER_THREAD` (``d_splits``: the Partial's splits, or
+    ``WHOLE`` / ``NO_DELTA``). The multiply-accumulate path (one row) and the plain prologue keep it."""
+    if prologue == PLAIN or block_m == 1:
+        return config.block_k
+    parts = max(1, d_splits)
+    live = 2 * parts if prologue == SILU else parts + 1
+    block_k = config.block_k
+    while block_k > 16 and block_m * block_k * live > PROLOGUE_VALUES_PER_THREAD * 32 * config.num_warps:
+        block_k //= 2
+    return block_k
 
 
 @triton.jit
@@ -175,12 +195,13 @@ def _launch(prologue: int, m: int, k: int, weight: torch.Tensor, bias, *, x=None
     split_k = max(1, min(cfg.split_k, tiles))
     k_per_split = triton.cdiv(tiles, split_k) * cfg.block_k
     split_k = triton.cdiv(k, k_per_split)  # no split past K
+    d_splits = NO_DELTA if delta is None else delta.splits
+    block_k = prologue_block_k(prologue, d_splits, block_m, cfg)  # divides k_per_split: both powers of two
     out = torch.empty((m, n), dtype=dtype, device=weight.device) if split_k == 1 else None
     part = torch.empty((split_k, m, n), dtype=torch.float32, device=weight.device) if split_k > 1 else out
     res = None
     if prologue == NORM and delta is not None:
         res = torch.empty((m, k), dtype=dtype, device=weight.device)
-    d_splits = NO_DELTA if delta is None else delta.splits
     d = delta.parts if delta is not None else weight
     sd_m = d.stride(0) if delta is not None and delta.splits == WHOLE else 0
     xt = weight if x is None else x
@@ -193,7 +214,7 @@ def _launch(prologue: int, m: int, k: int, weight: torch.Tensor, bias, *, x=None
                        bias if has_bias else weight, part if out is None else out, part, m, n, k, sx_m, sd_m,
                        weight.stride(0), n, k_per_split, eps, PROLOGUE=prologue, D_SPLITS=d_splits,
                        D_BIAS=delta is not None and delta.bias is not None, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
-                       BLOCK_K=cfg.block_k, SPLIT_K=split_k, EVEN_K=k % cfg.block_k == 0, HAS_BIAS=has_bias,
+                       BLOCK_K=block_k, SPLIT_K=split_k, EVEN_K=k % block_k == 0, HAS_BIAS=has_bias,
                        DOT=not fma, DOT_F32=INTERPRETED and dtype != torch.float32,
                        PREC="ieee" if dtype == torch.float32 else "tf32", PDL=pdl, num_warps=cfg.num_warps,
                        num_stages=cfg.num_stages, **launch_options(pdl))

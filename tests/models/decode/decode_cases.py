@@ -380,17 +380,19 @@ def check_pdl_same(chain, *args, seed: int = 0) -> None:
 #: (fp32 partials plus a bias)
 #: (M, K, N, dtype, delta, config fields or None, fma or None): M = 1, 3, 7, 16, 19 (past one row tile); K whole
 #: tiles and not (257); the projection's split-K 1 to 3; deltas of every form; the multiply-accumulate path and
-#: tl.dot's at M = 1
+#: tl.dot's at M = 1; a K tile the prologue shrinks (``folded.prologue_block_k``)
 CI_NORM_LINEAR = [
     (1, 64, 96, torch.float32, None, None, None), (1, 257, 96, torch.bfloat16, 2, (16, 64, 4, 3), None),
     (1, 96, 257, torch.float32, "whole", (32, 32, 4, 2), False), (3, 257, 96, torch.float32, 3, (16, 32, 4, 4), None),
     (7, 96, 64, torch.bfloat16, "whole", (64, 16, 4, 1), None), (16, 64, 96, torch.float32, 1, (16, 32, 4, 2), None),
     (19, 96, 64, torch.float32, 2, (16, 32, 4, 1), None),
+    (7, 257, 96, torch.float32, 3, (32, 128, 4, 2), None),  # the prologue halves the K tile (128 -> 64)
 ]
 #: (M, F, N, dtype, gate_up form, config fields or None, fma or None): the down projection of F inputs
 CI_SILU_LINEAR = [
     (1, 96, 64, torch.float32, "whole", None, None), (3, 257, 96, torch.bfloat16, 3, (16, 32, 4, 2), None),
     (7, 64, 257, torch.float32, 2, (32, 16, 4, 3), None), (19, 96, 64, torch.bfloat16, "whole", (16, 32, 4, 1), None),
+    (7, 96, 64, torch.float32, 3, (16, 128, 4, 1), None),  # the prologue quarters the K tile (128 -> 32)
 ]
 #: (B, T, H, KV heads, head_dim, dtype, qkv form)
 CI_FOLDED_ROPE = [(1, 1, 8, 1, 128, torch.float32, "whole"), (3, 5, 4, 1, 64, torch.bfloat16, 3),

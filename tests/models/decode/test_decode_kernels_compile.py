@@ -3,11 +3,17 @@
 Triton's interpreter (``decode_interp.py``) checks what the kernels compute, but not that the
 compiler takes them: a construct the interpreter runs and the compiler refuses would only show
 on a GPU. Here each kernel variant the folded forward launches is compiled ahead of time through
-Triton's NVIDIA backend, down to the GPU binary, and its PTX carries the grid-dependency
-instructions exactly when it is built for programmatic dependent launch.
+Triton's NVIDIA backend, down to the GPU binary: its PTX carries the grid-dependency instructions
+exactly when it is built for programmatic dependent launch, and (read with the ``cuobjdump`` that
+Triton ships) no thread spills registers to its stack at the tiling the launcher picks.
 """
 
 from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
 
 import pytest
 
@@ -34,35 +40,72 @@ def folded():
     return folded
 
 
-def compile_ptx(fn, types: dict, constexprs: dict, pdl: bool) -> str:
-    """PTX of ``fn`` for the H200: ``types`` maps every runtime argument to its Triton type, the rest are
-    ``constexprs``."""
+#: the resource dump tool Triton ships beside its ptxas (absent: no spill check)
+CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+
+
+def compile_for_h200(fn, types: dict, constexprs: dict, pdl: bool, num_warps: int = 4):
+    """``fn`` compiled for the H200: ``types`` maps every runtime argument to its Triton type, the rest are
+    ``constexprs``. Returns the compiled kernel (its ``asm`` holds the PTX and the GPU binary)."""
     signature = {name: types.get(name, "constexpr") for name in fn.arg_names}
     assert set(signature) - set(types) == set(constexprs), "every argument is typed or a constexpr"
-    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=H200,
-                            options=dict(num_warps=4, num_stages=3, launch_pdl=pdl))
-    return kernel.asm["ptx"]
+    return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=H200,
+                          options=dict(num_warps=num_warps, num_stages=3, launch_pdl=pdl))
 
 
-#: (PROLOGUE, D_SPLITS, SPLIT_K, DOT): norm with no delta (the first layer, M = 1), norm after partials (3 splits)
-#: and after a whole delta, SiLU over partials and over a whole gate/up, the plain projection (o_proj)
-GEMV_VARIANTS = [("NORM", "NO_DELTA", 1, False), ("NORM", 3, 3, True), ("NORM", "WHOLE", 1, True),
-                 ("SILU", 2, 1, False), ("SILU", "WHOLE", 2, True), ("PLAIN", "NO_DELTA", 3, True)]
+def stack_bytes(kernel) -> int | None:
+    """Bytes of stack a thread of ``kernel`` uses (register spills), from the GPU binary; None without the tool."""
+    if not os.path.exists(CUOBJDUMP):
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        out = subprocess.run([CUOBJDUMP, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    return int(re.search(r"STACK:(\d+)", out).group(1))
+
+
+#: (PROLOGUE, D_SPLITS, SPLIT_K, DOT): norm with no delta (the first layer), norm after a split projection's
+#: partials (3: SmolLM2's o_proj; 8: the 1b's down_proj) and after a whole delta, SiLU over partials and over
+#: a whole gate/up, the plain projection (o_proj); the multiply-accumulate path (one row) and tl.dot's
+GEMV_VARIANTS = [("NORM", "NO_DELTA", 1, False), ("NORM", "NO_DELTA", 3, True), ("NORM", 3, 3, True),
+                 ("NORM", 8, 1, True), ("NORM", 8, 1, False), ("NORM", "WHOLE", 1, True), ("SILU", 3, 1, False),
+                 ("SILU", 3, 1, True), ("SILU", "WHOLE", 2, True), ("PLAIN", "NO_DELTA", 3, True),
+                 ("PLAIN", "NO_DELTA", 1, False)]
 
 
 @pytest.mark.parametrize("prologue, d_splits, split_k, dot", GEMV_VARIANTS)
 @pytest.mark.parametrize("pdl", [False, True])
-def test_the_folded_gemv_compiles_for_sm90(folded, prologue, d_splits, split_k, dot, pdl):
+def test_the_folded_gemv_compiles_for_sm90_without_spilling(folded, prologue, d_splits, split_k, dot, pdl):
+    """At CONFIGS' tiling of the 1b and 8b shapes (32 W rows, 256 K, 4 warps) and the K tile the launcher
+    picks for the prologue (``prologue_block_k``)."""
+    from graphburst.models.decode.gemv import GemvConfig
+
     d_splits = getattr(folded, d_splits) if isinstance(d_splits, str) else d_splits
     partials = d_splits not in (folded.NO_DELTA, folded.WHOLE)
+    config = GemvConfig(32, 256, 4, split_k)
+    block_m = 16 if dot else 1
+    block_k = folded.prologue_block_k(getattr(folded, prologue), d_splits, block_m, config)
     types = {name: "*bf16" for name in ("x_ptr", "db_ptr", "nw_ptr", "res_ptr", "w_ptr", "b_ptr", "y_ptr")}
     types.update(d_ptr="*fp32" if partials else "*bf16", part_ptr="*fp32", eps="fp32",
                  **{name: "i32" for name in ("M", "N", "K", "sx_m", "sd_m", "sw_n", "sy_m", "k_per_split")})
     constexprs = dict(PROLOGUE=getattr(folded, prologue), D_SPLITS=d_splits, D_BIAS=partials,
-                      BLOCK_M=16 if dot else 1, BLOCK_N=32, BLOCK_K=256, SPLIT_K=split_k, EVEN_K=split_k != 2,
-                      HAS_BIAS=prologue == "NORM", DOT=dot, DOT_F32=False, PREC="tf32", PDL=pdl)
-    ptx = compile_ptx(folded._folded_gemv, types, constexprs, pdl)
-    assert all((instr in ptx) == pdl for instr in PDL_INSTRUCTIONS)
+                      BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=block_k, SPLIT_K=split_k,
+                      EVEN_K=split_k != 2, HAS_BIAS=prologue == "NORM", DOT=dot, DOT_F32=False, PREC="tf32", PDL=pdl)
+    kernel = compile_for_h200(folded._folded_gemv, types, constexprs, pdl, config.num_warps)
+    assert all((instr in kernel.asm["ptx"]) == pdl for instr in PDL_INSTRUCTIONS)
+    assert stack_bytes(kernel) in (0, None), f"spills {stack_bytes(kernel)} bytes a thread at BLOCK_K {block_k}"
+
+
+def test_the_prologue_k_tile_shrinks_with_what_it_holds(folded):
+    """The multiply-accumulate path and the plain prologue keep the GEMV's K tile; the tl.dot path's norm
+    and SiLU halve it as their partials grow, SiLU (gate and up) sooner, never below tl.dot's 16."""
+    from graphburst.models.decode.gemv import GemvConfig
+
+    cfg = GemvConfig(32, 256, 4, 1)
+    tile = lambda prologue, splits, rows=16: folded.prologue_block_k(prologue, splits, rows, cfg)  # noqa: E731
+    assert tile(folded.PLAIN, folded.NO_DELTA) == tile(folded.NORM, 8, rows=1) == 256
+    assert tile(folded.NORM, folded.NO_DELTA) == tile(folded.NORM, folded.WHOLE) == 128
+    assert (tile(folded.NORM, 3), tile(folded.SILU, 3), tile(folded.NORM, 16)) == (64, 32, 16)
 
 
 @pytest.mark.parametrize("splits", [0, 3])
@@ -73,5 +116,6 @@ def test_the_folded_rope_kv_write_compiles_for_sm90(folded, splits, pdl):
                  sin_ptr="*fp32", pos_ptr="*i32", len_ptr="*i32", kv_ptr="*bf16",
                  **{name: "i32" for name in ("skv_2", "skv_b", "skv_s", "skv_h", "s_rows", "n_pos", "T", "R", "sp_m")})
     constexprs = dict(SPLITS=splits, HAS_BIAS=splits > 0, H=9, KVH=3, D=64, BLOCK_H=16, PDL=pdl)
-    ptx = compile_ptx(folded._rope_kv_write, types, constexprs, pdl)
-    assert all((instr in ptx) == pdl for instr in PDL_INSTRUCTIONS)
+    kernel = compile_for_h200(folded._rope_kv_write, types, constexprs, pdl)
+    assert all((instr in kernel.asm["ptx"]) == pdl for instr in PDL_INSTRUCTIONS)
+    assert stack_bytes(kernel) in (0, None)
