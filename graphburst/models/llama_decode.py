@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .decode.partial import Partial
+from .decode.partial import AttentionSplits, Partial
 
 #: ``decode_kernels="auto"`` on CUDA: forwards of M = B * T <= GEMV_MAX_M rows run their
 #: projections and head on the weight-streaming GEMV instead of cuBLAS (cuBLAS's GEMMs and
@@ -213,6 +213,7 @@ class FoldedOps(NamedTuple):
     add_rmsnorm: Callable
     silu_mul: Callable
     max_m: int
+    combine_max_m: int  # rows up to which o_proj combines the attention's splits itself (``folded.COMBINE_MAX_M``)
     pdl: bool = False
 
 
@@ -224,14 +225,16 @@ def folded_ops(pdl: bool = True) -> FoldedOps:
     from .decode.fused import add_rmsnorm, silu_mul
     from .decode.gemv import MAX_M
     return FoldedOps(decode_attention, folded.norm_linear, folded.linear, folded.silu_linear, folded.rope_kv_write,
-                     folded.materialize, add_rmsnorm, silu_mul, MAX_M, bool(pdl))
+                     folded.materialize, add_rmsnorm, silu_mul, MAX_M, folded.COMBINE_MAX_M, bool(pdl))
 
 
-def folded_reference_ops(max_m: int = FORCED_GEMV_MAX_M) -> FoldedOps:
-    """The folded layer on the kernels' plain-torch references (how a CPU without Triton checks its wiring)."""
+def folded_reference_ops(max_m: int = FORCED_GEMV_MAX_M, combine_max_m: int = 1) -> FoldedOps:
+    """The folded layer on the kernels' plain-torch references (how a CPU without Triton checks its wiring; the
+    reference attention has no splits, so it always hands o_proj its whole output)."""
     from .decode import reference as ref
     return FoldedOps(ref.decode_attention_ref, ref.norm_linear_ref, ref.folded_linear_ref, ref.silu_linear_ref,
-                     ref.folded_rope_kv_write_ref, ref.materialize_ref, ref.add_rmsnorm_ref, ref.silu_mul_ref, max_m)
+                     ref.folded_rope_kv_write_ref, ref.materialize_ref, ref.add_rmsnorm_ref, ref.silu_mul_ref, max_m,
+                     combine_max_m)
 
 
 def _norm_project(weight, bias, module, x, delta, norm_weight, eps, fold: bool, ops: FoldedOps):
@@ -249,7 +252,8 @@ def folded_forward(model, tokens: torch.Tensor, start_pos: torch.Tensor, lengths
 
     Per layer at M = B * T <= ``ops.max_m``: norm + qkv, RoPE + KV write, attention (+ combine),
     o_proj, norm + gate/up, SiLU + down; then norm + head. A projection's split-K partials go to its
-    consumer whole (``decode/partial.py``), so no sum pass runs between them.
+    consumer whole (``decode/partial.py``), so no sum pass runs between them; at M <=
+    ``ops.combine_max_m`` neither does the attention's combine (o_proj combines the splits).
     """
     r, t = tokens.shape
     m = r * t
@@ -268,9 +272,11 @@ def folded_forward(model, tokens: torch.Tensor, start_pos: torch.Tensor, lengths
             q, k, v = ops.materialize(qkv, pdl=pdl).view(r, t, h + 2 * kvh, hd).split((h, kvh, kvh), dim=2)
             qkv = Partial.whole(torch.cat((attn.q_norm(q), attn.k_norm(k), v), dim=2).view(m, -1))
         q = ops.rope_kv_write(qkv, model.rope_cos, model.rope_sin, start_pos, length, kv, h, t, pdl=pdl)
-        y = ops.attention(q, kv, length, pdl=pdl).view(m, h * hd)  # [M, H * D]
         o = attn.o_proj
-        delta = ops.linear(y, o.weight, o.bias, pdl=pdl) if fold and not _hooked(o) else Partial.whole(o(y))
+        o_folds = fold and not _hooked(o)
+        y = ops.attention(q, kv, length, pdl=pdl, combine=not (o_folds and m <= ops.combine_max_m))
+        y = y if isinstance(y, AttentionSplits) else y.view(m, h * hd)  # [M, H * D], or its splits
+        delta = ops.linear(y, o.weight, o.bias, pdl=pdl) if o_folds else Partial.whole(o(y))
         ln = layer.post_attention_layernorm
         gate_up, x = _norm_project(mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, mlp.gate_up_proj, x, delta,
                                    ln.weight, ln.eps, fold, ops)

@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from .launch import INTERPRETED, launch_options, pdl_on, pdl_wait
+from .partial import AttentionSplits
 
 #: KV rows per tile (one ``tl.dot``'s N).
 BLOCK_N = 64
@@ -155,7 +156,7 @@ def default_splits(batch: int, kv_heads: int, rows: int, device: torch.device) -
 
 
 def decode_attention(q: torch.Tensor, kv: torch.Tensor, length: torch.Tensor, out: torch.Tensor | None = None,
-                     splits: int | None = None, pdl: bool = False) -> torch.Tensor:
+                     splits: int | None = None, pdl: bool = False, combine: bool = True):
     """Attention of T new tokens per sequence over its valid KV rows (split-KV, GQA-aware).
 
     Parameters
@@ -170,10 +171,13 @@ def decode_attention(q: torch.Tensor, kv: torch.Tensor, length: torch.Tensor, ou
         :func:`default_splits`. 1 writes ``out`` directly, with no combine launch.
     pdl : bool
         Programmatic dependent launch of both kernels (``decode/launch.py``; off under the interpreter).
+    combine : bool
+        False: with more than one split, launch no combine and return the splits' partial outputs as an
+        :class:`~graphburst.models.decode.partial.AttentionSplits` for a consumer that combines them itself.
 
     Returns
     -------
-    out : [B, T, H, D]
+    out : [B, T, H, D], or AttentionSplits (``combine=False``, splits > 1)
 
     grid ``(B * KVH, splits, cdiv(T * G, BLOCK_M))`` for the attention, ``(B * T * H,)`` for the combine; 4 warps each.
     """
@@ -202,6 +206,8 @@ def decode_attention(q: torch.Tensor, kv: torch.Tensor, length: torch.Tensor, ou
                            G=g, KVH=kvh, D=d, BLOCK_M=block_m, BLOCK_N=BLOCK_N, SPLITS=splits, PREC=prec,
                            DOT_F32=INTERPRETED and q.dtype != torch.float32, PDL=pdl, num_warps=4,
                            **launch_options(pdl))
+    if splits > 1 and not combine:
+        return AttentionSplits(mid_o, mid_lse, length, s_rows, BLOCK_N, q.dtype)
     if splits > 1:
         grid = (b * t * h,)
         _combine[grid](mid_o, mid_lse, length, out, out.stride(0), out.stride(1), out.stride(2), s_rows, t, h,

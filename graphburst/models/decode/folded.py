@@ -17,12 +17,15 @@ that work in its prologue, on the tiles it loads anyway:
   :class:`~graphburst.models.decode.partial.Partial`); the consumer (the next norm, the
   SiLU prologue, :func:`rope_kv_write`) adds them in split order, adds the bias and rounds
   once, as the sum pass would.
+* **the attention's combine** (:func:`linear` over an
+  :class:`~graphburst.models.decode.partial.AttentionSplits`): at one row (``COMBINE_MAX_M``)
+  o_proj weighs the split-KV attention's partial outputs as it loads them.
 
-A layer is then qkv (norm folded), RoPE + KV write, attention (and its combine when split),
-o_proj, gate_up (norm folded), down (SiLU folded): 6-7 kernels. Every rounding is the one
+A layer is then qkv (norm folded), RoPE + KV write, attention (and, past one row, its
+combine when split), o_proj, gate_up (norm folded), down (SiLU folded): 6-7 kernels. Every rounding is the one
 the unfolded kernels make (``decode/fused.py``: the residual sum to the activations' dtype,
 the normalised row, silu before the multiply), so the two paths differ only in the order
-the norm's sum of squares is taken. :mod:`graphburst.models.decode.reference` holds the
+the norm's sum of squares and a combine's sums are taken. :mod:`graphburst.models.decode.reference` holds the
 plain-torch references. Every kernel follows ``decode/launch.py``'s PDL rule: before its
 wait it loads only weights, and every store comes after it.
 """
@@ -35,16 +38,22 @@ import triton.language as tl
 
 from .gemv import DOT_BLOCK_M, FMA_MAX_M, SUM_BLOCK, GemvConfig, _accumulate, _split_k_sum, _tile, pick_config
 from .launch import INTERPRETED, launch_options, pdl_on, pdl_wait
-from .partial import WHOLE, Partial
+from .partial import WHOLE, AttentionSplits, Partial
 
-#: what a folded GEMV's x tile is (its ``PROLOGUE`` constexpr): x itself, norm(x + delta), silu(gate) * up
-PLAIN, NORM, SILU = 0, 1, 2
+#: what a folded GEMV's x tile is (its ``PROLOGUE`` constexpr): x itself, norm(x + delta), silu(gate) * up,
+#: split-KV attention's partial outputs combined
+PLAIN, NORM, SILU, COMBINE = 0, 1, 2, 3
 #: ``D_SPLITS`` of a norm with no delta to add (the first layer's: x is the embedding)
 NO_DELTA = -1
 # The same values as the kernels see them (a jit function reads only constexpr globals).
-_NORM, _SILU, _NO_DELTA = tl.constexpr(NORM), tl.constexpr(SILU), tl.constexpr(NO_DELTA)
+_NORM, _SILU, _COMBINE = tl.constexpr(NORM), tl.constexpr(SILU), tl.constexpr(COMBINE)
+_NO_DELTA = tl.constexpr(NO_DELTA)
+#: rows (M = B * T) up to which the o projection combines the attention's splits itself. Each program reads
+#: every split's partial output over its K range: at one row and 16 splits about the bytes of its weight
+#: tile (from L2), at M rows M times that, where the combine kernel reads them once.
+COMBINE_MAX_M = 1
 #: fp32 prologue values one thread may hold in the ``tl.dot`` path (M > 1): the norm keeps x and each of
-#: the delta's partials as [BLOCK_M, BLOCK_K] tiles, SiLU the gate's and the up's. Measured with ptxas for
+#: the delta's partials as [BLOCK_M, BLOCK_K] tiles, SiLU the gate's and the up's, a combine its splits'. Measured with ptxas for
 #: sm_90 at BLOCK_N 32, 4 warps: 32 compiles without spilling; at the GEMV's own BLOCK_K of 256 the norm
 #: over 3 partials spilled 712 bytes a thread and SiLU over 3 partials 3808
 #: (``tests/models/decode/test_decode_kernels_compile.py`` holds every launched variant to no spill).
@@ -93,8 +102,34 @@ def _residual(x_ptr, d_ptr, db_ptr, rows, ks, ok, M, K, sx_m, sd_m, D_SPLITS: tl
 
 
 @triton.jit
-def _x_tile(x_ptr, d_ptr, db_ptr, nw_ptr, w_ptr, rows, ks, m_ok, k_ok, rstd, M, K, sx_m, sd_m,
-            PROLOGUE: tl.constexpr, D_SPLITS: tl.constexpr, D_BIAS: tl.constexpr):
+def _combined(o_ptr, lse_ptr, len_ptr, rows, ks, m_ok, k_ok, K, T, s_rows, SPLITS: tl.constexpr,
+              HD: tl.constexpr, A_BLOCK: tl.constexpr):
+    """fp32 [rows, ks] of split-KV attention's output combined from its splits (``AttentionSplits``), as the
+    attention's combine computes it: the splits that ran (from each sequence's length), each weighted by
+    ``exp2(lse - max lse)``. Zeros where not ``ok``."""
+    ok = m_ok[:, None] & k_ok[None, :]
+    length = tl.maximum(tl.load(len_ptr + rows // T, mask=m_ok, other=0), 0)  # an idle slot's sentinel reads as 0
+    tiles = tl.cdiv(tl.minimum(length + T, s_rows), A_BLOCK)
+    active = tl.cdiv(tiles, tl.cdiv(tiles, SPLITS))  # [rows] splits that ran (the rest wrote nothing)
+    base = (rows[:, None] * (K // HD) + (ks // HD)[None, :]) * SPLITS  # (row, head) -> its first split
+    mx = tl.where(ok, float("-inf"), 0.0)
+    for s in tl.static_range(SPLITS):
+        mx = tl.maximum(mx, tl.load(lse_ptr + base + s, mask=ok & (s < active)[:, None], other=float("-inf")))
+    mx = tl.where(mx == float("-inf"), 0.0, mx)  # split 0 always ran; this only keeps masked lanes finite
+    num = tl.zeros_like(mx)
+    den = tl.zeros_like(mx)
+    for s in tl.static_range(SPLITS):
+        ran = ok & (s < active)[:, None]
+        w = tl.exp2(tl.load(lse_ptr + base + s, mask=ran, other=float("-inf")) - mx)
+        num += w * tl.load(o_ptr + (base + s) * HD + (ks % HD)[None, :], mask=ran, other=0.0)
+        den += w
+    return tl.where(ok, num / tl.where(den > 0, den, 1.0), 0.0)
+
+
+@triton.jit
+def _x_tile(x_ptr, d_ptr, db_ptr, nw_ptr, w_ptr, lse_ptr, len_ptr, rows, ks, m_ok, k_ok, rstd, M, K, sx_m, sd_m,
+            T_att, s_rows, PROLOGUE: tl.constexpr, D_SPLITS: tl.constexpr, D_BIAS: tl.constexpr, HD: tl.constexpr,
+            A_BLOCK: tl.constexpr):
     """The ``[BLOCK_M, BLOCK_K]`` x tile at K offsets ``ks`` in W's dtype, zeros past M and K."""
     ok = m_ok[:, None] & k_ok[None, :]
     r2, k2 = rows[:, None], ks[None, :]
@@ -108,15 +143,19 @@ def _x_tile(x_ptr, d_ptr, db_ptr, nw_ptr, w_ptr, rows, ks, m_ok, k_ok, rstd, M, 
         gf = g.to(tl.float32)
         act = (gf / (1.0 + tl.exp(-gf))).to(w_ptr.dtype.element_ty)  # F.silu rounds before the multiply
         x = (act.to(tl.float32) * u.to(tl.float32)).to(w_ptr.dtype.element_ty)
+    elif PROLOGUE == _COMBINE:  # d_ptr holds the splits' outputs, D_SPLITS of them
+        x = _combined(d_ptr, lse_ptr, len_ptr, rows, ks, m_ok, k_ok, K, T_att, s_rows, D_SPLITS, HD,
+                      A_BLOCK).to(w_ptr.dtype.element_ty)
     else:
         x = tl.load(x_ptr + r2 * sx_m + k2, mask=ok, other=0.0)
     return x
 
 
 @triton.jit
-def _folded_gemv(x_ptr, d_ptr, db_ptr, nw_ptr, res_ptr, w_ptr, b_ptr, y_ptr, part_ptr,
-                 M, N, K, sx_m, sd_m, sw_n, sy_m, k_per_split, eps,
-                 PROLOGUE: tl.constexpr, D_SPLITS: tl.constexpr, D_BIAS: tl.constexpr,
+def _folded_gemv(x_ptr, d_ptr, db_ptr, nw_ptr, res_ptr, w_ptr, b_ptr, y_ptr, part_ptr, lse_ptr, len_ptr,
+                 M, N, K, sx_m, sd_m, sw_n, sy_m, k_per_split, eps, T_att, s_rows,
+                 PROLOGUE: tl.constexpr, D_SPLITS: tl.constexpr, D_BIAS: tl.constexpr, HD: tl.constexpr,
+                 A_BLOCK: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                  EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, DOT: tl.constexpr, DOT_F32: tl.constexpr,
                  PREC: tl.constexpr, PDL: tl.constexpr):
@@ -156,13 +195,13 @@ def _folded_gemv(x_ptr, d_ptr, db_ptr, nw_ptr, res_ptr, w_ptr, b_ptr, y_ptr, par
     else:
         acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # M = 1: products summed over K once, after the loop
     ks = k_lo + offs_k
-    x = _x_tile(x_ptr, d_ptr, db_ptr, nw_ptr, w_ptr, offs_m, ks, m_ok, ks < k_hi, rstd, M, K, sx_m, sd_m,
-                PROLOGUE, D_SPLITS, D_BIAS)
+    x = _x_tile(x_ptr, d_ptr, db_ptr, nw_ptr, w_ptr, lse_ptr, len_ptr, offs_m, ks, m_ok, ks < k_hi, rstd, M, K,
+                sx_m, sd_m, T_att, s_rows, PROLOGUE, D_SPLITS, D_BIAS, HD, A_BLOCK)
     acc = _accumulate(acc, x, w, DOT, DOT_F32, PREC)
     for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
         ks = k0 + offs_k
-        x = _x_tile(x_ptr, d_ptr, db_ptr, nw_ptr, w_ptr, offs_m, ks, m_ok, ks < k_hi, rstd, M, K, sx_m, sd_m,
-                    PROLOGUE, D_SPLITS, D_BIAS)
+        x = _x_tile(x_ptr, d_ptr, db_ptr, nw_ptr, w_ptr, lse_ptr, len_ptr, offs_m, ks, m_ok, ks < k_hi, rstd, M,
+                    K, sx_m, sd_m, T_att, s_rows, PROLOGUE, D_SPLITS, D_BIAS, HD, A_BLOCK)
         acc = _accumulate(acc, x, _tile(w_rows, ks, n_ok, k_hi, EVEN_K), DOT, DOT_F32, PREC)
     if not DOT:
         acc = tl.sum(acc, 1)[None, :]
@@ -181,8 +220,8 @@ def _check_partial(p: Partial, m: int, width: int, dtype: torch.dtype) -> None:
 
 
 def _launch(prologue: int, m: int, k: int, weight: torch.Tensor, bias, *, x=None, delta: Partial | None = None,
-            norm_weight=None, eps: float = 0.0, config: GemvConfig | None = None, fma: bool | None = None,
-            pdl: bool = False) -> tuple[Partial, torch.Tensor | None]:
+            att: AttentionSplits | None = None, norm_weight=None, eps: float = 0.0, config: GemvConfig | None = None,
+            fma: bool | None = None, pdl: bool = False) -> tuple[Partial, torch.Tensor | None]:
     """One folded GEMV over ``weight`` [N, K]: (its output as a Partial, the new residual or None)."""
     n = weight.shape[0]
     dtype = weight.dtype
@@ -195,15 +234,19 @@ def _launch(prologue: int, m: int, k: int, weight: torch.Tensor, bias, *, x=None
     split_k = max(1, min(cfg.split_k, tiles))
     k_per_split = triton.cdiv(tiles, split_k) * cfg.block_k
     split_k = triton.cdiv(k, k_per_split)  # no split past K
-    d_splits = NO_DELTA if delta is None else delta.splits
+    d_splits = att.splits if att is not None else NO_DELTA if delta is None else delta.splits
     block_k = prologue_block_k(prologue, d_splits, block_m, cfg)  # divides k_per_split: both powers of two
     out = torch.empty((m, n), dtype=dtype, device=weight.device) if split_k == 1 else None
     part = torch.empty((split_k, m, n), dtype=torch.float32, device=weight.device) if split_k > 1 else out
     res = None
     if prologue == NORM and delta is not None:
         res = torch.empty((m, k), dtype=dtype, device=weight.device)
-    d = delta.parts if delta is not None else weight
+    d = delta.parts if delta is not None else att.o if att is not None else weight
     sd_m = d.stride(0) if delta is not None and delta.splits == WHOLE else 0
+    # the attention's splits: their log2-sum-exps, the lengths that say which ran, T, the cache's rows, head_dim
+    lse, lengths = (att.lse, att.length) if att is not None else (weight, weight)
+    t_att, s_rows, hd, a_block = (att.o.shape[1], att.rows, att.o.shape[4], att.block) if att is not None else \
+        (1, 1, 1, 1)
     xt = weight if x is None else x
     sx_m = 0 if x is None else x.stride(0)
     has_bias = bias is not None
@@ -211,9 +254,10 @@ def _launch(prologue: int, m: int, k: int, weight: torch.Tensor, bias, *, x=None
     grid = (triton.cdiv(n, cfg.block_n), split_k, triton.cdiv(m, block_m))
     _folded_gemv[grid](xt, d, delta.bias if delta is not None and delta.bias is not None else weight,
                        weight if norm_weight is None else norm_weight, weight if res is None else res, weight,
-                       bias if has_bias else weight, part if out is None else out, part, m, n, k, sx_m, sd_m,
-                       weight.stride(0), n, k_per_split, eps, PROLOGUE=prologue, D_SPLITS=d_splits,
-                       D_BIAS=delta is not None and delta.bias is not None, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
+                       bias if has_bias else weight, part if out is None else out, part, lse, lengths, m, n, k,
+                       sx_m, sd_m, weight.stride(0), n, k_per_split, eps, t_att, s_rows, PROLOGUE=prologue,
+                       D_SPLITS=d_splits, D_BIAS=delta is not None and delta.bias is not None, HD=hd, A_BLOCK=a_block,
+                       BLOCK_M=block_m, BLOCK_N=cfg.block_n,
                        BLOCK_K=block_k, SPLIT_K=split_k, EVEN_K=k % block_k == 0, HAS_BIAS=has_bias,
                        DOT=not fma, DOT_F32=INTERPRETED and dtype != torch.float32,
                        PREC="ieee" if dtype == torch.float32 else "tf32", PDL=pdl, num_warps=cfg.num_warps,
@@ -222,13 +266,15 @@ def _launch(prologue: int, m: int, k: int, weight: torch.Tensor, bias, *, x=None
     return y, res
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: GemvConfig | None = None,
-           fma: bool | None = None, pdl: bool = False) -> Partial:
+def linear(x: torch.Tensor | AttentionSplits, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           config: GemvConfig | None = None, fma: bool | None = None, pdl: bool = False) -> Partial:
     """``x @ weight.T + bias`` with no sum pass: a split-K projection leaves its partials to its consumer.
 
     Parameters
     ----------
-    x : [M, K] float32 or bfloat16, last dim contiguous, M <= ``gemv.MAX_M`` (one row tile)
+    x : [M, K] float32 or bfloat16, last dim contiguous, M <= ``gemv.MAX_M`` (one row tile); or the
+        AttentionSplits of an attention of M = B * T rows and K = H * D, combined tile by tile here
+        (the o projection, in place of the attention's combine launch)
     weight : [N, K] x's dtype, last dim contiguous; bias : [N] x's dtype, optional
     config, fma : the GEMV's tiling and multiply-accumulate path (``gemv.gemv``'s)
     pdl : bool
@@ -241,6 +287,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     grid ``(cdiv(N, block_n), split_k, cdiv(M, BLOCK_M))``, as the GEMV's; no second launch.
     """
     m, k = x.shape
+    if isinstance(x, AttentionSplits):
+        assert x.dtype == weight.dtype and x.o.is_contiguous() and x.lse.is_contiguous(), "shapes checked by the model"
+        return _launch(COMBINE, m, k, weight, bias, att=x, config=config, fma=fma, pdl=pdl)[0]
     assert x.stride(1) == 1 and x.dtype == weight.dtype, "shapes checked by the model"
     return _launch(PLAIN, m, k, weight, bias, x=x, config=config, fma=fma, pdl=pdl)[0]
 

@@ -17,13 +17,14 @@ from .partial import Partial, dense
 
 
 def decode_attention_ref(q: torch.Tensor, kv: torch.Tensor, length: torch.Tensor, out: torch.Tensor | None = None,
-                         splits: int | None = None, pdl: bool = False) -> torch.Tensor:
+                         splits: int | None = None, pdl: bool = False, combine: bool = True) -> torch.Tensor:
     """:func:`graphburst.models.decode.attention.decode_attention` in dense fp32 torch.
 
     Parameters
     ----------
     q : [B, T, H, D]; kv : [2, Bc, S, KVH, D]; length : [B] int32; out : [B, T, H, D], optional
-    splits, pdl : ignored (the kernel's work split and launch; the function is the same)
+    splits, pdl, combine : ignored (the kernel's work split and launch; the function is the same, and a
+        reference has no splits to hand on)
 
     Returns
     -------

@@ -523,3 +523,35 @@ def check_folded_pdl_model(device, dtype=torch.float32, batch: int = 3, ts=(1, 5
     for t, ((want, want_kv), (got, got_kv)) in model_forwards(models, device, dtype, ts):
         assert torch.equal(got, want), f"folded T={t}: PDL changes the logits by up to {(got - want).abs().max()}"
         assert all(torch.equal(a, b) for a, b in zip(want_kv, got_kv)), f"folded T={t}: PDL changes the KV"
+
+
+#: (B, T, KV heads, group, head_dim, dtype, splits, lengths or None): the o projection combining the attention's
+#: splits (``decode_attention(..., combine=False)``): one row (how the folded forward uses it) with 4 and 16
+#: splits, three rows whose lengths leave later splits idle, an idle slot's sentinel, and five rows (tl.dot)
+CI_COMBINE = [(1, 1, 3, 3, 64, torch.float32, 4, None), (1, 1, 2, 4, 128, torch.bfloat16, 16, None),
+              (3, 1, 2, 1, 64, torch.float32, 8, (0, 1, 63)), (3, 1, 1, 4, 64, torch.float32, 2, (-1, 95, 5)),
+              (1, 5, 2, 3, 64, torch.float32, 4, None)]
+
+
+def check_combine_linear(folded, attention, case, device, seed: int = 0) -> None:
+    """``folded.linear`` over the attention's splits against the projection of the reference attention; the
+    torch ``combined`` of the same splits against the reference attention too."""
+    from graphburst.models.decode.partial import AttentionSplits, combined
+
+    b, t, kvh, g, d, dtype, splits, lens = case
+    gen = torch.Generator().manual_seed(seed)
+    h = kvh * g
+    q = torch.randn(b, t, h, d, generator=gen).to(dtype).to(device)
+    kv = torch.randn(2, b, ROWS, kvh, d, generator=gen).to(dtype)
+    length = lengths_for(b, t, seed) if lens is None else torch.tensor(lens, dtype=torch.int32)
+    poison_tail(kv, length.clamp(min=0), t)
+    kv, length = kv.to(device), length.to(device)
+    w, bias = _weights(40, h * d, dtype, device, gen, bias=True)
+    att = attention.decode_attention(q, kv, length, splits=splits, combine=False)
+    assert isinstance(att, AttentionSplits) and att.splits == splits and att.shape == (b * t, h * d)
+    want_y = decode_reference.decode_attention_ref(q, kv, length).view(b * t, h * d)
+    torch.testing.assert_close(combined(att).float(), want_y.float(), **TOL[dtype], msg=lambda m: f"{case} y: {m}")
+    got = folded.materialize(folded.linear(att, w, bias))
+    want = decode_reference.linear_ref(want_y, w, bias)
+    assert torch.isfinite(got.float()).all(), f"{case}: non-finite output"
+    torch.testing.assert_close(got.float(), want.float(), **TOL[dtype], msg=lambda m: f"{case}: {m}")

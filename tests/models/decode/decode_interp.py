@@ -71,8 +71,12 @@ def check_folded_kernels() -> int:
         dc.check_silu_linear(folded, case, "cpu", seed=i)
     for i, case in enumerate(dc.CI_FOLDED_ROPE):
         dc.check_folded_rope(folded, case, "cpu", seed=i)
+    from graphburst.models.decode import attention
+
+    for i, case in enumerate(dc.CI_COMBINE):
+        dc.check_combine_linear(folded, attention, case, "cpu", seed=i)
     dc.check_pdl_same(dc.chain_folded, folded, (3, 96, 80, torch.float32, (16, 32, 4, 2), (16, 32, 4, 3)), "cpu")
-    return len(dc.CI_NORM_LINEAR) + len(dc.CI_SILU_LINEAR) + len(dc.CI_FOLDED_ROPE) + 1
+    return len(dc.CI_NORM_LINEAR) + len(dc.CI_SILU_LINEAR) + len(dc.CI_FOLDED_ROPE) + len(dc.CI_COMBINE) + 1
 
 
 def check_folded_model() -> int:

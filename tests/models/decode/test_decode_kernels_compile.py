@@ -66,11 +66,12 @@ def stack_bytes(kernel) -> int | None:
 
 #: (PROLOGUE, D_SPLITS, SPLIT_K, DOT): norm with no delta (the first layer), norm after a split projection's
 #: partials (3: SmolLM2's o_proj; 8: the 1b's down_proj) and after a whole delta, SiLU over partials and over
-#: a whole gate/up, the plain projection (o_proj); the multiply-accumulate path (one row) and tl.dot's
+#: a whole gate/up, the plain projection (o_proj), o_proj combining 16 (one row) and 4 attention splits; the
+#: multiply-accumulate path (one row) and tl.dot's
 GEMV_VARIANTS = [("NORM", "NO_DELTA", 1, False), ("NORM", "NO_DELTA", 3, True), ("NORM", 3, 3, True),
                  ("NORM", 8, 1, True), ("NORM", 8, 1, False), ("NORM", "WHOLE", 1, True), ("SILU", 3, 1, False),
                  ("SILU", 3, 1, True), ("SILU", "WHOLE", 2, True), ("PLAIN", "NO_DELTA", 3, True),
-                 ("PLAIN", "NO_DELTA", 1, False)]
+                 ("PLAIN", "NO_DELTA", 1, False), ("COMBINE", 16, 3, False), ("COMBINE", 4, 1, True)]
 
 
 @pytest.mark.parametrize("prologue, d_splits, split_k, dot", GEMV_VARIANTS)
@@ -81,14 +82,15 @@ def test_the_folded_gemv_compiles_for_sm90_without_spilling(folded, prologue, d_
     from graphburst.models.decode.gemv import GemvConfig
 
     d_splits = getattr(folded, d_splits) if isinstance(d_splits, str) else d_splits
-    partials = d_splits not in (folded.NO_DELTA, folded.WHOLE)
+    partials = d_splits not in (folded.NO_DELTA, folded.WHOLE) and prologue != "COMBINE"
     config = GemvConfig(32, 256, 4, split_k)
     block_m = 16 if dot else 1
     block_k = folded.prologue_block_k(getattr(folded, prologue), d_splits, block_m, config)
     types = {name: "*bf16" for name in ("x_ptr", "db_ptr", "nw_ptr", "res_ptr", "w_ptr", "b_ptr", "y_ptr")}
-    types.update(d_ptr="*fp32" if partials else "*bf16", part_ptr="*fp32", eps="fp32",
-                 **{name: "i32" for name in ("M", "N", "K", "sx_m", "sd_m", "sw_n", "sy_m", "k_per_split")})
-    constexprs = dict(PROLOGUE=getattr(folded, prologue), D_SPLITS=d_splits, D_BIAS=partials,
+    types.update(d_ptr="*fp32" if partials or prologue == "COMBINE" else "*bf16", part_ptr="*fp32", eps="fp32",
+                 lse_ptr="*fp32", len_ptr="*i32", **{name: "i32" for name in ("M", "N", "K", "sx_m", "sd_m", "sw_n",
+                                                                               "sy_m", "k_per_split", "T_att", "s_rows")})
+    constexprs = dict(PROLOGUE=getattr(folded, prologue), D_SPLITS=d_splits, D_BIAS=partials, HD=64, A_BLOCK=64,
                       BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=block_k, SPLIT_K=split_k,
                       EVEN_K=split_k != 2, HAS_BIAS=prologue == "NORM", DOT=dot, DOT_F32=False, PREC="tf32", PDL=pdl)
     kernel = compile_for_h200(folded._folded_gemv, types, constexprs, pdl, config.num_warps)

@@ -349,6 +349,12 @@ def test_folded_kernels(ops):
         dc.check_silu_linear(folded, case, "cuda", seed=i)
     for i, case in enumerate(dc.CI_FOLDED_ROPE + [(1, 5, 9, 3, 64, BF16, 3), (64, 5, 32, 8, 64, BF16, "whole")]):
         dc.check_folded_rope(folded, case, "cuda", seed=i)
+    from graphburst.models.decode import attention
+
+    # o_proj over the attention's splits: every awkward case, then SmolLM2's and the 1b's heads at B = 1 over 16
+    # splits (a 1024-row cache's), most of them idle at these lengths
+    for i, case in enumerate(dc.CI_COMBINE + [(1, 1, 3, 3, 64, BF16, 16, (150,)), (1, 1, 8, 4, 64, BF16, 16, (95,))]):
+        dc.check_combine_linear(folded, attention, case, "cuda", seed=i)
     for i, (n, k) in enumerate(FOLDED_SMOLLM2 + GEMV_1B):
         for m, form in ((1, None), (5, 3), (16, "whole")):
             dc.check_norm_linear(folded, (m, k, n, BF16, form, None, None), "cuda", seed=i)
