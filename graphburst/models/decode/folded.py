@@ -22,12 +22,13 @@ that work in its prologue, on the tiles it loads anyway:
   o_proj weighs the split-KV attention's partial outputs as it loads them.
 
 A layer is then qkv (norm folded), RoPE + KV write, attention (and, past one row, its
-combine when split), o_proj, gate_up (norm folded), down (SiLU folded): 6-7 kernels. Every rounding is the one
-the unfolded kernels make (``decode/fused.py``: the residual sum to the activations' dtype,
-the normalised row, silu before the multiply), so the two paths differ only in the order
-the norm's sum of squares and a combine's sums are taken. :mod:`graphburst.models.decode.reference` holds the
-plain-torch references. Every kernel follows ``decode/launch.py``'s PDL rule: before its
-wait it loads only weights, and every store comes after it.
+combine when split), o_proj, gate_up (norm folded), down (SiLU folded): 6-7 kernels.
+Every rounding is the one the unfolded kernels make (``decode/fused.py``: the residual sum
+to the activations' dtype, the normalised row, silu before the multiply), so the two paths
+differ only in the order the norm's sum of squares and a combine's sums are taken.
+:mod:`graphburst.models.decode.reference` holds the plain-torch references. Every kernel
+follows ``decode/launch.py``'s PDL rule: before its wait it loads only weights, and every
+store comes after it.
 """
 
 from __future__ import annotations
@@ -53,9 +54,9 @@ _NO_DELTA = tl.constexpr(NO_DELTA)
 #: tile (from L2), at M rows M times that, where the combine kernel reads them once.
 COMBINE_MAX_M = 1
 #: fp32 prologue values one thread may hold in the ``tl.dot`` path (M > 1): the norm keeps x and each of
-#: the delta's partials as [BLOCK_M, BLOCK_K] tiles, SiLU the gate's and the up's, a combine its splits'. Measured with ptxas for
-#: sm_90 at BLOCK_N 32, 4 warps: 32 compiles without spilling; at the GEMV's own BLOCK_K of 256 the norm
-#: over 3 partials spilled 712 bytes a thread and SiLU over 3 partials 3808
+#: the delta's partials as [BLOCK_M, BLOCK_K] tiles, SiLU the gate's and the up's, a combine its splits'.
+#: Measured with ptxas for sm_90 at BLOCK_N 32, 4 warps: 32 compiles without spilling; at the GEMV's own
+#: BLOCK_K of 256 the norm over 3 partials spilled 712 bytes a thread and SiLU over 3 partials 3808
 #: (``tests/models/decode/test_decode_kernels_compile.py`` holds every launched variant to no spill).
 PROLOGUE_VALUES_PER_THREAD = 32
 

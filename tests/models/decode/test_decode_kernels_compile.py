@@ -87,9 +87,9 @@ def test_the_folded_gemv_compiles_for_sm90_without_spilling(folded, prologue, d_
     block_m = 16 if dot else 1
     block_k = folded.prologue_block_k(getattr(folded, prologue), d_splits, block_m, config)
     types = {name: "*bf16" for name in ("x_ptr", "db_ptr", "nw_ptr", "res_ptr", "w_ptr", "b_ptr", "y_ptr")}
+    ints = ("M", "N", "K", "sx_m", "sd_m", "sw_n", "sy_m", "k_per_split", "T_att", "s_rows")
     types.update(d_ptr="*fp32" if partials or prologue == "COMBINE" else "*bf16", part_ptr="*fp32", eps="fp32",
-                 lse_ptr="*fp32", len_ptr="*i32", **{name: "i32" for name in ("M", "N", "K", "sx_m", "sd_m", "sw_n",
-                                                                               "sy_m", "k_per_split", "T_att", "s_rows")})
+                 lse_ptr="*fp32", len_ptr="*i32", **{name: "i32" for name in ints})
     constexprs = dict(PROLOGUE=getattr(folded, prologue), D_SPLITS=d_splits, D_BIAS=partials, HD=64, A_BLOCK=64,
                       BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=block_k, SPLIT_K=split_k,
                       EVEN_K=split_k != 2, HAS_BIAS=prologue == "NORM", DOT=dot, DOT_F32=False, PREC="tf32", PDL=pdl)
