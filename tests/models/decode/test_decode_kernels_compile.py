@@ -49,8 +49,9 @@ def compile_for_h200(fn, types: dict, constexprs: dict, pdl: bool, num_warps: in
     ``constexprs``. Returns the compiled kernel (its ``asm`` holds the PTX and the GPU binary)."""
     signature = {name: types.get(name, "constexpr") for name in fn.arg_names}
     assert set(signature) - set(types) == set(constexprs), "every argument is typed or a constexpr"
+    # FP fusion on, as the kernels' launches have it (Triton's default, said here so it need not warn)
     return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=H200,
-                          options=dict(num_warps=num_warps, num_stages=3, launch_pdl=pdl))
+                          options=dict(num_warps=num_warps, num_stages=3, launch_pdl=pdl, enable_fp_fusion=True))
 
 
 def stack_bytes(kernel) -> int | None:
