@@ -55,10 +55,12 @@ _NO_DELTA = tl.constexpr(NO_DELTA)
 COMBINE_MAX_M = 1
 #: fp32 prologue values one thread may hold in the ``tl.dot`` path (M > 1): the norm keeps x and each of
 #: the delta's partials as [BLOCK_M, BLOCK_K] tiles, SiLU the gate's and the up's, a combine its splits'.
-#: Measured with ptxas for sm_90 at BLOCK_N 32, 4 warps: 32 compiles without spilling; at the GEMV's own
-#: BLOCK_K of 256 the norm over 3 partials spilled 712 bytes a thread and SiLU over 3 partials 3808
-#: (``tests/models/decode/test_decode_kernels_compile.py`` holds every launched variant to no spill).
-PROLOGUE_VALUES_PER_THREAD = 32
+#: Measured with ptxas for sm_90 (BLOCK_M 16, BLOCK_N 32, 4 warps, arguments aligned as the model's are):
+#: SiLU over 2 partials spilled 1120 bytes a thread at BLOCK_K 256 (128 values) and none at 128 (64); over
+#: 3 partials 72 bytes at 128 (96) and none at 64; a combine of 4 splits 256 bytes at 256 (160) and none at
+#: 128; the norm over 8 partials 16 bytes at 256 (288) and none at 128.
+#: (``tests/models/decode/test_decode_kernels_compile.py`` holds every launched variant to no spill.)
+PROLOGUE_VALUES_PER_THREAD = 64
 
 
 def prologue_block_k(prologue: int, d_splits: int, block_m: int, config: GemvConfig) -> int:

@@ -44,13 +44,18 @@ def folded():
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
 
-def compile_for_h200(fn, types: dict, constexprs: dict, pdl: bool, num_warps: int = 4):
+def compile_for_h200(fn, types: dict, constexprs: dict, pdl: bool, aligned=(), num_warps: int = 4):
     """``fn`` compiled for the H200: ``types`` maps every runtime argument to its Triton type, the rest are
-    ``constexprs``. Returns the compiled kernel (its ``asm`` holds the PTX and the GPU binary)."""
+    ``constexprs``. Every pointer, and each int in ``aligned``, is specialised as divisible by 16, as a launch
+    specialises them: torch's buffers are 16-byte aligned and the model shapes' widths and strides are
+    multiples of 16 (the loads are then vectorised, which changes the registers a thread needs). Returns the
+    compiled kernel (its ``asm`` holds the PTX and the GPU binary)."""
     signature = {name: types.get(name, "constexpr") for name in fn.arg_names}
     assert set(signature) - set(types) == set(constexprs), "every argument is typed or a constexpr"
+    divisible = [name for name, t in types.items() if t.startswith("*")] + list(aligned)
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in divisible}
     # FP fusion on, as the kernels' launches have it (Triton's default, said here so it need not warn)
-    return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=H200,
+    return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs), target=H200,
                           options=dict(num_warps=num_warps, num_stages=3, launch_pdl=pdl, enable_fp_fusion=True))
 
 
@@ -94,7 +99,8 @@ def test_the_folded_gemv_compiles_for_sm90_without_spilling(folded, prologue, d_
     constexprs = dict(PROLOGUE=getattr(folded, prologue), D_SPLITS=d_splits, D_BIAS=partials, HD=64, A_BLOCK=64,
                       BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=block_k, SPLIT_K=split_k,
                       EVEN_K=split_k != 2, HAS_BIAS=prologue == "NORM", DOT=dot, DOT_F32=False, PREC="tf32", PDL=pdl)
-    kernel = compile_for_h200(folded._folded_gemv, types, constexprs, pdl, config.num_warps)
+    aligned = ("N", "K", "sx_m", "sd_m", "sw_n", "sy_m", "k_per_split", "s_rows")
+    kernel = compile_for_h200(folded._folded_gemv, types, constexprs, pdl, aligned, config.num_warps)
     assert all((instr in kernel.asm["ptx"]) == pdl for instr in PDL_INSTRUCTIONS)
     assert stack_bytes(kernel) in (0, None), f"spills {stack_bytes(kernel)} bytes a thread at BLOCK_K {block_k}"
 
@@ -107,8 +113,10 @@ def test_the_prologue_k_tile_shrinks_with_what_it_holds(folded):
     cfg = GemvConfig(32, 256, 4, 1)
     tile = lambda prologue, splits, rows=16: folded.prologue_block_k(prologue, splits, rows, cfg)  # noqa: E731
     assert tile(folded.PLAIN, folded.NO_DELTA) == tile(folded.NORM, 8, rows=1) == 256
-    assert tile(folded.NORM, folded.NO_DELTA) == tile(folded.NORM, folded.WHOLE) == 128
-    assert (tile(folded.NORM, 3), tile(folded.SILU, 3), tile(folded.NORM, 16)) == (64, 32, 16)
+    assert tile(folded.NORM, folded.NO_DELTA) == tile(folded.NORM, folded.WHOLE) == tile(folded.SILU, 0) == 256
+    assert (tile(folded.NORM, 3), tile(folded.SILU, 2), tile(folded.SILU, 3), tile(folded.COMBINE, 4)) == \
+        (128, 128, 64, 64)
+    assert (tile(folded.NORM, 8), tile(folded.COMBINE, 16), tile(folded.NORM, 64)) == (32, 16, 16)
 
 
 @pytest.mark.parametrize("splits", [0, 3])
@@ -119,6 +127,6 @@ def test_the_folded_rope_kv_write_compiles_for_sm90(folded, splits, pdl):
                  sin_ptr="*fp32", pos_ptr="*i32", len_ptr="*i32", kv_ptr="*bf16",
                  **{name: "i32" for name in ("skv_2", "skv_b", "skv_s", "skv_h", "s_rows", "n_pos", "T", "R", "sp_m")})
     constexprs = dict(SPLITS=splits, HAS_BIAS=splits > 0, H=9, KVH=3, D=64, BLOCK_H=16, PDL=pdl)
-    kernel = compile_for_h200(folded._rope_kv_write, types, constexprs, pdl)
+    kernel = compile_for_h200(folded._rope_kv_write, types, constexprs, pdl, ("skv_2", "skv_b", "skv_s", "skv_h"))
     assert all((instr in kernel.asm["ptx"]) == pdl for instr in PDL_INSTRUCTIONS)
     assert stack_bytes(kernel) in (0, None)
