@@ -386,13 +386,13 @@ CI_NORM_LINEAR = [
     (1, 96, 257, torch.float32, "whole", (32, 32, 4, 2), False), (3, 257, 96, torch.float32, 3, (16, 32, 4, 4), None),
     (7, 96, 64, torch.bfloat16, "whole", (64, 16, 4, 1), None), (16, 64, 96, torch.float32, 1, (16, 32, 4, 2), None),
     (19, 96, 64, torch.float32, 2, (16, 32, 4, 1), None),
-    (7, 257, 96, torch.float32, 3, (32, 128, 4, 2), None),  # the prologue halves the K tile (128 -> 64)
+    (7, 257, 96, torch.float32, 3, (32, 256, 4, 2), None),  # the prologue halves the K tile (256 -> 128)
 ]
 #: (M, F, N, dtype, gate_up form, config fields or None, fma or None): the down projection of F inputs
 CI_SILU_LINEAR = [
     (1, 96, 64, torch.float32, "whole", None, None), (3, 257, 96, torch.bfloat16, 3, (16, 32, 4, 2), None),
     (7, 64, 257, torch.float32, 2, (32, 16, 4, 3), None), (19, 96, 64, torch.bfloat16, "whole", (16, 32, 4, 1), None),
-    (7, 96, 64, torch.float32, 3, (16, 128, 4, 1), None),  # the prologue quarters the K tile (128 -> 32)
+    (7, 96, 64, torch.float32, 3, (16, 128, 4, 1), None),  # the prologue halves the K tile (128 -> 64)
 ]
 #: (B, T, H, KV heads, head_dim, dtype, qkv form)
 CI_FOLDED_ROPE = [(1, 1, 8, 1, 128, torch.float32, "whole"), (3, 5, 4, 1, 64, torch.bfloat16, 3),

@@ -139,7 +139,7 @@ def _recorded(ops, seen: list):
 
 
 @pytest.mark.parametrize("pdl", [False, True])
-def test_folded_forward_runs_six_kernels_a_layer(pdl):
+def test_folded_forward_runs_six_ops_a_layer(pdl):
     """Per layer at M <= max_m: norm + qkv, RoPE, attention, o_proj, norm + gate/up, SiLU + down, each with
     ``pdl=ops.pdl``; then norm + head and the head's materialize. A hooked o_proj keeps its module call (the
     hook runs) and the next norm still folds; past max_m the norms and SiLU run on their own."""
