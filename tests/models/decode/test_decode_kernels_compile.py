@@ -80,8 +80,8 @@ GEMV_VARIANTS = [("NORM", "NO_DELTA", 1, False), ("NORM", "NO_DELTA", 3, True), 
                  ("PLAIN", "NO_DELTA", 1, False), ("COMBINE", 16, 3, False), ("COMBINE", 4, 1, True)]
 
 
-@pytest.mark.parametrize("prologue, d_splits, split_k, dot, pdl",
-                         [v + (True,) for v in GEMV_VARIANTS] + [GEMV_VARIANTS[2] + (False,), GEMV_VARIANTS[6] + (False,)])
+@pytest.mark.parametrize("prologue, d_splits, split_k, dot, pdl", [v + (True,) for v in GEMV_VARIANTS] +
+                         [GEMV_VARIANTS[2] + (False,), GEMV_VARIANTS[6] + (False,)])
 def test_the_folded_gemv_compiles_for_sm90_without_spilling(folded, prologue, d_splits, split_k, dot, pdl):
     """At CONFIGS' tiling of the 1b and 8b shapes (32 W rows, 256 K, 4 warps) and the K tile the launcher
     picks for the prologue (``prologue_block_k``); every variant with PDL, two without it."""
