@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .fused import rope_place
 from .gemv import DOT_BLOCK_M, FMA_MAX_M, SUM_BLOCK, GemvConfig, _accumulate, _split_k_sum, _tile, pick_config
 from .launch import INTERPRETED, launch_options, pdl_on, pdl_wait
 from .partial import WHOLE, AttentionSplits, Partial
@@ -380,23 +381,9 @@ def _rope_kv_write(p_ptr, pb_ptr, q_ptr, cos_ptr, sin_ptr, pos_ptr, len_ptr, kv_
     cols = hd[:, None] * D + j[None, :]
     x1 = _partial(p_ptr, pb_ptr, tok, cols, h_ok, R, NH * D, sp_m, SPLITS, HAS_BIAS).to(q_ptr.dtype.element_ty)
     x2 = _partial(p_ptr, pb_ptr, tok, cols + HALF, h_ok, R, NH * D, sp_m, SPLITS, HAS_BIAS).to(q_ptr.dtype.element_ty)
-    # HF casts cos/sin to the activations' dtype before rotating.
-    c = tl.load(cos_ptr + pos * D + j).to(x1.dtype).to(tl.float32)[None, :]
-    s = tl.load(sin_ptr + pos * D + j).to(x1.dtype).to(tl.float32)[None, :]
-    a, bb = x1.to(tl.float32), x2.to(tl.float32)
-    rot = (hd < H + KVH)[:, None]  # q and k heads rotate; v heads pass through
-    o1 = tl.where(rot, a * c - bb * s, a).to(x1.dtype)
-    o2 = tl.where(rot, bb * c + a * s, bb).to(x1.dtype)
-    is_q = (hd < H)[:, None]
-    q_dst = q_ptr + tok * (H * D) + hd[:, None] * D + j[None, :]
-    tl.store(q_dst, o1, mask=is_q)
-    tl.store(q_dst + HALF, o2, mask=is_q)
-    is_v = hd >= H + KVH
-    kvh = tl.where(is_v, hd - H - KVH, hd - H)
-    dst = kv_ptr + tl.where(is_v, skv_2, 0) + b * skv_b + row * skv_s + kvh * skv_h
-    kv_ok = h_ok & ~is_q
-    tl.store(dst[:, None] + j[None, :], o1, mask=kv_ok)
-    tl.store(dst[:, None] + HALF + j[None, :], o2, mask=kv_ok)
+    q_dst = q_ptr + tok * (H * D) + hd[:, None] * D + j[None, :]  # q to its own buffer: the Partial may be partials
+    rope_place(x1, x2, q_dst, kv_ptr, cos_ptr, sin_ptr, pos, row, b, hd, j, h_ok, skv_2, skv_b, skv_s, skv_h, H, KVH,
+               D)
 
 
 def rope_kv_write(qkv: Partial, cos: torch.Tensor, sin: torch.Tensor, start_pos: torch.Tensor, length: torch.Tensor,

@@ -96,6 +96,17 @@ def _rope_kv_write(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, len_ptr, kv_ptr,
     src = qkv_ptr + tok * (NH * D) + hd[:, None] * D + j[None, :]
     x1 = tl.load(src, mask=h_ok, other=0.0)
     x2 = tl.load(src + HALF, mask=h_ok, other=0.0)
+    # rotated q in place: attention reads it from the qkv buffer
+    rope_place(x1, x2, src, kv_ptr, cos_ptr, sin_ptr, pos, row, b, hd, j, h_ok, skv_2, skv_b, skv_s, skv_h, H, KVH, D)
+
+
+@triton.jit
+def rope_place(x1, x2, q_dst, kv_ptr, cos_ptr, sin_ptr, pos, row, b, hd, j, h_ok, skv_2, skv_b, skv_s, skv_h,
+               H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr):
+    """One token's RoPE and placement: ``x1``, ``x2`` the two halves [BLOCK_H, D / 2] of its q, k and v heads
+    (``hd`` the head index, ``j`` the offset in a half); q and k heads are rotated at position ``pos``, q is
+    stored at ``q_dst`` (same layout as the halves), k and v at cache row ``row`` of sequence ``b``."""
+    HALF: tl.constexpr = D // 2
     # HF casts cos/sin to the activations' dtype before rotating.
     c = tl.load(cos_ptr + pos * D + j).to(x1.dtype).to(tl.float32)[None, :]
     s = tl.load(sin_ptr + pos * D + j).to(x1.dtype).to(tl.float32)[None, :]
@@ -104,8 +115,8 @@ def _rope_kv_write(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, len_ptr, kv_ptr,
     o1 = tl.where(rot, a * c - bb * s, a).to(x1.dtype)
     o2 = tl.where(rot, bb * c + a * s, bb).to(x1.dtype)
     is_q = (hd < H)[:, None]
-    tl.store(src, o1, mask=is_q)  # rotated q, in place: attention reads it from the qkv buffer
-    tl.store(src + HALF, o2, mask=is_q)
+    tl.store(q_dst, o1, mask=is_q)
+    tl.store(q_dst + HALF, o2, mask=is_q)
     is_v = hd >= H + KVH
     kvh = tl.where(is_v, hd - H - KVH, hd - H)
     dst = kv_ptr + tl.where(is_v, skv_2, 0) + b * skv_b + row * skv_s + kvh * skv_h

@@ -130,3 +130,16 @@ def test_the_folded_rope_kv_write_compiles_for_sm90(folded, splits, pdl):
     kernel = compile_for_h200(folded._rope_kv_write, types, constexprs, pdl, ("skv_2", "skv_b", "skv_s", "skv_h"))
     assert all((instr in kernel.asm["ptx"]) == pdl for instr in PDL_INSTRUCTIONS)
     assert stack_bytes(kernel) in (0, None)
+
+
+@pytest.mark.parametrize("pdl", [False, True])
+def test_the_unfolded_rope_kv_write_compiles_for_sm90(folded, pdl):
+    """``fused._rope_kv_write`` shares its rotation and placement with the folded one (``fused.rope_place``)."""
+    from graphburst.models.decode import fused
+
+    types = dict(qkv_ptr="*bf16", cos_ptr="*fp32", sin_ptr="*fp32", pos_ptr="*i32", len_ptr="*i32", kv_ptr="*bf16",
+                 **{name: "i32" for name in ("skv_2", "skv_b", "skv_s", "skv_h", "s_rows", "n_pos", "T")})
+    constexprs = dict(H=9, KVH=3, D=64, BLOCK_H=16, PDL=pdl)
+    kernel = compile_for_h200(fused._rope_kv_write, types, constexprs, pdl, ("skv_2", "skv_b", "skv_s", "skv_h"))
+    assert all((instr in kernel.asm["ptx"]) == pdl for instr in PDL_INSTRUCTIONS)
+    assert stack_bytes(kernel) in (0, None)
