@@ -21,6 +21,7 @@ generated (no stop at the end of turn), the same for every engine.
 
 from __future__ import annotations
 
+import functools
 import statistics
 
 from rich.console import Console
@@ -33,6 +34,10 @@ from .common import fmt, int_list, label, new_table, write_results
 from .ngram_search import run_search_bench
 
 PARTS = ("search", "e2e")
+#: the end-to-end engines: k-independent ones, then those run at every k (the HF ones at B = 1 only)
+FIXED_ENGINES = ("plain", "graphburst-plain", "hf-plain")
+K_ENGINES = ("graphburst-ngram", "graphburst-ngram-sync", "hf-lookup")
+ENGINES = FIXED_ENGINES + K_ENGINES
 MODEL_NAMES = ("tiny", "small", "1b")
 SMOKE = dict(model="tiny", batches="1,2", histories="64,512", e2e_batches="1,2", prompt_len=32, new_tokens=24,
              reps=1, m=2, workloads="random,repeat,echo", k="4")
@@ -55,6 +60,9 @@ def add_parser(sub) -> None:
                    help=f"e2e target: a random-weight shape ({','.join(MODEL_NAMES)}; default 1b), or a checkpoint "
                         "with a tokenizer (smollm2-135m, a .gguf file, a directory): its real-text workloads")
     p.add_argument("--e2e-batches", default=None, help="e2e: comma list of B (default 1,16; HF runs B=1 only)")
+    p.add_argument("--engines", default=",".join(ENGINES),
+                   help="e2e: comma list of the engines timed (default all; graphburst-ngram at the first k "
+                        "also runs untimed as every engine's reference)")
     p.add_argument("--workloads", default=None,
                    help="e2e: comma list of random,repeat,echo (token ids), or, with a checkpoint, of edit_code,"
                         "rewrite_prose,quote_document,continue_list,open_questions (real text, the default there)")
@@ -88,7 +96,7 @@ def settings(args) -> dict:
                 histories=int_list(d["histories"]), e2e_batches=int_list(d["e2e_batches"]),
                 workloads=d["workloads"].split(","), ks=int_list(d["k"]),
                 n_min=args.ngram_min, n_max=args.ngram_max, tol=args.tol, seed=args.seed, dtype=args.dtype,
-                decode_kernels=args.decode_kernels or "auto")
+                decode_kernels=args.decode_kernels or "auto", engines=args.engines.split(","))
 
 
 def check_args(args) -> None:
@@ -115,6 +123,9 @@ def check_args(args) -> None:
     if args.ngram_min > args.ngram_max:
         raise FlagError("--ngram-min", f"{args.ngram_min} is above --ngram-max {args.ngram_max}")
     s = settings(args)
+    bad = [e for e in s["engines"] if e not in ENGINES]
+    if bad or not s["engines"]:
+        raise FlagError("--engines", f"choose from {','.join(ENGINES)}, got {args.engines!r}")
     bad = [p for p in s["parts"] if p not in PARTS]
     if bad or not s["parts"]:
         raise FlagError("--parts", f"choose from {','.join(PARTS)}, got {args.parts!r}")
@@ -193,28 +204,30 @@ def _e2e_part(console, backend, s) -> tuple:
                        "rounds/sync", "agreed", "vs plain", "vs synced"])
     rows, failures = [], []  # failures: engines whose tokens diverged from graphburst's, not at a near-tie
     for batch in s["e2e_batches"]:
-        # k-independent engines: plain graphed decoding (2M forwards per graph replay: a burst's most at k=1)
-        fixed = {"plain": PlainLoop(src, batch=batch, steps=2 * s["m"]),
-                 "graphburst-plain": NgramBurst(src, batch=batch, k=0, m=s["m"], n_min=s["n_min"],
-                                                n_max=s["n_max"], backend=backend)}
+        # k-independent engines: plain graphed decoding (2M forwards per graph replay: a burst's most at k=1).
+        # Built only when asked for, except graphburst-ngram at the first k: every engine's reference.
+        burst = functools.partial(NgramBurst, src, batch=batch, m=s["m"], n_min=s["n_min"], n_max=s["n_max"],
+                                  backend=backend)
+        makers = {"plain": lambda: PlainLoop(src, batch=batch, steps=2 * s["m"]),
+                  "graphburst-plain": lambda: burst(k=0)}
         if batch == 1:
-            fixed["hf-plain"] = HFGenerate(src, lookup=0, n_max=s["n_max"])
+            makers["hf-plain"] = lambda: HFGenerate(src, lookup=0, n_max=s["n_max"])
+        fixed = {name: make() for name, make in makers.items() if name in s["engines"]}
         by_k = {}
         for k in s["ks"]:
-            by_k[k] = {"graphburst-ngram": NgramBurst(src, batch=batch, k=k, m=s["m"], n_min=s["n_min"],
-                                                      n_max=s["n_max"], backend=backend),
-                       "graphburst-ngram-sync": NgramBurst(src, batch=batch, k=k, m=s["m"], n_min=s["n_min"],
-                                                           n_max=s["n_max"], backend=backend,
-                                                           mode=BurstMode.PER_ROUND_SYNC)}
+            makers = {"graphburst-ngram": lambda k=k: burst(k=k),
+                      "graphburst-ngram-sync": lambda k=k: burst(k=k, mode=BurstMode.PER_ROUND_SYNC)}
             if batch == 1:
-                by_k[k]["hf-lookup"] = HFGenerate(src, lookup=k, n_max=s["n_max"])
+                makers["hf-lookup"] = lambda k=k: HFGenerate(src, lookup=k, n_max=s["n_max"])
+            by_k[k] = {name: make() for name, make in makers.items()
+                       if name in s["engines"] or (name == "graphburst-ngram" and k == s["ks"][0])}
         for wl in s["workloads"]:
             prompts = workload(wl, src, batch=batch, prompt_len=s["prompt_len"], seed=s["seed"] + batch,
                                tokenizer=tokenizer)
             # the reference every engine is checked against: graphburst at the first k, untimed
             ref, _, _ = timed(by_k[s["ks"][0]]["graphburst-ngram"], prompts, s["new_tokens"])
             runs = [(None, name, eng) for name, eng in fixed.items()] + \
-                [(k, name, eng) for k in s["ks"] for name, eng in by_k[k].items()]
+                [(k, name, eng) for k in s["ks"] for name, eng in by_k[k].items() if name in s["engines"]]
             results = {}
             for k, name, eng in runs:
                 tokens, info, _ = timed(eng, prompts, s["new_tokens"])  # the check, and a warm-up

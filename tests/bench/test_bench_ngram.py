@@ -34,7 +34,8 @@ def test_bench_ngram_smoke_on_numpy(tmp_path):
 
 def test_bench_ngram_flag_errors():
     for args, flag in ((["--batches", "0"], "--batches"), (["--workloads", "x"], "--workloads"),
-                       (["--decode-kernels", "folded"], "--decode-kernels")):
+                       (["--decode-kernels", "folded"], "--decode-kernels"), (["--engines", "hf"], "--engines"),
+                       (["--engines", ""], "--engines")):
         proc = subprocess.run([sys.executable, "-m", "graphburst.cli", "bench", "ngram", "--backend", "numpy", *args],
                               capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=120)
         assert proc.returncode == 2 and flag in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
@@ -83,17 +84,22 @@ def test_text_prompt_classes():
 
 def test_real_text_workload_on_a_trained_model(tmp_path):
     """SmolLM2-135M-Instruct, fp32 on the CPU: lookup hits on the code-editing prompts and misses on the open
-    questions; every engine agrees with graphburst; a graph runs M rounds per host sync, synced rounds fewer."""
+    questions; graphburst's engines and transformers' prompt lookup agree; a graph runs M rounds per host sync,
+    synced rounds fewer; only the engines asked for run."""
     out = tmp_path / "out.json"
     # 12 tokens: a whole burst of hits on the code (M=4 rounds of ~3 tokens), three bursts of misses on the
-    # questions; each token costs every engine ~0.1 s on the CPU, so more would only repeat the same rounds
+    # questions; each token costs every engine ~0.1 s on the CPU, so more would only repeat the same rounds.
+    # The two plain baselines (a torch loop, HF's plain generate) are left out: the smoke run on numpy
+    # covers them, and here each would cost the CPU as much as an engine under test.
+    engines = "graphburst-plain,graphburst-ngram,graphburst-ngram-sync,hf-lookup"
     args = ["--smoke", "--backend", "numpy", "--parts", "e2e", "--model", "smollm2-135m", "--e2e-batches", "1",
             "--workloads", "edit_code,open_questions", "-k", "4", "-m", "4", "--new-tokens", "12",
-            "--json", str(out)]
+            "--engines", engines, "--json", str(out)]
     proc = subprocess.run([sys.executable, "-m", "graphburst.cli", "bench", "ngram", *args], capture_output=True,
                           text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=600)
     assert proc.returncode == 0, proc.stderr
     rows = {(r["workload"], r["engine"]): r for r in json.loads(out.read_text())["results"]["e2e"]}
+    assert set(rows) == {(wl, e) for wl in ("edit_code", "open_questions") for e in engines.split(",")}
     assert all(r["agreed_tokens"] == 12 for r in rows.values())
     assert rows["edit_code", "graphburst-ngram"]["accepted_per_round"] > 1.0  # the answer repeats the code
     assert rows["open_questions", "graphburst-ngram"]["accepted_per_round"] < 0.5
