@@ -41,6 +41,20 @@ def test_bench_ngram_flag_errors():
         assert proc.returncode == 2 and flag in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 
+def test_engines_left_out_are_not_run_and_the_reference_still_checks_the_rest(tmp_path):
+    """--engines without graphburst-ngram: its untimed run at the first k still checks the engines named."""
+    from graphburst import cli
+
+    out = tmp_path / "out.json"
+    rc = cli.main(["bench", "ngram", "--smoke", "--backend", "numpy", "--parts", "e2e", "--e2e-batches", "1",
+                   "--workloads", "repeat", "--prompt-len", "12", "--new-tokens", "6", "--engines", "plain,hf-lookup",
+                   "--json", str(out)])
+    assert rc == 0
+    rows = json.loads(out.read_text())["results"]["e2e"]
+    assert sorted(r["engine"] for r in rows) == ["hf-lookup", "plain"]
+    assert all(r["agreed_tokens"] == r["compared_tokens"] == 6 for r in rows)
+
+
 def test_an_engine_that_diverges_is_recorded_not_a_crash(tmp_path, monkeypatch):
     """A comparison engine whose tokens leave graphburst's (not at a near-tie) is a FAILED row and exit status 1,
     as in bench real; the other engines are still timed and the JSON is still written."""
