@@ -60,7 +60,8 @@ KV_ROW_MULTIPLE = 16
 # projection with forward hooks (tensor parallelism's all-reduce) or of M > ``gemv.MAX_M``
 # rows still runs ``nn.Linear`` (cuBLAS): the PDL overlap stops there, the order does not.
 # ``folded`` is ``pdl`` with the norms, SiLU x up and the GEMV's split-K sums folded into the
-# projections' kernels (``models/decode/folded.py``: 6-7 kernels a layer instead of ~14).
+# projections' kernels at one row (``models/decode/folded.py``: 6 kernels a layer instead of ~14);
+# more rows (a verify, a batch) run ``pdl``'s kernels around cuBLAS (``folded.FOLD_MAX_M``).
 # ``gemv``, ``pdl`` and ``folded`` are refused where Triton cannot run them (the CPU outside
 # Triton's interpreter). The tuple is ``constants.DECODE_KERNELS``.
 

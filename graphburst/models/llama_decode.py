@@ -217,15 +217,20 @@ class FoldedOps(NamedTuple):
     pdl: bool = False
 
 
-def folded_ops(pdl: bool = True) -> FoldedOps:
-    """``decode_kernels="folded"``: the folded Triton kernels, every projection and the head of M <=
-    ``gemv.MAX_M`` rows folded, with programmatic dependent launch (off under the interpreter)."""
+def folded_ops(pdl: bool = True, max_m: int | None = None) -> FoldedOps:
+    """``decode_kernels="folded"``: the folded Triton kernels, with programmatic dependent launch (off
+    under the interpreter). Every projection and the head of M <= ``max_m`` rows is folded; the
+    default is ``folded.FOLD_MAX_M`` (one row), and more rows run the unfolded kernels around cuBLAS.
+    ``max_m`` up to ``gemv.MAX_M`` folds more (the ``tl.dot`` prologues: what their tests run)."""
     from .decode import folded
     from .decode.attention import decode_attention
     from .decode.fused import add_rmsnorm, silu_mul
     from .decode.gemv import MAX_M
+    max_m = folded.FOLD_MAX_M if max_m is None else max_m
+    if not 0 <= max_m <= MAX_M:
+        raise ValueError(f"max_m must be in [0, {MAX_M}] (the folded GEMV is one row tile), got {max_m}")
     return FoldedOps(decode_attention, folded.norm_linear, folded.linear, folded.silu_linear, folded.rope_kv_write,
-                     folded.materialize, add_rmsnorm, silu_mul, MAX_M, folded.COMBINE_MAX_M, bool(pdl))
+                     folded.materialize, add_rmsnorm, silu_mul, max_m, folded.COMBINE_MAX_M, bool(pdl))
 
 
 def folded_reference_ops(max_m: int = FORCED_GEMV_MAX_M, combine_max_m: int = 1) -> FoldedOps:

@@ -112,11 +112,14 @@ FOLDED_LAYER_CALLS = Counter(norm_linear=2, linear=1, silu_linear=1, rope_kv_wri
 NON_LAUNCHING = {"view", "_unsafe_view", "slice", "alias", "as_strided", "empty", "empty_like", "empty_strided"}
 
 
-def fused_layer_ops(choice: str, layers: int, batch: int, t: int) -> tuple[Counter, Counter, set]:
+def fused_layer_ops(choice: str, layers: int, batch: int, t: int, fold_max_m: int | None = None
+                    ) -> tuple[Counter, Counter, set]:
     """(decode-op calls, dispatched torch ops, the ``pdl`` values the ops saw) of one ``decode_kernels=choice``
     forward whose ops are stubs: they allocate their outputs and compute nothing, so the torch ops counted
-    are fused_forward's own (the CPU cannot launch Triton outside the interpreter)."""
+    are fused_forward's own (the CPU cannot launch Triton outside the interpreter). ``fold_max_m``: the
+    folded ops' ``max_m`` (default ``gemv.MAX_M``: every M here folds)."""
     from graphburst.models import llama_decode
+    from graphburst.models.decode.gemv import MAX_M
     from graphburst.models.decode.partial import Partial
 
     # built on the references (a CPU model refuses the Triton choices), then given the choice's own ops
@@ -136,7 +139,9 @@ def fused_layer_ops(choice: str, layers: int, batch: int, t: int) -> tuple[Count
 
     attention = stub("attention", lambda q, *_: torch.empty(q.shape, dtype=q.dtype))
     if choice == "folded":
-        model.decode_ops = llama_decode.folded_ops()._replace(
+        model.decode_ops = llama_decode.folded_ops(max_m=MAX_M if fold_max_m is None else fold_max_m)._replace(
+            add_rmsnorm=stub("add_rmsnorm", lambda x, *_: torch.empty_like(x)),
+            silu_mul=stub("silu_mul", lambda gu, *_: torch.empty(gu.shape[0], gu.shape[1] // 2, dtype=gu.dtype)),
             norm_linear=stub("norm_linear", lambda x, d, nw, eps, w, *_: (Partial.whole(out(x, w)), x)),
             linear=stub("linear", lambda x, w, *_: Partial.whole(out(x, w))),
             silu_linear=stub("silu_linear", lambda gu, w, *_: Partial.whole(torch.empty(gu.shape[0], w.shape[0]))),
@@ -169,6 +174,27 @@ def test_a_fused_layer_is_its_decode_ops_and_nothing_between(choice, batch, t):
     launching = {op for op, n in (two[1] - one[1]).items() if n and op not in NON_LAUNCHING}
     assert not launching, dict(two[1] - one[1])
     assert one[2] == two[2] == {choice != "gemv"}  # every op launched with PDL, or none
+
+
+#: the default folded layer past one row: the unfolded kernels, the four projections on cuBLAS (``nn.Linear``)
+UNFOLDED_LAYER_CALLS = Counter(add_rmsnorm=2, rope_kv_write=1, attention=1, silu_mul=1, materialize=3)
+
+
+def test_the_default_folded_layer_folds_one_row_only():
+    """``folded_ops()`` folds at M = 1; at M = 3 (a draft of three slots) and 5 (a verify) its layer is the
+    unfolded one, the projections on cuBLAS (mm) between its kernels."""
+    pytest.importorskip("triton")
+    from graphburst.models import llama_decode
+
+    fold_max_m = llama_decode.folded_ops().max_m
+    assert fold_max_m == 1
+    one, two = fused_layer_ops("folded", 1, 1, 1, fold_max_m), fused_layer_ops("folded", 2, 1, 1, fold_max_m)
+    assert two[0] - one[0] == FOLDED_LAYER_CALLS, dict(two[0] - one[0])
+    for batch, t in ((3, 1), (1, 5)):
+        one, two = (fused_layer_ops("folded", n, batch, t, fold_max_m) for n in (1, 2))
+        assert two[0] - one[0] == UNFOLDED_LAYER_CALLS, dict(two[0] - one[0])
+        mms = sum(n for op, n in (two[1] - one[1]).items() if op in ("mm", "addmm"))
+        assert mms == 4, dict(two[1] - one[1])
 
 
 def test_the_counter_sees_the_plain_rope_as_more_ops():

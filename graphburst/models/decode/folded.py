@@ -54,6 +54,11 @@ _NO_DELTA = tl.constexpr(NO_DELTA)
 #: every split's partial output over its K range: at one row and 16 splits about the bytes of its weight
 #: tile (from L2), at M rows M times that, where the combine kernel reads them once.
 COMBINE_MAX_M = 1
+#: rows up to which ``decode_kernels="folded"`` folds (``llama_decode.folded_ops``): the multiply-accumulate
+#: path's. Past it the ``tl.dot`` path keeps a [16, BLOCK_K] prologue tile per program at a cut BLOCK_K, and
+#: measured in the forward profile (bf16, B = 1, T = 5) its projections took 2.3x (SmolLM2-135M's shape) and
+#: 3.3x (1b's) the time of the unfolded GEMV's, more than the launches folding saves.
+FOLD_MAX_M = FMA_MAX_M
 #: fp32 prologue values one thread may hold in the ``tl.dot`` path (M > 1): the norm keeps x and each of
 #: the delta's partials as [BLOCK_M, BLOCK_K] tiles, SiLU the gate's and the up's, a combine its splits'.
 #: Measured with ptxas for sm_90 (BLOCK_M 16, BLOCK_N 32, 4 warps, arguments aligned as the model's are):

@@ -514,12 +514,14 @@ def chain_folded(folded, case, device, pdl: bool, seed: int = 0) -> list:
 
 
 def check_folded_pdl_model(device, dtype=torch.float32, batch: int = 3, ts=(1, 5), heads: int = 8,
-                           kv_heads: int = 2, **switches) -> None:
-    """``decode_kernels="folded"`` (with PDL) computes the folded path's bits without PDL: logits and KV."""
+                           kv_heads: int = 2, max_m: int | None = None, **switches) -> None:
+    """``decode_kernels="folded"`` (with PDL) computes the folded path's bits without PDL: logits and KV.
+    ``max_m``: the rows up to which both fold (default ``folded_ops``'s own)."""
     from graphburst.models import llama_decode
 
     models = model_pair(("folded", "folded"), device, dtype, batch, heads, kv_heads, **switches)
-    models[0].decode_ops = llama_decode.folded_ops(pdl=False)
+    models[0].decode_ops = llama_decode.folded_ops(pdl=False, max_m=max_m)
+    models[1].decode_ops = llama_decode.folded_ops(pdl=True, max_m=max_m)
     for t, ((want, want_kv), (got, got_kv)) in model_forwards(models, device, dtype, ts):
         assert torch.equal(got, want), f"folded T={t}: PDL changes the logits by up to {(got - want).abs().max()}"
         assert all(torch.equal(a, b) for a, b in zip(want_kv, got_kv)), f"folded T={t}: PDL changes the KV"

@@ -81,22 +81,26 @@ def check_folded_kernels() -> int:
 
 def check_folded_model() -> int:
     """``Llama(decode_kernels=...)``'s Triton choices build their ops on the CPU here; ``"folded"`` forwards
-    against SDPA: B = 1 and 3, T = 1 and 5, GQA groups 1 and 3, Qwen2's
-    biases with Qwen3's q/k norms, and bf16; B = 4 at T = 5 (M = 20) takes the unfolded fallback. (Its wiring at
-    T = MAX_K + 1 is checked on the references, without the interpreter.)"""
+    against SDPA: by default (one row folds) B = 1 at T = 1 and 5; folding the row tile (16 rows, the
+    ``tl.dot`` prologues) B = 1 and 3, T = 1 and 5, GQA groups 1 and 3, Qwen2's biases with Qwen3's q/k norms,
+    and bf16; B = 4 at T = 5 (M = 20) takes the unfolded fallback. (Its wiring at T = MAX_K + 1 is checked on
+    the references, without the interpreter.)"""
     from graphburst.models import llama_decode
     from graphburst.models.decode import gemv
 
-    for choice, want in (("gemv", (False, gemv.MAX_M)), ("pdl", (True, gemv.MAX_M)), ("folded", (True, gemv.MAX_M))):
+    for choice, want in (("gemv", (False, gemv.MAX_M)), ("pdl", (True, gemv.MAX_M)),
+                         ("folded", (True, gemv.FMA_MAX_M))):
         ops = dc.model_pair((choice,), "cpu")[0].decode_ops  # under the interpreter the CPU builds them
         assert isinstance(ops, llama_decode.FoldedOps) == (choice == "folded")
         assert (ops.pdl, ops.max_m if choice == "folded" else ops.gemv_max_m) == want, (choice, ops)
-    dc.check_model("folded", "cpu", torch.float32, batch=1, heads=3, kv_heads=3)  # group 1, M = 1 and 5
-    dc.check_model("folded", "cpu", torch.float32, batch=3, heads=6, kv_heads=2)  # group 3, M = 3 and 15
-    dc.check_model("folded", "cpu", torch.float32, batch=4, ts=(5,), heads=6, kv_heads=2)  # M = 20 > 16
-    dc.check_model("folded", "cpu", torch.float32, ts=(5,), qk_norm=True, qkv_bias=True)
-    dc.check_model("folded", "cpu", torch.bfloat16, batch=1, ts=(5,), heads=6, kv_heads=2)
-    return 5
+    tile = llama_decode.folded_ops(max_m=gemv.MAX_M)
+    dc.check_model("folded", "cpu", torch.float32, batch=1, heads=3, kv_heads=3)  # group 1, M = 1 folds, 5 not
+    dc.check_model("folded", "cpu", torch.float32, batch=1, ts=(5,), heads=3, kv_heads=3, ops=tile)
+    dc.check_model("folded", "cpu", torch.float32, batch=3, heads=6, kv_heads=2, ops=tile)  # group 3, M = 3, 15
+    dc.check_model("folded", "cpu", torch.float32, batch=4, ts=(5,), heads=6, kv_heads=2, ops=tile)  # M = 20
+    dc.check_model("folded", "cpu", torch.float32, ts=(5,), ops=tile, qk_norm=True, qkv_bias=True)
+    dc.check_model("folded", "cpu", torch.bfloat16, batch=1, ts=(5,), heads=6, kv_heads=2, ops=tile)
+    return 6
 
 
 def main(group: str) -> int:

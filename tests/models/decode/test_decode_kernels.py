@@ -280,7 +280,11 @@ def test_gemv_and_pdl_choices_are_the_gemv_path_with_and_without_pdl():
     assert ops["pdl"].linear is gemv.gemv and ops["pdl"]._replace(pdl=False) == ops["gemv"]
     assert llama_decode.pdl_unsupported(torch.device("cpu")) is None
     folded = llama_decode.folded_ops()
-    assert isinstance(folded, llama_decode.FoldedOps) and (folded.max_m, folded.pdl) == (gemv.MAX_M, True)
+    assert isinstance(folded, llama_decode.FoldedOps) and (folded.max_m, folded.pdl) == (gemv.FMA_MAX_M, True)
+    assert llama_decode.folded_ops(max_m=gemv.MAX_M).max_m == gemv.MAX_M
+    for bad in (-1, gemv.MAX_M + 1):
+        with pytest.raises(ValueError, match=f"max_m must be in .*got {bad}"):
+            llama_decode.folded_ops(max_m=bad)
     with pytest.raises(ValueError, match="gemv_max_m"):
         llama_decode.triton_ops(gemv.MAX_M + 1)
     cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,

@@ -363,11 +363,18 @@ def test_folded_kernels(ops):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_folded_forward_matches_sdpa(pdl, dtype):
-    """B = 3, GQA group 3, T = 1, 5 and MAX_K + 1 (M = 195: the unfolded fallback inside the PDL chain); Qwen2's
-    biases with Qwen3's q/k norms at T = 5."""
-    dc.check_model("folded", "cuda", dtype, batch=3, ts=(1, 5, MAX_K + 1), heads=6, kv_heads=2)
-    dc.check_model("folded", "cuda", dtype, batch=3, ts=(5,), qk_norm=True, qkv_bias=True)
+@pytest.mark.parametrize("fold", ["default", "row_tile"])
+def test_folded_forward_matches_sdpa(pdl, dtype, fold):
+    """B = 1 and 3, GQA group 3, T = 1, 5 and MAX_K + 1 (M = 195: the unfolded fallback inside the PDL chain);
+    Qwen2's biases with Qwen3's q/k norms at T = 5. By default only B = 1, T = 1 folds; with ``max_m`` 16
+    every M up to 16 does (the ``tl.dot`` prologues)."""
+    from graphburst.models import llama_decode
+    from graphburst.models.decode.gemv import MAX_M
+
+    ops = llama_decode.folded_ops(max_m=None if fold == "default" else MAX_M)
+    for batch in (1, 3):
+        dc.check_model("folded", "cuda", dtype, batch=batch, ts=(1, 5, MAX_K + 1), heads=6, kv_heads=2, ops=ops)
+    dc.check_model("folded", "cuda", dtype, batch=3, ts=(5,), ops=ops, qk_norm=True, qkv_bias=True)
 
 
 #: (M, hidden, F, dtype, gate/up config, down config): SmolLM2's MLP at M = 1 (split-K 3 partials into the
@@ -410,8 +417,12 @@ def test_pdl_folded_kernels_carry_the_grid_dependency_instructions(pdl):
 
 
 def test_folded_pdl_forward_with_fallbacks_is_its_own_bits(pdl):
-    """Eager, B = 3 at T = 1, 5 and MAX_K + 1: PDL changes no bit of the folded forward."""
-    dc.check_folded_pdl_model("cuda", BF16, batch=3, ts=(1, 5, MAX_K + 1), heads=6, kv_heads=2)
+    """Eager, B = 3 at T = 1, 5 and MAX_K + 1, folding one row (the default) and 16: PDL changes no bit of the
+    folded forward."""
+    from graphburst.models.decode.gemv import MAX_M
+
+    for max_m in (None, MAX_M):
+        dc.check_folded_pdl_model("cuda", BF16, batch=3, ts=(1, 5, MAX_K + 1), heads=6, kv_heads=2, max_m=max_m)
 
 
 @pytest.mark.parametrize("t", [1, 5])
