@@ -16,6 +16,8 @@ DEFAULT_K = 4  # drafts per round of a command given a draft and no -k (with no 
 MAX_TABLE_ENTRIES = 65535  # rollback walks the table on gridDim.y
 THREADS_PER_BLOCK = 128  # one-thread-per-sequence kernels
 MAX_LAYER_THREADS = 256  # stub models: threads per block striding over layers
+NO_BATCH_LIMIT = 2**31 - 1  # spec_max_batch of a decoder that never switches speculation off
+CAP_THREADS = 256  # threads of the draft cap kernel's one block (GB_CAP_THREADS)
 MAX_DEPTH = 8  # bursts a gapless BurstGraph keeps in flight: each holds a pinned output block and a graph
 TP_MAX_DEPTH = 2  # the same for a tensor-parallel graph (parallel/check.py: one pinned rank-check vector each)
 

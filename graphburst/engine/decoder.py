@@ -28,6 +28,7 @@ from ..burst_tokens import BurstTokens
 from .mode import EAGER_MODES, BurstMode
 from ..guard import Watcher
 from .admission.options import OptionColumns
+from .draft_caps import DraftCaps
 from .admission.graphs import AdmissionGraphs
 from . import host_ops
 from ..constants import NO_EOS, UNBOUNDED_BUDGET
@@ -77,11 +78,19 @@ class SpecDecoder:
         repetition penalties, ``min_p``, ``min_tokens``, ``ignore_eos``; :mod:`graphburst.sampling.fields`):
         needs ``sampling=True``. Allocates ``[B, V]`` counts and prompt marks (``self.fields``); off
         by default, so a decoder without it runs no extra kernel.
+    draft_caps : bool
+        Let a request ask for fewer drafts a round: the per-request option ``"k"``, 0 to ``k``
+        (0: plain decoding) (:mod:`graphburst.engine.draft_caps`). One small launch a round
+        after the draft chain; off by default.
+    spec_max_batch : int, optional
+        Switch speculation off (every slot's cap 0) for the rounds in which more than this many
+        slots are active, inside the same graph; implies ``draft_caps``.
     """
 
     def __init__(self, target: TargetModel, draft: DraftModel | None, *, k: int, m_rounds: int, stream=None,
                  fused: bool = True, assemble: bool | None = None, sampling: bool = False,
-                 admission_graphs: bool = True, fields: bool = False):
+                 admission_graphs: bool = True, fields: bool = False, draft_caps: bool = False,
+                 spec_max_batch: int | None = None):
         draft = plain_draft(target, draft, k)
         if not isinstance(fields, (bool, np.bool_)):
             raise TypeError(f"fields must be a bool, got {type(fields).__name__} {fields!r}")
@@ -114,9 +123,13 @@ class SpecDecoder:
         with self._stream:  # the decoder's own buffers are initialised in order with its stream
             bufs = self._bufs = StreamBufs(self.batch, k, m_rounds, self.backend,
                                            vocab=target.vocab if self.sampling else None)
-            # The models' per-slot int32 options, written by admission's one launch (admission/options.py)
-            option_columns = OptionColumns.of({"target": target, "draft": draft}, self.batch, self.backend,
-                                              self._stream)
+            # Per-request k and the batch-size switch (draft_caps.py): a cap column and a launch a round
+            self.caps = DraftCaps(self.batch, bufs.k, self.backend, spec_max_batch=spec_max_batch) \
+                if draft_caps or spec_max_batch is not None else None
+            # The models' per-slot int32 options and the caps, written by admission's one launch
+            # (admission/options.py)
+            option_columns = OptionColumns.of({"target": target, "draft": draft, "speculation": self.caps},
+                                              self.batch, self.backend, self._stream)
             # The logits processing fields' buffers (sampling/fields.py), or None
             self.fields = SlotFields(self.batch, target.vocab, self.backend) if fields else None
             # Prefill staging, allocated once so admitting a request never allocates (admission/slots.py)
@@ -167,7 +180,7 @@ class SpecDecoder:
         # freed by reference counting, its graphs and streams with it).
         self.admission = Admission(target=target, draft=draft, bufs=bufs, stream=self._stream, backend=self.backend,
                                    staging=staging, option_columns=option_columns, graphs=graphs, ledger=ledger,
-                                   sampling=self.sampling, fields=self.fields)
+                                   sampling=self.sampling, fields=self.fields, caps=self.caps)
         # Built: the buffers now belong to a live decoder (an adapter refuses to rebind them).
         bufs.decoder = weakref.ref(self)
 
@@ -387,7 +400,7 @@ class SpecDecoder:
         """The bound kernel calls of one round, in stream order (see :func:`program.round_calls`)."""
         return round_calls(self.backend.ops, self.bufs, self.table, self.target, self.draft, k=self.k,
                            fused=self.fused, assemble=self.assemble, sampling=self.sampling, first_round=first_round,
-                           fields=self.fields)
+                           fields=self.fields, caps=self.caps if self.k else None)
 
     def burst_calls(self, rounds: int | None = None) -> list[Call]:
         """The bound calls of a whole burst of ``rounds`` rounds (default M; fused bursts start with a

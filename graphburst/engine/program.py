@@ -28,17 +28,20 @@ class Call:
 
 
 def round_calls(ops, bufs: StreamBufs, table, target, draft, *, k: int, fused: bool, assemble: bool, sampling: bool,
-                first_round: bool, fields=None) -> list[Call]:
+                first_round: bool, fields=None, caps=None) -> list[Call]:
     """The bound kernel calls of one round, in stream order.
 
     Fused rounds are seeded by the previous round's epilogue (or the burst's head
     seed), so they start at the draft chain. ``fields``: a sampling decoder's
-    :class:`~graphburst.sampling.fields.SlotFields`, or None.
+    :class:`~graphburst.sampling.fields.SlotFields`, or None. ``caps``: the decoder's
+    :class:`~graphburst.engine.draft_caps.DraftCaps` (its launch follows the draft chain), or None.
     """
     calls = [] if fused else [seed_call(ops, bufs, reset_ring=first_round)]
     if sampling:
-        return calls + sampling_round_calls(ops, bufs, table, target, draft, k=k, fields=fields)
+        return calls + sampling_round_calls(ops, bufs, table, target, draft, k=k, fields=fields, caps=caps)
     calls += [Call(f"draft_step[{j}]", functools.partial(draft.draft_step, bufs, j)) for j in range(k)]
+    if caps is not None:
+        calls.append(caps.call(ops, bufs))
     if assemble:
         calls.append(assemble_call(ops, bufs))
     calls.append(Call("verify", functools.partial(target.verify, bufs)))
@@ -47,13 +50,17 @@ def round_calls(ops, bufs: StreamBufs, table, target, draft, *, k: int, fused: b
     return calls + separate_tail_calls(ops, bufs, table)
 
 
-def sampling_round_calls(ops, bufs: StreamBufs, table, target, draft, *, k: int, fields=None) -> list[Call]:
+def sampling_round_calls(ops, bufs: StreamBufs, table, target, draft, *, k: int, fields=None,
+                         caps=None) -> list[Call]:
     """A sampling round after its seed (the program is in :mod:`graphburst.sampling.mode`; with
-    ``fields``, :mod:`graphburst.sampling.fields`)."""
+    ``fields``, :mod:`graphburst.sampling.fields`). The caps' launch comes before
+    ``draft_append_last``: a capped chain counts as broken, and its last draft is never committed."""
     calls = []
     for j in range(k):
         calls.append(Call(f"draft_step[{j}]", functools.partial(draft.draft_step, bufs, j)))
         calls += [Call(name, fn) for name, fn in draft_sample_calls(ops, bufs, j)]
+    if caps is not None:
+        calls.append(caps.call(ops, bufs))
     calls.append(Call("draft_append_last", functools.partial(draft.draft_append_last, bufs)))
     calls += [assemble_call(ops, bufs), Call("verify", functools.partial(target.verify, bufs))]
     calls += [Call(name, fn) for name, fn in verify_sample_calls(ops, bufs, fields)]

@@ -284,6 +284,33 @@ extern "C" __global__ void spec_admit_slots(int n, int batch, const int* __restr
     for (int c = 0; c < n_cols; ++c) reinterpret_cast<int*>(cols[c])[b] = table[(3 + c) * n + i];
 }
 
+// The per-slot draft cap, after a round's draft chain: a slot whose request asked for fewer
+// drafts than the chain proposed (cap_b = clamp(k_cap[b], 0, k)), or every slot while more
+// than max_batch slots are active (budget > 0; speculation off), gets brk[b] = [cap_b, 1]
+// when brk[b, 0] > cap_b, as if its chain broke there. Every accept reads n_valid =
+// clamp(brk[b, 0], 0, k), so the round commits at most cap_b + 1 tokens, greedy or sampled.
+// Threads: one block of GB_CAP_THREADS striding over the B slots (the active count is the
+// whole batch's, so one block sees it all).
+extern "C" __global__ void spec_cap_drafts(int batch, int k, int max_batch, const int* __restrict__ budget,  // [B]
+                                           const int* __restrict__ k_cap,  // [B]
+                                           int* __restrict__ brk) {        // [B, 2]
+    __shared__ int s_active;
+    if (threadIdx.x == 0) s_active = 0;
+    __syncthreads();
+    int mine = 0;
+    for (int b = threadIdx.x; b < batch; b += blockDim.x) mine += budget[b] > 0;
+    if (mine) atomicAdd(&s_active, mine);
+    __syncthreads();
+    bool off = s_active > max_batch;
+    for (int b = threadIdx.x; b < batch; b += blockDim.x) {
+        int cap = off ? 0 : min(max(k_cap[b], 0), k);
+        if (brk[2 * b] > cap) {
+            brk[2 * b] = cap;
+            brk[2 * b + 1] = 1;
+        }
+    }
+}
+
 // Benchmark support: the floor graph is a chain of these.
 // Threads: one block of one thread that does nothing.
 extern "C" __global__ void gb_empty_node() {}

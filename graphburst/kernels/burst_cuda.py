@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 
-from ..constants import THREADS_PER_BLOCK
+from ..constants import CAP_THREADS, THREADS_PER_BLOCK
 from .launch import _blocks, _i32, _launch, _layer_threads, _or_null
 
 
@@ -58,6 +58,14 @@ def epilogue(tgt_pred, eos, vtok, brk, n_acc, last_pred, budget, ring, pend, acc
     args = (_i32(k1 - 1), _i32(ring.shape[1] - 1), tgt_pred, eos, vtok, brk, n_acc, last_pred, budget, ring,
             _i32(ring.shape[1]), pend, acc, n_commit, pos_start, pos_ctr, table.ptrs, _i32(len(table)))
     _launch("spec_epilogue", grid, block, args, stream)
+
+
+def cap_drafts(budget, k_cap, brk, *, k, max_batch, stream):
+    """The per-slot draft cap (see ``burst_ref.cap_drafts``). budget, k_cap: [B] int32; brk: [B, 2] int32.
+    grid (1,), block (CAP_THREADS,)."""
+    grid, block = (1,), (CAP_THREADS,)
+    args = (_i32(brk.shape[0]), _i32(k), _i32(max_batch), budget, k_cap, brk)
+    _launch("spec_cap_drafts", grid, block, args, stream)
 
 
 def admit_slots(table, budget, eos, acc, columns=None, *, stream):

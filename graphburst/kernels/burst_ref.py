@@ -166,6 +166,29 @@ def epilogue(tgt_pred, eos, vtok, brk, n_acc, last_pred, budget, ring, pend, acc
     seed_gather(pend, pos_ctr, vtok, pos_start, brk, ring, reset_ring=False)
 
 
+def cap_drafts(budget, k_cap, brk, *, k, max_batch, stream=None):
+    """The per-slot draft cap, after a round's draft chain: ``brk[b] = [cap_b, 1]`` where
+    ``brk[b, 0] > cap_b``, as if the chain broke there.
+
+    Parameters
+    ----------
+    budget : [B] int32
+        Tokens still allowed; a slot with budget > 0 is active.
+    k_cap : [B] int32
+        Drafts each slot's request asked for; ``cap_b = clamp(k_cap[b], 0, k)``.
+    brk : [B, 2] int32
+        The chain's break, lowered in place.
+    k, max_batch : int
+        Drafts per round; while more than ``max_batch`` slots are active every ``cap_b`` is 0
+        (``NO_BATCH_LIMIT``: never).
+    """
+    off = int(np.count_nonzero(budget > 0)) > max_batch
+    cap = np.zeros_like(k_cap) if off else np.clip(k_cap, 0, k)
+    over = brk[:, 0] > cap
+    brk[over, 0] = cap[over]
+    brk[over, 1] = 1
+
+
 def admit_slots(table, budget, eos, acc, columns=None, *, stream=None):
     """Admission: each named slot gets its budget and stop token, zeroed accept counters
     and its per-slot model options.

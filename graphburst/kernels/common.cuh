@@ -20,6 +20,7 @@ typedef unsigned long long u64;
 #define GB_PLACEHOLDER_TOKEN (-1)
 #define GB_UNBOUNDED_BUDGET 0x7fffffff
 #define GB_NO_PREFILL (-1)
+#define GB_CAP_THREADS 256
 #define GB_DIGEST_INIT 0x2545f491u
 #define GB_DIGEST_CORRUPT 0xdeadbeefu
 #define GB_ALL_ONES 0xffffffffu

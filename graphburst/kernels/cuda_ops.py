@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from .burst_cuda import (
     admit_slots,
+    cap_drafts,
     seed_gather,
     assemble_verify,
     accept_greedy,
@@ -49,6 +50,7 @@ __all__ = [
     "fields_prompt",
     "fields_reset",
     "admit_slots",
+    "cap_drafts",
     "KERNEL_NAMES",
     "accept_greedy",
     "accept_pick",

@@ -25,6 +25,7 @@ KERNEL_NAMES = (
     "spec_epilogue",
     "gb_empty_node",
     "spec_admit_slots",
+    "spec_cap_drafts",
     "stub_prefill",
     "stub_draft_step",
     "stub_verify",

@@ -7,7 +7,8 @@ output arrays in place, and ``stream`` is accepted and ignored.
 
 from __future__ import annotations
 
-from .burst_ref import admit_slots, seed_gather, assemble_verify, accept_greedy, ring_commit, rollback_stream, epilogue
+from .burst_ref import (accept_greedy, admit_slots, assemble_verify, cap_drafts, epilogue, ring_commit, rollback_stream,
+                        seed_gather)
 from .fields_ref import apply_fields, fields_commit, fields_first, fields_prompt, fields_reset
 from .round_exit_ref import round_exit
 from .ngram_ref import ngram_append, ngram_onehot_logits, ngram_prefill, ngram_search
@@ -22,6 +23,7 @@ __all__ = [
     "fields_prompt",
     "fields_reset",
     "admit_slots",
+    "cap_drafts",
     "accept_greedy",
     "accept_sample",
     "assemble_verify",

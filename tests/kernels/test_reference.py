@@ -26,6 +26,7 @@ CU = kernel_source()  # kernels.cu with its sections inlined
         ("GB_PLACEHOLDER_TOKEN", constants.PLACEHOLDER_TOKEN),
         ("GB_UNBOUNDED_BUDGET", constants.UNBOUNDED_BUDGET),
         ("GB_NO_PREFILL", constants.NO_PREFILL),
+        ("GB_CAP_THREADS", constants.CAP_THREADS),
         ("GB_DIGEST_INIT", digest.DIGEST_INIT),
         ("GB_DIGEST_CORRUPT", digest.DIGEST_CORRUPT),
         # the sampling kernels' launch shapes, draw indices and scratch layout

@@ -16,7 +16,8 @@ import numpy as np
 from ...buffers import PtrTable
 from ...protocol import hook
 
-ROLES = ("target", "draft")
+#: who declares option columns: the two models, then the decoder's draft caps (``engine/draft_caps.py``)
+ROLES = ("target", "draft", "speculation")
 _INT32 = (-(2**31), 2**31 - 1)
 
 
@@ -65,10 +66,10 @@ class OptionColumns:
     """
 
     def __init__(self, models: dict, batch: int, backend, stream):
-        self._models = {role: models[role] for role in ROLES}
+        self._models = {role: models[role] for role in ROLES if models.get(role) is not None}
         # the decoder's stream: a rebuilt pointer table is copied in order with the launches that read it
         self._batch, self._backend, self._stream = batch, backend, stream
-        self.roles = tuple(role for role in ROLES if tuple(hook(models[role], "option_columns")()))
+        self.roles = tuple(role for role in self._models if tuple(hook(self._models[role], "option_columns")()))
         self.count = None
         self._build()
         for role in self.roles:
@@ -80,8 +81,9 @@ class OptionColumns:
 
     @classmethod
     def of(cls, models: dict, batch: int, backend, stream) -> OptionColumns | None:
-        """The models' columns (their pointer table built on ``stream``), or None when neither
-        model declares any."""
+        """The columns of ``models`` (role -> model, or the decoder's DraftCaps for
+        ``"speculation"``; a role may be absent or None), their pointer table built on ``stream``;
+        None when none declares any."""
         cols = cls(models, batch, backend, stream)
         return cols if cols.count else None
 

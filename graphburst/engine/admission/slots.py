@@ -142,7 +142,7 @@ class Admission:
     """
 
     def __init__(self, *, target, draft, bufs, stream, backend, staging: StagingBlock, option_columns, graphs,
-                 ledger, sampling: bool, fields=None):
+                 ledger, sampling: bool, fields=None, caps=None):
         self.target, self.draft, self.bufs = target, draft, bufs
         self.stream, self.backend = stream, backend
         self.staging, self.option_columns, self.graphs, self.ledger = staging, option_columns, graphs, ledger
@@ -150,6 +150,7 @@ class Admission:
         self.batch, self.capacity = staging.batch, staging.capacity  # the staging is sized by the decoder's
         self.host_sampling = SlotSampling(self.batch) if self.sampling else None
         self.fields = fields  # SlotFields (sampling/fields.py) or None: the logits processing fields
+        self.caps = caps  # DraftCaps (engine/draft_caps.py) or None: the per-request k option
         self._option_appliers = self._models_applying_options()  # the models that apply their own options
 
     # ------------------------------------------------------------------ validated entry point
@@ -431,7 +432,10 @@ class Admission:
         Returns an opaque value for :meth:`set_slot_options`; raises ValueError/TypeError
         naming a key no model accepts or a model's own complaint.
         """
-        return split_options({"target": self.target, "draft": self.draft}, options)
+        models = {"target": self.target, "draft": self.draft}
+        if self.caps is not None:
+            models["speculation"] = self.caps
+        return split_options(models, options)
 
     def set_slot_options(self, settings: dict) -> None:
         """Apply validated options (at admission, before :meth:`prefill`), stream-ordered.
