@@ -106,6 +106,11 @@ def add_parser(sub) -> None:
                         "its prefill instead of the bursts in flight (on: refuse to start where WHILE graphs cannot "
                         "be built; auto: a ladder there; ladder: fixed-length graphs of 1, 2, 4 ... M rounds, each "
                         "burst as long as the queue wants)")
+    p.add_argument("--spec-max-batch", type=int_in(0, 65536), default=None, metavar="N",
+                   help="switch speculation off (one token a round, no draft accepted) for the rounds in which more "
+                        "than N requests are decoding, inside the same graph; requests may also ask for fewer drafts "
+                        "(num_speculative_tokens over HTTP, a JSONL line's k). The graph still runs every draft "
+                        "step and verifies k + 1 positions: this bounds what a round commits, not what it costs")
     p.add_argument("--live", action="store_true", help="show the live view even when stderr is not a terminal")
     # --- HTTP mode (graphburst/serving/http.py) ---
     h = p.add_argument_group("HTTP server (--http)")

@@ -39,7 +39,8 @@ class DraftCaps:
     Parameters
     ----------
     batch, k : int
-        The decoder's slots and drafts per round (k >= 1).
+        The decoder's slots and drafts per round (k = 0, plain decoding: the option may only
+        be 0, and there is no column and no launch).
     backend
         Allocates the cap column (on the current stream: build it under the decoder's).
     spec_max_batch : int or None
@@ -58,7 +59,7 @@ class DraftCaps:
 
     def __init__(self, batch: int, k: int, backend, *, spec_max_batch: int | None = None):
         self.batch = check_int("batch", batch)
-        self.k = check_int("k", k)
+        self.k = check_int("k", k, minimum=0)
         self.max_batch = NO_BATCH_LIMIT if spec_max_batch is None else \
             check_int("spec_max_batch", spec_max_batch, minimum=0, maximum=NO_BATCH_LIMIT - 1)
         self.k_cap = backend.zeros((self.batch,), np.int32)  # [B] int32: drafts a slot's rounds may accept
@@ -71,7 +72,8 @@ class DraftCaps:
     # ------------------------------------------------------------------ the option hooks
 
     def slot_options(self, options: dict) -> tuple:
-        """``(cap,)`` for one request's ``{"k": n}`` (``n`` in ``[0, k]``), ``(k,)`` without it."""
+        """``(cap,)`` for one request's ``{"k": n}`` (``n`` in ``[0, k]``), ``(k,)`` without it; ``()``
+        when k = 0 (nothing to cap)."""
         unknown = set(options) - self.option_keys
         if unknown:
             raise ValueError(f"unknown speculation option {sorted(unknown)[0]!r}")
@@ -81,10 +83,10 @@ class DraftCaps:
         if not 0 <= value <= self.k:
             raise ValueError(f"option {K_OPTION!r} (drafts a round) must be in [0, {self.k}] (the decoder's k), "
                              f"got {value}")
-        return (int(value),)
+        return (int(value),) if self.k else ()
 
     def option_columns(self) -> tuple:
-        return (self.k_cap,)
+        return (self.k_cap,) if self.k else ()
 
     def watched(self) -> tuple:
         return ()

@@ -175,11 +175,11 @@ def _max_tokens(body: dict, room: int) -> int:
 
 
 def parse_chat(body, *, model: str, vocab: int, capacity: int, chat: ChatTokenizer | None, max_choices: int,
-               sampling: bool = False, fields: bool = False) -> ChatRequest:
+               sampling: bool = False, fields: bool = False, k: int | None = None) -> ChatRequest:
     """Validate a ``/v1/chat/completions`` body and render its prompt; raise :class:`api.APIError`.
 
     ``chat`` is None when the server has no tokenizer (token-id mode): chat needs text, a 400.
-    ``sampling`` and ``fields`` as for :func:`api.parse_completion`; the model's end-of-turn ids
+    ``sampling``, ``fields`` and ``k`` as for :func:`api.parse_completion`; the model's end-of-turn ids
     stop a reply after the request's ``stop_token_ids``, unless ``ignore_eos``
     (:func:`api.stops_in_force`).
     """
@@ -220,7 +220,8 @@ def parse_chat(body, *, model: str, vocab: int, capacity: int, chat: ChatTokeniz
     return ChatRequest([prompt] * int(n), max_tokens, stops, stream, api.check_sampling_fields(body, sampling),
                        include_usage=include_usage, continuous_usage=continuous,
                        skip_special_tokens=api.check_flag(body, "skip_special_tokens", True), device=device,
-                       n=int(n), role=role, echo_text=messages[-1]["content"] if echo else "")
+                       n=int(n), role=role, echo_text=messages[-1]["content"] if echo else "",
+                       options=api.check_speculation(body, k))
 
 
 # ---------------------------------------------------------------------- responses

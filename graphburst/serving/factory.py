@@ -68,7 +68,8 @@ class ConfigError(ValueError):
 # field -> (minimum, maximum) of the numbers a ServeConfig takes (the flags' ranges)
 INT_RANGES = {"batch": (1, 65536), "k": (0, MAX_K), "rounds": (1, 1024), "capacity": (1, 2**31 - 1),
               "vocab": (2, 2**31 - 1), "layers": (1, 4096), "max_queue": (1, 1_000_000), "tp": (1, 64),
-              "prefill_chunk": (1, 2**31 - 1), "pipeline_depth": (2, MAX_DEPTH), "prefill_warmup": (0, 65536)}
+              "prefill_chunk": (1, 2**31 - 1), "pipeline_depth": (2, MAX_DEPTH), "prefill_warmup": (0, 65536),
+              "spec_max_batch": (0, 65536)}
 REAL_RANGES = {"accept": (0.0, 1.0), "cost_us": (0.0, 1e6), "p_min": (0.0, 1.0), "drain_timeout": (0.0, 3600.0),
                "header_timeout": (0.1, 3600.0), "body_timeout": (0.1, 3600.0),
                "write_timeout": (0.1, 86400.0), "dist_timeout": (1.0, 3600.0)}
@@ -110,6 +111,7 @@ class ServeConfig:
     prefill_warmup: int | None = None  # rows warmed before serving (None: DEFAULT_PREFILL_WARMUP; 0: off)
     admission: str = "auto"  # pipelined: admit before ("early") or after ("late") refilling; ServeLoop's admission
     device_exit: str = "off"  # graph engine: bursts end on the device ("on", "auto", "ladder": ServeLoop's device_exit)
+    spec_max_batch: int | None = None  # speculation off while more slots than this are active (None: never)
     # stub models (the default)
     vocab: int | None = None
     layers: int | None = None
@@ -332,6 +334,9 @@ class ServeConfig:
                                    f"{NGRAM_DRAFT!r}), or leave k unset to decode {self.model!r} plainly (k 0)")
         if self.k > 0:
             return
+        if self.spec_max_batch is not None:
+            raise ConfigError("spec_max_batch", f"switches speculation off above a batch size, and k 0 decodes "
+                                                f"plainly; got {self.spec_max_batch}")
         if self.lookup:
             raise ConfigError("k", f"0 decodes plainly, and draft={NGRAM_DRAFT!r} proposes drafts: give k >= 1, or "
                                    f"leave the draft out")
@@ -595,4 +600,4 @@ def build_loop(config: ServeConfig, backend=None, *, log=None) -> ServeLoop:
     return ServeLoop(target, draft, k=config.k, m_rounds=config.rounds, engine=config.engine,
                      pipelined=config.pipelined, depth=config.pipeline_depth, sampling=config.sampling,
                      prefill_chunk=config.prefill_chunk, admission=config.admission, fields=config.logits_fields,
-                     device_exit=DEVICE_EXIT_FLAGS[config.device_exit])
+                     device_exit=DEVICE_EXIT_FLAGS[config.device_exit], spec_max_batch=config.spec_max_batch)

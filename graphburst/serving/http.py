@@ -121,7 +121,7 @@ class Server:
     def __init__(self, engine: EngineThread, metrics: Metrics, *, model: str, vocab: int, capacity: int,
                  max_queue: int, tokenizer=None, chat: chat_api.ChatTokenizer | None = None, sampling: bool = False,
                  fields: bool = False, body_timeout: float = BODY_TIMEOUT_S, write_timeout: float = WRITE_TIMEOUT_S,
-                 net: network.NetworkOptions | None = None):
+                 net: network.NetworkOptions | None = None, k: int | None = None):
         self.engine, self.metrics = engine, metrics
         self.net = net or network.NetworkOptions()  # API keys, access log, CORS (serving/network.py)
         self.write_timeout = write_timeout
@@ -129,6 +129,7 @@ class Server:
         self.body_timeout = body_timeout
         self.sampling = sampling
         self.fields = fields  # the loop applies the logits processing fields (--sampling --fields)
+        self.k = k  # the loop's drafts per round, which num_speculative_tokens may lower; None: refused
         self.model, self.vocab, self.capacity = model, vocab, capacity
         self.max_queue, self.tokenizer = max_queue, tokenizer
         self.created = api.now()
@@ -236,12 +237,12 @@ class Server:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, lambda body: api.parse_completion(
             body, model=self.model, vocab=self.vocab, capacity=self.capacity, tokenizer=self.tokenizer,
-            max_prompts=self.max_queue, sampling=self.sampling, fields=self.fields), api.CompletionReply)
+            max_prompts=self.max_queue, sampling=self.sampling, fields=self.fields, k=self.k), api.CompletionReply)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, lambda body: chat_api.parse_chat(
             body, model=self.model, vocab=self.vocab, capacity=self.capacity, chat=self.chat,
-            max_choices=self.max_queue, sampling=self.sampling, fields=self.fields), chat_api.ChatReply)
+            max_choices=self.max_queue, sampling=self.sampling, fields=self.fields, k=self.k), chat_api.ChatReply)
 
     async def _generate(self, request: web.Request, parse, reply_type) -> web.StreamResponse:
         """One generation request of either route: ``parse(body)`` validates it into an
@@ -271,7 +272,7 @@ class Server:
         # the loop's ids are unique in flight; a client's request id need not be
         uid = f"{reply_type.prefix}-{uuid.uuid4().hex}"
         tickets = [Ticket(Request(prompt=p, max_new_tokens=comp.max_tokens, eos=stops[0] if stops else None,
-                                  id=f"{uid}-{i}", **comp.choice_sampling(i)), i,
+                                  id=f"{uid}-{i}", options=comp.options, **comp.choice_sampling(i)), i,
                           lambda t, u: self._on_update(t, u, queue, log), frozenset(stops[1:]), arrived=arrived)
                    for i, p in enumerate(comp.prompts)]
         if self.draining:  # SIGTERM arrived while the body was being read: refuse, never cut it off
@@ -370,7 +371,7 @@ async def _serve(args, loop: ServeLoop, host: str, port: int, tokenizer, chat,
     metrics = Metrics(engine)
     server = Server(engine, metrics, model=model_name(args), vocab=loop.vocab, capacity=loop.dec.capacity,
                     max_queue=args.max_queue, tokenizer=tokenizer, chat=chat, sampling=loop.sampling,
-                    fields=loop.fields,
+                    fields=loop.fields, k=loop.dec.k if loop.dec.caps is not None else None,
                     body_timeout=args.body_timeout, write_timeout=args.write_timeout, net=net)
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -198,7 +198,8 @@ class ServeLoop:
 
     def __init__(self, target, draft, *, k: int, m_rounds: int, engine: str = "graph", pipelined: bool = True,
                  depth: int = 2, sampling: bool = False, prefill_chunk: int | None = None, admission: str = "auto",
-                 policy: LoopPolicy | None = None, fields: bool = False, device_exit: bool | str = False):
+                 policy: LoopPolicy | None = None, fields: bool = False, device_exit: bool | str = False,
+                 spec_max_batch: int | None = None):
         self.policy = policy = check_policy(policy)
         engine = BurstMode.parse(engine, SERVE_MODES, name="engine")
         depth = check_int("depth", depth, minimum=2, maximum=MAX_DEPTH)
@@ -208,7 +209,10 @@ class ServeLoop:
         self.sampling = bool(sampling)
         self.prefill_chunk = check_prefill_chunk(prefill_chunk, target, draft)
         self.fields = bool(fields)
+        # Requests may ask for fewer drafts (the option "k"), and spec_max_batch switches speculation
+        # off above a batch size: one small launch a round (engine/draft_caps.py)
         self.dec = dec = policy.make_decoder(target, draft, k=k, m_rounds=m_rounds, sampling=self.sampling,
+                                             draft_caps=True, spec_max_batch=spec_max_batch,
                                              **({"fields": True} if self.fields else {}))
         self.engine = engine
         make_graph = functools.partial(policy.make_graph, dec)

@@ -64,6 +64,7 @@ class Completion:
     skip_special_tokens: bool = False  # special tokens left out of the text
     device: dict = dataclasses.field(default_factory=dict)  # Request's logits processing fields (non-neutral ones)
     n: int = 1  # choices per prompt: prompts holds each prompt n times in a row (choice index = prompt * n + i)
+    options: dict | None = None  # the Request's model options: {"k": n} from num_speculative_tokens, or None
 
     @property
     def prompt_tokens(self) -> int:
@@ -111,6 +112,8 @@ _APPLIED, _IGNORED = Field(APPLIED), Field(IGNORED)
 DEVICE_FIELDS = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": {}, "repetition_penalty": 1.0,
                  "min_p": 0.0, "min_tokens": 0, "ignore_eos": False}
 DEVICE_FIELD_STATUS = APPLIED
+#: drafts a round for one request, 0 (plain decoding) to the server's k (named as vLLM names k)
+SPECULATION_FIELD = "num_speculative_tokens"
 FIELDS_FLAGS = "--sampling --fields"
 
 _NO_LOGPROBS = "the server returns no log probabilities"
@@ -122,7 +125,7 @@ _TEXT_ONLY = "the server generates text only"
 _SHARED = {
     "model": _APPLIED, "stream": _APPLIED, "stream_options": _APPLIED, "temperature": _APPLIED, "top_p": _APPLIED,
     "top_k": _APPLIED, "seed": _APPLIED, "stop_token_ids": _APPLIED, "echo": _APPLIED,
-    "skip_special_tokens": _APPLIED,
+    "skip_special_tokens": _APPLIED, SPECULATION_FIELD: _APPLIED,
     **{name: Field(DEVICE_FIELD_STATUS, needs=FIELDS_FLAGS) for name in DEVICE_FIELDS},
     "stop": _refused("", [], why="stop strings are not matched; send stop_token_ids"),
     "response_format": _refused({"type": "text"}, why=_NO_GUIDE),
@@ -358,7 +361,8 @@ def _prompts(value, vocab: int, tokenizer, *, max_prompts: int, capacity: int,
 
 
 def parse_completion(body, *, model: str, vocab: int, capacity: int, tokenizer=None,
-                     max_prompts: int, sampling: bool = False, fields: bool = False) -> Completion:
+                     max_prompts: int, sampling: bool = False, fields: bool = False, k: int | None = None
+                     ) -> Completion:
     """Validate a ``/v1/completions`` body; raise :class:`APIError` naming the field.
 
     Parameters
@@ -378,6 +382,9 @@ def parse_completion(body, *, model: str, vocab: int, capacity: int, tokenizer=N
     fields : bool
         The server applies the logits processing fields (``--sampling --fields``); otherwise
         :data:`DEVICE_FIELDS` other than neutral are refused.
+    k : int, optional
+        The server's drafts per round: ``num_speculative_tokens`` may ask for 0 to k
+        (:func:`check_speculation`); None: the field is refused.
     """
     if not isinstance(body, dict):
         raise APIError(f"the body must be a JSON object, got {type(body).__name__}", param="body")
@@ -418,7 +425,7 @@ def parse_completion(body, *, model: str, vocab: int, capacity: int, tokenizer=N
     return Completion([p for p in prompts for _ in range(n)], int(max_tokens), stops, stream,
                       check_sampling_fields(body, sampling), include_usage=include_usage, continuous_usage=continuous,
                       echo=None if echo is None else [e for e in echo for _ in range(n)], skip_special_tokens=skip,
-                      device=device, n=n)
+                      device=device, n=n, options=check_speculation(body, k))
 
 
 def check_model(body: dict, model: str) -> None:
@@ -437,6 +444,21 @@ def check_stop_ids(body: dict, vocab: int) -> list:
         if not is_int(t) or not 0 <= t < vocab:
             raise APIError(f"stop_token_ids[{i}] = {t!r} is not a token id in [0, {vocab})", param="stop_token_ids")
     return [int(t) for t in stops]
+
+
+def check_speculation(body: dict, k: int | None) -> dict | None:
+    """``num_speculative_tokens`` as the request's model options (``{"k": n}``), or None when not sent.
+    It is an int in ``[0, k]``: fewer drafts a round than the server's k, 0 for plain decoding."""
+    value = body.get(SPECULATION_FIELD)
+    if value is None:
+        return None
+    if k is None:
+        raise APIError(f"{SPECULATION_FIELD}={shown(value)}: this server takes no per-request draft count",
+                       param=SPECULATION_FIELD)
+    if not is_int(value) or not 0 <= value <= k:
+        raise APIError(f"{SPECULATION_FIELD} must be an int in [0, {k}] (the server's -k; 0 decodes plainly), "
+                       f"got {shown(value)}", param=SPECULATION_FIELD)
+    return {"k": int(value)}
 
 
 def check_stream(body: dict) -> bool:

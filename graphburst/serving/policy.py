@@ -46,7 +46,8 @@ class LoopPolicy(Protocol):
     local_timing: bool
 
     def make_decoder(self, target, draft, **kw) -> SpecDecoder:
-        """The loop's decoder; ``kw``: ``k``, ``m_rounds``, ``sampling``."""
+        """The loop's decoder; ``kw``: ``k``, ``m_rounds``, ``sampling``, ``draft_caps``, ``spec_max_batch``
+        (and ``fields``), :class:`SpecDecoder`'s."""
 
     def make_graph(self, dec: SpecDecoder, *, depth: int, **kw) -> BurstGraph:
         """The graph the loop replays, keeping ``depth`` bursts in flight (gapless past 1); ``kw``

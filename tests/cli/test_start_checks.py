@@ -101,3 +101,15 @@ def test_a_pipeline_depth_with_the_pipeline_off_is_refused(other):
 def test_the_pipeline_depth_defaults_to_two_and_is_kept_when_given():
     assert ServeConfig().pipeline_depth == 2 and ServeConfig(pipeline_depth=3).pipeline_depth == 3
     assert ServeConfig(pipelined=False).pipeline_depth == 2
+
+
+# ---------------------------------------------------------------------- speculation settings
+
+def test_spec_max_batch_with_plain_decoding_is_refused_naming_both():
+    line = one_line_error(serve("-k", "0", "--spec-max-batch", "2"), "--spec-max-batch")
+    assert "k 0 decodes plainly" in line and "got 2" in line, line
+    with pytest.raises(ConfigError, match="spec_max_batch.*got 2"):
+        ServeConfig(k=0, spec_max_batch=2)
+    with pytest.raises(ConfigError, match="spec_max_batch"):
+        ServeConfig(spec_max_batch=-1)
+    assert ServeConfig(spec_max_batch=0).spec_max_batch == 0

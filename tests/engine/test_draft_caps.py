@@ -92,6 +92,13 @@ def test_the_option_is_checked_and_names_the_value(backend):
         dec.slot_options({"k": 5})
     assert [c.name for c in dec.round_calls(first_round=False)].count("cap_drafts") == 1
     assert "cap_drafts" not in [c.name for c in plain.round_calls(first_round=False)]
+    # plain decoding (k = 0) takes k = 0 and nothing else, and runs no cap launch
+    t, _ = stub_pair(2, VOCAB, [True], [True], 64, backend=backend)
+    zero = SpecDecoder(t, None, k=0, m_rounds=M, draft_caps=True)
+    assert zero.slot_options({"k": 0})["speculation"] == () and zero.option_columns is None
+    with pytest.raises(ValueError, match=r"must be in \[0, 0\].*got 1"):
+        zero.slot_options({"k": 1})
+    assert "cap_drafts" not in [c.name for c in zero.round_calls(first_round=False)]
 
 
 # ---------------------------------------------------------------------------- decoders

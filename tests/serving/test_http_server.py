@@ -152,6 +152,25 @@ def test_openai_client_matches_greedy_reference(server):
     check_openai_client(server.url)
 
 
+def test_a_request_may_ask_for_fewer_drafts(server):
+    """num_speculative_tokens, 0 (plain decoding) to the server's -k: the same greedy tokens, and at 0 no
+    draft accepted in 24 rounds (the metrics' counters)."""
+    prompt = [17, 4000, 23, 5]
+    ref = greedy_reference(prompt, 24, VOCAB)
+    counted = {}
+    for k in (0, 2, 3):
+        before = metric_values(httpx.get(server.url + "/metrics", timeout=10).text)
+        r = httpx.post(server.url + "/v1/completions", timeout=30,
+                       json={"prompt": prompt, "max_tokens": 24, "num_speculative_tokens": k})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == ref, k
+        after = metric_values(httpx.get(server.url + "/metrics", timeout=10).text)
+        counted[k] = [after[(name, ())] - before.get((name, ()), 0)
+                      for name in ("graphburst_draft_accepted_total", "graphburst_spec_rounds_total")]
+    assert counted[0] == [0, 24], counted
+    assert counted[3][0] > counted[0][0] and counted[3][1] < 24, counted
+
+
 def test_the_serving_docs_client_example_runs(server, capsys):
     """docs/serving.md's Python example, as written, against a running server (only its address differs)."""
     doc = (ROOT / "docs" / "serving.md").read_text()
@@ -268,6 +287,9 @@ def test_overload_gets_429_with_retry_after():
     ({"prompt": [1], "max_tokens": 100000}, "max_tokens", "100000"),
     ({"prompt": [1], "stop_token_ids": [VOCAB]}, "stop_token_ids", str(VOCAB)),
     ({"prompt": [1], "stream": "yes"}, "stream", "yes"),
+    ({"prompt": [1], "num_speculative_tokens": 4}, "num_speculative_tokens", "[0, 3]"),  # the server runs -k 3
+    ({"prompt": [1], "num_speculative_tokens": -1}, "num_speculative_tokens", "-1"),
+    ({"prompt": [1], "num_speculative_tokens": 1.5}, "num_speculative_tokens", "1.5"),
     ("{not json", "body", "JSON"),
     ([1, 2, 3], "body", "object"),
 ])

@@ -193,6 +193,28 @@ def test_request_options_reach_the_models_and_unknown_keys_are_refused():
     assert (rec.seed, rec.temperature, rec.top_k, rec.top_p) == (4, 0.5, None, None)
 
 
+def test_a_request_may_ask_for_fewer_drafts_and_a_batch_limit_turns_speculation_off():
+    """The option "k" (0 to the loop's k) caps one request's drafts; the tokens stay greedy. With
+    spec_max_batch 1 two requests decoding together accept no draft until one of them ends."""
+    loop = make_loop("numpy", batch=3, accept=1.0)
+    prompt = [1, 2, 3]
+    full, one, plain = (loop.submit(Request(prompt, 30, options=o)) for o in (None, {"k": 1}, {"k": 0}))
+    loop.run_until_idle()
+    assert full.tokens == one.tokens == plain.tokens == expected(Request(prompt, 30))
+    assert full.accepted > one.accepted > 0 and plain.accepted == 0
+    assert plain.rounds == 30  # one token a round
+    with pytest.raises(ValueError, match=r"option 'k'.*\[0, 4\].*got 5"):
+        loop.submit(Request(prompt, 4, options={"k": 5}))
+    assert parse_line('{"prompt": [1], "max_new_tokens": 2, "k": 0}').options == {"k": 0}  # a JSONL line's "k"
+    target, draft = stub_pair(2, VOCAB, [True, False, True], [True], 256, accept_prob=1.0, backend="numpy")
+    loop = ServeLoop(target, draft, k=4, m_rounds=3, spec_max_batch=1)
+    short, long_ = loop.submit(Request(prompt, 6)), loop.submit(Request([4, 5], 60))
+    loop.run_until_idle()
+    assert short.tokens == expected(Request(prompt, 6)) and long_.tokens == expected(Request([4, 5], 60))
+    assert short.accepted == 0  # it decoded beside the other request only: speculation off
+    assert long_.accepted > 0  # alone after the short one ended: on again
+
+
 @pytest.mark.parametrize("pipelined", [True, False])
 def test_token_rows_while_running_and_after_cancel(rng, pipelined):
     """Tokens read mid-run are a growing prefix of the reference; a cancelled request never grows
