@@ -65,7 +65,8 @@ def build(config, ctx: Context, backend) -> LockstepLoop:
                                backend=backend, p_min=config.p_min or 0.0, draft_mode=config.draft_mode)
     del full_t, full_d
     return LockstepLoop(target, draft, ctx, PlanChannel(ctx), k=config.k, m_rounds=config.rounds,
-                        pipelined=config.pipelined, depth=config.pipeline_depth, sampling=config.sampling)
+                        pipelined=config.pipelined, depth=config.pipeline_depth, sampling=config.sampling,
+                        spec_max_batch=config.spec_max_batch)
 
 
 def _serve(config, loop: LockstepLoop, console) -> int:
