@@ -1,7 +1,9 @@
 """``graphburst bench capture``: the address guard's per-replay cost and the GPU's idle gap
 between bursts, with and without the gapless drain (B=1, k=4, M=8, zero-cost stubs); and the
 device-exit burst against the fixed-M one (every round runs, so the difference per round is the
-condition's cost), with the cost of a burst that a pending stop request ends before its first round.
+condition's cost), with the cost of a burst that a pending stop request ends before its first round;
+and the fixed-M burst with draft caps (per-request k and the batch-size switch: one more launch a
+round), whose difference per round is the cap kernel's cost.
 
 Each timed run first replays and checks a few bursts against the greedy reference; the
 timed tokens are checked again afterwards. The idle gap needs CUDA events, so on the
@@ -28,8 +30,8 @@ def _capacity(bursts: int) -> int:
     return 64 + bursts * CFG["m"] * (CFG["k"] + 1)
 
 
-def _decoder(backend, bursts):
-    return build_decoder(backend, CFG, _capacity(bursts), prompts=[PROMPT] * CFG["batch"])
+def _decoder(backend, bursts, draft_caps=False):
+    return build_decoder(backend, CFG, _capacity(bursts), prompts=[PROMPT] * CFG["batch"], draft_caps=draft_caps)
 
 
 def guard_cost_ns(graph, n=200_000) -> float:
@@ -40,17 +42,19 @@ def guard_cost_ns(graph, n=200_000) -> float:
     return (time.perf_counter_ns() - t0) / n
 
 
-def idle_gaps_us(backend, gapless: bool, bursts: int, device_exit: bool = False) -> tuple[float, float]:
+def idle_gaps_us(backend, gapless: bool, bursts: int, device_exit: bool = False,
+                 draft_caps: bool = False) -> tuple[float, float]:
     """Median GPU idle time between consecutive bursts, and median burst time (µs)."""
     xp = backend.xp
-    dec = _decoder(backend, bursts + CHECK_BURSTS + 5)
+    dec = _decoder(backend, bursts + CHECK_BURSTS + 5, draft_caps=draft_caps)
     g = BurstGraph(dec, gapless=gapless, device_exit=device_exit)
     out = []
     for _ in range(CHECK_BURSTS):  # checked, and warm, before anything is timed
         out += g.run()[0].tolist()
         if device_exit and g.last_rounds != CFG["m"]:
             raise AssertionError(f"a device-exit burst with budget left ran {g.last_rounds} of {CFG['m']} rounds")
-    check_greedy(f"capture gapless={gapless} device_exit={device_exit} (before timing)", [PROMPT], [out])
+    what = f"capture gapless={gapless} device_exit={device_exit} draft_caps={draft_caps}"
+    check_greedy(f"{what} (before timing)", [PROMPT], [out])
     events = [(xp.cuda.Event(), xp.cuda.Event()) for _ in range(bursts)]
     if gapless:
         g.replay(timing_events=events[0])
@@ -63,7 +67,7 @@ def idle_gaps_us(backend, gapless: bool, bursts: int, device_exit: bool = False)
             g.replay(timing_events=events[i])
             out += g.drain()[0].tolist()
     dec.stream.synchronize()
-    check_greedy(f"capture gapless={gapless} device_exit={device_exit} (timed bursts)", [PROMPT], [out])
+    check_greedy(f"{what} (timed bursts)", [PROMPT], [out])
     gaps = [xp.cuda.get_elapsed_time(events[i][1], events[i + 1][0]) * 1e3 for i in range(bursts - 1)]
     busy = [xp.cuda.get_elapsed_time(e0, e1) * 1e3 for e0, e1 in events]
     return statistics.median(gaps), statistics.median(busy)
@@ -109,6 +113,27 @@ def device_exit_rows(backend, bursts: int) -> dict:
     return rows
 
 
+def draft_caps_rows(backend, bursts: int) -> dict:
+    """The draft-caps rows: on numpy, the tokens of the checked bursts (all k drafts allowed, so the
+    same as without caps); on the GPU, the fixed-M burst's time with the cap launch in every round."""
+    plain = _decoder(backend, CHECK_BURSTS)
+    capped = _decoder(backend, CHECK_BURSTS, draft_caps=True)
+    if capped.caps is None:
+        raise AssertionError("a decoder built with draft_caps=True has no caps")
+    g_plain, g_capped = BurstGraph(plain), BurstGraph(capped)
+    out_plain, out_capped = [], []
+    for _ in range(CHECK_BURSTS):
+        out_plain += g_plain.run()[0].tolist()
+        out_capped += g_capped.run()[0].tolist()
+    check_greedy("capture draft_caps (before timing)", [PROMPT], [out_capped])
+    if out_capped != out_plain:  # a cap of k changes nothing: the same rounds commit the same tokens
+        raise AssertionError("bursts with draft caps at k committed other tokens than without")
+    rows = {"draft_caps_tokens": len(out_capped)}
+    if backend.is_gpu:
+        rows["burst_us_draft_caps"] = idle_gaps_us(backend, False, bursts, draft_caps=True)[1]
+    return rows
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser("capture", help="address-guard cost and the idle gap between bursts")
     p.add_argument("--backend", choices=("auto", "cupy", "numpy"), default="auto",
@@ -141,6 +166,9 @@ def run(args, console: Console, backend) -> int:
     rows.update(device_exit_rows(backend, args.bursts))
     if "burst_us_device_exit" in rows:  # every round runs in both: the difference is the condition's
         rows["device_exit_cost_per_round_us"] = (rows["burst_us_device_exit"] - rows["burst_us"]) / CFG["m"]
+    rows.update(draft_caps_rows(backend, args.bursts))
+    if "burst_us_draft_caps" in rows:
+        rows["draft_caps_cost_per_round_us"] = (rows["burst_us_draft_caps"] - rows["burst_us"]) / CFG["m"]
     table = new_table(f"capture measurements (B=1, k=4, M=8, zero-cost stubs; medians); {label(backend)}",
                       ["metric", "value"])
     for key, val in rows.items():

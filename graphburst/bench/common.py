@@ -38,15 +38,17 @@ def stub_models(backend, *, batch: int, layers=4, capacity: int, accept: float =
                      cost_ns=int(cost_us * 1000), backend=backend)
 
 
-def build_decoder(backend, cfg: dict, capacity: int, prompts=None) -> SpecDecoder:
+def build_decoder(backend, cfg: dict, capacity: int, prompts=None, **decoder_opts) -> SpecDecoder:
     """The one decoder factory: stub models per ``cfg`` (m, k, batch, layers, accept, cost_us), prefilled.
+
+    ``decoder_opts`` go to :class:`SpecDecoder` as they are (``draft_caps=True``, say).
 
     ``prompts`` defaults to :func:`random_prompts` for the batch, so every decoder of one
     config starts from the same state.
     """
     target, draft = stub_models(backend, batch=cfg["batch"], layers=cfg["layers"], capacity=capacity,
                                 accept=cfg["accept"], cost_us=cfg["cost_us"])
-    dec = SpecDecoder(target, draft, k=cfg["k"], m_rounds=cfg["m"])
+    dec = SpecDecoder(target, draft, k=cfg["k"], m_rounds=cfg["m"], **decoder_opts)
     dec.prefill(random_prompts(cfg["batch"]) if prompts is None else prompts)
     return dec
 

@@ -30,6 +30,9 @@ def test_bench_capture_on_numpy(tmp_path):
     assert res["meta"]["backend"] == "numpy" and "CPU REFERENCE" in res["meta"]["label"]
     assert res["results"]["guard_check_ns"] > 0
     assert res["results"]["device_exit_rounds"] == 8  # the stub prompt has budget left: all M rounds run
+    # five checked bursts of 8 rounds commit between 1 and k + 1 tokens a round, the same with draft caps
+    assert 5 * 8 <= res["results"]["draft_caps_tokens"] <= 5 * 8 * 5
+    assert "burst_us_draft_caps" not in res["results"]  # no CUDA events on numpy: absent, never made up
 
 
 def test_bench_serve_on_numpy(tmp_path):
