@@ -97,6 +97,9 @@ step ngram_text_b16_64 900 bench ngram --model smollm2-135m --parts e2e --e2e-ba
 # Plain decoding through the burst (no draft) beside the lookup, on the same model.
 step ngram_plain 600 bench ngram --model smollm2-135m --parts e2e --e2e-batches 1,16 -k 4 \
     --workloads edit_code,open_questions --json "$OUT/ngram_plain.json"
+# The folded decode layer end to end (plain decoding and the lookup at B = 1), beside ngram_plain's auto.
+step ngram_folded 600 bench ngram --model smollm2-135m --parts e2e --e2e-batches 1 -k 4 \
+    --workloads edit_code,open_questions --decode-kernels folded --json "$OUT/ngram_folded.json"
 
 if [ "$DRY_RUN" = 1 ]; then
     exit 0

@@ -19,7 +19,8 @@ STEPS = [("latency_quick", "latency"), ("capture", "capture"), ("serve", "serve"
          ("serve_1b_http", "serve"),
          *[(f"serve_exit_{load}_{dx}", "serve") for dx in ("on", "ladder", "off") for load in ("1b_r16", "1b_r128", "8b_r4")],
          ("real", "real"), ("real_summary", "real"), ("real_profile", "real"), ("forward_kernels", "real"),
-         ("ngram", "ngram"), ("ngram_text_b1", "ngram"), ("ngram_text_b16_64", "ngram"), ("ngram_plain", "ngram")]
+         ("ngram", "ngram"), ("ngram_text_b1", "ngram"), ("ngram_text_b16_64", "ngram"), ("ngram_plain", "ngram"),
+         ("ngram_folded", "ngram")]
 
 
 def run_script(out, *args, **env):
