@@ -34,6 +34,14 @@ def _decoder(backend, bursts, draft_caps=False):
     return build_decoder(backend, CFG, _capacity(bursts), prompts=[PROMPT] * CFG["batch"], draft_caps=draft_caps)
 
 
+def _checked_burst_tokens(graph) -> list[int]:
+    """The tokens of the first ``CHECK_BURSTS`` bursts of ``graph`` (B = 1), for the checks before timing."""
+    out = []
+    for _ in range(CHECK_BURSTS):
+        out += graph.run()[0].tolist()
+    return out
+
+
 def guard_cost_ns(graph, n=200_000) -> float:
     check = graph.guard.check
     t0 = time.perf_counter_ns()
@@ -100,10 +108,7 @@ def device_exit_rows(backend, bursts: int) -> dict:
     if refusal is not None:
         return {"device_exit_refused": refusal}
     g = BurstGraph(dec, device_exit=True)
-    out = []
-    for _ in range(CHECK_BURSTS):
-        out += g.run()[0].tolist()
-    check_greedy("capture device_exit (before timing)", [PROMPT], [out])
+    check_greedy("capture device_exit (before timing)", [PROMPT], [_checked_burst_tokens(g)])
     rows = {"device_exit_rounds": g.last_rounds}
     if backend.is_gpu:
         gap, busy = idle_gaps_us(backend, False, bursts, device_exit=True)
@@ -113,20 +118,16 @@ def device_exit_rows(backend, bursts: int) -> dict:
     return rows
 
 
-def draft_caps_rows(backend, bursts: int) -> dict:
-    """The draft-caps rows: on numpy, the tokens of the checked bursts (all k drafts allowed, so the
-    same as without caps); on the GPU, the fixed-M burst's time with the cap launch in every round."""
-    plain = _decoder(backend, CHECK_BURSTS)
+def draft_caps_rows(backend, bursts: int, plain_tokens: list[int]) -> dict:
+    """The draft-caps rows: on numpy, the tokens of the checked bursts (all k drafts allowed, so
+    ``plain_tokens``, those of the same bursts without caps); on the GPU, the fixed-M burst's time
+    with the cap launch in every round."""
     capped = _decoder(backend, CHECK_BURSTS, draft_caps=True)
     if capped.caps is None:
         raise AssertionError("a decoder built with draft_caps=True has no caps")
-    g_plain, g_capped = BurstGraph(plain), BurstGraph(capped)
-    out_plain, out_capped = [], []
-    for _ in range(CHECK_BURSTS):
-        out_plain += g_plain.run()[0].tolist()
-        out_capped += g_capped.run()[0].tolist()
+    out_capped = _checked_burst_tokens(BurstGraph(capped))
     check_greedy("capture draft_caps (before timing)", [PROMPT], [out_capped])
-    if out_capped != out_plain:  # a cap of k changes nothing: the same rounds commit the same tokens
+    if out_capped != plain_tokens:  # a cap of k changes nothing: the same rounds commit the same tokens
         raise AssertionError("bursts with draft caps at k committed other tokens than without")
     rows = {"draft_caps_tokens": len(out_capped)}
     if backend.is_gpu:
@@ -153,9 +154,7 @@ def check_args(args) -> None:
 def run(args, console: Console, backend) -> int:
     dec = _decoder(backend, CHECK_BURSTS)
     g = BurstGraph(dec)
-    out = []
-    for _ in range(CHECK_BURSTS):
-        out += g.run()[0].tolist()
+    out = _checked_burst_tokens(g)
     check_greedy("capture (before timing)", [PROMPT], [out])
     rows = {"guard_check_ns": guard_cost_ns(g)}
     if backend.is_gpu:
@@ -166,7 +165,7 @@ def run(args, console: Console, backend) -> int:
     rows.update(device_exit_rows(backend, args.bursts))
     if "burst_us_device_exit" in rows:  # every round runs in both: the difference is the condition's
         rows["device_exit_cost_per_round_us"] = (rows["burst_us_device_exit"] - rows["burst_us"]) / CFG["m"]
-    rows.update(draft_caps_rows(backend, args.bursts))
+    rows.update(draft_caps_rows(backend, args.bursts, out))
     if "burst_us_draft_caps" in rows:
         rows["draft_caps_cost_per_round_us"] = (rows["burst_us_draft_caps"] - rows["burst_us"]) / CFG["m"]
     table = new_table(f"capture measurements (B=1, k=4, M=8, zero-cost stubs; medians); {label(backend)}",
